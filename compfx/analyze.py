@@ -1,0 +1,192 @@
+"""Stage 2 of the pipeline: classify every captured op and check Tensor Core eligibility.
+
+:func:`analyze` captures the model and returns an :class:`Analysis`: one
+:class:`OpInfo` per op that carries a precision bit, in graph order. Data
+movement (view, permute, getitem, cat, ...) carries none: it follows its input.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from tabulate import tabulate
+from torch.utils import _pytree as pytree
+
+from .capture import capture, op_nodes
+from .errors import BadInputError
+from .opkey import KEY_META, OpKey
+from .oplists import classify
+from .tensor_cores import tc_eligible
+
+__all__ = ["OpInfo", "Analysis", "analyze", "default_low_dtype", "model_device"]
+
+Shape = tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """What the analysis knows about one operator."""
+
+    key: OpKey
+    category: str  # "whitelist" | "blacklist" | "other"
+    tc_eligible: bool
+    reason: str
+    input_shapes: tuple[Shape, ...]
+    output_shapes: tuple[Shape, ...]
+
+    @property
+    def kind(self) -> str:
+        return self.key.kind
+
+    @property
+    def adjustable_in_stage1(self) -> bool:
+        """CoMP Stage 1 tries this op at both precisions (blacklist, or whitelist without TC)."""
+        return self.category == "blacklist" or (self.category == "whitelist" and not self.tc_eligible)
+
+
+@dataclass(frozen=True, eq=False)
+class Analysis:
+    """Per-op analysis of one captured model (``ops`` in graph order)."""
+
+    ops: tuple[OpInfo, ...]
+    device: torch.device
+    low_dtype: torch.dtype
+    graph_module: fx.GraphModule = field(repr=False)
+    capture_method: str = "symbolic"
+
+    @property
+    def keys(self) -> tuple[OpKey, ...]:
+        return tuple(op.key for op in self.ops)
+
+    @property
+    def fingerprint(self) -> str:
+        """Hash of the op keys: equal for the same model structure, whatever the device."""
+        return hashlib.sha256("\n".join(map(str, self.keys)).encode()).hexdigest()[:16]
+
+    @property
+    def stage1_ops(self) -> tuple[OpInfo, ...]:
+        """CoMP's Stage1_OP_list: whitelisted and blacklisted ops."""
+        return tuple(op for op in self.ops if op.category in ("whitelist", "blacklist"))
+
+    @property
+    def stage1_adjustable(self) -> tuple[OpInfo, ...]:
+        """Stage-1 ops that Stage 1 tries at both precisions."""
+        return tuple(op for op in self.ops if op.adjustable_in_stage1)
+
+    @property
+    def other_ops(self) -> tuple[OpInfo, ...]:
+        return tuple(op for op in self.ops if op.category == "other")
+
+    def index(self, key: OpKey) -> int:
+        return self.keys.index(key)
+
+    def op(self, key: OpKey) -> OpInfo:
+        return self.ops[self.index(key)]
+
+    def table(self, precisions: Mapping[OpKey, str] | None = None, tablefmt: str = "simple") -> str:
+        """The analysis as a text table (plus a precision column when given a plan)."""
+        headers = ["#", "op key", "category", "TC", "reason", "input shapes"]
+        if precisions is not None:
+            headers.append("precision")
+        rows = []
+        for i, op in enumerate(self.ops):
+            row = [i, str(op.key), op.category, "yes" if op.tc_eligible else "no", op.reason,
+                   " ".join("x".join(map(str, s)) for s in op.input_shapes)]
+            if precisions is not None:
+                row.append(precisions.get(op.key, "-"))
+            rows.append(row)
+        return tabulate(rows, headers=headers, tablefmt=tablefmt)
+
+    def summary(self) -> str:
+        counts = {c: sum(op.category == c for op in self.ops) for c in ("whitelist", "blacklist", "other")}
+        tc = sum(op.tc_eligible for op in self.ops)
+        return (f"{len(self.ops)} ops on {self.device} (low dtype {str(self.low_dtype).replace('torch.', '')}): "
+                f"{counts['whitelist']} whitelist ({tc} tensor-core eligible), {counts['blacklist']} blacklist, "
+                f"{counts['other']} other; Stage 1 adjusts {len(self.stage1_adjustable)}.")
+
+
+def model_device(model: nn.Module) -> torch.device:
+    """Device of the model's parameters (CPU for a model without any)."""
+    for tensor in (*model.parameters(), *model.buffers()):
+        return tensor.device
+    return torch.device("cpu")
+
+
+def default_low_dtype(device: torch.device) -> torch.dtype:
+    """fp16 on CUDA (the paper's setting), bf16 elsewhere (what CPU autocast uses)."""
+    return torch.float16 if device.type == "cuda" else torch.bfloat16
+
+
+def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_capability(device)
+
+
+def _shapes(value) -> tuple[Shape, ...]:
+    return tuple(tuple(t.shape) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+
+
+def _input_values(node: fx.Node):
+    return pytree.tree_map(lambda a: a.meta.get("val") if isinstance(a, fx.Node) else None, (node.args, node.kwargs))
+
+
+def _conv_groups(node: fx.Node) -> int:
+    groups = node.kwargs.get("groups", node.args[6] if len(node.args) > 6 else 1)
+    return groups if isinstance(groups, int) else 1
+
+
+def describe_op(node: fx.Node, device: torch.device, low_dtype: torch.dtype,
+                overrides: Mapping[str, str] | None = None, capability=None) -> OpInfo:
+    """Build the :class:`OpInfo` of one keyed node."""
+    key: OpKey = node.meta[KEY_META]
+    category = classify(key.kind, device.type, overrides)
+    input_shapes = _shapes(_input_values(node))
+    eligible, reason = tc_eligible(key.kind, category, input_shapes, low_dtype, device, capability,
+                                   groups=_conv_groups(node) if key.kind.startswith("conv") else 1)
+    return OpInfo(key, category, eligible, reason, input_shapes, _shapes(node.meta.get("val")))
+
+
+def analyze_graph(gm: fx.GraphModule, device: torch.device, low_dtype: torch.dtype,
+                  overrides: Mapping[str, str] | None = None, capability: tuple[int, int] | None = None) -> Analysis:
+    """Analyse an already captured graph (used by :func:`analyze` and the compile backend)."""
+    capability = capability or _cuda_capability(device)
+    ops = tuple(describe_op(n, device, low_dtype, overrides, capability) for n in op_nodes(gm))
+    return Analysis(ops, device, low_dtype, gm, gm.meta.get("compfx_capture_method", "symbolic"))
+
+
+def analyze(
+    model: nn.Module,
+    example_inputs,
+    device: torch.device | str | None = None,
+    low_dtype: torch.dtype | None = None,
+    *,
+    overrides: Mapping[str, str] | None = None,
+    leaf_modules: Iterable[type | str] = (),
+    capability: tuple[int, int] | None = None,
+) -> Analysis:
+    """Capture ``model`` and classify each op (whitelist / blacklist / other, TC eligibility).
+
+    ``device`` defaults to the device of the model's parameters, ``low_dtype``
+    to fp16 on CUDA and bf16 on CPU. ``overrides`` maps op kinds to a category.
+    ``capability`` gives the CUDA compute capability when planning for a GPU
+    that this process cannot see (it is read from the device otherwise).
+
+    >>> import torch, compfx
+    >>> model = torch.nn.Sequential(torch.nn.Linear(16, 10), torch.nn.Softmax(-1))
+    >>> a = compfx.analyze(model, torch.randn(4, 16), device="cuda", capability=(8, 0))
+    >>> [(str(op.key), op.category, op.tc_eligible) for op in a.ops]
+    [('0:linear#0', 'whitelist', False), ('1:softmax#0', 'blacklist', False)]
+    """
+    device = torch.device(device) if device is not None else model_device(model)
+    if low_dtype is None:
+        low_dtype = default_low_dtype(device)
+    if low_dtype not in (torch.float16, torch.bfloat16):
+        raise BadInputError(f"low_dtype={low_dtype}; compfx expected torch.float16 or torch.bfloat16.")
+    gm = capture(model, example_inputs, leaf_modules=leaf_modules)
+    return analyze_graph(gm, device, low_dtype, overrides, capability)

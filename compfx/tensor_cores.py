@@ -1,0 +1,117 @@
+"""Can this op use Tensor Cores? Small pure functions, one per op family.
+
+Hardware facts behind the rules:
+
+* Tensor Cores exist on NVIDIA GPUs from Volta (compute capability 7.0) for
+  fp16 and from Ampere (8.0) for bf16. CPUs have none.
+* cuBLAS/cuDNN pick Tensor Core kernels for fp16/bf16 when the GEMM dims
+  M, N, K (or a convolution's input and output channels) are multiples of 8,
+  the 16-byte alignment of 8 half-precision elements (NVIDIA's "Deep Learning
+  Performance" guide; CoMP section 3.2 uses the same rule).
+
+Eligibility is "can we"; whether it pays off is measured by the search.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Sequence
+
+import torch
+
+__all__ = ["tc_eligible", "device_tensor_core_reason", "gemm_dims_reason", "conv_channels_reason", "TC_MULTIPLE"]
+
+#: Dimension multiple that fp16/bf16 Tensor Core kernels need.
+TC_MULTIPLE = 8
+
+GEMM_KINDS = frozenset("linear matmul mm bmm addmm baddbmm addbmm".split())
+CONV_KINDS = frozenset(
+    "conv1d conv2d conv3d conv_transpose1d conv_transpose2d conv_transpose3d convolution".split()
+)
+
+Shape = Sequence[int]
+
+
+def device_tensor_core_reason(device: torch.device, low_dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
+    """Why ``device`` cannot run ``low_dtype`` on Tensor Cores, or None if it can."""
+    if device.type != "cuda":
+        return f"{device.type} has no tensor cores"
+    if low_dtype not in (torch.float16, torch.bfloat16):
+        return f"{low_dtype} is not a tensor core dtype"
+    if capability is None:
+        return "cuda capability unknown"
+    needed = (8, 0) if low_dtype == torch.bfloat16 else (7, 0)
+    if tuple(capability) < needed:
+        return f"compute capability {capability[0]}.{capability[1]} < {needed[0]}.{needed[1]} for {low_dtype}"
+    return None
+
+
+def _multiple_reason(name: str, value: int) -> str | None:
+    return None if value % TC_MULTIPLE == 0 else f"{name}={value} is not a multiple of {TC_MULTIPLE}"
+
+
+def gemm_dims_reason(m: int, n: int, k: int, names: tuple[str, str, str] = ("M", "N", "K")) -> str | None:
+    """First GEMM dim that is not a multiple of 8, as a reason, or None."""
+    for name, value in zip(names, (m, n, k)):
+        reason = _multiple_reason(name, value)
+        if reason:
+            return reason
+    return None
+
+
+def conv_channels_reason(in_channels: int, out_channels: int) -> str | None:
+    """First conv channel count that is not a multiple of 8, as a reason, or None."""
+    return _multiple_reason("in_channels", in_channels) or _multiple_reason("out_channels", out_channels)
+
+
+def _gemm_mnk(kind: str, shapes: Sequence[Shape]) -> tuple[tuple[int, int, int], tuple[str, str, str]]:
+    if kind == "linear":  # input (..., K), weight (N, K)
+        x, w = shapes[0], shapes[1]
+        return (math.prod(x[:-1]), w[0], w[1]), ("batch*tokens", "out_features", "in_features")
+    if kind in ("addmm", "baddbmm", "addbmm"):
+        shapes = shapes[1:]  # first operand is the added bias
+    a, b = shapes[0], shapes[1]
+    a = a if len(a) > 1 else (1, *a)
+    b = b if len(b) > 1 else (*b, 1)
+    return (a[-2], b[-1], a[-1]), ("M", "N", "K")
+
+
+def _conv_channels(kind: str, shapes: Sequence[Shape], groups: int = 1) -> tuple[int, int]:
+    weight = shapes[1]
+    if kind.startswith("conv_transpose"):  # weight (in, out/groups, ...)
+        return weight[0], weight[1] * groups
+    return weight[1] * groups, weight[0]  # weight (out, in/groups, ...)
+
+
+def tc_eligible(
+    kind: str,
+    category: str,
+    input_shapes: Sequence[Shape],
+    low_dtype: torch.dtype,
+    device: torch.device,
+    capability: tuple[int, int] | None = None,
+    groups: int = 1,
+) -> tuple[bool, str]:
+    """``(eligible, reason)`` for one op.
+
+    >>> import torch
+    >>> tc_eligible("linear", "whitelist", [(32, 64), (100, 64)], torch.float16, torch.device("cuda"), (8, 0))
+    (False, 'out_features=100 is not a multiple of 8')
+    >>> tc_eligible("linear", "whitelist", [(32, 64), (128, 64)], torch.bfloat16, torch.device("cpu"))
+    (False, 'cpu has no tensor cores')
+    """
+    if category != "whitelist":
+        return False, f"{category} op"
+    if kind not in GEMM_KINDS and kind not in CONV_KINDS:
+        return False, f"{kind} is not a GEMM or convolution"
+    reason = device_tensor_core_reason(device, low_dtype, capability)
+    if reason:
+        return False, reason
+    if len(input_shapes) < 2 or any(s is None for s in input_shapes[:2]):
+        return False, "input shapes unknown"
+    if kind in GEMM_KINDS:
+        (m, n, k), names = _gemm_mnk(kind, input_shapes)
+        reason = gemm_dims_reason(m, n, k, names)
+    else:
+        reason = conv_channels_reason(*_conv_channels(kind, input_shapes, groups))
+    return (reason is None), (reason or "dims are multiples of 8")
