@@ -11,57 +11,85 @@ Two tracers, one result:
   cannot follow (Hugging Face models, for example). Its parameters are
   re-pointed at the model's own FQNs so both graphs look alike.
 
-Either way every node gets ``meta["val"]`` (a FakeTensor or Python value) and
-every numerical op gets ``meta[KEY_META]`` (an :class:`~compfx.opkey.OpKey`).
+Either way every node gets ``meta["val"]`` (a FakeTensor or Python value),
+tensor nodes get ``meta["tensor_meta"]`` (shape, dtype), and every numerical op
+gets ``meta[KEY_META]`` (an :class:`~compfx.opkey.OpKey`). Capture leaves the
+model as it found it: same mode, same parameters, same buffers.
+
+Graphs that ``torch.compile`` hands a backend are keyed the same way with
+:func:`key_dynamo_graph`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 import traceback
-from typing import Any, Callable, Iterable
+import warnings
+from typing import Any, Iterable
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensorMode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
 from .errors import BadInputError, CaptureError
-from .opkey import KEY_META, OpKey, assign_op_keys
+from .opkey import KEY_META, OpKey, assign_op_keys, normalize_kind
 
-__all__ = ["capture", "normalize_example_inputs", "ExampleInputs", "is_data_movement", "produces_float", "op_nodes"]
+__all__ = [
+    "capture",
+    "key_dynamo_graph",
+    "normalize_example_inputs",
+    "ExampleInputs",
+    "DATA_MOVEMENT_KINDS",
+    "is_data_movement",
+    "is_numerical_op",
+    "produces_float",
+    "op_nodes",
+]
 
 #: Positional args and keyword args for one forward call.
 ExampleInputs = tuple[tuple, dict]
 
-# Ops that only move or reinterpret data. They get no precision bit of their
-# own: their output dtype follows their input (CoMP's "pure data movement").
+# Ops that only move or reinterpret data (or build constants). They get no
+# precision bit of their own: their output dtype follows their input (CoMP's
+# "pure data movement"). Explicit casts (.float(), .to()) are the user's own.
 DATA_MOVEMENT_KINDS = frozenset(
     """view reshape permute transpose t contiguous flatten unflatten squeeze unsqueeze expand
-    expand_as repeat getitem cat concat concatenate stack split chunk unbind narrow select slice
-    index_select gather clone detach to type_as size dim getattr numel flip roll movedim
-    swapaxes split_with_sizes tensor_split masked_fill zeros_like ones_like empty_like
-    full_like new_zeros new_ones new_empty new_full pad constant_pad_nd zeros ones arange
-    full empty contiguous_format type float half bfloat16 double cpu cuda tril triu""".split()
+    expand_as repeat repeat_interleave getitem cat concat concatenate stack split chunk unbind
+    narrow select slice index_select gather clone detach to type_as size dim getattr numel flip
+    roll movedim swapaxes split_with_sizes tensor_split masked_fill zeros_like ones_like
+    empty_like full_like new_zeros new_ones new_empty new_full pad constant_pad_nd zeros ones
+    arange full empty type float half bfloat16 double cpu cuda tril triu""".split()
 )
 
 
 def is_data_movement(kind: str) -> bool:
+    """True for kinds that only move data and so follow their input's precision.
+
+    >>> is_data_movement("permute"), is_data_movement("linear")
+    (True, False)
+    """
     return kind in DATA_MOVEMENT_KINDS
 
 
 def produces_float(node: fx.Node) -> bool:
     """True when the node's recorded value holds a floating-point tensor."""
-    value = node.meta.get("val")
+    value = node.meta.get("val", node.meta.get("example_value"))
     return any(
         isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in pytree.tree_leaves(value)
     )
 
 
-def _is_numerical_op(node: fx.Node) -> bool:
-    from .opkey import normalize_kind
+def is_numerical_op(node: fx.Node) -> bool:
+    """The filter that decides which call nodes get an OpKey (both tracers use it).
 
+    A numerical op computes floating-point values: leaf modules that return
+    floats, and every float-producing call that is not pure data movement.
+    """
     if node.op == "call_module":
         return produces_float(node)
     return not is_data_movement(normalize_kind(node.op, node.target)) and produces_float(node)
@@ -73,7 +101,12 @@ def op_nodes(gm: fx.GraphModule) -> list[fx.Node]:
 
 
 def normalize_example_inputs(example_inputs) -> ExampleInputs:
-    """Accept a tensor, a tuple/list of positional args, or a dict of kwargs."""
+    """Accept a tensor, a tuple/list of positional args, a dict of kwargs, or ``(args, kwargs)``.
+
+    >>> import torch
+    >>> normalize_example_inputs({"input_ids": torch.zeros(1, 3)})[0]
+    ()
+    """
     if isinstance(example_inputs, torch.Tensor):
         return (example_inputs,), {}
     if isinstance(example_inputs, dict):
@@ -86,6 +119,49 @@ def normalize_example_inputs(example_inputs) -> ExampleInputs:
         f"example_inputs is a {type(example_inputs).__name__}; compfx expected a tensor, a tuple of "
         "positional arguments or a dict of keyword arguments for model.forward."
     )
+
+
+# ---------------------------------------------------------------------------
+# where did it go wrong? (file:line of the user's code, not of torch or compfx)
+
+_SKIPPED_DIRS = tuple(
+    os.path.dirname(os.path.abspath(path)) + os.sep for path in (torch.__file__, __file__)
+)
+
+
+def _is_user_frame(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return not path.startswith(_SKIPPED_DIRS) and not filename.startswith("<")
+
+
+def _format_frame(frame: traceback.FrameSummary) -> str:
+    return f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+
+
+def _user_line(frames: Iterable[traceback.FrameSummary] | None = None) -> str:
+    """File:line and source of the innermost frame outside torch and compfx."""
+    frames = list(traceback.extract_stack() if frames is None else frames)
+    for frame in reversed(frames):
+        if _is_user_frame(frame.filename):
+            return _format_frame(frame)
+    return "an unknown line"
+
+
+def _error_site(error: BaseException) -> str:
+    """Where ``error`` was raised in user code (dynamo keeps that in ``real_stack``)."""
+    real_stack = getattr(error, "real_stack", None)
+    if real_stack:
+        return _user_line(real_stack)
+    return _user_line(traceback.extract_tb(error.__traceback__))
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+class _ValueBranchError(CaptureError):
+    """The model branches on tensor values; no tracer can make one graph of that."""
 
 
 # ---------------------------------------------------------------------------
@@ -111,6 +187,7 @@ class _SpecializingTracer(fx.Tracer):
 
     def __init__(self, leaf_modules: Iterable, fake_mode: FakeTensorMode, inputs: dict[str, Any]):
         super().__init__()
+        leaf_modules = tuple(leaf_modules)
         self._leaf_types = tuple(m for m in leaf_modules if isinstance(m, type))
         self._leaf_names = {m for m in leaf_modules if isinstance(m, str)}
         self.fake_mode = fake_mode
@@ -118,6 +195,14 @@ class _SpecializingTracer(fx.Tracer):
         self._fakes: dict[int, torch.Tensor] = {}
         self.values: dict[fx.Node, Any] = {}
         self._computing = False  # True while running an op on example values
+        # Buffers become get_attr nodes too, so in-place updates such as
+        # BatchNorm's num_batches_tracked.add_(1) land in the graph instead of
+        # running on the user's model while we trace.
+        self.proxy_buffer_attributes = True
+        self.record_stack_traces = True
+        self._grad_mode_at_start = torch.is_grad_enabled()
+        self._graph_grad_mode = self._grad_mode_at_start
+        self._saved_grad_mode: fx.Node | None = None
 
     # While computing values the tracer's patches must stay out of the way.
     def getattr(self, attr, attr_val, parameter_proxy_cache):
@@ -134,12 +219,20 @@ class _SpecializingTracer(fx.Tracer):
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
         return qualname in self._leaf_names or (bool(self._leaf_types) and isinstance(m, self._leaf_types))
 
+    def innermost_module(self) -> str | None:
+        """``'path (Class)'`` of the module being traced (after a failure: the one that failed)."""
+        if not self.module_stack:
+            return None
+        path, module_type = list(self.module_stack.values())[-1]
+        name = getattr(module_type, "__name__", str(module_type))
+        return f"{path or '<root>'} ({name})"
+
     # -- values ---------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:
         return _ValueProxy(node, self)
 
     def _fake(self, value):
-        if isinstance(value, torch.Tensor) and not isinstance(value, torch._subclasses.FakeTensor):
+        if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
             key = id(value)
             if key not in self._fakes:
                 self._fakes[key] = self.fake_mode.from_tensor(value, static_shapes=True)
@@ -151,12 +244,14 @@ class _SpecializingTracer(fx.Tracer):
         if isinstance(value, _UnknownValue):
             raise CaptureError(
                 f"compfx could not compute an example value for {proxy.node.format_node()} "
-                f"({type(value.error).__name__}: {value.error}), and the model's Python code needs it "
-                f"at {_user_line()}. Mark the module that issues it as a leaf (leaf_modules=...)."
+                f"({_first_line(value.error)}), and the model's Python code needs it at {_user_line()}. "
+                "Mark the module that issues it as a leaf with capture(..., leaf_modules=[...])."
             ) from value.error
         return value
 
     def create_proxy(self, kind, target, args, kwargs, name=None, type_expr=None, proxy_factory_fn=None):
+        if kind != "placeholder":
+            self._follow_grad_mode()
         proxy = super().create_proxy(kind, target, args, kwargs, name, type_expr, proxy_factory_fn)
         self.values[proxy.node] = self._compute(kind, target, args, kwargs, proxy.node)
         return proxy
@@ -172,20 +267,60 @@ class _SpecializingTracer(fx.Tracer):
             if kind == "get_attr":
                 return self._fake(_get_attr(self.root, target))
             args, kwargs = pytree.tree_map(concrete, (args, kwargs))
-            if any(isinstance(v, _UnknownValue) for v in pytree.tree_leaves((args, kwargs))):
-                return next(v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, _UnknownValue))
-            with self.fake_mode:
+            unknown = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, _UnknownValue)]
+            if unknown:
+                return unknown[0]
+            # Warnings here repeat what the eager run will say anyway.
+            with self.fake_mode, warnings.catch_warnings():
+                warnings.simplefilter("ignore")
                 if kind == "call_function":
                     return target(*args, **kwargs)
                 if kind == "call_method":
                     return getattr(args[0], target)(*args[1:], **kwargs)
                 if kind == "call_module":
-                    return self.root.get_submodule(target)(*args, **kwargs)
-        except Exception as error:  # noqa: BLE001 - only needed if control flow asks
+                    return self._run_leaf_on_fakes(self.root.get_submodule(target), args, kwargs)
+        except Exception as error:  # noqa: BLE001 - only fatal if control flow needs the value
             return _UnknownValue(error)
         finally:
             self._computing = False
         return None
+
+    def _run_leaf_on_fakes(self, module: nn.Module, args, kwargs):
+        # functional_call swaps fake copies in for the module's own tensors, so
+        # in-place updates (BatchNorm running stats) never touch the user's model.
+        state = {
+            name: self._fake(t)
+            for name, t in (*module.named_parameters(remove_duplicate=False),
+                            *module.named_buffers(remove_duplicate=False))
+        }
+        return torch.func.functional_call(module, state, args, kwargs, tie_weights=False)
+
+    # -- torch.no_grad() blocks -------------------------------------------------
+    def _follow_grad_mode(self) -> None:
+        """Record grad-mode switches (``with torch.no_grad():``) as graph nodes.
+
+        Tracing runs the ``with`` block in Python, so without this the graph
+        would compute the block with autograd on. The first switch saves the
+        caller's mode at run time; switching back restores that saved mode.
+        """
+        mode = torch.is_grad_enabled()
+        if mode == self._graph_grad_mode:
+            return
+        if self._saved_grad_mode is None:
+            self._saved_grad_mode = self.create_node("call_function", torch.is_grad_enabled, (), {})
+            self.values[self._saved_grad_mode] = self._grad_mode_at_start
+        target_mode = self._saved_grad_mode if mode == self._grad_mode_at_start else mode
+        switch = self.create_node("call_function", torch._C._set_grad_enabled, (target_mode,), {})
+        self.values[switch] = None
+        self._graph_grad_mode = mode
+
+    def restore_grad_mode_before(self, graph: fx.Graph) -> None:
+        if self._saved_grad_mode is None or self._graph_grad_mode == self._grad_mode_at_start:
+            return
+        output = next(n for n in reversed(graph.nodes) if n.op == "output")
+        with graph.inserting_before(output):
+            restore = graph.call_function(torch._C._set_grad_enabled, (self._saved_grad_mode,))
+        self.values[restore] = None
 
     # -- control flow ---------------------------------------------------------
     def to_bool(self, obj: fx.Proxy) -> bool:
@@ -193,7 +328,7 @@ class _SpecializingTracer(fx.Tracer):
         try:
             return bool(value)
         except Exception as error:
-            raise CaptureError(
+            raise _ValueBranchError(
                 f"The model branches on tensor values at {_user_line()}. One FX graph cannot hold "
                 "both sides of that branch. Rewrite it with torch.where, move it out of forward(), mark "
                 "that module as a leaf with capture(..., leaf_modules=[...]), or use "
@@ -211,35 +346,48 @@ def _get_attr(root: nn.Module, target: str):
     return obj
 
 
-def _user_line() -> str:
-    """File:line and source text of the innermost frame outside torch and compfx."""
-    for frame in reversed(traceback.extract_stack()):
-        path = frame.filename.replace("\\", "/")
-        if "/torch/" in path or "/compfx/" in path:
-            continue
-        return f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
-    return "an unknown line"
-
-
-def _symbolic_capture(model: nn.Module, args: tuple, kwargs: dict, leaf_modules) -> fx.GraphModule:
+def _bind_inputs(model: nn.Module, args: tuple, kwargs: dict) -> tuple[dict, dict]:
+    """(provided arguments by name, defaults of the rest as FX concrete_args)."""
     signature = inspect.signature(model.forward)
     try:
         bound = signature.bind(*args, **kwargs)
     except TypeError as error:
-        raise BadInputError(f"example inputs do not fit {type(model).__name__}.forward{signature}: {error}") from error
+        raise BadInputError(
+            f"example inputs do not fit {type(model).__name__}.forward{signature}: {error}. "
+            "Pass a tuple of positional arguments or a dict of keyword arguments that forward() accepts."
+        ) from error
     provided = dict(bound.arguments)
     concrete_args = {
         name: p.default
         for name, p in signature.parameters.items()
         if name not in provided and p.default is not inspect.Parameter.empty
     }
-    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-    tracer = _SpecializingTracer(leaf_modules, fake_mode, provided)
-    graph = tracer.trace(model, concrete_args=concrete_args or None)
+    return provided, concrete_args
+
+
+def _symbolic_capture(model: nn.Module, args: tuple, kwargs: dict, leaf_modules) -> fx.GraphModule:
+    provided, concrete_args = _bind_inputs(model, args, kwargs)
+    tracer = _SpecializingTracer(leaf_modules, FakeTensorMode(allow_non_fake_inputs=True), provided)
+    try:
+        graph = tracer.trace(model, concrete_args=concrete_args or None)
+    except CaptureError:
+        raise
+    except Exception as error:  # torch.fx TraceError and friends: say where
+        module = tracer.innermost_module()
+        raise CaptureError(
+            f"symbolic tracing failed with {_first_line(error)} at {_error_site(error)}"
+            + (f" inside module {module}" if module else "")
+        ) from error
+    tracer.restore_grad_mode_before(graph)
+    unknown = []
     for node in graph.nodes:
         value = tracer.values.get(node)
-        if not isinstance(value, _UnknownValue):
+        if isinstance(value, _UnknownValue):
+            unknown.append(f"{node.format_node()} ({_first_line(value.error)})")
+        elif node.op != "output":
             node.meta["val"] = value
+    if unknown:
+        raise CaptureError(f"symbolic tracing could not compute example values for: {'; '.join(unknown[:3])}")
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__ + "Captured")
     gm.graph.eliminate_dead_code()
     gm.recompile()
@@ -250,8 +398,21 @@ def _symbolic_capture(model: nn.Module, args: tuple, kwargs: dict, leaf_modules)
 # dynamo capture
 
 
+@contextlib.contextmanager
+def _buffers_restored(model: nn.Module):
+    """Put every buffer back afterwards: dynamo export runs the model once for real."""
+    saved = [(b, b.detach().clone()) for b in model.buffers()]
+    try:
+        yield
+    finally:
+        with torch.no_grad():
+            for buffer, value in saved:
+                buffer.copy_(value)
+
+
 def _dynamo_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
-    with torch._dynamo.config.patch(allow_rnn=True):
+    # allow_rnn: keep nn.GRU/LSTM in the graph as one op, as the symbolic tracer does.
+    with torch._dynamo.config.patch(allow_rnn=True), _buffers_restored(model):
         exported = torch._dynamo.export(model, aten_graph=False)(*args, **kwargs)
     gm = exported.graph_module
     fqn_of = {id(t): name for name, t in _named_tensors(model)}
@@ -260,16 +421,85 @@ def _dynamo_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModu
             attr = _get_attr(gm, node.target)
             if id(attr) in fqn_of:
                 node.target = fqn_of[id(attr)]
-        if "val" not in node.meta and "example_value" in node.meta:
-            node.meta["val"] = node.meta["example_value"]
-    graph = gm.graph
-    rebuilt = fx.GraphModule(model, graph, class_name=type(model).__name__ + "Captured")
-    return rebuilt
+    _restore_callers_grad_mode(gm.graph, torch.is_grad_enabled())
+    return fx.GraphModule(model, gm.graph, class_name=type(model).__name__ + "Captured")
+
+
+def _restore_callers_grad_mode(graph: fx.Graph, mode_at_capture: bool) -> None:
+    """Make dynamo's ``_set_grad_enabled(True)`` after a no_grad block restore the caller's mode.
+
+    Dynamo writes the mode it saw at capture time as a literal; a caller that
+    runs the graph under ``torch.no_grad()`` would get autograd switched back on.
+    """
+    switches = [n for n in graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    if not switches:
+        return
+    with graph.inserting_before(switches[0]):
+        saved = graph.call_function(torch.is_grad_enabled)
+    saved.meta["val"] = mode_at_capture
+    for switch in switches:
+        if switch.args[0] == mode_at_capture:
+            switch.args = (saved,)
 
 
 def _named_tensors(model: nn.Module):
     yield from model.named_parameters(remove_duplicate=False)
     yield from model.named_buffers(remove_duplicate=False)
+
+
+def key_dynamo_graph(gm: fx.GraphModule, counts: dict[tuple[str, str], int] | None = None) -> list[OpKey]:
+    """Key the graph that dynamo hands a ``torch.compile`` backend, like :func:`capture` would.
+
+    Dynamo graphs keep values in ``meta["example_value"]`` and lift parameters
+    to placeholders; this copies the values to ``meta["val"]`` (and adds
+    ``tensor_meta``), then writes an OpKey on every numerical op. For a model
+    split into several graphs, pass one ``counts`` dict to every call, in
+    execution order, so call indices continue across the graphs.
+
+    >>> import torch, compfx.capture as cap
+    >>> keys = []
+    >>> def backend(gm, example_inputs):
+    ...     keys.extend(cap.key_dynamo_graph(gm))
+    ...     return gm.forward
+    >>> _ = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), backend=backend)(torch.randn(2, 4))
+    >>> [str(k) for k in keys]
+    ['0:linear#0', '1:relu#0']
+    """
+    _complete_metadata(gm)
+    return list(assign_op_keys(gm, include=is_numerical_op, counts=counts))
+
+
+# ---------------------------------------------------------------------------
+# metadata
+
+
+def _tensor_meta(value):
+    if isinstance(value, torch.Tensor):
+        return _extract_tensor_metadata(value)
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(_tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in value)
+    return None
+
+
+def _complete_metadata(gm: fx.GraphModule) -> list[fx.Node]:
+    """Give every node ``val`` (and tensors ``tensor_meta``); returns nodes still without ``val``."""
+    missing = []
+    for node in gm.graph.nodes:
+        if "val" not in node.meta and "example_value" in node.meta:
+            node.meta["val"] = node.meta["example_value"]
+        if node.op == "output":
+            node.meta["val"] = pytree.tree_map(
+                lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, node.args[0]
+            )
+        if "val" not in node.meta and node.op != "output" and not node.users:
+            node.meta["val"] = None  # a call kept only for its side effect, e.g. _set_grad_enabled
+        if "val" not in node.meta:
+            missing.append(node)
+            continue
+        meta = _tensor_meta(node.meta["val"])
+        if meta is not None:
+            node.meta["tensor_meta"] = meta
+    return missing
 
 
 # ---------------------------------------------------------------------------
@@ -287,8 +517,9 @@ def capture(
 
     ``method`` is ``"auto"`` (symbolic, then dynamo), ``"symbolic"`` or
     ``"dynamo"``. ``leaf_modules`` names module types or qualified names that
-    stay as one ``call_module`` op. The graph is specialised to the model's
-    current train/eval mode and to the branches the example inputs take.
+    stay as one ``call_module`` op (symbolic capture only; dynamo inlines
+    everything). The graph is specialised to the model's current train/eval
+    mode and to the branches the example inputs take.
 
     >>> import torch, compfx
     >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(2, 4))
@@ -300,14 +531,32 @@ def capture(
     if method not in ("auto", "symbolic", "dynamo"):
         raise BadInputError(f"method={method!r}; expected 'auto', 'symbolic' or 'dynamo'.")
     args, kwargs = normalize_example_inputs(example_inputs)
-    gm = _capture_with(model, args, kwargs, leaf_modules, method)
-    assign_op_keys(gm, include=_is_numerical_op)
-    gm.meta["compfx_capture_method"] = gm.meta.get("compfx_capture_method", method)
+    with _modes_restored(model):
+        gm = _capture_with(model, args, kwargs, leaf_modules, method)
+    missing = _complete_metadata(gm)
+    if missing:
+        raise CaptureError(
+            f"{gm.meta['compfx_capture_method']} capture left no example value on "
+            f"{', '.join(n.name for n in missing[:5])}; compfx needs shapes and dtypes on every node. "
+            "Try the other method= or report this model."
+        )
+    assign_op_keys(gm, include=is_numerical_op)
     return gm
 
 
+@contextlib.contextmanager
+def _modes_restored(model: nn.Module):
+    """Whatever a tracer does, the user's modules keep their train/eval mode."""
+    modes = [(m, m.training) for m in model.modules()]
+    try:
+        yield
+    finally:
+        for module, training in modes:
+            module.training = training
+
+
 def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
-    errors: list[str] = []
+    failures: list[str] = []
     if method in ("auto", "symbolic"):
         try:
             gm = _symbolic_capture(model, args, kwargs, leaf_modules)
@@ -315,27 +564,25 @@ def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
             return gm
         except BadInputError:
             raise
+        except _ValueBranchError as error:
+            # Dynamo cannot make one graph of it either; our message names the line.
+            raise CaptureError(str(error)) from error.__cause__
         except CaptureError as error:
-            if method == "symbolic" or "branches on tensor values" in str(error):
-                raise
-            errors.append(f"symbolic: {error}")
-        except Exception as error:  # torch.fx TraceError and friends
             if method == "symbolic":
-                raise CaptureError(_capture_advice(model, "symbolic", error)) from error
-            errors.append(f"symbolic: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}")
+                raise CaptureError(_capture_advice(model, [str(error)])) from error
+            failures.append(str(error))
     try:
         gm = _dynamo_capture(model, args, kwargs)
-        gm.meta["compfx_capture_method"] = "dynamo"
-        return gm
     except Exception as error:
-        raise CaptureError(_capture_advice(model, "dynamo", error, errors)) from error
+        failures.append(f"dynamo export failed with {_first_line(error)} at {_error_site(error)}")
+        raise CaptureError(_capture_advice(model, failures)) from error
+    gm.meta["compfx_capture_method"] = "dynamo"
+    return gm
 
 
-def _capture_advice(model: nn.Module, method: str, error: BaseException, earlier: list[str] = ()) -> str:
-    first = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-    tried = "; ".join([*earlier, f"{method}: {type(error).__name__}: {first}"])
+def _capture_advice(model: nn.Module, failures: list[str]) -> str:
     return (
-        f"compfx could not capture {type(model).__name__} as one FX graph ({tried}). "
+        f"compfx could not capture {type(model).__name__} as one FX graph: {'; '.join(failures)}. "
         "Check that forward() runs on the example inputs, replace branches on tensor values with "
         "torch.where, or keep the offending submodule opaque with capture(..., leaf_modules=[...])."
     )

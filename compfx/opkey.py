@@ -169,14 +169,19 @@ def _node_kind(node: fx.Node, gm: fx.GraphModule | None) -> str:
     return normalize_kind(node.op, node.target)
 
 
-def assign_op_keys(gm: fx.GraphModule, include=lambda node: True) -> dict[OpKey, fx.Node]:
+def assign_op_keys(
+    gm: fx.GraphModule,
+    include=lambda node: True,
+    counts: dict[tuple[str, str], int] | None = None,
+) -> dict[OpKey, fx.Node]:
     """Write an :class:`OpKey` into ``node.meta[KEY_META]`` for every call node.
 
     ``include(node)`` filters which call nodes get a key; the call index counts
-    only included nodes, so both tracers must use the same filter. Returns the
-    keys in graph order.
+    only included nodes, so both tracers must use the same filter. ``counts``
+    ((module, kind) -> next index) is updated in place, so indices can continue
+    across several graphs of one model. Returns the keys in graph order.
     """
-    counts: dict[tuple[str, str], int] = {}
+    counts = {} if counts is None else counts
     keys: dict[OpKey, fx.Node] = {}
     for node in gm.graph.nodes:
         node.meta.pop(KEY_META, None)

@@ -8,12 +8,17 @@
 
 Source: ``aten/src/ATen/autocast_mode.cpp`` (``TORCH_LIBRARY_IMPL(aten,
 Autocast<Device>, m)`` blocks) and ``autocast_mode.h``; kinds are the
-normalised names from :func:`compfx.opkey.normalize_kind`.
+normalised names from :func:`compfx.opkey.normalize_kind` (leading ``_``
+dropped). To extend: add the kind to the device's set below, or pass
+``overrides={"kind": "category"}`` to :func:`classify` / ``compfx.analyze``.
+Devices without a table of their own (mps, hpu, ...) use CUDA's.
 """
 
 from __future__ import annotations
 
 from typing import Mapping
+
+from .errors import BadInputError
 
 __all__ = ["CATEGORIES", "AUTOCAST_POLICY", "classify"]
 
@@ -24,34 +29,47 @@ def _kinds(text: str) -> frozenset[str]:
     return frozenset(text.split())
 
 
-# CUDA (and the other GPU-like backends that share its policy: xpu, mps, hpu).
+# CUDA. Lower precision: AT_FORALL_LOWER_PRECISION_FP in autocast_mode.h, plus
+# cudnn_convolution(_transpose) from autocast_mode.cpp and the cuDNN RNNs, which
+# aten/src/ATen/cudnn/AutocastRNN.cpp registers for _cudnn_rnn (gru, lstm, rnn_*).
 _CUDA_LOWER = _kinds("""
-    conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d convolution
-    prelu addmm addmv addr matmul einsum mm mv linalg_vecdot linear addbmm baddbmm bmm
-    chain_matmul linalg_multi_dot lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
-    scaled_dot_product_attention multi_head_attention
+    convolution conv1d conv2d conv3d conv_tbc conv_transpose1d conv_transpose2d conv_transpose3d
+    cudnn_convolution cudnn_convolution_transpose prelu
+    addmm addmv addr matmul einsum mm mv linalg_vecdot linear addbmm baddbmm bmm
+    chain_matmul linalg_multi_dot
+    thnn_fused_lstm_cell thnn_fused_gru_cell lstm_cell gru_cell rnn_tanh_cell rnn_relu_cell
+    cudnn_rnn lstm gru rnn_tanh rnn_relu
+    scaled_dot_product_flash_attention scaled_dot_product_attention
 """)
+# FP32: AT_FORALL_FP32, AT_FORALL_FP32_SET_OPT_DTYPE (softmax, sum, ... run in
+# fp32 via dtype=) and norm (fp32_append_dtype). cross_entropy is composite on
+# CUDA (log_softmax + nll_loss), and both halves are on the fp32 list.
 _CUDA_FP32 = _kinds("""
     acos asin cosh erfinv exp expm1 log log10 log2 log1p reciprocal rsqrt sinh tan pow softplus
     layer_norm native_layer_norm group_norm frobenius_norm nuclear_norm cosine_similarity
     poisson_nll_loss cosine_embedding_loss nll_loss nll_loss2d hinge_embedding_loss kl_div
     l1_loss smooth_l1_loss huber_loss mse_loss margin_ranking_loss multilabel_margin_loss
     soft_margin_loss triplet_margin_loss multi_margin_loss binary_cross_entropy_with_logits
-    dist pdist cdist renorm logsumexp upsample_nearest1d upsample_nearest2d upsample_nearest3d
-    upsample_bilinear2d upsample_trilinear3d upsample_bicubic2d upsample_linear1d
-    cross_entropy cross_entropy_loss
-    prod softmax log_softmax cumprod cumsum linalg_vector_norm sum norm
+    dist pdist cdist renorm logsumexp
+    upsample_nearest1d upsample_nearest_exact1d upsample_nearest2d upsample_nearest_exact2d
+    upsample_nearest3d upsample_nearest_exact3d upsample_linear1d upsample_bilinear2d
+    upsample_bilinear2d_aa upsample_trilinear3d upsample_bicubic2d upsample_bicubic2d_aa
+    prod softmax log_softmax cumprod cumsum linalg_vector_norm linalg_matrix_norm sum
+    norm cross_entropy cross_entropy_loss
 """)
 
-# CPU.
+# CPU: TORCH_LIBRARY_IMPL(aten, AutocastCPU, m) in autocast_mode.cpp. Unlike
+# CUDA, softmax, layer_norm, sum, exp ... are on no list: they run in whatever
+# dtype reaches them. nn.LSTM reaches mkldnn_rnn_layer; nn.GRU does not.
 _CPU_LOWER = _kinds("""
-    conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm addbmm linear convolution matmul
-    conv_tbc mkldnn_rnn_layer conv_transpose1d conv_transpose2d conv_transpose3d prelu
-    scaled_dot_product_attention multi_head_attention
+    conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm addmm_activation addbmm linear
+    convolution matmul conv_tbc mkldnn_rnn_layer lstm conv_transpose1d conv_transpose2d
+    conv_transpose3d prelu scaled_dot_product_attention native_multi_head_attention
 """)
 _CPU_FP32 = _kinds("""
-    avg_pool3d binary_cross_entropy grid_sampler polar prod quantile nanquantile stft cdist trace
-    view_as_complex cholesky cholesky_inverse cholesky_solve inverse lu_solve orgqr ormqr pinverse
+    avg_pool3d binary_cross_entropy grid_sampler grid_sampler_2d grid_sampler_3d polar prod
+    quantile nanquantile stft cdist trace view_as_complex cholesky cholesky_inverse
+    cholesky_solve inverse lu_solve orgqr ormqr pinverse
     max_pool3d max_unpool2d max_unpool3d adaptive_avg_pool3d reflection_pad1d reflection_pad2d
     replication_pad1d replication_pad2d replication_pad3d mse_loss cosine_embedding_loss nll_loss
     nll_loss2d hinge_embedding_loss poisson_nll_loss smooth_l1_loss cross_entropy
@@ -66,10 +84,18 @@ _CPU_FP32 = _kinds("""
     linalg_eig linalg_eigh linalg_lstsq linalg_inv_ex
 """)
 
+# compfx's own additions, on every device. F.multi_head_attention_forward stays
+# one call in both tracers' graphs (dynamo keeps it whole too). Inside it the
+# projections and attention GEMMs autocast to low precision (what CPU autocast
+# also does for the fused _native_multi_head_attention), so the op as a whole
+# counts as lower-precision.
+_COMPFX_LOWER = _kinds("multi_head_attention")
+
 #: device type -> (whitelist kinds, blacklist kinds)
 AUTOCAST_POLICY: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "cuda": (_CUDA_LOWER, _CUDA_FP32),
-    "cpu": (_CPU_LOWER, _CPU_FP32),
+    "cuda": (_CUDA_LOWER | _COMPFX_LOWER, _CUDA_FP32),
+    "xpu": (_CUDA_LOWER | _COMPFX_LOWER, _CUDA_FP32),  # XPU reuses the CUDA macros
+    "cpu": (_CPU_LOWER | _COMPFX_LOWER, _CPU_FP32),
 }
 
 
@@ -86,7 +112,10 @@ def classify(kind: str, device_type: str, overrides: Mapping[str, str] | None = 
     if overrides and kind in overrides:
         category = overrides[kind]
         if category not in CATEGORIES:
-            raise ValueError(f"override for {kind!r} is {category!r}; expected one of {CATEGORIES}")
+            raise BadInputError(
+                f"overrides[{kind!r}] is {category!r}; compfx expected one of {CATEGORIES}. "
+                "Fix the overrides mapping (op kind -> category)."
+            )
         return category
     lower, fp32 = AUTOCAST_POLICY.get(device_type, AUTOCAST_POLICY["cuda"])
     if kind in lower:

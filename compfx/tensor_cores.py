@@ -19,7 +19,17 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["tc_eligible", "device_tensor_core_reason", "gemm_dims_reason", "conv_channels_reason", "TC_MULTIPLE"]
+__all__ = [
+    "tc_eligible",
+    "device_tensor_core_reason",
+    "gemm_reason",
+    "conv_reason",
+    "gemm_dims_reason",
+    "conv_channels_reason",
+    "GEMM_KINDS",
+    "CONV_KINDS",
+    "TC_MULTIPLE",
+]
 
 #: Dimension multiple that fp16/bf16 Tensor Core kernels need.
 TC_MULTIPLE = 8
@@ -33,7 +43,11 @@ Shape = Sequence[int]
 
 
 def device_tensor_core_reason(device: torch.device, low_dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
-    """Why ``device`` cannot run ``low_dtype`` on Tensor Cores, or None if it can."""
+    """Why ``device`` cannot run ``low_dtype`` on Tensor Cores, or None if it can.
+
+    Tensor Cores arrived with Volta (compute capability 7.0) for fp16 and with
+    Ampere (8.0) for bf16; CPUs have none.
+    """
     if device.type != "cuda":
         return f"{device.type} has no tensor cores"
     if low_dtype not in (torch.float16, torch.bfloat16):
@@ -65,15 +79,26 @@ def conv_channels_reason(in_channels: int, out_channels: int) -> str | None:
 
 
 def _gemm_mnk(kind: str, shapes: Sequence[Shape]) -> tuple[tuple[int, int, int], tuple[str, str, str]]:
-    if kind == "linear":  # input (..., K), weight (N, K)
+    """GEMM dims (M, N, K) and their names, read from the operand shapes of one GEMM-family op."""
+    if kind == "linear":  # input (..., K), weight (N, K): leading dims fold into M
         x, w = shapes[0], shapes[1]
-        return (math.prod(x[:-1]), w[0], w[1]), ("batch*tokens", "out_features", "in_features")
+        return (math.prod(x[:-1]), w[0], w[1]), ("input rows", "out_features", "in_features")
     if kind in ("addmm", "baddbmm", "addbmm"):
         shapes = shapes[1:]  # first operand is the added bias
     a, b = shapes[0], shapes[1]
-    a = a if len(a) > 1 else (1, *a)
+    a = a if len(a) > 1 else (1, *a)  # matmul promotes vectors to 1-row / 1-column matrices
     b = b if len(b) > 1 else (*b, 1)
     return (a[-2], b[-1], a[-1]), ("M", "N", "K")
+
+
+def gemm_reason(kind: str, input_shapes: Sequence[Shape]) -> str | None:
+    """GEMM family (linear, matmul, mm, bmm, addmm, baddbmm, addbmm).
+
+    cuBLAS runs fp16/bf16 GEMMs on Tensor Cores when M, N and K are multiples
+    of 8 (16-byte aligned rows of 2-byte elements).
+    """
+    (m, n, k), names = _gemm_mnk(kind, input_shapes)
+    return gemm_dims_reason(m, n, k, names)
 
 
 def _conv_channels(kind: str, shapes: Sequence[Shape], groups: int = 1) -> tuple[int, int]:
@@ -81,6 +106,15 @@ def _conv_channels(kind: str, shapes: Sequence[Shape], groups: int = 1) -> tuple
     if kind.startswith("conv_transpose"):  # weight (in, out/groups, ...)
         return weight[0], weight[1] * groups
     return weight[1] * groups, weight[0]  # weight (out, in/groups, ...)
+
+
+def conv_reason(kind: str, input_shapes: Sequence[Shape], groups: int = 1) -> str | None:
+    """Convolution family (conv1d/2d/3d, conv_transpose1d/2d/3d).
+
+    cuDNN runs fp16/bf16 convolutions as implicit GEMMs on Tensor Cores when
+    the input and output channel counts are multiples of 8.
+    """
+    return conv_channels_reason(*_conv_channels(kind, input_shapes, groups))
 
 
 def tc_eligible(
@@ -101,17 +135,16 @@ def tc_eligible(
     (False, 'cpu has no tensor cores')
     """
     if category != "whitelist":
-        return False, f"{category} op"
+        return False, f"{category} op (runs in fp32 or follows its input)"
     if kind not in GEMM_KINDS and kind not in CONV_KINDS:
-        return False, f"{kind} is not a GEMM or convolution"
+        return False, f"no tensor-core rule for {kind} (only GEMMs and convolutions are checked)"
     reason = device_tensor_core_reason(device, low_dtype, capability)
     if reason:
         return False, reason
     if len(input_shapes) < 2 or any(s is None for s in input_shapes[:2]):
         return False, "input shapes unknown"
     if kind in GEMM_KINDS:
-        (m, n, k), names = _gemm_mnk(kind, input_shapes)
-        reason = gemm_dims_reason(m, n, k, names)
+        reason = gemm_reason(kind, input_shapes)
     else:
-        reason = conv_channels_reason(*_conv_channels(kind, input_shapes, groups))
-    return (reason is None), (reason or "dims are multiples of 8")
+        reason = conv_reason(kind, input_shapes, groups)
+    return (reason is None), (reason or f"dims are multiples of {TC_MULTIPLE}")
