@@ -1,0 +1,414 @@
+"""compfx as a ``torch.compile`` backend: apply a precision plan to dynamo's graphs.
+
+``torch.compile(model, backend="compfx")`` (registered through the
+``torch_dynamo_backends`` entry point) or, with explicit settings,
+``torch.compile(model, backend=compfx.backend(plan, inner="inductor"))``.
+
+For every graph dynamo hands over, the backend
+
+1. keys the graph's ops with the same :class:`~compfx.opkey.OpKey` that
+   :func:`compfx.capture` gives them (dynamo inlines modules and lifts
+   parameters to placeholders; the keys come from ``nn_module_stack``, and
+   values from ``meta["example_value"]``),
+2. picks the plan: the one it was given (a :class:`~compfx.plan.Plan` or a
+   path), else a plan that ``compfx.optimize()`` saved for this model in the
+   plan cache (:mod:`compfx.plan_cache`), else the default plan below,
+3. inserts the plan's casts (:func:`compfx.passes.insert_casts.insert_casts`)
+   *before* AOT autograd, so AOT derives a backward through the casts and
+   training works,
+4. hands the graph to ``inner``: ``"inductor"``, ``"aot_eager"``,
+   ``"eager"``, any registered backend name, or a backend callable.
+
+**Default plan** (no plan given or cached): ``Plan.amp`` of the graph, i.e.
+whitelist -> low, blacklist -> fp32, other -> follow. Whitelisted ops that are
+not Tensor Core eligible stay low, as autocast does: on a CPU no op is
+eligible, so the fp32 alternative would turn the default into "no mixed
+precision at all", and CoMP's Stage 1 is what decides, by measurement,
+whether those ops should go back to fp32.
+
+**Graph breaks** give several graphs; each gets the plan's entries for its
+own ops. A plan key missing from a graph is fine (it lives in another graph);
+a graph op without a plan entry runs as ``"follow"`` and is logged once. Two
+things differ from one whole-model capture, and the backend repairs both:
+the call index (dynamo restarts counting in each graph, so the backend keeps
+counting across the graphs of one backend object, in the order dynamo first
+compiles them, which is execution order), and, when dynamo starts a frame
+inside a submodule, the module path (give ``model=`` and the backend maps
+dynamo's modules and parameters back to the model's own names). Use one
+backend object per model: :func:`compile_with_plan` does.
+
+**Inductor and precision casts.** Inductor fuses pointwise ops and, by
+default, drops a downcast that is followed by an upcast inside a fused
+kernel, so a plan's "low" would silently run in fp32. The backend compiles
+with ``torch._inductor.config.emulate_precision_casts=True`` (passed as
+``config_patches`` to ``compile_fx``, which also covers the backward graph,
+compiled later, out of our scope): the rounding the plan asks for happens,
+at the cost of a few conversions per fused kernel. The casts are nodes of
+the graph itself, so Inductor's FX graph cache key (a hash of the graph and
+of the config) differs between plans and a different plan never reuses a
+stale kernel. Dynamo's own cache is per backend object: a new plan means a
+new backend object, and dynamo recompiles for it.
+
+>>> import torch, compfx
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+>>> plan = compfx.Plan.fp32(compfx.analyze(model, torch.randn(2, 4)))
+>>> compiled = torch.compile(model, backend=compfx.backend.backend(plan, inner="eager"))
+>>> compiled(torch.randn(2, 4)).dtype
+torch.float32
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections import Counter
+from dataclasses import dataclass
+from typing import Callable, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from . import plan_cache
+from .analyze import analyze_graph, default_low_dtype
+from .capture import key_dynamo_graph, op_nodes
+from .errors import BadInputError
+from .opkey import KEY_META, OpKey, normalize_module_path
+from .passes.insert_casts import insert_casts
+from .plan import Plan
+
+__all__ = ["backend", "compfx_backend", "compile_with_plan", "CompfxBackend", "GraphRecord", "INNER_BACKENDS"]
+
+log = logging.getLogger("compfx")
+
+#: Inner backends this module knows by name; any other registered dynamo backend name works too.
+INNER_BACKENDS = ("inductor", "aot_eager", "eager")
+
+PlanSource = Plan | str | os.PathLike | None
+
+
+@dataclass(frozen=True)
+class GraphRecord:
+    """What the backend did to one dynamo graph.
+
+    ``precisions`` is the plan's precision for each op of the graph
+    (``"follow"`` for ops the plan does not name, which are also listed in
+    ``unplanned``); ``compute_dtypes`` is the dtype of each op's first
+    floating-point input in the rewritten graph, i.e. what the casts achieved.
+    """
+
+    compile_id: str | None
+    plan_source: str
+    precisions: Mapping[OpKey, str]
+    compute_dtypes: Mapping[OpKey, torch.dtype | None]
+    unplanned: tuple[OpKey, ...]
+
+
+# ---------------------------------------------------------------------------
+# keying dynamo graphs
+
+
+class _ModelNames:
+    """id(module / parameter / buffer) -> fully qualified name in one model."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        self.tensors = {id(t): name for name, t in _named_tensors(model)}
+
+
+def _named_tensors(model: nn.Module):
+    yield from model.named_parameters(remove_duplicate=False)
+    yield from model.named_buffers(remove_duplicate=False)
+
+
+def _frame_root_prefix(gm: fx.GraphModule, example_inputs: Sequence, names: _ModelNames) -> str:
+    """FQN of the module that dynamo's frame started in ('' for the model itself).
+
+    A parameter placeholder's source reads ``L['self'].a.weight`` relative to the
+    frame; the real tensor passed for it has the full name ``inner.a.weight``.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        full = names.tensors.get(id(value)) if isinstance(value, torch.Tensor) else None
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if full is None or source is None:
+            continue
+        relative = normalize_module_path(str(source.name))
+        if relative and full.endswith(relative):
+            return full[: len(full) - len(relative)].rstrip(".")
+    return ""
+
+
+def _module_path(node: fx.Node, names: _ModelNames | None, prefix: str) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if names is not None and stack:
+        module_id = list(stack.keys())[-1]
+        if str(module_id).isdigit() and int(module_id) in names.modules:
+            return names.modules[int(module_id)]
+    relative = node.meta[KEY_META].module
+    return ".".join(part for part in (prefix, relative) if part)
+
+
+def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, model: nn.Module | None = None,
+                      index_offsets: Mapping[tuple[str, str], int] | None = None) -> dict[OpKey, fx.Node]:
+    """Give a dynamo backend graph's ops the OpKeys that :func:`compfx.capture` gives the model.
+
+    ``model`` (optional) maps dynamo's frame-relative module paths back to the
+    model's names; ``index_offsets`` ((module, kind) -> calls in earlier graphs)
+    continues call indices across graph breaks. Returns the keys in graph order.
+    """
+    key_dynamo_graph(gm)  # capture's keys, relative to dynamo's frame, indices from 0
+    names = _ModelNames(model) if model is not None else None
+    prefix = _frame_root_prefix(gm, example_inputs, names) if names is not None else ""
+    counts: Counter = Counter(index_offsets or {})
+    keys: dict[OpKey, fx.Node] = {}
+    for node in op_nodes(gm):
+        module, kind = _module_path(node, names, prefix), node.meta[KEY_META].kind
+        key = OpKey(module, kind, counts[(module, kind)])
+        counts[(module, kind)] += 1
+        node.meta[KEY_META] = key
+        keys[key] = node
+    return keys
+
+
+class _CallIndexOffsets:
+    """Call counts per (module, kind) over the graphs one backend compiled, remembered per dynamo frame.
+
+    Dynamo compiles the graphs of one forward in execution order on the first
+    call, so the counts before a frame are that frame's index offsets. A
+    recompile of a frame (new shapes, eval mode) reuses its first offsets.
+    """
+
+    def __init__(self):
+        self._running: Counter = Counter()
+        self._by_frame: dict[int, Counter] = {}
+        self._counted: set[int] = set()
+
+    def for_frame(self, frame_id: int | None) -> Counter:
+        if frame_id is None:  # not called by dynamo: a graph of its own
+            return Counter()
+        return self._by_frame.setdefault(frame_id, Counter(self._running))
+
+    def count(self, frame_id: int | None, keys) -> None:
+        if frame_id is None or frame_id in self._counted:
+            return
+        self._counted.add(frame_id)
+        for key in keys:
+            slot = (key.module, key.kind)
+            self._running[slot] = max(self._running[slot], key.index + 1)
+
+
+# ---------------------------------------------------------------------------
+# the backend
+
+
+def _frame_id(gm: fx.GraphModule) -> int | None:
+    compile_id = gm.meta.get("dynamo_compile_id")
+    return getattr(compile_id, "frame_id", None)
+
+
+def _graph_device(example_inputs: Sequence) -> torch.device:
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return torch.device("cpu")
+
+
+def _load_plan(plan: PlanSource) -> Plan | None:
+    if plan is None or isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return Plan.load(plan)
+    raise BadInputError(
+        f"plan is a {type(plan).__name__}; compfx.backend expected a Plan, the path of a plan file, or None "
+        "(look the plan up in the plan cache)."
+    )
+
+
+def _compute_dtype(node: fx.Node) -> torch.dtype | None:
+    """The dtype of ``node``'s first floating-point tensor input (its activation), or None if it has none.
+
+    Normalisation ops keep FP32 weights whatever their precision, so the first
+    input, not all of them, says which precision the op runs at.
+    """
+    for arg in node.all_input_nodes:
+        value = arg.meta.get("val", arg.meta.get("example_value"))
+        if isinstance(value, torch.Tensor) and value.is_floating_point():
+            return value.dtype
+    return None
+
+
+class CompfxBackend:
+    """A ``torch.compile`` backend that applies one precision plan; build it with :func:`backend`.
+
+    ``records`` lists a :class:`GraphRecord` per graph compiled, in order.
+    """
+
+    def __init__(self, plan: PlanSource = None, inner: str | Callable = "inductor",
+                 low_dtype: torch.dtype | None = None, *, model: nn.Module | None = None,
+                 cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool = True, **options):
+        if not (callable(inner) or isinstance(inner, str)):
+            raise BadInputError(f"inner={inner!r}; expected a backend name such as {INNER_BACKENDS} or a callable.")
+        if options and inner != "inductor":
+            raise BadInputError(
+                f"options {sorted(options)} are Inductor config patches, but inner={inner!r}; "
+                "pass them only with inner='inductor'."
+            )
+        if low_dtype not in (None, torch.float16, torch.bfloat16):
+            raise BadInputError(f"low_dtype={low_dtype}; expected torch.float16, torch.bfloat16 or None.")
+        self.plan = _load_plan(plan)
+        if self.plan is not None and low_dtype is not None and low_dtype != self.plan.low_dtype:
+            raise BadInputError(
+                f"low_dtype={low_dtype} but the plan was made for {self.plan.low_dtype}; "
+                "leave low_dtype=None to use the plan's, or search again for the other dtype."
+            )
+        self.plan_source = "" if self.plan is None else f"given plan {self.plan.fingerprint}"
+        self.inner, self.low_dtype, self.model, self.cache_dir = inner, low_dtype, model, cache_dir
+        self.inductor_patches = {"emulate_precision_casts": emulate_precision_casts, **options}
+        self.records: list[GraphRecord] = []
+        self._offsets = _CallIndexOffsets()
+        self._logged: set[str] = set()
+
+    def __repr__(self) -> str:
+        inner = self.inner if isinstance(self.inner, str) else getattr(self.inner, "__name__", "callable")
+        return f"CompfxBackend(plan={self.plan!r}, inner={inner!r}, graphs={len(self.records)})"
+
+    # -- dynamo calls this once per graph -------------------------------------
+    def __call__(self, gm: fx.GraphModule, example_inputs: Sequence):
+        frame = _frame_id(gm)
+        keys = key_backend_graph(gm, example_inputs, model=self.model, index_offsets=self._offsets.for_frame(frame))
+        self._offsets.count(frame, keys)
+        plan, source = self._plan_for(gm, keys, example_inputs)
+        precisions = {key: plan.get(key, "follow") for key in keys}
+        unplanned = tuple(key for key in keys if key not in plan)
+        self._log_once(f"source:{source}", "compfx backend: plan from %s", source)
+        if unplanned:
+            self._log_once(f"unplanned:{source}", "compfx backend: %d op(s) in a compiled graph have no entry in "
+                           "the plan (%s) and run as 'follow' (e.g. %s)", len(unplanned), source,
+                           ", ".join(map(str, unplanned[:3])))
+        gm = self._rewrite(gm, precisions, plan.low_dtype)
+        self.records.append(GraphRecord(
+            compile_id=str(gm.meta.get("dynamo_compile_id")) if "dynamo_compile_id" in gm.meta else None,
+            plan_source=source, precisions=precisions, unplanned=unplanned,
+            compute_dtypes={key: _compute_dtype(node) for key, node in _keyed_nodes(gm).items()},
+        ))
+        return self._compile_inner(gm, example_inputs)
+
+    def _plan_for(self, gm: fx.GraphModule, keys, example_inputs) -> tuple[Plan, str]:
+        if self.plan is not None:
+            return self.plan, self.plan_source
+        low_dtype = self.low_dtype or default_low_dtype(_graph_device(example_inputs))
+        analysis = analyze_graph(gm, _graph_device(example_inputs), low_dtype)
+        cached = plan_cache.find_plan(analysis.fingerprint, low_dtype, self.cache_dir)
+        if cached is not None:
+            return cached, f"plan cache ({plan_cache.plan_path(cached.fingerprint, low_dtype, self.cache_dir)})"
+        covering = plan_cache.find_plan_covering(keys, low_dtype, self.cache_dir)
+        if covering is not None:
+            return covering, f"plan cache, whole-model plan {covering.fingerprint} covering this graph"
+        return Plan.amp(analysis), "default AMP-equivalent plan (no plan given or cached)"
+
+    def _rewrite(self, gm: fx.GraphModule, precisions: Mapping[OpKey, str], low_dtype: torch.dtype) -> fx.GraphModule:
+        # Every op has a precision here (unplanned ones "follow"); insert_casts raises PassError itself.
+        # Dynamo's TracingContext holds the fake mode AOT will use, not the one that made the
+        # graph's example values; hide it so the pass types its casts with the values' own mode.
+        sources = _placeholder_sources(gm)
+        with torch._guards.tracing(None):
+            gm = insert_casts(gm, precisions, low_dtype)
+        _restore_placeholder_sources(gm, sources)
+        return gm
+
+    def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence):
+        if callable(self.inner):
+            return self.inner(gm, example_inputs)
+        if self.inner == "inductor":
+            from torch._inductor.compile_fx import compile_fx
+
+            # config_patches (not config.patch here): compile_fx also applies them to the
+            # backward graph, which AOT autograd compiles later, at the first .backward().
+            return compile_fx(gm, example_inputs, config_patches=dict(self.inductor_patches))
+        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+
+    def _log_once(self, topic: str, message: str, *args) -> None:
+        if topic not in self._logged:
+            self._logged.add(topic)
+            log.info(message, *args)
+
+
+def _placeholder_sources(gm: fx.GraphModule) -> dict[str, object]:
+    """Dynamo's input sources, kept on placeholder nodes as a plain attribute; AOT autograd needs them."""
+    return {n.name: n._dynamo_source for n in gm.graph.find_nodes(op="placeholder") if hasattr(n, "_dynamo_source")}
+
+
+def _restore_placeholder_sources(gm: fx.GraphModule, sources: Mapping[str, object]) -> None:
+    # insert_casts rewrites a copy of the graph; attributes that are not node.meta do not survive the copy.
+    for node in gm.graph.find_nodes(op="placeholder"):
+        if node.name in sources and not hasattr(node, "_dynamo_source"):
+            node._dynamo_source = sources[node.name]
+
+
+def _keyed_nodes(gm: fx.GraphModule) -> dict[OpKey, fx.Node]:
+    return {node.meta[KEY_META]: node for node in op_nodes(gm)}
+
+
+# ---------------------------------------------------------------------------
+# public entry points
+
+
+def backend(plan: PlanSource = None, inner: str | Callable = "inductor", low_dtype: torch.dtype | None = None,
+            **options) -> CompfxBackend:
+    """A ``torch.compile`` backend that runs ``model`` with ``plan``'s precisions.
+
+    ``plan``: a :class:`~compfx.plan.Plan`, the path of a plan file, or None
+    (the plan ``compfx.optimize()`` cached for this model, else the default
+    AMP-equivalent plan). ``inner``: ``"inductor"``, ``"aot_eager"``,
+    ``"eager"``, another registered backend name, or a backend callable.
+    ``options``: ``model=`` (names for graphs that start inside a submodule),
+    ``cache_dir=``, ``emulate_precision_casts=``, and Inductor config patches.
+
+    >>> import torch, compfx
+    >>> model = torch.nn.Linear(4, 4)
+    >>> plan = compfx.Plan.fp32(compfx.analyze(model, torch.randn(2, 4)))
+    >>> compiled = torch.compile(model, backend=compfx.backend.backend(plan, inner="aot_eager"))
+    >>> compiled(torch.randn(2, 4)).shape
+    torch.Size([2, 4])
+    """
+    return CompfxBackend(plan, inner, low_dtype, **options)
+
+
+_default: CompfxBackend | None = None
+
+
+def compfx_backend(gm: fx.GraphModule, example_inputs: Sequence):
+    """The backend behind ``torch.compile(model, backend="compfx")``: cached plan or default, then Inductor.
+
+    One shared backend object serves every model compiled this way; to give
+    each model its own (and a plan), use :func:`backend` or :func:`compile_with_plan`.
+    """
+    global _default
+    if _default is None:
+        _default = CompfxBackend()
+    return _default(gm, example_inputs)
+
+
+def compile_with_plan(model: nn.Module, plan: PlanSource = None, inner: str | Callable = "inductor",
+                      low_dtype: torch.dtype | None = None, *, dynamic: bool | None = None,
+                      fullgraph: bool = False, **options) -> nn.Module:
+    """``torch.compile(model)`` under a compfx backend made for this model; the backend is ``.compfx_backend``.
+
+    What ``compfx.optimize(..., compile=True)`` and ``SearchConfig(measure="compiled")``
+    build on: one backend per model, with ``model=`` so graph breaks inside
+    submodules still find their plan entries.
+
+    >>> import torch, compfx
+    >>> from compfx.backend import compile_with_plan
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+    >>> compiled = compile_with_plan(model, compfx.Plan.amp(compfx.analyze(model, torch.randn(2, 4))), "aot_eager")
+    >>> compiled(torch.randn(2, 4)).dtype
+    torch.float32
+    >>> {str(k): d for k, d in compiled.compfx_backend.records[0].compute_dtypes.items()}
+    {'0:linear#0': torch.bfloat16, '1:relu#0': torch.bfloat16}
+    """
+    compfx = CompfxBackend(plan, inner, low_dtype, model=model, **options)
+    compiled = torch.compile(model, backend=compfx, dynamic=dynamic, fullgraph=fullgraph)
+    compiled.compfx_backend = compfx
+    return compiled

@@ -1,0 +1,123 @@
+"""A directory of plans that the search saved, found again by op-key fingerprint.
+
+``compfx.optimize()`` calls :func:`save_plan` when it finishes; the compile
+backend calls :func:`find_plan` (and, for graphs that dynamo split at a graph
+break, :func:`find_plan_covering`) when it is given no plan. One file per
+``(fingerprint, low dtype)``: ``<fingerprint>-<dtype>.json``, written atomically.
+
+Where the directory is, first match wins:
+
+1. the ``cache_dir`` argument,
+2. the ``COMPFX_CACHE_DIR`` environment variable,
+3. ``$XDG_CACHE_HOME/compfx/plans``, else ``~/.cache/compfx/plans``
+   (``%LOCALAPPDATA%\\compfx\\plans`` on Windows).
+
+The cache is a convenience, never the source of truth: a damaged file is
+logged and skipped, not raised.
+
+>>> import tempfile, torch, compfx
+>>> from compfx import plan_cache
+>>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+>>> a = compfx.analyze(model, torch.randn(2, 4))
+>>> folder = tempfile.mkdtemp()
+>>> _ = plan_cache.save_plan(compfx.Plan.amp(a), cache_dir=folder)
+>>> plan_cache.find_plan(a.fingerprint, a.low_dtype, cache_dir=folder) == compfx.Plan.amp(a)
+True
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from .errors import PlanFileError
+from .opkey import OpKey
+from .plan import Plan
+
+__all__ = ["CACHE_DIR_ENV", "default_cache_dir", "plan_path", "save_plan", "find_plan", "find_plan_covering"]
+
+#: Environment variable that moves the plan cache.
+CACHE_DIR_ENV = "COMPFX_CACHE_DIR"
+
+log = logging.getLogger("compfx")
+
+
+def default_cache_dir() -> Path:
+    """``$COMPFX_CACHE_DIR``, else the user's cache directory + ``compfx/plans``."""
+    configured = os.environ.get(CACHE_DIR_ENV)
+    if configured:
+        return Path(configured).expanduser()
+    if sys.platform == "win32" and os.environ.get("LOCALAPPDATA"):
+        return Path(os.environ["LOCALAPPDATA"]) / "compfx" / "plans"
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "compfx" / "plans"
+
+
+def _folder(cache_dir: str | os.PathLike | None) -> Path:
+    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def plan_path(fingerprint: str, low_dtype: torch.dtype, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Where the plan for ``(fingerprint, low_dtype)`` lives in the cache."""
+    return _folder(cache_dir) / f"{fingerprint}-{_dtype_name(low_dtype)}.json"
+
+
+def save_plan(plan: Plan, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Store ``plan`` under its fingerprint and low dtype (replacing an older one); returns the file."""
+    path = plan_path(plan.fingerprint, plan.low_dtype, cache_dir)
+    plan.save(path)
+    log.info("compfx: saved plan %s to %s", plan.fingerprint, path)
+    return path
+
+
+def _load_or_skip(path: Path) -> Plan | None:
+    try:
+        return Plan.load(path)
+    except PlanFileError as error:
+        log.warning("compfx: ignoring damaged cached plan %s (%s); delete it to silence this.", path, error)
+        return None
+
+
+def find_plan(fingerprint: str, low_dtype: torch.dtype | None = None,
+              cache_dir: str | os.PathLike | None = None) -> Plan | None:
+    """The cached plan for ``fingerprint`` (any low dtype when ``low_dtype`` is None, newest first), or None."""
+    folder = _folder(cache_dir)
+    if low_dtype is not None:
+        path = plan_path(fingerprint, low_dtype, folder)
+        return _load_or_skip(path) if path.is_file() else None
+    for path in _newest_first(folder.glob(f"{fingerprint}-*.json")):
+        plan = _load_or_skip(path)
+        if plan is not None:
+            return plan
+    return None
+
+
+def find_plan_covering(keys: Iterable[OpKey], low_dtype: torch.dtype | None = None,
+                       cache_dir: str | os.PathLike | None = None) -> Plan | None:
+    """The newest cached plan that has an entry for every key in ``keys``, or None.
+
+    For graphs that dynamo split at a graph break: such a graph holds part of
+    the model, so its own fingerprint matches no saved plan, but the plan of
+    the whole model covers its keys.
+    """
+    wanted = set(keys)
+    if not wanted:
+        return None
+    for path in _newest_first(_folder(cache_dir).glob("*.json")):
+        plan = _load_or_skip(path)
+        if plan is not None and (low_dtype is None or plan.low_dtype == low_dtype) and wanted <= set(plan):
+            return plan
+    return None
+
+
+def _newest_first(paths: Iterable[Path]) -> list[Path]:
+    return sorted(paths, key=lambda p: p.stat().st_mtime, reverse=True)
