@@ -1,0 +1,503 @@
+"""Rewrite pass: give every keyed op the precision its plan asks for, by inserting casts.
+
+Semantics (they make ``Plan.amp`` match ``torch.autocast`` exactly):
+
+* ``"low"`` / ``"fp32"``: every floating input of the op (activations *and*
+  parameters) is cast to that dtype. Exceptions:
+
+  - normalisation ops (batch/layer/group/instance norm) cast only their
+    activation; weight, bias and running stats stay FP32, which the kernels
+    accept. Casting BatchNorm's running stats would lose their in-place update.
+  - an input the op mutates (``x.add_(y)``, ``inplace=True``, ``out=``) is
+    never cast, for the same reason.
+  - float64 tensors are left alone, as autocast leaves them.
+  - composite ops that autocast casts *inside* (``multi_head_attention`` and
+    leaf ``call_module`` ops) run under ``torch.autocast(device, low_dtype)``
+    for ``"low"`` instead of having their inputs cast (see :class:`AutocastRegion`).
+
+* ``"follow"``: on an ``"other"`` op, no casts (what autocast does for unlisted
+  ops; type promotion handles mixed ``add``/``mul``). Only when the op cannot
+  take the mixed dtypes that reach it (e.g. a GRU fed bf16 activations and FP32
+  weights) are its inputs cast to the widest of them. On a whitelist/blacklist
+  op, all floating inputs are cast to the widest floating input dtype.
+
+Data movement ops (no OpKey) never get casts; their output dtype follows.
+Dtypes are tracked by re-running each node whose inputs changed dtype on
+FakeTensors, so no cast is inserted where a tensor already has the needed
+dtype. One cast node per (tensor, dtype) is shared by all consumers; a
+parameter is cast at most once per forward (autocast's weight-cast cache).
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import logging
+import operator
+from contextlib import contextmanager
+from typing import Any, Callable, Mapping
+
+import torch
+import torch.fx as fx
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.utils import _pytree as pytree
+
+from compfx.errors import PassError
+from compfx.oplists import classify
+from compfx.opkey import KEY_META, OpKey
+
+__all__ = ["insert_casts", "AutocastRegion", "CAST_META", "NORM_KINDS", "COMPOSITE_KINDS", "dtype_short_name"]
+
+PASS_NAME = "insert_casts"
+#: ``node.meta`` flag on every cast node this pass inserts.
+CAST_META = "compfx_cast"
+#: Ops whose weight/bias/running stats stay FP32 whatever the op's precision.
+NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "instance_norm"})
+#: Ops that autocast casts *inside*; "low" runs them under torch.autocast.
+COMPOSITE_KINDS = frozenset({"multi_head_attention", "gru", "lstm", "rnn_tanh", "rnn_relu"})
+_PRECISIONS = ("low", "fp32", "follow")
+_SHORT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
+_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv,
+                                operator.ifloordiv, operator.ipow, operator.imatmul})
+
+
+class _Unknown:
+    """A value the pass could not type (no metadata, fake execution failed)."""
+
+    def __repr__(self):
+        return "<unknown>"
+
+
+UNKNOWN = _Unknown()
+
+
+def dtype_short_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16 -> "bf16"``: used in the names of inserted cast nodes."""
+    return _SHORT_NAMES.get(dtype, str(dtype).replace("torch.", ""))
+
+
+class AutocastRegion(torch.nn.Module):
+    """Runs one composite op under ``torch.autocast(device_type, dtype)``.
+
+    This is how ``"low"`` runs an op that autocast casts *inside*
+    (``F.multi_head_attention_forward``, a leaf module): exactly as in eager AMP.
+    It holds no parameters of its own; a wrapped leaf module stays registered
+    where it was, so ``state_dict()`` does not change.
+
+    >>> import torch
+    >>> region = AutocastRegion(torch.nn.functional.linear, "cpu", torch.bfloat16)
+    >>> region(torch.randn(2, 3), torch.randn(4, 3)).dtype
+    torch.bfloat16
+    """
+
+    def __init__(self, fn: Callable, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        object.__setattr__(self, "fn", fn)  # not a child module: its weights belong to their own path
+        self.device_type, self.dtype = device_type, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.fn(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        return f"{name}, device_type={self.device_type!r}, dtype={self.dtype}"
+
+
+def insert_casts(
+    gm: fx.GraphModule,
+    precisions: Mapping[OpKey, str],
+    low_dtype: torch.dtype,
+    *,
+    categories: Mapping[OpKey, str] | None = None,
+    default_precision: str | None = None,
+    restore_output_dtypes: bool = True,
+) -> fx.GraphModule:
+    """Insert the casts that run each keyed op at ``precisions[key]``; returns ``gm`` (rewritten).
+
+    Works on graphs from :func:`compfx.capture` (parameters as ``get_attr``)
+    and on dynamo graphs handed to a ``torch.compile`` backend (parameters as
+    placeholders, values in ``meta["example_value"]``). ``categories`` maps
+    keys to ``"whitelist" | "blacklist" | "other"`` (default: autocast's table
+    for the graph's device). Keys missing from ``precisions`` raise, unless
+    ``default_precision`` is given. The rewrite is built on a copy of the
+    graph and swapped in at the end, so a failure leaves ``gm`` unchanged.
+
+    >>> import torch, compfx
+    >>> from compfx.passes import insert_casts
+    >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(2, 4))
+    >>> plan = {node.meta["compfx_key"]: "low" for node in compfx.op_nodes(gm)}
+    >>> gm = insert_casts(gm, plan, torch.bfloat16)
+    >>> sorted(n.name for n in gm.graph.nodes if n.meta.get("compfx_cast"))
+    ['_0_bias_bf16', '_0_weight_bf16', 'input_1_bf16', 'relu_fp32']
+    >>> gm(torch.randn(2, 4)).dtype
+    torch.float32
+    """
+    _check_arguments(gm, precisions, low_dtype, default_precision)
+    graph = copy.deepcopy(gm.graph)
+    graph.owning_module = gm  # purity checks of call_module nodes look the module up
+    inserter = _CastInserter(gm, graph, precisions, low_dtype, categories, default_precision)
+    try:
+        inserter.run(restore_output_dtypes)
+        for name, region in inserter.regions.items():
+            gm.add_submodule(name, region)
+        graph.eliminate_dead_code()
+        graph.lint()
+    except Exception as error:
+        for name in inserter.regions:
+            gm._modules.pop(name, None)
+        if isinstance(error, PassError):
+            raise
+        raise PassError(f"{PASS_NAME} failed ({type(error).__name__}: {error}); the graph module was left "
+                        "unchanged. Please report this with the model that triggers it.") from error
+    gm.graph = graph  # recompiles
+    return gm
+
+
+def _check_arguments(gm, precisions, low_dtype, default_precision) -> None:
+    if not isinstance(gm, fx.GraphModule):
+        raise PassError(f"{PASS_NAME} takes a torch.fx.GraphModule; got {type(gm).__name__}.")
+    if low_dtype not in (torch.float16, torch.bfloat16):
+        raise PassError(f"{PASS_NAME}: low_dtype={low_dtype}; expected torch.float16 or torch.bfloat16.")
+    bad = {str(k): p for k, p in precisions.items() if p not in _PRECISIONS}
+    if default_precision is not None and default_precision not in _PRECISIONS:
+        bad["default_precision"] = default_precision
+    if bad:
+        raise PassError(f"{PASS_NAME}: unknown precision(s) {dict(list(bad.items())[:3])}; expected one of "
+                        f"{_PRECISIONS}.")
+    if default_precision is None:
+        missing = [str(n.meta[KEY_META]) for n in gm.graph.nodes
+                   if KEY_META in n.meta and n.meta[KEY_META] not in precisions]
+        if missing:
+            raise PassError(f"{PASS_NAME}: no precision for {len(missing)} op(s) of the graph (e.g. {missing[:3]}); "
+                            "pass a plan made for this model, or default_precision='follow'.")
+
+
+# ---------------------------------------------------------------------------
+# values: what the pass knows about each node's output
+
+
+def meta_value(node: fx.Node):
+    """The node's recorded value: ``meta["val"]`` (compfx, export) or ``meta["example_value"]`` (dynamo)."""
+    for name in ("val", "example_value"):
+        if node.meta.get(name) is not None:
+            return node.meta[name]
+    return UNKNOWN
+
+
+def _float_leaves(value) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+def _dtypes(value) -> tuple:
+    return tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(value))
+
+
+@contextmanager
+def _quiet_fake_tensor_errors():
+    """Fake kernels log every failure; a failed probe is an answer here, not an error."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    level = logger.level
+    logger.setLevel(logging.CRITICAL)
+    try:
+        yield
+    finally:
+        logger.setLevel(level)
+
+
+def _get_attr(root: torch.nn.Module, target: str):
+    obj = root
+    for part in target.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+class _CastInserter:
+    """One run of the pass over one graph (state: node values and the cast cache)."""
+
+    def __init__(self, gm, graph, precisions, low_dtype, categories, default_precision):
+        self.gm, self.graph = gm, graph
+        self.precisions, self.low_dtype = precisions, low_dtype
+        self.default_precision = default_precision
+        self.mode = self._fake_mode()
+        self.values: dict[fx.Node, Any] = {}
+        self.original_dtypes: dict[fx.Node, tuple] = {}
+        self.casts: dict[tuple[Any, torch.dtype], fx.Node] = {}
+        self.regions: dict[str, AutocastRegion] = {}
+        self.device_type = self._device_type()
+        self.categories = categories if categories is not None else _AutocastCategories(self.device_type)
+
+    def _fake_mode(self) -> FakeTensorMode:
+        values = [meta_value(n) for n in self.graph.nodes]
+        try:
+            mode = detect_fake_mode([v for v in values if v is not UNKNOWN])
+        except Exception:  # values from several fake modes: start a fresh one
+            mode = None
+        return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
+
+    def _device_type(self) -> str:
+        for node in self.graph.nodes:
+            for leaf in pytree.tree_leaves(self._initial_value(node)):
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point():
+                    return leaf.device.type
+        return "cpu"
+
+    # -- main loop -------------------------------------------------------------
+    def run(self, restore_output_dtypes: bool) -> None:
+        nodes = list(self.graph.nodes)
+        for node in nodes:
+            self.original_dtypes[node] = _dtypes(self._initial_value(node))
+        for node in nodes:
+            if node.op == "output":
+                if restore_output_dtypes:
+                    self._restore_outputs(node)
+                continue
+            if KEY_META in node.meta:
+                self._rewrite_op(node)
+            self._update_value(node)
+
+    def _initial_value(self, node: fx.Node):
+        if node.op == "get_attr":
+            attr = _get_attr(self.gm, node.target)
+            if isinstance(attr, torch.Tensor):
+                return attr if isinstance(attr, FakeTensor) else self.mode.from_tensor(attr, static_shapes=True)
+            return attr
+        return meta_value(node)
+
+    def _value(self, node: fx.Node):
+        return self.values.get(node, UNKNOWN)
+
+    def _retyped(self, node: fx.Node) -> bool:
+        return node in self.values and _dtypes(self.values[node]) != self.original_dtypes.get(node)
+
+    # -- one keyed op ------------------------------------------------------------
+    def _precision(self, node: fx.Node) -> str:
+        return self.precisions.get(node.meta[KEY_META], self.default_precision)
+
+    def _category(self, node: fx.Node) -> str:
+        return self.categories.get(node.meta[KEY_META], "other")
+
+    def _rewrite_op(self, node: fx.Node) -> None:
+        key: OpKey = node.meta[KEY_META]
+        precision = self._precision(node)
+        if precision == "low" and (key.kind in COMPOSITE_KINDS or node.op == "call_module"):
+            self._run_under_autocast(node)
+            return
+        if precision == "follow" and self._category(node) == "other":
+            if not self._runs_as_is(node):
+                self._cast_inputs(node, self._widest_input_dtype(node))
+            return
+        dtype = {"low": self.low_dtype, "fp32": torch.float32}.get(precision) or self._widest_input_dtype(node)
+        self._cast_inputs(node, dtype)
+
+    def _castable_inputs(self, node: fx.Node) -> list[tuple[Any, fx.Node]]:
+        """(position, input node) pairs whose value this op's precision applies to."""
+        kind = node.meta[KEY_META].kind
+        mutated = _mutated_positions(node)
+        pairs = []
+        for position, value in [*enumerate(node.args), *node.kwargs.items()]:
+            if position in mutated or (kind in NORM_KINDS and position not in (0, "input")):
+                continue
+            for arg in _nodes_in(value):
+                leaf = self._value(arg)
+                if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype != torch.float64:
+                    pairs.append((position, arg))
+        return pairs
+
+    def _widest_input_dtype(self, node: fx.Node) -> torch.dtype | None:
+        dtypes = [self._value(arg).dtype for _, arg in self._castable_inputs(node)]
+        if not dtypes:
+            return None
+        widest = dtypes[0]
+        for dtype in dtypes[1:]:
+            widest = torch.promote_types(widest, dtype)
+        return widest
+
+    def _cast_inputs(self, node: fx.Node, dtype: torch.dtype | None) -> None:
+        if dtype is None:
+            return
+        castable = dict.fromkeys(arg for _, arg in self._castable_inputs(node))  # ordered, no repeats
+        replace = {arg: self._cast(arg, dtype, node) for arg in castable if self._value(arg).dtype != dtype}
+        if replace:
+            _replace_inputs(node, replace)
+
+    def _runs_as_is(self, node: fx.Node) -> bool:
+        """Can an op with no casts of its own run on the dtypes that reach it?"""
+        dtypes = {self._value(arg).dtype for _, arg in self._castable_inputs(node)}
+        if len(dtypes) <= 1 or self._is_impure(node):
+            return True
+        return self._execute(node) is not UNKNOWN
+
+    def _run_under_autocast(self, node: fx.Node) -> None:
+        if node.op == "call_module":
+            fn = self.gm.get_submodule(node.target)
+        elif node.op == "call_function":
+            fn = node.target
+        else:  # call_method: no function to wrap; cast like any other op
+            self._cast_inputs(node, self.low_dtype)
+            return
+        name = self._free_name(f"{node.meta[KEY_META].module or node.name}_autocast_{dtype_short_name(self.low_dtype)}")
+        self.regions[name] = AutocastRegion(fn, self.device_type, self.low_dtype)
+        node.op, node.target = "call_module", name
+
+    def _free_name(self, wanted: str) -> str:
+        base = wanted.replace(".", "_")
+        name, i = base, 1
+        while hasattr(self.gm, name) or name in self.regions:
+            name, i = f"{base}_{i}", i + 1
+        return name
+
+    # -- casts ---------------------------------------------------------------------
+    def _cast(self, source: fx.Node, dtype: torch.dtype, consumer: fx.Node) -> fx.Node:
+        identity = self._identity(source)
+        cached = self.casts.get((identity, dtype))
+        if cached is not None:
+            return cached
+        with self.graph.inserting_before(consumer):
+            cast = self.graph.create_node("call_method", "to", (source, dtype), {},
+                                          name=f"{source.name}_{dtype_short_name(dtype)}")
+        self._describe_cast(cast, source, dtype, consumer)
+        self.casts[(identity, dtype)] = cast
+        return cast
+
+    def _identity(self, node: fx.Node):
+        """Casts are shared per tensor: two get_attr nodes of one parameter share one cast."""
+        if node.op == "get_attr":
+            return ("attr", id(_get_attr(self.gm, node.target)))
+        return node
+
+    def _describe_cast(self, cast: fx.Node, source: fx.Node, dtype: torch.dtype, consumer: fx.Node) -> None:
+        """FX does not propagate metadata: give the cast its module stack, value and tensor_meta."""
+        for name in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+            if name in consumer.meta:
+                cast.meta[name] = copy.copy(consumer.meta[name])
+        cast.meta[CAST_META] = True
+        with self.mode:
+            value = self._value(source).to(dtype)
+        self.values[cast] = value
+        self.original_dtypes[cast] = (dtype,)
+        self._write_meta(cast, value, like=source)
+
+    def _restore_outputs(self, output: fx.Node) -> None:
+        """Return the outputs in the dtypes the original graph returned."""
+        replace = {}
+        for arg in _nodes_in(output.args):
+            value, original = self._value(arg), self.original_dtypes.get(arg, ())
+            if (isinstance(value, torch.Tensor) and value.is_floating_point() and len(original) == 1
+                    and original[0] is not None and original[0] != value.dtype):
+                replace[arg] = self._cast(arg, original[0], output)
+        if replace:
+            _replace_inputs(output, replace)
+
+    # -- dtype tracking ------------------------------------------------------------
+    def _update_value(self, node: fx.Node) -> None:
+        inputs_changed = any(arg.meta.get(CAST_META) or self._retyped(arg) for arg in node.all_input_nodes)
+        if node.op in ("placeholder", "get_attr") or not (inputs_changed or node.target in self.regions):
+            self.values[node] = self._initial_value(node)
+            return
+        value = UNKNOWN if self._is_impure(node) else self._execute(node)
+        if value is UNKNOWN:
+            value = self._guess_value(node)
+        self.values[node] = value
+        if self._retyped(node):
+            self._write_meta(node, value, like=node)
+
+    def _is_impure(self, node: fx.Node) -> bool:
+        """Side-effecting nodes (autocast enter/exit, RNG state...) are never re-run on fakes."""
+        return node.target not in self.regions and node.is_impure()
+
+    def _execute(self, node: fx.Node):
+        """Run the node on FakeTensors; UNKNOWN when it cannot run."""
+        args, kwargs = fx.node.map_arg((node.args, node.kwargs), self._value)
+        if any(leaf is UNKNOWN for leaf in pytree.tree_leaves((args, kwargs))):
+            return UNKNOWN
+        try:
+            with _quiet_fake_tensor_errors(), self.mode:
+                if node.op == "call_function":
+                    return node.target(*args, **kwargs)
+                if node.op == "call_method":
+                    return getattr(args[0], node.target)(*args[1:], **kwargs)
+                if node.op == "call_module":
+                    module = self.regions.get(node.target) or self.gm.get_submodule(node.target)
+                    return module(*args, **kwargs)
+        except Exception:  # noqa: BLE001 - an op that cannot run on these dtypes
+            return UNKNOWN
+        return UNKNOWN
+
+    def _guess_value(self, node: fx.Node):
+        """Conservative typing when fake execution fails: float outputs take the promoted input dtype."""
+        original = meta_value(node)
+        dtypes = [t.dtype for arg in node.all_input_nodes for t in _float_leaves(self._value(arg))]
+        if original is UNKNOWN or not dtypes:
+            return original
+        promoted = dtypes[0]
+        for dtype in dtypes[1:]:
+            promoted = torch.promote_types(promoted, dtype)
+        with self.mode:
+            return pytree.tree_map_only(
+                torch.Tensor, lambda t: t.to(promoted) if t.is_floating_point() else t, original)
+
+    def _write_meta(self, node: fx.Node, value, like: fx.Node) -> None:
+        keys = [k for k in ("val", "example_value") if k in like.meta] or ["val"]
+        for key in keys:
+            node.meta[key] = value
+        if "tensor_meta" in like.meta and isinstance(value, torch.Tensor):
+            node.meta["tensor_meta"] = _extract_tensor_metadata(value)
+
+
+class _AutocastCategories(Mapping):
+    """Default categories: autocast's table for the graph's device type."""
+
+    def __init__(self, device_type: str):
+        self.device_type = device_type
+
+    def __getitem__(self, key: OpKey) -> str:
+        return classify(key.kind, self.device_type)
+
+    def get(self, key, default=None):
+        return self[key]
+
+    def __iter__(self):
+        return iter(())
+
+    def __len__(self):
+        return 0
+
+
+# ---------------------------------------------------------------------------
+# graph helpers
+
+
+def _nodes_in(value) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(value, lambda n: found.append(n) or n)
+    return found
+
+
+def _replace_inputs(node: fx.Node, replace: Mapping[fx.Node, fx.Node]) -> None:
+    node.args = fx.node.map_arg(node.args, lambda n: replace.get(n, n))
+    node.kwargs = fx.node.map_arg(node.kwargs, lambda n: replace.get(n, n))
+
+
+def _mutated_positions(node: fx.Node) -> set:
+    """Argument positions the op writes to: never cast them, or the write is lost."""
+    positions = {"out"}
+    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
+    in_place_name = name.endswith("_") and not name.endswith("__")
+    if in_place_name or node.target in _INPLACE_OPERATORS or _passes_inplace_true(node):
+        positions |= {0, "input", "self"}
+    return positions
+
+
+def _passes_inplace_true(node: fx.Node) -> bool:
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op != "call_function":
+        return False
+    try:
+        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
+    except (TypeError, ValueError):  # builtins without a signature
+        return False
+    return bound.arguments.get("inplace") is True
