@@ -1,0 +1,771 @@
+"""Cost model for the search: per-op profiles, a cast-cost fit and a step-time predictor.
+
+CoMP measures every candidate plan. On a device where the low dtype is slow
+(bf16 matmul on most CPUs), each low-precision candidate costs tens of FP32
+batches before exact pruning can stop it. Following Campo and QSync, compfx
+profiles each op once, in isolation, at its real input shapes, and predicts a
+plan's step time as
+
+    sum of per-op forward+backward times at the dtype each op runs in
+  + the casts the plan's rewritten graph actually contains (alpha*numel + beta,
+    forward cast plus the reverse cast of the gradient)
+  + a fixed per-step overhead calibrated on the measured FP32 step.
+
+The prediction only decides what is worth measuring (the "should we" side, as
+in Inductor's ``pad_mm``); measurement still makes the final decision.
+
+Profiles are cached as one small JSON file per (op signature, dtype, device,
+torch version, threads) under ``<cache root>/profiles/``, so a second search
+on the same model measures nothing.
+
+>>> import torch, compfx
+>>> from compfx.costmodel import Predictor
+>>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+>>> a = compfx.analyze(model, torch.randn(8, 16))
+>>> predictor = Predictor.build(a, repeats=2, cache_dir=None, use_cache=False)
+>>> predictor.predict(a.graph_module) > 0
+True
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Mapping, Sequence
+
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils import _pytree as pytree
+from torch.utils import benchmark
+
+from .errors import BadInputError, PlanFileError, SearchError
+from .files import read_json, write_json_atomic
+from .opkey import KEY_META, OpKey, normalize_kind
+
+__all__ = [
+    "OpProfile",
+    "OpProfiles",
+    "CastCost",
+    "Prediction",
+    "Predictor",
+    "profile_ops",
+    "fit_cast_cost",
+    "profile_cache_dir",
+    "device_name",
+    "find_casts",
+    "rank_by_prediction",
+    "should_skip",
+    "skip_message",
+    "median_abs_percentage_error",
+]
+
+_OP_FORMAT = "compfx-op-profile"
+_CAST_FORMAT = "compfx-cast-cost"
+_CACHE_VERSION = 1
+
+# Norm ops run their activation in the low dtype but keep weight, bias and
+# running statistics in FP32 (what the cast pass and autocast do), so only
+# their first argument is cast when they are profiled at the low dtype.
+NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"})
+
+# Spellings of a dtype conversion; a node is a cast only when it also changes
+# the floating dtype of its input.
+CAST_KINDS = frozenset({"to", "type", "type_as", "float", "half", "bfloat16", "double",
+                        "convert_element_type", "to_copy", "_to_copy"})
+
+_DTYPE_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
+                  "float64": torch.float64}
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+# ---------------------------------------------------------------------------
+# cache location and device identity
+
+
+def profile_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
+    """Folder for profile files: ``<root>/profiles`` with root ``cache_dir``, ``$COMPFX_CACHE_DIR`` or ``~/.cache/compfx``.
+
+    >>> profile_cache_dir("/tmp/c").as_posix()
+    '/tmp/c/profiles'
+    """
+    if cache_dir is None:
+        cache_dir = _default_cache_root()
+    return Path(cache_dir).expanduser() / "profiles"
+
+
+def _default_cache_root() -> Path:
+    try:  # one definition of the cache root when the plan cache exists
+        from .plan_cache import default_cache_dir  # type: ignore[attr-defined]
+
+        return Path(default_cache_dir())
+    except (ImportError, AttributeError):
+        return Path(os.environ.get("COMPFX_CACHE_DIR") or Path.home() / ".cache" / "compfx")
+
+
+def device_name(device: torch.device | str) -> str:
+    """Name that identifies the hardware a profile was taken on.
+
+    CPU timings depend on the thread count, so it is part of the name.
+
+    >>> device_name("cpu").startswith("cpu:")
+    True
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{_cpu_model()}:{platform.machine()}:threads={torch.get_num_threads()}"
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+# ---------------------------------------------------------------------------
+# one op, in isolation
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """Forward+backward seconds of one op at FP32 and at the low dtype.
+
+    ``skipped`` says why the op could not be run in isolation; its times are
+    then 0 and its cost ends up in the calibrated per-step overhead.
+    """
+
+    key: OpKey
+    fp32_s: float
+    low_s: float
+    skipped: str = ""
+
+    def seconds(self, low: bool) -> float:
+        return self.low_s if low else self.fp32_s
+
+
+@dataclass(frozen=True, eq=False)
+class OpProfiles(Mapping[OpKey, OpProfile]):
+    """Profiles of every op of one analysis, plus what taking them cost.
+
+    ``measured`` counts (op, dtype) timings taken by this call, ``reused`` those
+    read from the cache, ``seconds`` the wall time the call spent.
+    """
+
+    ops: Mapping[OpKey, OpProfile]
+    low_dtype: torch.dtype
+    device: torch.device
+    measured: int = 0
+    reused: int = 0
+    seconds: float = 0.0
+
+    def __getitem__(self, key: OpKey) -> OpProfile:
+        return self.ops[key]
+
+    def __iter__(self) -> Iterator[OpKey]:
+        return iter(self.ops)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    @property
+    def skipped(self) -> dict[OpKey, str]:
+        return {k: p.skipped for k, p in self.ops.items() if p.skipped}
+
+
+class _OpBench:
+    """Real tensors for one node, built from its recorded metadata, and a fwd+bwd closure."""
+
+    def __init__(self, gm: fx.GraphModule, node: fx.Node, device: torch.device):
+        self.node = node
+        self.kind = node.meta[KEY_META].kind
+        self.device = device
+        self.values = pytree.tree_map(lambda a: self._value(gm, a) if isinstance(a, fx.Node) else a,
+                                      (node.args, node.kwargs))
+
+    def _value(self, gm: fx.GraphModule, arg: fx.Node):
+        if arg.op == "get_attr":  # parameters and buffers: the real thing (BN running stats have no val)
+            attr = gm
+            for part in arg.target.split("."):
+                attr = getattr(attr, part)
+            return attr
+        return arg.meta.get("val")
+
+    def signature(self) -> dict:
+        """JSON-able description of the call: kind, target, tensor metadata and the other arguments."""
+        def describe(value):
+            if isinstance(value, torch.Tensor):
+                return {"shape": list(value.shape), "stride": list(value.stride()),
+                        "dtype": _dtype_name(value.dtype), "grad": bool(value.requires_grad)}
+            return repr(value)
+
+        args, kwargs = pytree.tree_map(describe, self.values)
+        return {"kind": self.kind, "op": self.node.op, "target": _target_name(self.node.target),
+                "args": args, "kwargs": kwargs}
+
+    def cast_positions(self) -> set[int]:
+        """Indices (into the flattened arguments) of the floating tensors the low variant casts."""
+        leaves = pytree.tree_leaves(self.values)
+        floating = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.is_floating_point()]
+        if self.kind in NORM_KINDS:  # the activation is the first argument
+            return set(floating[:1]) if floating and floating[0] == 0 else set()
+        return set(floating)
+
+    def make_step(self, dtype: torch.dtype) -> Callable[[], None]:
+        """A closure running the op forward and backward at ``dtype`` (FP32 = no casts)."""
+        leaves, spec = pytree.tree_flatten(self.values)
+        casts = self.cast_positions() if dtype != torch.float32 else set()
+        real = [self._real(v, dtype if i in casts else None) if isinstance(v, torch.Tensor) else v
+                for i, v in enumerate(leaves)]
+        grad_inputs = [t for t in real if isinstance(t, torch.Tensor) and t.requires_grad]
+        args, kwargs = pytree.tree_unflatten(real, spec)
+        call = self._callable()
+        grads: list[torch.Tensor] = []
+
+        def forward():
+            out = call(*args, **kwargs)
+            return [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+
+        outs = forward()  # one dry run: learn the outputs that carry gradients
+        grads.extend(torch.ones_like(o) for o in outs)
+
+        def step():
+            outs = forward()
+            if outs and grad_inputs:
+                torch.autograd.grad(outs, grad_inputs, grads, allow_unused=True)
+
+        step()
+        return step
+
+    def _real(self, value: torch.Tensor, cast_to: torch.dtype | None) -> torch.Tensor:
+        requires_grad = bool(value.requires_grad) and value.is_floating_point()
+        if isinstance(value, torch._subclasses.FakeTensor):
+            real = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=self.device)
+            if real.is_floating_point():
+                real.normal_()
+            else:  # ids, indices, masks: zeros are always in range
+                real.zero_()
+        else:
+            real = value.detach().clone().to(self.device)
+        if cast_to is not None:
+            real = real.to(cast_to)
+        return real.requires_grad_(requires_grad)
+
+    def _callable(self) -> Callable:
+        node = self.node
+        if node.op == "call_function":
+            return node.target
+        if node.op == "call_method":
+            return lambda self_, *a, **k: getattr(self_, node.target)(*a, **k)
+        raise _Unprofilable(f"{node.op} nodes are not profiled in isolation (leaf module {node.target!r})")
+
+
+class _Unprofilable(Exception):
+    pass
+
+
+def _target_name(target) -> str:
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
+    return f"{module}.{name}" if module else name
+
+
+def _time_step(step: Callable[[], None], device: torch.device, *, repeats: int, warmup: int,
+               block_s: float, budget_s: float) -> float:
+    """Median seconds of one call: ``warmup`` calls, then up to ``repeats`` timed blocks.
+
+    A block repeats the call until it lasts about ``block_s``; blocks stop early
+    once ``budget_s`` is spent, so ops that are slow (low precision on a CPU) are
+    timed a few times rather than many. ``benchmark.Timer`` synchronises CUDA.
+    """
+    for _ in range(warmup):
+        step()
+    timer = benchmark.Timer(stmt="step()", globals={"step": step}, num_threads=torch.get_num_threads())
+    first = timer.timeit(1).median
+    number = max(1, int(block_s / max(first, 1e-9)))
+    samples = [first] if number == 1 else []
+    spent = first
+    while len(samples) < repeats and (spent < budget_s or not samples):
+        sample = timer.timeit(number).median
+        samples.append(sample)
+        spent += sample * number
+    _synchronize(device)
+    return statistics.median(samples)
+
+
+# ---------------------------------------------------------------------------
+# cache files
+
+
+def _entry_path(root: Path, key: Mapping[str, Any]) -> Path:
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:32]
+    return root / f"{digest}.json"
+
+
+def _read_entry(path: Path, key: Mapping[str, Any], fmt: str) -> Mapping | None:
+    """The cached entry for ``key``; None when missing, damaged or written for another key."""
+    if not path.exists():
+        return None
+    try:
+        data = read_json(path, "profile cache entry")
+    except PlanFileError:
+        return None  # a damaged entry is measured again and overwritten
+    if not isinstance(data, Mapping) or data.get("format") != fmt or data.get("key") != json.loads(json.dumps(key)):
+        return None
+    return data
+
+
+def _write_entry(path: Path, key: Mapping[str, Any], fmt: str, result: Mapping[str, Any]) -> None:
+    write_json_atomic(path, {"format": fmt, "version": _CACHE_VERSION, "key": key, **result})
+
+
+def _op_cache_key(signature: Mapping, dtype: torch.dtype, device: torch.device, casts: Iterable[int]) -> dict:
+    return {"signature": signature, "dtype": _dtype_name(dtype), "cast_inputs": sorted(casts),
+            "device": device_name(device), "torch": torch.__version__, "version": _CACHE_VERSION}
+
+
+# ---------------------------------------------------------------------------
+# profile_ops
+
+
+def profile_ops(
+    analysis,
+    *,
+    low_dtype: torch.dtype | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    block_s: float = 1e-3,
+    budget_s: float = 0.01,
+    cache_dir: str | os.PathLike | None = None,
+    use_cache: bool = True,
+    keys: Iterable[OpKey] | None = None,
+) -> OpProfiles:
+    """Time every op of ``analysis`` forward+backward, in isolation, at FP32 and at the low dtype.
+
+    Each op runs on real tensors made from its recorded input metadata
+    (floating inputs random, integer inputs zero, parameters and buffers the
+    model's own), with ``requires_grad`` where the model has it, and a ones
+    gradient into its floating outputs. At the low dtype every floating input
+    is cast, except for norm ops, which cast only the activation. Ops that
+    cannot run in isolation get time 0 and a ``skipped`` reason. ``keys``
+    limits profiling to some ops (default: all of ``analysis.ops``).
+
+    >>> import torch, compfx
+    >>> from compfx.costmodel import profile_ops
+    >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), torch.randn(4, 8))
+    >>> p = profile_ops(a, repeats=2, use_cache=False)
+    >>> sorted(str(k) for k in p), p.measured
+    (['0:linear#0', '1:relu#0'], 4)
+    """
+    if repeats < 1 or warmup < 0:
+        raise BadInputError(f"repeats={repeats}, warmup={warmup}; expected repeats >= 1 and warmup >= 0.")
+    low_dtype = low_dtype or analysis.low_dtype
+    device = torch.device(analysis.device)
+    root = profile_cache_dir(cache_dir) if use_cache else None
+    wanted = set(keys) if keys is not None else None
+    nodes = {n.meta[KEY_META]: n for n in analysis.graph_module.graph.nodes if KEY_META in n.meta}
+    start = time.perf_counter()
+    counts = {"measured": 0, "reused": 0}
+    profiles = {}
+    for op in analysis.ops:
+        if wanted is not None and op.key not in wanted:
+            continue
+        profiles[op.key] = _profile_one(analysis.graph_module, nodes[op.key], device, low_dtype, root, counts,
+                                        dict(repeats=repeats, warmup=warmup, block_s=block_s, budget_s=budget_s))
+    return OpProfiles(profiles, low_dtype, device, counts["measured"], counts["reused"], time.perf_counter() - start)
+
+
+def _profile_one(gm, node, device, low_dtype, root, counts, timing) -> OpProfile:
+    key: OpKey = node.meta[KEY_META]
+    try:
+        bench = _OpBench(gm, node, device)
+        signature = bench.signature()
+        casts = bench.cast_positions()
+    except Exception as error:  # noqa: BLE001 - an op we cannot describe is simply not predicted
+        return OpProfile(key, 0.0, 0.0, f"could not build inputs: {type(error).__name__}: {error}")
+    seconds, reasons = {}, []
+    for dtype in (torch.float32, low_dtype):
+        cache_key = _op_cache_key(signature, dtype, device, casts if dtype != torch.float32 else ())
+        seconds[dtype], reason = _cached_or_measured(bench, dtype, cache_key, root, counts, timing)
+        if reason:
+            reasons.append(f"{_dtype_name(dtype)}: {reason}")
+    if reasons:  # half a profile would mislead the predictor; treat the op as unknown
+        return OpProfile(key, 0.0, 0.0, "; ".join(reasons))
+    return OpProfile(key, seconds[torch.float32], seconds[low_dtype])
+
+
+def _cached_or_measured(bench: _OpBench, dtype, cache_key, root, counts, timing) -> tuple[float, str]:
+    path = _entry_path(root, cache_key) if root is not None else None
+    cached = _read_entry(path, cache_key, _OP_FORMAT) if path is not None else None
+    if cached is not None:
+        counts["reused"] += 1
+        return float(cached["seconds"]), str(cached.get("skipped") or "")
+    counts["measured"] += 1
+    try:
+        seconds, reason = _time_step(bench.make_step(dtype), bench.device, **timing), ""
+    except Exception as error:  # noqa: BLE001 - e.g. an in-place op on a leaf, an op without a bf16 kernel
+        seconds, reason = 0.0, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    if path is not None:
+        _write_entry(path, cache_key, _OP_FORMAT, {"seconds": seconds, "skipped": reason or None})
+    return seconds, reason
+
+
+# ---------------------------------------------------------------------------
+# cast cost
+
+
+@dataclass(frozen=True)
+class CastCost:
+    """Seconds of one dtype cast as ``alpha * numel + beta``, per (src, dst) dtype pair.
+
+    >>> cost = CastCost({(torch.float32, torch.bfloat16): (1e-9, 2e-6)})
+    >>> round(cost.seconds(torch.float32, torch.bfloat16, 1000), 9)
+    3e-06
+    """
+
+    coefficients: Mapping[tuple[torch.dtype, torch.dtype], tuple[float, float]]
+    device: str = ""
+
+    def seconds(self, src: torch.dtype, dst: torch.dtype, numel: int) -> float:
+        if src == dst:
+            return 0.0
+        if (src, dst) not in self.coefficients:
+            known = ", ".join(f"{_dtype_name(s)}->{_dtype_name(d)}" for s, d in self.coefficients)
+            raise SearchError(f"no cast cost fitted for {_dtype_name(src)}->{_dtype_name(dst)} (fitted: {known}); "
+                              "call fit_cast_cost(device, pairs=...) with this pair.")
+        alpha, beta = self.coefficients[(src, dst)]
+        return alpha * numel + beta
+
+    def to_dict(self) -> dict:
+        return {"device": self.device,
+                "pairs": [{"src": _dtype_name(s), "dst": _dtype_name(d), "alpha": a, "beta": b}
+                          for (s, d), (a, b) in self.coefficients.items()]}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "CastCost":
+        return cls({(_DTYPE_BY_NAME[p["src"]], _DTYPE_BY_NAME[p["dst"]]): (float(p["alpha"]), float(p["beta"]))
+                    for p in data["pairs"]}, str(data.get("device", "")))
+
+
+DEFAULT_CAST_SIZES = (1 << 8, 1 << 11, 1 << 14, 1 << 17, 1 << 20)
+
+
+def fit_cast_cost(
+    device: torch.device | str = "cpu",
+    pairs: Sequence[tuple[torch.dtype, torch.dtype]] | None = None,
+    sizes: Sequence[int] = DEFAULT_CAST_SIZES,
+    *,
+    repeats: int = 3,
+    cache_dir: str | os.PathLike | None = None,
+    use_cache: bool = True,
+) -> CastCost:
+    """Fit ``alpha * numel + beta`` to measured cast times for each (src, dst) pair.
+
+    ``pairs`` defaults to FP32 <-> the device's default low dtype (fp16 on CUDA,
+    bf16 elsewhere). The fit is least squares on relative error (rows weighted
+    by 1/time), because small tensors, where ``beta`` dominates, are most of the
+    casts in a model. Coefficients are clamped at 0.
+
+    >>> cost = fit_cast_cost("cpu", sizes=(256, 4096, 65536), use_cache=False)
+    >>> cost.seconds(torch.float32, torch.bfloat16, 65536) > cost.seconds(torch.float32, torch.bfloat16, 256)
+    True
+    """
+    device = torch.device(device)
+    if pairs is None:
+        low = torch.float16 if device.type == "cuda" else torch.bfloat16
+        pairs = ((torch.float32, low), (low, torch.float32))
+    if len(set(sizes)) < 2:
+        raise BadInputError(f"sizes={tuple(sizes)}; fitting alpha*numel + beta needs at least two distinct sizes.")
+    root = profile_cache_dir(cache_dir) if use_cache else None
+    coefficients = {}
+    for src, dst in pairs:
+        key = {"cast": [_dtype_name(src), _dtype_name(dst)], "sizes": sorted(sizes),
+               "device": device_name(device), "torch": torch.__version__, "version": _CACHE_VERSION}
+        path = _entry_path(root, key) if root is not None else None
+        cached = _read_entry(path, key, _CAST_FORMAT) if path is not None else None
+        if cached is None:
+            times = [_time_cast(src, dst, n, device, repeats) for n in sorted(sizes)]
+            alpha, beta = _fit_line(sorted(sizes), times)
+            if path is not None:
+                _write_entry(path, key, _CAST_FORMAT, {"alpha": alpha, "beta": beta, "times": times})
+        else:
+            alpha, beta = float(cached["alpha"]), float(cached["beta"])
+        coefficients[(src, dst)] = (alpha, beta)
+    return CastCost(coefficients, device_name(device))
+
+
+def _time_cast(src: torch.dtype, dst: torch.dtype, numel: int, device: torch.device, repeats: int) -> float:
+    source = torch.randn(numel, device=device).to(src)
+    return _time_step(lambda: source.to(dst), device, repeats=repeats, warmup=1, block_s=1e-3, budget_s=0.01)
+
+
+def _fit_line(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
+    x = torch.tensor(sizes, dtype=torch.float64)
+    y = torch.tensor(times, dtype=torch.float64)
+    weight = 1.0 / y.clamp_min(1e-12)
+    design = torch.stack([x, torch.ones_like(x)], dim=1) * weight[:, None]
+    solution = torch.linalg.lstsq(design, (y * weight)[:, None]).solution.squeeze(1)
+    return max(float(solution[0]), 0.0), max(float(solution[1]), 0.0)
+
+
+# ---------------------------------------------------------------------------
+# reading a rewritten graph: the dtype every node runs in, and its casts
+
+
+class _FakeValues(fx.Interpreter):
+    """Runs a graph on FakeTensors and keeps every node's value (the graph's own meta is left alone).
+
+    A cast pass may not refresh ``meta["val"]`` downstream of the casts it
+    inserts, so the dtypes are recomputed here rather than trusted.
+    """
+
+    def __init__(self, gm: fx.GraphModule):
+        super().__init__(gm)
+        self.fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+        self.values: dict[fx.Node, Any] = {}
+
+    def run_node(self, node: fx.Node):
+        with self.fake_mode:
+            value = self._placeholder(node) if node.op == "placeholder" else super().run_node(node)
+        self.values[node] = value
+        return value
+
+    @staticmethod
+    def _placeholder(node: fx.Node):
+        value = node.meta.get("val")
+        if isinstance(value, torch.Tensor):
+            return torch.empty_strided(value.shape, value.stride(), dtype=value.dtype,
+                                       device=value.device).requires_grad_(bool(value.requires_grad))
+        return value
+
+
+def _graph_values(gm: fx.GraphModule) -> dict[fx.Node, Any]:
+    interpreter = _FakeValues(gm)
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    try:
+        interpreter.run(*[None] * len(placeholders), enable_io_processing=False)
+    except Exception as error:
+        raise SearchError(
+            f"the cost model could not propagate dtypes through the rewritten graph "
+            f"({type(error).__name__}: {error}); check that the plan's graph runs, or predict with "
+            "predictor='off'."
+        ) from error
+    return interpreter.values
+
+
+@dataclass(frozen=True)
+class CastInfo:
+    """One dtype-changing node of a rewritten graph."""
+
+    node: str
+    src: torch.dtype
+    dst: torch.dtype
+    numel: int
+    backward: bool  # its input needs a gradient, so backward casts the gradient back
+
+
+def find_casts(gm: fx.GraphModule, values: Mapping[fx.Node, Any] | None = None) -> list[CastInfo]:
+    """The casts a graph contains: un-keyed conversion nodes that change the floating dtype.
+
+    >>> import torch, torch.fx as fx
+    >>> gm = fx.symbolic_trace(torch.nn.Sequential(torch.nn.Linear(4, 4)))
+    >>> find_casts(gm)  # a traced graph without FakeTensor metadata has no casts we can see
+    []
+    """
+    values = values if values is not None else {n: n.meta.get("val") for n in gm.graph.nodes}
+    casts = []
+    for node in gm.graph.nodes:
+        if node.op not in ("call_function", "call_method") or KEY_META in node.meta:
+            continue
+        if normalize_kind(node.op, node.target) not in CAST_KINDS:
+            continue
+        source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        before, after = values.get(source), values.get(node)
+        if not (isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)):
+            continue
+        if before.is_floating_point() and after.is_floating_point() and before.dtype != after.dtype:
+            casts.append(CastInfo(node.name, before.dtype, after.dtype, after.numel(), bool(before.requires_grad)))
+    return casts
+
+
+def _runs_low(node: fx.Node, values: Mapping[fx.Node, Any], low_dtype: torch.dtype) -> bool:
+    """True when every input the low profile casts arrives in the low dtype (else the op runs in FP32)."""
+    inputs = pytree.tree_leaves(pytree.tree_map(lambda a: values.get(a) if isinstance(a, fx.Node) else a,
+                                                (node.args, node.kwargs)))
+    floating = [v for v in inputs if isinstance(v, torch.Tensor) and v.is_floating_point()]
+    if node.meta[KEY_META].kind in NORM_KINDS:
+        floating = floating[:1]
+    return bool(floating) and all(v.dtype == low_dtype for v in floating)
+
+
+# ---------------------------------------------------------------------------
+# the predictor
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted step time and where it comes from."""
+
+    seconds: float
+    compute_s: float
+    cast_s: float
+    overhead_s: float
+    low_ops: tuple[OpKey, ...] = ()
+    casts: tuple[CastInfo, ...] = field(default=(), repr=False)
+
+    @property
+    def n_casts(self) -> int:
+        return len(self.casts)
+
+
+class Predictor:
+    """Predicts the seconds of one training step of a plan from profiles and the plan's rewritten graph.
+
+    ``predict`` takes a rewritten ``GraphModule``, a :class:`~compfx.plan.Plan`
+    or a CoMP bitstring; the last two need ``analysis`` and ``rewrite(plan) ->
+    GraphModule`` (the cast pass applied to ``analysis.graph_module``).
+    :meth:`calibrate` sets ``overhead`` from one measured FP32 step, so the FP32
+    plan is predicted exactly.
+
+    >>> import torch, compfx
+    >>> from compfx.costmodel import Predictor, profile_ops, CastCost
+    >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(8, 8)), torch.randn(4, 8))
+    >>> p = Predictor(profile_ops(a, repeats=1, use_cache=False), CastCost({}), analysis=a)
+    >>> p.calibrate(1.0).predict(a.graph_module)
+    1.0
+    """
+
+    def __init__(self, profiles: OpProfiles, cast_cost: CastCost, overhead: float = 0.0, *,
+                 analysis=None, rewrite: Callable[[Any], fx.GraphModule] | None = None):
+        self.profiles = profiles
+        self.cast_cost = cast_cost
+        self.overhead = float(overhead)
+        self.analysis = analysis
+        self.rewrite = rewrite
+
+    @classmethod
+    def build(cls, analysis, *, rewrite: Callable[[Any], fx.GraphModule] | None = None,
+              cache_dir: str | os.PathLike | None = None, use_cache: bool = True, **profile_kwargs) -> "Predictor":
+        """Profile ``analysis`` (through the cache) and fit the cast cost of its device."""
+        profiles = profile_ops(analysis, cache_dir=cache_dir, use_cache=use_cache, **profile_kwargs)
+        pairs = ((torch.float32, profiles.low_dtype), (profiles.low_dtype, torch.float32))
+        cast_cost = fit_cast_cost(analysis.device, pairs, cache_dir=cache_dir, use_cache=use_cache)
+        return cls(profiles, cast_cost, analysis=analysis, rewrite=rewrite)
+
+    def calibrate(self, measured_fp32_step_seconds: float) -> "Predictor":
+        """Set the per-step overhead to measured FP32 step minus predicted FP32 compute; returns self.
+
+        The overhead holds what profiles do not see: loss, optimizer step, data
+        movement, Python dispatch. It can be negative when isolated ops run slower
+        than in the model.
+        """
+        if not (measured_fp32_step_seconds > 0 and math.isfinite(measured_fp32_step_seconds)):
+            raise BadInputError(f"measured_fp32_step_seconds={measured_fp32_step_seconds}; expected a positive time.")
+        if self.analysis is None:
+            raise SearchError("calibrate() needs the FP32 graph; build the Predictor with analysis=...")
+        fp32 = self._breakdown_graph(self.analysis.graph_module, overhead=0.0)
+        self.overhead = measured_fp32_step_seconds - fp32.seconds
+        return self
+
+    def predict(self, plan_or_graph) -> float:
+        """Predicted seconds of one training step (forward, backward, optimizer)."""
+        return self.breakdown(plan_or_graph).seconds
+
+    def breakdown(self, plan_or_graph) -> Prediction:
+        """The prediction split into compute, casts and overhead."""
+        return self._breakdown_graph(self._graph_of(plan_or_graph), self.overhead)
+
+    def _graph_of(self, plan_or_graph) -> fx.GraphModule:
+        if isinstance(plan_or_graph, fx.GraphModule):
+            return plan_or_graph
+        if self.rewrite is None or self.analysis is None:
+            raise SearchError("Predictor.predict() got a plan but has no analysis or rewrite function; build it with "
+                              "analysis=... and rewrite=<plan -> rewritten GraphModule>, or pass the rewritten graph.")
+        if isinstance(plan_or_graph, str):
+            from .plan import Plan
+
+            plan_or_graph = Plan.from_bitstring(self.analysis, plan_or_graph)
+        return self.rewrite(plan_or_graph)
+
+    def _breakdown_graph(self, gm: fx.GraphModule, overhead: float) -> Prediction:
+        values = _graph_values(gm)
+        low_dtype = self.profiles.low_dtype
+        compute, low_ops = 0.0, []
+        for node in gm.graph.nodes:
+            key = node.meta.get(KEY_META)
+            if key is None or key not in self.profiles or node not in values:
+                continue
+            low = _runs_low(node, values, low_dtype)
+            compute += self.profiles[key].seconds(low)
+            if low:
+                low_ops.append(key)
+        casts = tuple(find_casts(gm, values))
+        cast_s = sum(self._cast_seconds(c) for c in casts)
+        return Prediction(compute + cast_s + overhead, compute, cast_s, overhead, tuple(low_ops), casts)
+
+    def _cast_seconds(self, cast: CastInfo) -> float:
+        forward = self.cast_cost.seconds(cast.src, cast.dst, cast.numel)
+        backward = self.cast_cost.seconds(cast.dst, cast.src, cast.numel) if cast.backward else 0.0
+        return forward + backward
+
+
+# ---------------------------------------------------------------------------
+# what the search needs
+
+
+def rank_by_prediction(predictor: Predictor, candidates: Iterable) -> list[tuple[Any, float]]:
+    """Candidates (plans or graphs) with their predicted seconds, cheapest first (stable on ties)."""
+    scored = [(candidate, predictor.predict(candidate)) for candidate in candidates]
+    return sorted(scored, key=lambda pair: pair[1])
+
+
+def should_skip(predicted_s: float, best_measured_s: float | None, margin: float = 1.25) -> bool:
+    """Skip measuring a candidate predicted to cost more than ``margin`` times the best accepted one.
+
+    >>> should_skip(1.3, 1.0), should_skip(1.2, 1.0), should_skip(9.0, None)
+    (True, False, False)
+    """
+    if margin < 1.0:
+        raise BadInputError(f"margin={margin}; expected >= 1.0 (1.25 skips candidates predicted 25% slower).")
+    return best_measured_s is not None and predicted_s > margin * best_measured_s
+
+
+def skip_message(predicted_s: float, best_measured_s: float) -> str:
+    """The log line for a skipped candidate.
+
+    >>> skip_message(0.0123, 0.0045)
+    'skipped (predicted 0.0123 s vs best 0.0045 s)'
+    """
+    return f"skipped (predicted {predicted_s:.3g} s vs best {best_measured_s:.3g} s)"
+
+
+def median_abs_percentage_error(predicted: Sequence[float], measured: Sequence[float]) -> float:
+    """Median of ``|predicted - measured| / measured`` in percent.
+
+    >>> median_abs_percentage_error([1.1, 0.9, 2.0], [1.0, 1.0, 2.0])
+    10.0
+    """
+    if len(predicted) != len(measured) or not measured:
+        raise BadInputError(f"got {len(predicted)} predictions and {len(measured)} measurements; expected equal, non-zero counts.")
+    return round(statistics.median(abs(p - m) / m * 100.0 for p, m in zip(predicted, measured)), 6)
