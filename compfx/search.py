@@ -1,0 +1,551 @@
+"""Stage 5 of the pipeline: CoMP's two-stage search, as pure logic over injected evaluators.
+
+Nothing here touches a model. Plans are CoMP bitstrings over ``analysis.ops``
+('0' low, '1' FP32, 'f' follow) and every measurement comes from a callable,
+so the search is exactly testable with fake evaluators:
+
+* ``run_epoch(bits)`` -- a generator that trains one epoch under ``bits`` and
+  yields ``(batch_loss, batch_seconds)`` per batch; its ``return`` value is an
+  opaque artifact (the trained state) that the search keeps for the winner.
+  Closing it early must restore whatever it changed (``training.py`` does).
+* ``time_step(bits) -> seconds`` -- median step time of a plan (Stage 2).
+* ``check_loss(bits) -> loss`` -- mean loss over a few batches (Stage-2 check).
+* ``cost(bits, seconds) -> float`` -- what the search minimises.
+
+**Stage 1** (Algorithm 1) runs an FP32 epoch for ``loss_0``, fixes
+Tensor-Core-eligible whitelist ops to low and "other" ops to follow, and tries
+the adjustable ops (blacklist + whitelist without TC) at both precisions. A plan
+is accepted when its mean epoch loss is finite and below
+``loss_0 + (threshold - 1) * |loss_0|`` (the paper's ``loss_0 * 1.01`` for a
+positive loss). The cheapest accepted plan wins; ties go to the earlier sample,
+and the FP32 plan (run first) is always the fallback. When ``2**k`` exceeds the
+budget the space is reduced (:func:`stage1_plan_space` says how) and a note is
+logged.
+
+**Exact-safe pruning.** A Stage-1 sample stops as soon as its running cost,
+``cost(bits, seconds so far)``, reaches the best accepted cost (it cannot win:
+costs only grow and ties go to the earlier sample), or as soon as a batch loss
+is NaN/inf (the epoch mean cannot be finite). This is exact -- the search picks
+the same plan as without pruning -- provided ``cost`` is non-decreasing in
+``seconds``, which every cost of the form "seconds times or plus something that
+depends on the plan" is.
+
+**Stage 2** (Algorithm 2) takes the Stage-1 winner and, for each segment
+between consecutive Stage-1 ops whose precisions differ, enumerates the "other"
+ops strictly inside it (see :func:`stage2_segments` for the boundaries).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from itertools import product
+from typing import Any, Callable, Hashable, Iterator, Sequence
+
+from .errors import SearchError
+from .searchlog import SampleRecord
+
+__all__ = [
+    "SearchSpace", "Outcome", "Segment", "Stage1Result", "Stage2Result",
+    "loss_limit", "is_accepted", "stage1_bits", "stage1_plan_space", "stage1_candidates",
+    "stage2_segments", "algorithm2_candidates", "run_stage1", "run_stage2", "check_stage2",
+]
+
+EpochRunner = Callable[[str], Iterator[tuple[float, float]]]
+CostFn = Callable[[str, float], float]
+Reporter = Callable[[SampleRecord], None]
+
+_LOW, _FP32, _FOLLOW = "0", "1", "f"
+
+
+@dataclass(frozen=True)
+class SearchSpace:
+    """What the search needs to know about each op, in graph order (``analysis.ops``)."""
+
+    categories: tuple[str, ...]  # "whitelist" | "blacklist" | "other"
+    tc_eligible: tuple[bool, ...]
+    groups: tuple[Hashable, ...]  # ops with equal labels may share one bit when Stage 1 must shrink
+    names: tuple[str, ...] = ()
+
+    def __post_init__(self):
+        n = len(self.categories)
+        if len(self.tc_eligible) != n or len(self.groups) != n or (self.names and len(self.names) != n):
+            raise SearchError("SearchSpace fields must all have one entry per op")
+        bad = set(self.categories) - {"whitelist", "blacklist", "other"}
+        if bad:
+            raise SearchError(f"unknown op categories {sorted(bad)}; expected whitelist, blacklist or other")
+
+    @classmethod
+    def from_analysis(cls, analysis) -> "SearchSpace":
+        """Group label = op kind + input shapes: such ops cost the same and usually behave alike."""
+        return cls(
+            categories=tuple(op.category for op in analysis.ops),
+            tc_eligible=tuple(op.tc_eligible for op in analysis.ops),
+            groups=tuple((op.kind, op.input_shapes) for op in analysis.ops),
+            names=tuple(str(op.key) for op in analysis.ops),
+        )
+
+    def __len__(self) -> int:
+        return len(self.categories)
+
+    @property
+    def stage1_positions(self) -> tuple[int, ...]:
+        """CoMP's Stage1_OP_list: whitelist and blacklist ops."""
+        return tuple(i for i, c in enumerate(self.categories) if c != "other")
+
+    @property
+    def adjustable(self) -> tuple[int, ...]:
+        """Stage-1 ops tried at both precisions: blacklist, and whitelist without Tensor Cores."""
+        return tuple(i for i, c in enumerate(self.categories)
+                     if c == "blacklist" or (c == "whitelist" and not self.tc_eligible[i]))
+
+    @property
+    def fp32_bits(self) -> str:
+        return _FP32 * len(self)
+
+    def name(self, i: int) -> str:
+        return self.names[i] if self.names else f"op{i}"
+
+
+@dataclass
+class Outcome:
+    """What one sample gave."""
+
+    bits: str
+    status: str  # accepted | rejected | pruned | error
+    loss: float | None = None
+    seconds: float = 0.0
+    cost: float = math.inf
+    batches: int = 0
+    reason: str = ""
+    duration: float = 0.0
+    batch_losses: list[float] = field(default_factory=list)
+    artifact: Any = field(default=None, repr=False)
+
+    def record(self, stage: str) -> SampleRecord:
+        return SampleRecord(stage, self.bits, self.status, loss=self.loss,
+                            cost=None if math.isinf(self.cost) else self.cost, seconds=self.seconds,
+                            batches=self.batches, reason=self.reason, duration=self.duration)
+
+
+def loss_limit(loss0: float, threshold: float) -> float:
+    """Largest loss (exclusive) still accepted: ``loss_0 * threshold`` for a positive ``loss_0``."""
+    return loss0 + (threshold - 1.0) * abs(loss0)
+
+
+def is_accepted(loss: float | None, loss0: float, threshold: float) -> bool:
+    return loss is not None and math.isfinite(loss) and loss < loss_limit(loss0, threshold)
+
+
+# -- Stage 1: candidates ------------------------------------------------------
+
+def stage1_bits(space: SearchSpace, choice: dict[int, str]) -> str:
+    """A Stage-1 plan: TC whitelist ops low, "other" ops follow, adjustable ops from ``choice``."""
+    bits = []
+    for i, category in enumerate(space.categories):
+        if i in choice:
+            bits.append(choice[i])
+        elif category == "other":
+            bits.append(_FOLLOW)
+        elif category == "whitelist" and space.tc_eligible[i]:
+            bits.append(_LOW)
+        else:  # an adjustable op left out of ``choice`` keeps autocast's choice
+            bits.append(_LOW if category == "whitelist" else _FP32)
+    return "".join(bits)
+
+
+def _groups_of(space: SearchSpace) -> list[tuple[int, ...]]:
+    """Adjustable ops with the same group label, in order of first appearance."""
+    groups: dict[Hashable, list[int]] = {}
+    for i in space.adjustable:
+        groups.setdefault(space.groups[i], []).append(i)
+    return [tuple(members) for members in groups.values()]
+
+
+def stage1_plan_space(space: SearchSpace, budget: int) -> str:
+    """How Stage 1 covers the ``k`` adjustable ops within ``budget`` samples (FP32 baseline not counted).
+
+    * ``"exhaustive"``: ``2**k <= budget``; every combination, as in the paper.
+    * ``"grouped"``: ops of the same kind and input shapes share one bit; all
+      ``2**g`` group combinations are run, then the remaining budget refines op
+      by op (flip one op; keep the flip when it gives a new best plan).
+    * ``"greedy"``: even ``2**g`` is over budget; start from autocast's choice
+      and flip one op at a time, in graph order, keeping flips that give a new best.
+    """
+    k = len(space.adjustable)
+    if 2 ** k <= budget:
+        return "exhaustive"
+    if 2 ** len(_groups_of(space)) <= budget:
+        return "grouped"
+    return "greedy"
+
+
+def _most_low_first(choices: list[dict[int, str]]) -> list[dict[int, str]]:
+    # Plans with more low-precision ops are usually the fast ones where low
+    # precision pays; running them first sets a low bar that prunes later samples sooner.
+    return sorted(choices, key=lambda c: -sum(b == _LOW for b in c.values()))
+
+
+def stage1_candidates(space: SearchSpace, groups: Sequence[Sequence[int]] | None = None) -> list[str]:
+    """Every combination of the adjustable ops (or of ``groups`` of them), most-low first."""
+    groups = [(i,) for i in space.adjustable] if groups is None else groups
+    choices = [{i: bit for members, bit in zip(groups, bits) for i in members}
+               for bits in product(_LOW + _FP32, repeat=len(groups))]
+    return [stage1_bits(space, c) for c in _most_low_first(choices)]
+
+
+# -- Stage 1: sampling ----------------------------------------------------------
+
+def _flip(bits: str, i: int) -> str:
+    return bits[:i] + (_FP32 if bits[i] == _LOW else _LOW) + bits[i + 1:]
+
+
+class _Stage1:
+    """Runs samples and keeps the best accepted one; the strategies below decide what to run."""
+
+    def __init__(self, run_epoch: EpochRunner, cost: CostFn, threshold: float, prune: bool,
+                 report: Reporter | None):
+        self.run_epoch, self.cost, self.threshold, self.prune = run_epoch, cost, threshold, prune
+        self.report = report or (lambda record: None)
+        self.samples: list[Outcome] = []
+        self.seen: set[str] = set()
+        self.best: Outcome | None = None
+        self.loss0: float | None = None
+
+    def sample(self, bits: str) -> Outcome:
+        """Run one epoch under ``bits``, stopping early when pruning allows it."""
+        start = time.perf_counter()
+        outcome = Outcome(bits, "rejected")
+        epoch = None
+        try:
+            epoch = self.run_epoch(bits)
+            outcome.artifact = self._consume(epoch, outcome)
+        except Exception as error:  # the model failed under this plan: reject it, keep searching
+            outcome.status, outcome.reason = "error", f"{type(error).__name__}: {error}"
+            outcome.artifact = None
+        finally:
+            if epoch is not None and hasattr(epoch, "close"):
+                epoch.close()  # restores the state when the sample stopped early
+            outcome.duration = time.perf_counter() - start
+        return outcome
+
+    def _consume(self, epoch, outcome: Outcome):
+        total = 0.0
+        while True:
+            try:
+                loss, seconds = next(epoch)
+            except StopIteration as stop:
+                artifact = stop.value
+                break
+            outcome.batch_losses.append(float(loss))
+            outcome.batches += 1
+            outcome.seconds += seconds
+            total += loss
+            if self.prune and not math.isfinite(loss):
+                outcome.status, outcome.loss = "pruned", float(loss)
+                outcome.reason = f"loss became {loss} at batch {outcome.batches}; the epoch mean cannot be finite"
+                return None
+            if self.prune and self.best is not None:
+                running = self.cost(outcome.bits, outcome.seconds)
+                if running >= self.best.cost:
+                    outcome.status, outcome.cost = "pruned", running
+                    outcome.reason = (f"running cost {running:.6g} after {outcome.batches} batches already "
+                                      f">= best accepted cost {self.best.cost:.6g} ({self.best.bits})")
+                    return None
+        if outcome.batches == 0:
+            raise SearchError("the sample loader yielded no batches; Stage 1 needs at least one batch per epoch")
+        outcome.loss = total / outcome.batches
+        outcome.cost = self.cost(outcome.bits, outcome.seconds)
+        return artifact
+
+    def baseline(self, bits: str) -> Outcome:
+        outcome = self.sample(bits)
+        if outcome.status == "error" or outcome.loss is None or not math.isfinite(outcome.loss):
+            self.report(outcome.record("stage1"))
+            raise SearchError(
+                f"the FP32 baseline epoch failed ({outcome.reason or f'loss {outcome.loss}'}); the search compares "
+                "every plan with it. Check that the model trains in FP32 with this loader, loss_fn and optimizer.")
+        outcome.status, outcome.reason = "accepted", "FP32 baseline (loss_0)"
+        self.loss0, self.best = outcome.loss, outcome
+        self.samples.append(outcome)
+        self.seen.add(bits)
+        self.report(outcome.record("stage1"))
+        return outcome
+
+    def try_plan(self, bits: str) -> bool:
+        """Sample ``bits`` (once); True when it became the new best."""
+        if bits in self.seen:
+            return False
+        self.seen.add(bits)
+        outcome = self.sample(bits)
+        became_best = False
+        if outcome.status == "rejected":
+            if is_accepted(outcome.loss, self.loss0, self.threshold):
+                outcome.status = "accepted"
+                became_best = outcome.cost < self.best.cost
+                outcome.reason = "new best" if became_best else f"accepted; best cost is {self.best.cost:.6g}"
+            else:
+                outcome.reason = (f"loss {outcome.loss:.6g} not below {loss_limit(self.loss0, self.threshold):.6g} "
+                                  f"(loss_0 {self.loss0:.6g} x threshold {self.threshold})")
+        if became_best:
+            self.best = outcome
+        else:
+            outcome.artifact = None  # only the best plan's trained state is kept
+        self.samples.append(outcome)
+        self.report(outcome.record("stage1"))
+        return became_best
+
+
+@dataclass
+class Stage1Result:
+    best: Outcome
+    baseline: Outcome
+    samples: list[Outcome]
+    mode: str
+
+    @property
+    def loss0(self) -> float:
+        return self.baseline.loss
+
+
+def run_stage1(space: SearchSpace, run_epoch: EpochRunner, cost: CostFn, *, threshold: float = 1.01,
+               budget: int = 64, prune: bool = True, report: Reporter | None = None) -> Stage1Result:
+    """CoMP Algorithm 1 with exact-safe pruning; ``budget`` caps samples after the FP32 baseline.
+
+    >>> space = SearchSpace(("whitelist", "other", "blacklist"), (False,) * 3, ("a", "b", "c"))
+    >>> def run_epoch(bits):                # fake: low precision halves the time, never hurts the loss
+    ...     for _ in range(3):
+    ...         yield 1.0, 1.0 - 0.25 * bits.count("0")
+    >>> run_stage1(space, run_epoch, lambda bits, s: s).best.bits
+    '0f0'
+    """
+    if budget < 1:
+        raise SearchError(f"stage1_budget={budget}; expected at least 1 sample after the FP32 baseline")
+    search = _Stage1(run_epoch, cost, threshold, prune, report)
+    search.baseline(space.fp32_bits)
+    mode = stage1_plan_space(space, budget)
+    if mode == "exhaustive":
+        for bits in stage1_candidates(space):
+            search.try_plan(bits)
+    elif mode == "grouped":
+        _grouped(space, search, budget, report)
+    else:
+        _greedy(space, search, budget, report)
+    return Stage1Result(search.best, search.samples[0], search.samples, mode)
+
+
+def _note(report: Reporter | None, stage: str, message: str, **extra) -> None:
+    if report is not None:
+        report(SampleRecord(stage, "", "note", reason=message, extra=extra))
+
+
+def _budget_left(search: _Stage1, budget: int) -> int:
+    return budget - (len(search.samples) - 1)
+
+
+def _grouped(space: SearchSpace, search: _Stage1, budget: int, report: Reporter | None) -> None:
+    groups = _groups_of(space)
+    _note(report, "stage1", f"{len(space.adjustable)} adjustable ops give 2^{len(space.adjustable)} plans, over "
+          f"stage1_budget={budget}: ops of the same kind and input shapes share one bit ({len(groups)} groups), "
+          "then the rest of the budget refines op by op", mode="grouped",
+          groups=[[space.name(i) for i in g] for g in groups])
+    candidates = stage1_candidates(space, groups)
+    for bits in candidates:
+        search.try_plan(bits)
+    current = search.best.bits if search.best is not search.samples[0] else candidates[-1]
+    _refine(space, search, budget, report, current, [i for g in groups if len(g) > 1 for i in g])
+
+
+def _greedy(space: SearchSpace, search: _Stage1, budget: int, report: Reporter | None) -> None:
+    _note(report, "stage1", f"even the {len(_groups_of(space))} groups of same-kind, same-shape ops exceed "
+          f"stage1_budget={budget}: starting from autocast's choice and flipping one op at a time", mode="greedy")
+    start = stage1_bits(space, {})
+    search.try_plan(start)
+    _refine(space, search, budget, report, start, list(space.adjustable))
+
+
+def _refine(space: SearchSpace, search: _Stage1, budget: int, report: Reporter | None,
+            current: str, order: list[int]) -> None:
+    """Flip one op at a time from ``current``; keep a flip when it gives a new best plan."""
+    for position, i in enumerate(order):
+        if _budget_left(search, budget) <= 0:
+            untried = [space.name(j) for j in order[position:]]
+            _note(report, "stage1", f"stage1_budget={budget} spent: {len(untried)} ops were not tried alone and "
+                  "keep the precision of the best plan found", untried=untried)
+            return
+        candidate = _flip(current, i)
+        if search.try_plan(candidate):
+            current = candidate
+
+
+# -- Stage 2 -----------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Segment:
+    """Ops strictly between two consecutive Stage-1 positions (or a boundary) whose precisions differ."""
+
+    start: int
+    end: int
+    inner: tuple[int, ...]
+
+
+def stage2_segments(space: SearchSpace, bits: str) -> list[Segment]:
+    """Segments that Algorithm 2 enumerates for the Stage-1 winner ``bits``.
+
+    The paper adds boundaries -1 and ``len - 1`` to Stage1_OP_list and counts
+    ``2**(end - start)`` strings per segment, which takes in the op at ``end``.
+    We enumerate the ops *strictly* inside each segment (so a Stage-1 op is never
+    changed) and put the right boundary at ``len`` instead, so the ops after the
+    last Stage-1 op are still covered, as in the paper. Both boundaries stand for
+    FP32: the model's inputs, and the outputs that the FP32 loss reads.
+    """
+    if len(bits) != len(space):
+        raise SearchError(f"bitstring {bits!r} has {len(bits)} characters for {len(space)} ops")
+    cuts = [-1, *space.stage1_positions, len(space)]
+    precision = lambda i: _FP32 if i in (-1, len(space)) else bits[i]  # noqa: E731
+    segments = []
+    for start, end in zip(cuts, cuts[1:]):
+        inner = tuple(range(start + 1, end))
+        if inner and precision(start) != precision(end):
+            segments.append(Segment(start, end, inner))
+    return segments
+
+
+def algorithm2_candidates(bits: str, segment: Segment) -> list[str]:
+    """The ``2**n`` strings of Algorithm 2 for one segment, in binary counting order."""
+    out = []
+    for assignment in product(_LOW + _FP32, repeat=len(segment.inner)):
+        chars = list(bits)
+        for i, bit in zip(segment.inner, assignment):
+            chars[i] = bit
+        out.append("".join(chars))
+    return out
+
+
+@dataclass
+class Stage2Result:
+    best: Outcome
+    base: Outcome
+    samples: list[Outcome]
+    segments: list[Segment]
+
+
+class _Stage2:
+    def __init__(self, time_step: Callable[[str], float], cost: CostFn, report: Reporter | None):
+        self.time_step, self.cost = time_step, cost
+        self.report = report or (lambda record: None)
+        self.samples: list[Outcome] = []
+        self.known: dict[str, Outcome] = {}
+
+    def sample(self, bits: str, reason: str = "") -> Outcome:
+        if bits in self.known:
+            return self.known[bits]
+        start = time.perf_counter()
+        outcome = Outcome(bits, "accepted", reason=reason)
+        try:
+            outcome.seconds = float(self.time_step(bits))
+            outcome.cost = self.cost(bits, outcome.seconds)
+        except Exception as error:
+            outcome.status, outcome.reason = "error", f"{type(error).__name__}: {error}"
+        outcome.duration = time.perf_counter() - start
+        self.known[bits] = outcome
+        self.samples.append(outcome)
+        self.report(outcome.record("stage2"))
+        return outcome
+
+    def cheapest(self, outcomes: Sequence[Outcome]) -> Outcome:
+        """Lowest cost; the earliest wins a tie (``min`` keeps the first)."""
+        return min(outcomes, key=lambda o: o.cost)
+
+
+def run_stage2(space: SearchSpace, base_bits: str, time_step: Callable[[str], float], cost: CostFn, *,
+               budget: int = 32, report: Reporter | None = None) -> Stage2Result:
+    """CoMP Algorithm 2 on the Stage-1 winner; ``budget`` caps timed candidates (the winner included).
+
+    Candidates are the winner itself, then each differing segment's ``2**n``
+    strings with the rest of the plan as in the winner (Algorithm 2). A segment
+    whose ``2**n`` does not fit the budget left is searched greedily instead
+    (each op tried at low and FP32 in turn, keeping the cheaper). Last, when
+    two or more segments improved, their best strings are combined into one
+    more candidate. The cheapest candidate wins.
+
+    >>> space = SearchSpace(("whitelist", "other", "blacklist"), (False,) * 3, ("a", "b", "c"))
+    >>> run_stage2(space, "0f1", lambda bits: 1.0 - 0.1 * bits.count("0"), lambda b, s: s).best.bits
+    '001'
+    """
+    if budget < 1:
+        raise SearchError(f"stage2_budget={budget}; expected at least 1 (the Stage-1 winner itself)")
+    search = _Stage2(time_step, cost, report)
+    base = search.sample(base_bits, "Stage-1 winner")
+    segments = stage2_segments(space, base_bits)
+    improved: list[tuple[Segment, str]] = []
+    for segment in segments:
+        left = budget - len(search.samples)
+        if left <= 0:
+            _note(report, "stage2", f"stage2_budget={budget} spent: segment ({segment.start}, {segment.end}) "
+                  "keeps the Stage-1 precisions (follow)", segment=[segment.start, segment.end])
+            continue
+        if 2 ** len(segment.inner) <= left:
+            tried = [search.sample(b, f"segment ({segment.start}, {segment.end})")
+                     for b in algorithm2_candidates(base_bits, segment)]
+        else:
+            tried = _stage2_greedy(space, search, base_bits, segment, budget, report)
+        best = search.cheapest([base, *tried])
+        if best is not base:
+            improved.append((segment, best.bits))
+    if len(improved) > 1 and len(search.samples) < budget:
+        chars = list(base_bits)
+        for segment, bits in improved:
+            for i in segment.inner:
+                chars[i] = bits[i]
+        search.sample("".join(chars), "best string of every segment, combined")
+    return Stage2Result(search.cheapest(search.samples), base, search.samples, segments)
+
+
+def _stage2_greedy(space: SearchSpace, search: _Stage2, base_bits: str, segment: Segment, budget: int,
+                   report: Reporter | None) -> list[Outcome]:
+    _note(report, "stage2", f"segment ({segment.start}, {segment.end}) has {len(segment.inner)} ops: 2^"
+          f"{len(segment.inner)} strings exceed the budget left, so its ops are tried one at a time",
+          segment=[segment.start, segment.end])
+    current = search.known[base_bits]
+    tried = []
+    for position, i in enumerate(segment.inner):
+        for bit in (_LOW, _FP32):
+            if len(search.samples) >= budget:
+                untried = [space.name(j) for j in segment.inner[position:]]
+                _note(report, "stage2", f"stage2_budget={budget} spent inside segment ({segment.start}, "
+                      f"{segment.end}); {len(untried)} ops keep 'follow'", untried=untried)
+                return tried
+            bits = current.bits[:i] + bit + current.bits[i + 1:]
+            outcome = search.sample(bits, f"segment ({segment.start}, {segment.end}), greedy")
+            tried.append(outcome)
+            if outcome.cost < current.cost:
+                current = outcome
+    return tried
+
+
+def check_stage2(winner: str, fallback: str, check_loss: Callable[[str], float], reference_loss: float,
+                 threshold: float, report: Reporter | None = None) -> str:
+    """Our addition to CoMP: re-check the Stage-2 winner's loss on a few batches against FP32's.
+
+    Returns ``winner`` when its loss passes the Stage-1 guard against
+    ``reference_loss`` (FP32 on the same batches from the same state), else
+    ``fallback`` (the Stage-1 winner), with the reason logged.
+    """
+    if winner == fallback:
+        return winner
+    start = time.perf_counter()
+    try:
+        loss = float(check_loss(winner))
+        passed = is_accepted(loss, reference_loss, threshold)
+        reason = (f"loss {loss:.6g} vs FP32 {reference_loss:.6g} on the same batches: "
+                  + ("passed" if passed else "failed; falling back to the Stage-1 winner"))
+        status = "accepted" if passed else "rejected"
+    except Exception as error:
+        loss, passed, status = None, False, "error"
+        reason = f"{type(error).__name__}: {error}; falling back to the Stage-1 winner"
+    if report is not None:
+        report(SampleRecord("check", winner, status, loss=loss, reason=reason,
+                            duration=time.perf_counter() - start))
+    return winner if passed else fallback

@@ -1,0 +1,310 @@
+"""Fair sampling: every search sample trains from the same state with the same step.
+
+Each sample starts from one model + optimizer state, re-seeds the RNG (so
+dropout masks and a shuffling ``DataLoader`` repeat), walks the loader in the
+same order and runs the same training step. When it ends -- finished, pruned,
+failed or interrupted -- the state is restored **in place**: values are
+``copy_``-ed back into the very Parameter, buffer and optimizer-state tensors
+that existed before, so the user's optimizer and any references they hold stay
+valid.
+
+How a batch maps to the model (:func:`split_batch`):
+
+* a ``dict``: every entry is a keyword argument (Hugging Face style, labels included);
+* a ``tuple`` / ``list``: all items but the last are positional inputs, the
+  last is the target (a 1-item tuple is inputs only);
+* a ``Tensor``: the only positional input.
+
+``loss_fn(output, batch)`` receives the model output and the whole batch (on
+the device); without one, the model's own loss is used (``output.loss`` or
+``output["loss"]``).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from itertools import islice
+from typing import Any, Callable, Generator, Iterable, Mapping
+
+import torch
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from .errors import BadInputError
+from .measure import Timing, time_repeats, timed
+
+__all__ = ["split_batch", "move_batch", "model_loss", "StateSnapshot", "snapshot_state", "restore_state",
+           "FairSampler"]
+
+LossFn = Callable[[Any, Any], torch.Tensor]
+
+
+# -- batches and losses -----------------------------------------------------------
+
+def split_batch(batch) -> tuple[tuple, dict]:
+    """``(args, kwargs)`` for ``model(*args, **kwargs)`` (see the module docstring).
+
+    >>> import torch
+    >>> args, kwargs = split_batch((torch.zeros(2, 3), torch.zeros(2)))
+    >>> len(args), kwargs
+    (1, {})
+    """
+    if isinstance(batch, Mapping):
+        return (), dict(batch)
+    if isinstance(batch, (tuple, list)):
+        if not batch:
+            raise BadInputError("the loader yielded an empty batch; expected (inputs..., target) or a dict")
+        return (tuple(batch[:-1]) if len(batch) > 1 else tuple(batch)), {}
+    if isinstance(batch, torch.Tensor):
+        return (batch,), {}
+    raise BadInputError(f"the loader yielded a {type(batch).__name__}; compfx expected a tuple/list "
+                        "(inputs..., target), a dict of keyword arguments, or a tensor.")
+
+
+def move_batch(batch, device: torch.device):
+    """The batch with every tensor on ``device`` (non-blocking where it can be)."""
+    return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
+
+
+def model_loss(output, batch) -> torch.Tensor:
+    """The default ``loss_fn``: the loss the model computed itself (``output.loss`` / ``output["loss"]``)."""
+    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
+    if loss is None:
+        raise BadInputError(
+            f"the model returned a {type(output).__name__} without a loss, and no loss_fn was given. Pass "
+            "loss_fn=lambda output, batch: torch.nn.functional.cross_entropy(output, batch[-1]) (or your own "
+            "loss), or give the model labels so that it returns .loss.")
+    return loss
+
+
+# -- state snapshots ------------------------------------------------------------
+
+@dataclass
+class StateSnapshot:
+    """Copies of a model's and optimizer's state, plus the live tensors to restore them into."""
+
+    tensors: list[tuple[torch.Tensor, torch.Tensor]]  # (live parameter or buffer, saved copy)
+    grads: list[tuple[nn.Parameter, torch.Tensor | None]]
+    optimizer: torch.optim.Optimizer | None
+    optimizer_state: list[tuple[torch.Tensor, dict | None]] = field(default_factory=list)  # (param, saved)
+    param_groups: list[dict] = field(default_factory=list)
+
+    def matches(self) -> bool:
+        """True when the live state is bitwise equal to this snapshot."""
+        if not all(_same(live, saved) for live, saved in self.tensors):
+            return False
+        if not all(_same(p.grad, g) for p, g in self.grads):
+            return False
+        if self.optimizer is None:
+            return True
+        for param, saved in self.optimizer_state:
+            live = self.optimizer.state.get(param)
+            if (saved is None) != (not live):
+                return False
+            if saved is not None and (saved.keys() != live.keys()
+                                      or not all(_same(live[k], v) for k, (_, v) in saved.items())):
+                return False
+        return [_hyper(g) for g in self.optimizer.param_groups] == self.param_groups
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
+                and a.shape == b.shape and torch.equal(a, b))
+    return a == b
+
+
+def _hyper(group: dict) -> dict:
+    return {k: v for k, v in group.items() if k != "params"}
+
+
+def _clone(value):
+    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
+
+
+def snapshot_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> StateSnapshot:
+    """Copy the parameters, gradients, buffers and optimizer state (and hyperparameters).
+
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 2)
+    >>> snapshot = snapshot_state(model)
+    >>> with torch.no_grad(): _ = model.weight.add_(1)
+    >>> restore_state(snapshot); snapshot.matches()
+    True
+    """
+    params = list(model.parameters())
+    tensors = [(t, t.detach().clone()) for t in (*params, *model.buffers())]
+    grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in params]
+    snapshot = StateSnapshot(tensors, grads, optimizer)
+    if optimizer is not None:
+        for group in optimizer.param_groups:
+            for param in group["params"]:
+                state = optimizer.state.get(param)
+                # keep the live tensor next to its copy, to restore into the same object
+                saved = {k: (v, _clone(v)) for k, v in state.items()} if state else None
+                snapshot.optimizer_state.append((param, saved))
+        snapshot.param_groups = [copy.deepcopy(_hyper(g)) for g in optimizer.param_groups]
+    return snapshot
+
+
+@torch.no_grad()
+def restore_state(snapshot: StateSnapshot) -> None:
+    """Copy the snapshot back into the same tensors it was taken from (bitwise)."""
+    for live, saved in snapshot.tensors:
+        live.copy_(saved)
+    for param, grad in snapshot.grads:
+        if grad is None:
+            param.grad = None
+        elif param.grad is not None and param.grad.shape == grad.shape and param.grad.dtype == grad.dtype:
+            param.grad.copy_(grad)
+        else:
+            param.grad = grad.clone()
+    optimizer = snapshot.optimizer
+    if optimizer is None:
+        return
+    for param, saved in snapshot.optimizer_state:
+        if saved is None:
+            optimizer.state.pop(param, None)  # the optimizer had not stepped yet: it starts lazily again
+            continue
+        restored = {}
+        for key, (original, value) in saved.items():
+            if isinstance(original, torch.Tensor):
+                original.copy_(value)
+                restored[key] = original
+            else:
+                restored[key] = copy.deepcopy(value)
+        optimizer.state[param] = restored
+    for group, hyper in zip(optimizer.param_groups, snapshot.param_groups):
+        for key, value in hyper.items():
+            if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
+                group[key].copy_(value)
+            else:
+                group[key] = copy.deepcopy(value)
+
+
+# -- the sampler -----------------------------------------------------------------
+
+class FairSampler:
+    """Runs training samples of any module that shares ``model``'s Parameters, all from one start.
+
+    ``module`` is the plan-applied GraphModule; it shares the model's Parameter
+    and buffer objects, so ``optimizer`` (built on ``model.parameters()``) trains it.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(4, 1)
+    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    >>> loader = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+    >>> mse = lambda out, batch: torch.nn.functional.mse_loss(out, batch[-1])
+    >>> sampler = FairSampler(model, opt, loader, mse, device="cpu", seed=0)
+    >>> first = [loss for loss, _ in sampler.epoch(model)]
+    >>> second = [loss for loss, _ in sampler.epoch(model)]
+    >>> first == second and sampler.initial.matches()
+    True
+    """
+
+    def __init__(self, model: nn.Module, optimizer: torch.optim.Optimizer, loader: Iterable,
+                 loss_fn: LossFn | None, *, device: torch.device | str, seed: int = 0, grad_scaler: bool = False):
+        self.model, self.optimizer, self.loader = model, optimizer, loader
+        self.loss_fn = loss_fn or model_loss
+        self.device = torch.device(device)
+        self.seed, self.grad_scaler = seed, grad_scaler
+        self.initial = snapshot_state(model, optimizer)
+
+    def restore(self, snapshot: StateSnapshot | None = None) -> None:
+        restore_state(snapshot or self.initial)
+
+    @contextmanager
+    def fresh_start(self, module: nn.Module):
+        """Seed the RNG and switch to training mode; restore the initial state on the way out, whatever happens."""
+        torch.manual_seed(self.seed)  # seeds every CUDA device too
+        module.train()
+        try:
+            yield
+        except torch.cuda.OutOfMemoryError:
+            torch.cuda.empty_cache()  # let the next sample start with the memory this one held
+            raise
+        finally:
+            self.restore()
+
+    def _scaler(self):
+        if not self.grad_scaler:
+            return None
+        return torch.amp.GradScaler(self.device.type)  # a fresh one per sample: same starting scale for all
+
+    def step(self, module: nn.Module, batch, scaler=None) -> float:
+        """One training step: forward, loss, (scaled) backward, optimizer step. Returns the loss."""
+        batch = move_batch(batch, self.device)
+        args, kwargs = split_batch(batch)
+        self.optimizer.zero_grad(set_to_none=True)
+        loss = self.loss_fn(module(*args, **kwargs), batch)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+            raise BadInputError(f"loss_fn returned {type(loss).__name__} "
+                                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; "
+                                "expected a scalar tensor (reduce the loss with .mean()).")
+        value = float(loss.detach().float())
+        if not math.isfinite(value):
+            return value  # this sample is over: the search stops it; do not push NaN into the weights
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.step(self.optimizer)
+            scaler.update()
+        else:
+            loss.backward()
+            self.optimizer.step()
+        return value
+
+    def warm_up(self, module: nn.Module, steps: int) -> None:
+        """Untimed steps on the first batches, then the initial state again.
+
+        A plan's first steps pay one-off costs (first kernel launches, allocator
+        growth, lazy optimizer state) that later training does not; without a
+        warm-up they would count against whichever plan runs first.
+        """
+        if steps <= 0:
+            return
+        with self.fresh_start(module):
+            scaler = self._scaler()
+            for batch in self._cycled_batches(steps):
+                self.step(module, batch, scaler)
+
+    def epoch(self, module: nn.Module, warmup: int = 0) -> Generator[tuple[float, float], None, StateSnapshot]:
+        """Train one epoch (after ``warmup`` untimed steps); yield ``(loss, seconds)`` per batch; return the state.
+
+        Closing the generator early (pruning) restores the initial state, as does any exception.
+        """
+        self.warm_up(module, warmup)
+        with self.fresh_start(module):
+            scaler = self._scaler()
+            for batch in self.loader:  # iterated after seeding: a shuffling loader repeats its order
+                loss, seconds = timed(lambda: self.step(module, batch, scaler), self.device)
+                yield loss, seconds
+            return snapshot_state(self.model, self.optimizer)
+
+    def _cycled_batches(self, count: int) -> list:
+        batches = []
+        while len(batches) < count:
+            before = len(batches)
+            batches.extend(islice(self.loader, count - len(batches)))
+            if len(batches) == before:
+                raise BadInputError("the sample loader yielded no batches; expected at least one")
+        return batches
+
+    def step_time(self, module: nn.Module, *, warmup: int, repeats: int) -> Timing:
+        """Median time of a training step, on the loader's first batches, from the initial state."""
+        with self.fresh_start(module):
+            batches = self._cycled_batches(warmup + repeats)
+            scaler = self._scaler()
+            return time_repeats(lambda i: self.step(module, batches[i], scaler),
+                                warmup=warmup, repeats=repeats, device=self.device)
+
+    def mean_loss(self, module: nn.Module, batches: int) -> float:
+        """Mean training loss over the loader's first ``batches`` batches, from the initial state."""
+        with self.fresh_start(module):
+            scaler = self._scaler()
+            losses = [self.step(module, batch, scaler) for batch in islice(self.loader, batches)]
+        if not losses:
+            raise BadInputError("the sample loader yielded no batches; expected at least one")
+        return sum(losses) / len(losses)
