@@ -1,0 +1,204 @@
+"""Train one benchmark model in one mode and measure it: the body of the runner.
+
+A run is: build the model (seeded), load the batches onto the device, for
+compfx search a plan with ``compfx.optimize`` (timed: search overhead), wrap in
+``torch.compile`` if asked, one measured step (saved-for-backward bytes, also
+the warm-up), then ``epochs`` timed epochs, then evaluation. The result is one
+row (a dict) for the report.
+
+>>> from benchmarks.models import get_spec
+>>> row = run_benchmark(get_spec("gcn"), "small", "fp32", RunOptions(epochs=1, batches=1, count_casts=False))
+>>> row["status"], row["saved_bytes"] > 0
+('ok', True)
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+import traceback
+from dataclasses import asdict, dataclass
+
+import torch
+import torch.nn as nn
+
+from .casts import count_forward_casts, count_graph_casts
+from .memory import measure_saved_tensors, peak_memory_bytes, reset_peak_memory, synchronize
+from .models.spec import ModelSpec
+from .modes import Precision, compfx_status, load_compfx, precision_for, search_config
+
+__all__ = ["RunOptions", "run_benchmark", "load_batches", "evaluate", "resolve_device", "default_low_dtype",
+           "options_dict"]
+
+_EVAL_BATCHES = 4
+
+
+@dataclass(frozen=True)
+class RunOptions:
+    device: str = "cpu"
+    low_dtype: str = "auto"  # auto: fp16 on CUDA, bf16 on CPU (as compfx.analyze defaults)
+    epochs: int = 1
+    batches: int = 10  # batches per epoch (full-graph models: always one)
+    data: str = "real"  # "real" for accuracy, "synthetic" for speed at the paper's shapes
+    compile: bool = False
+    seed: int = 0
+    count_casts: bool = True
+
+    def __post_init__(self):
+        if self.data not in ("real", "synthetic"):
+            raise ValueError(f"data={self.data!r}; expected 'real' or 'synthetic'")
+        if self.epochs < 1 or self.batches < 1:
+            raise ValueError(f"epochs={self.epochs}, batches={self.batches}; both must be at least 1")
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def default_low_dtype(device: torch.device, name: str = "auto") -> torch.dtype:
+    named = {"fp16": torch.float16, "bf16": torch.bfloat16}
+    if name != "auto":
+        return named[name]
+    return torch.float16 if device.type == "cuda" else torch.bfloat16
+
+
+def _to_device(batch, device: torch.device):
+    return tuple(part.to(device) for part in batch)
+
+
+def load_batches(spec: ModelSpec, config, options: RunOptions, split: str, device: torch.device) -> list:
+    """Batches for one epoch (train) or for evaluation, already on ``device``."""
+    count = options.batches if split == "train" else _EVAL_BATCHES
+    if options.data == "synthetic":
+        generator = torch.Generator().manual_seed(options.seed + (split == "eval"))
+        count = 1 if spec.full_batch else count
+        batches = [spec.example_batch(config, config["batch_size"], generator) for _ in range(count)]
+    else:
+        batches = spec.real_batches(config, config["batch_size"], count, split, options.seed)
+    return [_to_device(batch, device) for batch in batches]
+
+
+def evaluate(spec: ModelSpec, model: nn.Module, batches: list) -> float:
+    """Mean metric over eval batches, in FP32 and eval mode, on the weights the mode trained.
+
+    Every mode's networks share the model's Parameters, so scoring the eager
+    FP32 model compares what training achieved, not inference precision.
+    """
+    was_training = model.training
+    model.eval()
+    with torch.no_grad():
+        scores = [spec.metric(spec.evaluate_forward(model, batch), batch) for batch in batches]
+    model.train(was_training)
+    return statistics.fmean(scores)
+
+
+def _run_epoch(spec, nets, optimizers, batches, precision: Precision, device) -> tuple[float, float]:
+    synchronize(device)
+    start = time.perf_counter()
+    losses = [spec.train_step(spec, nets, optimizers, batch, precision) for batch in batches]
+    synchronize(device)
+    seconds = time.perf_counter() - start
+    return seconds, float(torch.stack(losses).float().mean())  # one device sync per epoch, not per step
+
+
+def _search(spec, nets, optimizers, batches, device, low_dtype) -> tuple[float, dict]:
+    """Run compfx.optimize on each search target; swap the searched networks in. Returns (seconds, plans)."""
+    optimize, config_class = load_compfx()
+    config = search_config(config_class, progress=False)
+    plans = {}
+    synchronize(device)
+    start = time.perf_counter()
+    for target in spec.search_targets(spec, nets, optimizers, batches):
+        searched = optimize(nets[target.net], target.batches, loss_fn=target.loss_fn,
+                            optimizer=optimizers[target.optimizer], device=device, low_dtype=low_dtype,
+                            config=config)
+        nets[target.net] = searched
+        plans[target.net] = _plan_summary(getattr(searched, "plan", None))
+    synchronize(device)
+    return time.perf_counter() - start, plans
+
+
+def _plan_summary(plan) -> dict:
+    if plan is None:
+        return {}
+    counts = {"low": 0, "fp32": 0, "follow": 0}
+    for precision in plan.values():
+        counts[precision] = counts.get(precision, 0) + 1
+    return counts
+
+
+def _cast_counts(spec, nets, batch, precision: Precision, mode: str) -> dict:
+    counts = {"casts_forward": sum(count_forward_casts(module, inputs, precision.autocast)
+                                   for module, inputs in spec.cast_forwards(nets, batch))}
+    if mode == "compfx":
+        per_net = [count_graph_casts(module) for module in nets.values()]
+        counts["casts_graph"] = sum(count for count, _ in per_net)
+        counts["casts_graph_counter"] = per_net[0][1] if per_net else None
+    return counts
+
+
+def _measured_step(spec, nets, optimizers, batch, precision, model) -> dict:
+    """One training step with saved-tensor hooks on (also the warm-up step before timing)."""
+    owned = [*model.parameters(), *model.buffers()]
+    with measure_saved_tensors(owned) as saved:
+        spec.train_step(spec, nets, optimizers, batch, precision)
+    return {"saved_bytes": saved.total_bytes, "saved_parameter_bytes": saved.parameter_bytes,
+            "saved_activation_bytes": saved.activation_bytes}
+
+
+def _train_and_measure(spec, config_name, mode, options, device, low_dtype) -> dict:
+    config = spec.config(config_name)
+    torch.manual_seed(options.seed)
+    model = spec.build(config).to(device)
+    nets, optimizers = spec.make_nets(model), spec.make_optimizers(model, config)
+    train, held_out = (load_batches(spec, config, options, split, device) for split in ("train", "eval"))
+    precision = precision_for(mode, device, low_dtype)
+    row: dict = {"batches_per_epoch": len(train)}
+    search_seconds = 0.0
+    if mode == "compfx":
+        search_seconds, row["plan"] = _search(spec, nets, optimizers, train, device, low_dtype)
+    if options.count_casts:
+        row.update(_cast_counts(spec, nets, train[0], precision, mode))
+    if options.compile:
+        nets = {name: torch.compile(net) for name, net in nets.items()}
+    row.update(_measured_step(spec, nets, optimizers, train[0], precision, model))
+    reset_peak_memory(device)
+    epochs = [_run_epoch(spec, nets, optimizers, train, precision, device) for _ in range(options.epochs)]
+    epoch_seconds = [seconds for seconds, _ in epochs]
+    # The first epoch can still include compilation and allocator warm-up; report the median of the rest.
+    steady = epoch_seconds[1:] or epoch_seconds
+    training_seconds = sum(epoch_seconds)
+    row.update(
+        epoch_seconds=epoch_seconds, time_per_epoch_s=statistics.median(steady),
+        final_train_loss=epochs[-1][1], peak_memory_bytes=peak_memory_bytes(device),
+        metric_name=spec.metric_name, metric=evaluate(spec, model, held_out),
+    )
+    if mode == "compfx":
+        row.update(search_s=search_seconds, search_share=search_seconds / (search_seconds + training_seconds))
+    return row
+
+
+def run_benchmark(spec: ModelSpec, config_name: str, mode: str, options: RunOptions) -> dict:
+    """Train ``spec`` at ``config_name`` in ``mode``; a row of measurements (never raises for a model)."""
+    device = resolve_device(options.device)
+    low_dtype = default_low_dtype(device, options.low_dtype)
+    row = {"model": spec.name, "config": config_name, "mode": mode, "compiled": options.compile,
+           "data": options.data if options.data == "synthetic" else f"real: {spec.real_data}",
+           "device": str(device), "low_dtype": str(low_dtype).replace("torch.", ""), "epochs": options.epochs}
+    if mode == "compfx":
+        status = compfx_status()
+        if status != "available":
+            return {**row, "status": status}
+    try:
+        row.update(_train_and_measure(spec, config_name, mode, options, device, low_dtype))
+    except Exception as error:  # one failing model must not lose the others' rows
+        traceback.print_exc(file=sys.stderr)
+        return {**row, "status": "error", "error": f"{type(error).__name__}: {error}"[:500]}
+    return {**row, "status": "ok"}
+
+
+def options_dict(options: RunOptions) -> dict:
+    return asdict(options)
