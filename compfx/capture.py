@@ -456,10 +456,11 @@ def key_dynamo_graph(gm: fx.GraphModule, counts: dict[tuple[str, str], int] | No
     split into several graphs, pass one ``counts`` dict to every call, in
     execution order, so call indices continue across the graphs.
 
-    >>> import torch, compfx.capture as cap
+    >>> import torch
+    >>> from compfx.capture import key_dynamo_graph
     >>> keys = []
     >>> def backend(gm, example_inputs):
-    ...     keys.extend(cap.key_dynamo_graph(gm))
+    ...     keys.extend(key_dynamo_graph(gm))
     ...     return gm.forward
     >>> _ = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), backend=backend)(torch.randn(2, 4))
     >>> [str(k) for k in keys]

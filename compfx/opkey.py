@@ -79,6 +79,8 @@ _KIND_ALIASES = {
 def _raw_name(target) -> str:
     if isinstance(target, str):
         return target
+    if isinstance(target, torch._ops.OpOverload):  # aten.mm.default -> mm
+        return target.overloadpacket.__name__
     name = getattr(target, "__name__", None)
     if name is None:  # e.g. an OpOverload
         name = str(target).split(".")[-2] if "." in str(target) else str(target)

@@ -41,6 +41,11 @@ CONV_KINDS = frozenset(
 
 Shape = Sequence[int]
 
+_NOT_LOW_PRECISION = {
+    "blacklist": "blacklist op: autocast runs it in fp32",
+    "other": "other op: runs in its input's dtype, no GEMM",
+}
+
 
 def device_tensor_core_reason(device: torch.device, low_dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
     """Why ``device`` cannot run ``low_dtype`` on Tensor Cores, or None if it can.
@@ -135,7 +140,7 @@ def tc_eligible(
     (False, 'cpu has no tensor cores')
     """
     if category != "whitelist":
-        return False, f"{category} op (runs in fp32 or follows its input)"
+        return False, _NOT_LOW_PRECISION.get(category, f"{category} op")
     if kind not in GEMM_KINDS and kind not in CONV_KINDS:
         return False, f"no tensor-core rule for {kind} (only GEMMs and convolutions are checked)"
     reason = device_tensor_core_reason(device, low_dtype, capability)
