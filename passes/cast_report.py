@@ -16,7 +16,8 @@ from typing import Mapping
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.fx.experimental.proxy_tensor import make_fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from compfx.capture import normalize_example_inputs
 
@@ -101,14 +102,29 @@ def count_casts(gm: fx.GraphModule) -> int:
     return cast_report(gm).total
 
 
+class _CastCounter(TorchDispatchMode):
+    """Counts dtype-changing casts as they reach the dispatcher, below autocast."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        if func in _CAST_FUNCTIONS and isinstance(args[0], torch.Tensor) and isinstance(result, torch.Tensor):
+            before, after = args[0].dtype, result.dtype
+            self.count += before.is_floating_point and after.is_floating_point and before != after
+        return result
+
+
 def count_autocast_casts(model: nn.Module, example_inputs, dtype: torch.dtype | None = None,
                          device_type: str | None = None) -> int:
     """Casts that real ``torch.autocast`` performs in one forward of ``model``.
 
-    Traces ``model`` under autocast with ``make_fx`` on FakeTensors (nothing
-    runs, the model's buffers are not touched) and counts the ``aten._to_copy``
-    nodes that change a floating dtype. Autocast's weight-cast cache is on, so a
-    parameter used twice is cast once, as in eager AMP.
+    Runs the forward under autocast on FakeTensors (no arithmetic; the model's
+    parameters and buffers are not touched) and counts the casts that reach the
+    dispatcher. Autocast's weight-cast cache works as in eager AMP, so a
+    parameter used twice is cast once.
 
     >>> import torch
     >>> count_autocast_casts(torch.nn.Linear(4, 2), torch.randn(3, 4), torch.bfloat16)
@@ -119,11 +135,7 @@ def count_autocast_casts(model: nn.Module, example_inputs, dtype: torch.dtype | 
         tensors = [*model.parameters(), *model.buffers()]
         device_type = tensors[0].device.type if tensors else "cpu"
     dtype = dtype or torch.get_autocast_dtype(device_type)
-    state = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-
-    def forward_under_autocast(state, args, kwargs):
-        with torch.autocast(device_type, dtype=dtype):
-            return torch.func.functional_call(model, state, args, kwargs)
-
-    traced = make_fx(forward_under_autocast, tracing_mode="fake")(state, args, kwargs)
-    return count_casts(traced)
+    counter = _CastCounter()
+    with FakeTensorMode(allow_non_fake_inputs=True), counter, torch.autocast(device_type, dtype=dtype):
+        model(*args, **kwargs)
+    return counter.count

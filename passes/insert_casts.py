@@ -16,10 +16,11 @@ Semantics (they make ``Plan.amp`` match ``torch.autocast`` exactly):
     for ``"low"`` instead of having their inputs cast (see :class:`AutocastRegion`).
 
 * ``"follow"``: on an ``"other"`` op, no casts (what autocast does for unlisted
-  ops; type promotion handles mixed ``add``/``mul``). Only when the op cannot
-  take the mixed dtypes that reach it (e.g. a GRU fed bf16 activations and FP32
-  weights) are its inputs cast to the widest of them. On a whitelist/blacklist
-  op, all floating inputs are cast to the widest floating input dtype.
+  ops). Mixed floating inputs stay mixed only for ops that type-promote them
+  (:data:`PROMOTING_KINDS`: add, mul, where, ...); any other op (e.g. a GRU fed
+  bf16 activations and FP32 weights, which its kernel rejects) gets its inputs
+  cast to the widest of them. On a whitelist/blacklist op, all floating inputs
+  are cast to the widest floating input dtype.
 
 Data movement ops (no OpKey) never get casts; their output dtype follows.
 Dtypes are tracked by re-running each node whose inputs changed dtype on
@@ -39,7 +40,6 @@ from typing import Any, Callable, Mapping
 
 import torch
 import torch.fx as fx
-from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
@@ -48,7 +48,8 @@ from compfx.errors import PassError
 from compfx.oplists import classify
 from compfx.opkey import KEY_META, OpKey
 
-__all__ = ["insert_casts", "AutocastRegion", "CAST_META", "NORM_KINDS", "COMPOSITE_KINDS", "dtype_short_name"]
+__all__ = ["insert_casts", "AutocastRegion", "CAST_META", "NORM_KINDS", "COMPOSITE_KINDS", "PROMOTING_KINDS",
+           "dtype_short_name", "meta_value"]
 
 PASS_NAME = "insert_casts"
 #: ``node.meta`` flag on every cast node this pass inserts.
@@ -57,6 +58,12 @@ CAST_META = "compfx_cast"
 NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "instance_norm"})
 #: Ops that autocast casts *inside*; "low" runs them under torch.autocast.
 COMPOSITE_KINDS = frozenset({"multi_head_attention", "gru", "lstm", "rnn_tanh", "rnn_relu"})
+#: "Other" ops that take mixed floating inputs and type-promote them (TensorIterator ops).
+PROMOTING_KINDS = frozenset("""
+    add sub rsub mul div where maximum minimum fmax fmin pow float_power atan2 lerp addcmul addcdiv
+    clamp clip clamp_min clamp_max hypot copysign remainder fmod floor_divide eq ne lt le gt ge
+    logaddexp logaddexp2 xlogy heaviside
+""".split())
 _PRECISIONS = ("low", "fp32", "follow")
 _SHORT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
 _INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv,
@@ -136,8 +143,7 @@ def insert_casts(
     torch.float32
     """
     _check_arguments(gm, precisions, low_dtype, default_precision)
-    graph = copy.deepcopy(gm.graph)
-    graph.owning_module = gm  # purity checks of call_module nodes look the module up
+    graph = _copy_graph(gm)
     inserter = _CastInserter(gm, graph, precisions, low_dtype, categories, default_precision)
     try:
         inserter.run(restore_output_dtypes)
@@ -154,6 +160,19 @@ def insert_casts(
                         "unchanged. Please report this with the model that triggers it.") from error
     gm.graph = graph  # recompiles
     return gm
+
+
+def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
+    """A copy of ``gm.graph`` to rewrite; dynamo's plain attributes on nodes (``_dynamo_source``) come along."""
+    copies: dict = {}
+    graph = copy.deepcopy(gm.graph, copies)
+    graph.owning_module = gm  # purity checks of call_module nodes look the module up
+    for old, new in copies.items():
+        if isinstance(old, fx.Node) and isinstance(new, fx.Node):
+            for name, value in vars(old).items():
+                if name.startswith("_dynamo") and not hasattr(new, name):
+                    setattr(new, name, value)
+    return graph
 
 
 def _check_arguments(gm, precisions, low_dtype, default_precision) -> None:
@@ -192,7 +211,9 @@ def _float_leaves(value) -> list[torch.Tensor]:
 
 
 def _dtypes(value) -> tuple:
-    return tuple(t.dtype if isinstance(t, torch.Tensor) else None for t in pytree.tree_leaves(value))
+    """The dtype facts of a value: tensor dtypes, and dtype values themselves (``x.dtype`` nodes)."""
+    return tuple(leaf.dtype if isinstance(leaf, torch.Tensor) else leaf if isinstance(leaf, torch.dtype) else None
+                 for leaf in pytree.tree_leaves(value))
 
 
 @contextmanager
@@ -230,12 +251,12 @@ class _CastInserter:
         self.categories = categories if categories is not None else _AutocastCategories(self.device_type)
 
     def _fake_mode(self) -> FakeTensorMode:
-        values = [meta_value(n) for n in self.graph.nodes]
-        try:
-            mode = detect_fake_mode([v for v in values if v is not UNKNOWN])
-        except Exception:  # values from several fake modes: start a fresh one
-            mode = None
-        return mode if mode is not None else FakeTensorMode(allow_non_fake_inputs=True)
+        """The fake mode that made the graph's values (not a TracingContext's: AOT may hold another)."""
+        for node in self.graph.nodes:
+            for leaf in pytree.tree_leaves(meta_value(node)):
+                if isinstance(leaf, FakeTensor):
+                    return leaf.fake_mode
+        return FakeTensorMode(allow_non_fake_inputs=True)
 
     def _device_type(self) -> str:
         for node in self.graph.nodes:
@@ -324,11 +345,14 @@ class _CastInserter:
             _replace_inputs(node, replace)
 
     def _runs_as_is(self, node: fx.Node) -> bool:
-        """Can an op with no casts of its own run on the dtypes that reach it?"""
+        """Can an op with no casts of its own run on the dtypes that reach it?
+
+        Yes when they agree, or when the op type-promotes mixed inputs (add, mul,
+        where, ...). Other kernels (GEMMs, RNNs, scatter) reject mixed inputs,
+        and fake kernels are too lax to tell (a fake ``linear`` takes bf16 x FP32).
+        """
         dtypes = {self._value(arg).dtype for _, arg in self._castable_inputs(node)}
-        if len(dtypes) <= 1 or self._is_impure(node):
-            return True
-        return self._execute(node) is not UNKNOWN
+        return len(dtypes) <= 1 or node.meta[KEY_META].kind in PROMOTING_KINDS
 
     def _run_under_autocast(self, node: fx.Node) -> None:
         if node.op == "call_module":

@@ -1,0 +1,293 @@
+"""The cast-insertion pass and cast counting: graph structure, dtype metadata, random plans, dynamo graphs."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.fx as fx
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import compfx
+from compfx.apply import apply
+from compfx.capture import key_dynamo_graph
+from compfx.errors import PassError
+from compfx.opkey import KEY_META
+from compfx.passes import CAST_META, AutocastRegion, cast_report, count_autocast_casts, count_casts, insert_casts
+from compfx.passes.insert_casts import meta_value
+from zoo import ZOO, make
+
+# ---------------------------------------------------------------------------
+# helpers
+
+
+class _DtypeRecorder(fx.Interpreter):
+    """Runs the graph for real and records each node's actual output dtype."""
+
+    def __init__(self, gm):
+        super().__init__(gm)
+        self.dtypes: dict[fx.Node, torch.dtype] = {}
+
+    def run_node(self, node):
+        result = super().run_node(node)
+        if isinstance(result, torch.Tensor):
+            self.dtypes[node] = result.dtype
+        return result
+
+
+def _cast_nodes(gm):
+    return [n for n in gm.graph.nodes if n.meta.get(CAST_META)]
+
+
+def _assert_cast_invariants(gm):
+    """No cast to a dtype the tensor already has; no (tensor, dtype) pair cast twice; meta matches reality."""
+    seen = set()
+    for cast in _cast_nodes(gm):
+        source, target = cast.args
+        assert meta_value(source).dtype != target, f"{cast.name} casts {source.name} to the dtype it has"
+        assert meta_value(cast).dtype == target
+        identity = _tensor_identity(gm, source)
+        assert (identity, target) not in seen, f"{source.name} is cast to {target} twice"
+        seen.add((identity, target))
+
+
+def _tensor_identity(gm, node):
+    if node.op == "get_attr":
+        obj = gm
+        for part in node.target.split("."):
+            obj = getattr(obj, part)
+        return ("attr", id(obj))
+    return node
+
+
+def _assert_meta_matches_run(gm, inputs):
+    recorder = _DtypeRecorder(gm)
+    recorder.run(*inputs)
+    for node, dtype in recorder.dtypes.items():
+        value = meta_value(node)
+        if isinstance(value, torch.Tensor):
+            assert value.dtype == dtype, f"meta says {node.name} is {value.dtype}, it ran as {dtype}"
+
+
+# ---------------------------------------------------------------------------
+# random plans over the zoo (acceptance)
+
+
+@settings(max_examples=20, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(name=st.sampled_from(sorted(ZOO)), low_dtype=st.sampled_from([torch.bfloat16, torch.float16]), data=st.data())
+def test_random_plans_run_forward_and_backward_with_sound_casts(name, low_dtype, data):
+    model, inputs = make(name)
+    analysis = compfx.analyze(model, inputs, low_dtype=low_dtype)
+    bits = data.draw(st.text(alphabet="01f", min_size=len(analysis.ops), max_size=len(analysis.ops)), label="bits")
+    gm = apply(model, compfx.Plan.from_bitstring(analysis, bits), analysis=analysis)
+
+    out = gm(*inputs)
+    out.float().sum().backward()
+
+    assert out.dtype == torch.float32  # restored to what the model returns
+    for pname, param in model.named_parameters():
+        assert param.dtype == torch.float32
+        assert param.grad is not None and param.grad.dtype == torch.float32, pname
+    _assert_cast_invariants(gm)
+    _assert_meta_matches_run(gm, inputs)
+
+
+# ---------------------------------------------------------------------------
+# semantics of single ops
+
+
+def _all(gm, precision):
+    return {node.meta[KEY_META]: precision for node in compfx.op_nodes(gm)}
+
+
+def test_low_casts_activations_and_parameters_once_and_names_them():
+    model, inputs = make("mlp")
+    gm = insert_casts(compfx.capture(model, inputs), _all(compfx.capture(model, inputs), "low"), torch.bfloat16)
+    names = {n.name for n in _cast_nodes(gm)}
+    assert {"fc1_weight_bf16", "fc1_bias_bf16", "fc2_weight_bf16", "fc2_bias_bf16", "x_bf16"} <= names
+    assert "fc1_weight_bf16 = fc1_weight.to(torch.bfloat16)" in gm.code
+    # relu's input is already bf16: no cast in between; one cast back for the output.
+    assert count_casts(gm) == 6
+    assert gm(*inputs).dtype == torch.float32
+
+
+def test_inserted_casts_carry_module_stack_and_value_metadata():
+    model, inputs = make("cnn")
+    gm = compfx.capture(model, inputs)
+    gm = insert_casts(gm, _all(gm, "low"), torch.bfloat16)
+    conv_weight_cast = next(n for n in _cast_nodes(gm) if n.name == "conv1_weight_bf16")
+    assert "nn_module_stack" in conv_weight_cast.meta
+    assert list(conv_weight_cast.meta["nn_module_stack"].values())[-1][0].endswith("conv1")
+    assert conv_weight_cast.meta["val"].dtype == torch.bfloat16
+    assert conv_weight_cast.meta["val"].shape == model.conv1.weight.shape
+
+
+def test_norm_ops_cast_only_their_activation_and_running_stats_still_update():
+    model, inputs = make("cnn")
+    gm = compfx.capture(model, inputs)
+    gm = insert_casts(gm, _all(gm, "low"), torch.bfloat16)
+    sources = {n.args[0].target for n in _cast_nodes(gm) if n.args[0].op == "get_attr"}
+    assert not any(target.startswith(("bn1.", "bn2.")) for target in sources)
+    before = model.bn1.running_mean.clone()
+    gm(*inputs)
+    assert not torch.equal(model.bn1.running_mean, before), "BatchNorm's running stats were not updated in place"
+    assert model.bn1.running_mean.dtype == torch.float32
+
+
+def test_integer_inputs_are_never_cast():
+    model, inputs = make("embed_gru")
+    gm = compfx.capture(model, inputs)
+    gm = insert_casts(gm, _all(gm, "low"), torch.bfloat16)
+    assert all(meta_value(n.args[0]).is_floating_point() for n in _cast_nodes(gm))
+    gm(*inputs).sum().backward()
+
+
+def test_follow_on_other_ops_inserts_no_casts_but_mixed_inputs_a_kernel_rejects_are_widened():
+    model, inputs = make("embed_gru")
+    gm = compfx.capture(model, inputs)
+    keys = {k.kind: k for k in _all(gm, "low")}
+    # embedding low -> bf16 activations meet the GRU's FP32 weights, which torch.gru rejects.
+    precisions = {keys["embedding"]: "low", keys["gru"]: "follow", keys["linear"]: "follow"}
+    gm = insert_casts(gm, precisions, torch.bfloat16)
+    gru = next(n for n in gm.graph.nodes if n.meta.get(KEY_META) == keys["gru"])
+    assert any(a.meta.get(CAST_META) and a.args[1] == torch.float32 for a in gru.all_input_nodes)
+    gm(*inputs).sum().backward()
+
+    mlp, x = make("mlp")
+    gm = compfx.capture(mlp, x)
+    gm = insert_casts(gm, _all(gm, "follow"), torch.bfloat16)
+    assert count_casts(gm) == 0
+
+
+def test_follow_on_a_listed_op_casts_to_the_widest_input():
+    class Mixed(nn.Module):
+        def forward(self, a, b):
+            return a.to(torch.bfloat16) @ b
+
+    inputs = (torch.randn(3, 4), torch.randn(4, 2))
+    gm = compfx.capture(Mixed(), inputs)
+    gm = insert_casts(gm, _all(gm, "follow"), torch.bfloat16, restore_output_dtypes=False)
+    (cast,) = _cast_nodes(gm)
+    assert cast.args[1] == torch.float32 and meta_value(cast.args[0]).dtype == torch.bfloat16
+    a, b = inputs
+    assert torch.equal(gm(*inputs), a.to(torch.bfloat16).float() @ b)
+
+
+def test_user_casts_are_kept_and_fp32_plan_adds_none():
+    class RoundTrip(nn.Module):
+        def forward(self, x):
+            return torch.sin(x.half().float())  # x -> fp16 -> fp32 is not the identity
+
+    inputs = (torch.randn(8) * 1e-6,)
+    gm = compfx.capture(RoundTrip(), inputs)
+    gm = insert_casts(gm, _all(gm, "fp32"), torch.bfloat16)
+    assert count_casts(gm) == 2 and not _cast_nodes(gm)
+    assert torch.equal(gm(*inputs), RoundTrip()(*inputs))
+
+
+def test_in_place_ops_keep_their_mutated_input_uncast():
+    class InPlace(nn.Module):
+        def forward(self, x):
+            y = x * 2
+            z = F.relu(y, inplace=True)  # y is relu'd too: casting it would lose that
+            return z + y
+
+    inputs = (torch.randn(6),)
+    gm = compfx.capture(InPlace(), inputs)
+    gm = insert_casts(gm, _all(gm, "low"), torch.bfloat16)
+    relu = next(n for n in gm.graph.nodes if n.meta.get(KEY_META) and n.meta[KEY_META].kind == "relu")
+    assert not any(a.meta.get(CAST_META) for a in relu.all_input_nodes)
+    torch.testing.assert_close(gm(*inputs), InPlace()(*inputs), rtol=2e-2, atol=2e-2)
+
+
+def test_shared_parameter_is_cast_once_like_autocasts_weight_cache():
+    class Tied(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Linear(4, 4)
+            self.b = nn.Linear(4, 4)
+            self.b.weight = self.a.weight
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model, inputs = Tied(), (torch.randn(2, 4),)
+    analysis = compfx.analyze(model, inputs)
+    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    weight_casts = [n for n in _cast_nodes(gm) if n.args[0].op == "get_attr" and n.args[0].target.endswith("weight")]
+    assert len(weight_casts) == 1
+    assert count_casts(gm) == count_autocast_casts(model, inputs, torch.bfloat16) == 4
+
+
+def test_restore_output_dtypes_can_be_turned_off():
+    model, inputs = make("mlp")
+    gm = compfx.capture(model, inputs)
+    gm = insert_casts(gm, _all(gm, "low"), torch.float16, restore_output_dtypes=False)
+    assert gm(*inputs).dtype == torch.float16
+
+
+def test_composite_low_runs_under_autocast_and_is_reported():
+    model, inputs = make("mha")
+    gm = compfx.capture(model, inputs)
+    gm = insert_casts(gm, _all(gm, "low"), torch.bfloat16)
+    regions = [m for m in gm.modules() if isinstance(m, AutocastRegion)]
+    assert len(regions) == 1 and regions[0].dtype == torch.bfloat16
+    assert cast_report(gm).autocast_regions == 1
+    assert not any("autocast" in k for k in gm.state_dict())  # the region owns no weights
+    gm(*inputs).sum().backward()
+
+
+# ---------------------------------------------------------------------------
+# errors
+
+
+def test_missing_precision_raises_pass_error_and_leaves_graph_unchanged():
+    model, inputs = make("mlp")
+    gm = compfx.capture(model, inputs)
+    code = gm.code
+    partial = dict(list(_all(gm, "low").items())[:1])
+    with pytest.raises(PassError, match="insert_casts: no precision for 2 op"):
+        insert_casts(gm, partial, torch.bfloat16)
+    assert gm.code == code
+    insert_casts(gm, partial, torch.bfloat16, default_precision="follow")  # the backend's way
+
+
+@pytest.mark.parametrize("precision, low_dtype, message", [
+    ("half", torch.bfloat16, "unknown precision"),
+    ("low", torch.float32, "low_dtype"),
+])
+def test_bad_arguments_raise_pass_error(precision, low_dtype, message):
+    model, inputs = make("mlp")
+    gm = compfx.capture(model, inputs)
+    with pytest.raises(PassError, match=message):
+        insert_casts(gm, _all(gm, precision), low_dtype)
+
+
+# ---------------------------------------------------------------------------
+# dynamo graphs (what the torch.compile backend hands the pass)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "encoder_matmul"])
+def test_pass_works_on_dynamo_graphs_with_lifted_parameters(name):
+    model, inputs = make(name)
+    seen = {}
+
+    def backend(gm, example_inputs):
+        keys = key_dynamo_graph(gm)
+        gm = insert_casts(gm, {k: "low" for k in keys}, torch.bfloat16)
+        seen["gm"] = gm
+        return gm.forward
+
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(model), backend=backend, fullgraph=True)
+    out = compiled(*inputs)
+    gm = seen["gm"]
+    assert out.dtype == torch.float32
+    assert _cast_nodes(gm) and all("example_value" in n.meta for n in _cast_nodes(gm))
+    _assert_cast_invariants(gm)
+    reference = apply(model, compfx.Plan.uniform(compfx.analyze(model, inputs), "low"), inputs)
+    torch.testing.assert_close(out, reference(*inputs), rtol=0, atol=0)
