@@ -1,0 +1,141 @@
+"""Plan: constructors, bitstring view, JSON round trips, and refusing plans that do not fit."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import compfx
+from compfx.errors import CompfxError, PlanFileError, PlanMismatchError
+from compfx.opkey import OpKey
+from zoo import ZOO, make
+
+_ANALYSES: dict = {}
+
+
+def _analysis(name: str):
+    """Analyses are cached: hypothesis draws many plans per model."""
+    if name not in _ANALYSES:
+        model, inputs = make(name)
+        _ANALYSES[name] = compfx.analyze(model, inputs)
+    return _ANALYSES[name]
+
+
+@st.composite
+def plans(draw):
+    analysis = _analysis(draw(st.sampled_from(sorted(ZOO))))
+    bits = draw(st.text(alphabet="01f", min_size=len(analysis.ops), max_size=len(analysis.ops)))
+    low_dtype = draw(st.sampled_from([torch.float16, torch.bfloat16]))
+    plan = compfx.Plan.from_bitstring(analysis, bits)
+    return analysis, bits, compfx.Plan(dict(plan), low_dtype=low_dtype, fingerprint=plan.fingerprint)
+
+
+# ---------------------------------------------------------------------------
+# round trips (acceptance)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(case=plans())
+def test_bitstring_to_plan_to_bitstring_is_the_identity(case):
+    analysis, bits, plan = case
+    assert plan.bitstring(analysis) == bits
+    assert compfx.Plan.from_bitstring(analysis, plan.bitstring(analysis)) == compfx.Plan.from_bitstring(analysis, bits)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                  HealthCheck.function_scoped_fixture])
+@given(case=plans())
+def test_json_save_and_load_is_the_identity(case, tmp_path):
+    _, _, plan = case
+    path = tmp_path / "plan.json"
+    plan.save(path)
+    loaded = compfx.Plan.load(path)
+    assert loaded == plan and loaded.low_dtype == plan.low_dtype and loaded.fingerprint == plan.fingerprint
+    assert compfx.Plan.from_dict(json.loads(json.dumps(plan.to_dict()))) == plan
+
+
+def test_plan_file_records_low_dtype_fingerprint_and_torch_version(tmp_path):
+    analysis = _analysis("mlp")
+    path = tmp_path / "plan.json"
+    compfx.Plan.amp(analysis).save(path)
+    data = json.loads(path.read_text())
+    assert data["low_dtype"] == "bfloat16"
+    assert data["fingerprint"] == analysis.fingerprint
+    assert data["torch_version"] == torch.__version__
+    assert data["ops"] == {"fc1:linear#0": "low", ":relu#0": "follow", "fc2:linear#0": "low"}
+
+
+# ---------------------------------------------------------------------------
+# constructors
+
+
+def test_constructors_follow_autocast_and_comps_bit_convention():
+    analysis = _analysis("cnn")
+    amp = compfx.Plan.amp(analysis)
+    for op in analysis.ops:
+        assert amp[op.key] == {"whitelist": "low", "blacklist": "fp32", "other": "follow"}[op.category]
+    assert set(compfx.Plan.fp32(analysis).values()) == {"fp32"}
+    assert compfx.Plan.fp32(analysis).bitstring(analysis) == "1" * len(analysis.ops)
+    assert compfx.Plan.uniform(analysis, "low").bitstring(analysis) == "0" * len(analysis.ops)
+
+
+def test_plan_is_immutable():
+    plan = compfx.Plan.amp(_analysis("mlp"))
+    with pytest.raises(AttributeError):
+        plan.low_dtype = torch.float16
+    with pytest.raises(TypeError):
+        plan[OpKey("fc1", "linear", 0)] = "fp32"
+    changed = plan.with_precisions({OpKey("fc1", "linear", 0): "fp32"})
+    assert changed[OpKey("fc1", "linear", 0)] == "fp32" and plan[OpKey("fc1", "linear", 0)] == "low"
+
+
+# ---------------------------------------------------------------------------
+# plans that do not fit (acceptance)
+
+
+def test_plan_for_another_model_names_what_is_wrong():
+    mlp, cnn = _analysis("mlp"), _analysis("cnn")
+    with pytest.raises(PlanMismatchError, match=r"key\(s\) the model does not have.*no precision for"):
+        compfx.Plan.amp(cnn).validate(mlp)
+    with pytest.raises(PlanMismatchError, match="fingerprint"):
+        compfx.Plan.amp(cnn).bitstring(mlp)
+
+
+@pytest.mark.parametrize("bits, message", [
+    ("01", "length 2, but the model has 3 ops"),
+    ("0101", "length 4, but the model has 3 ops"),
+    ("0x1", r"contains \['x'\]"),
+])
+def test_bad_bitstrings_are_refused(bits, message):
+    with pytest.raises(PlanMismatchError, match=message):
+        compfx.Plan.from_bitstring(_analysis("mlp"), bits)
+
+
+def test_unknown_precision_is_refused():
+    analysis = _analysis("mlp")
+    with pytest.raises(PlanMismatchError, match="precision 'half'"):
+        compfx.Plan({op.key: "half" for op in analysis.ops}, low_dtype=torch.bfloat16,
+                    fingerprint=analysis.fingerprint)
+    with pytest.raises(PlanMismatchError):
+        compfx.Plan.amp(analysis).with_precisions({analysis.ops[0].key: "int8"})
+
+
+@pytest.mark.parametrize("corrupt", [
+    lambda text: text[: len(text) // 2],                       # truncated
+    lambda text: "not json at all",
+    lambda text: json.dumps({"hello": "world"}),               # not a plan
+    lambda text: text.replace('"low"', '"half"'),               # unknown precision
+    lambda text: text.replace('"bfloat16"', '"float32"'),       # unknown low dtype
+    lambda text: text.replace('"fc1:linear#0"', '"fc1-linear"'),  # not an op key
+])
+def test_corrupt_plan_files_raise_plan_file_error(tmp_path, corrupt):
+    path = tmp_path / "plan.json"
+    compfx.Plan.amp(_analysis("mlp")).save(path)
+    path.write_text(corrupt(path.read_text()))
+    with pytest.raises(PlanFileError) as error:
+        compfx.Plan.load(path)
+    assert isinstance(error.value, CompfxError) and str(path) in str(error.value)
