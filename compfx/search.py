@@ -43,7 +43,7 @@ from dataclasses import dataclass, field
 from itertools import product
 from typing import Any, Callable, Hashable, Iterator, Sequence
 
-from .errors import SearchError
+from .errors import BadInputError, SearchError
 from .searchlog import SampleRecord
 
 __all__ = [
@@ -82,7 +82,8 @@ class SearchSpace:
         return cls(
             categories=tuple(op.category for op in analysis.ops),
             tc_eligible=tuple(op.tc_eligible for op in analysis.ops),
-            groups=tuple((op.kind, op.input_shapes) for op in analysis.ops),
+            # as text: dynamo graphs may hold symbolic (unhashable) sizes
+            groups=tuple(f"{op.kind}{list(map(list, op.input_shapes))}" for op in analysis.ops),
             names=tuple(str(op.key) for op in analysis.ops),
         )
 
@@ -221,6 +222,8 @@ class _Stage1:
         try:
             epoch = self.run_epoch(bits)
             outcome.artifact = self._consume(epoch, outcome)
+        except (BadInputError, SearchError):
+            raise  # the user's inputs are wrong whatever the plan: no point trying the others
         except Exception as error:  # the model failed under this plan: reject it, keep searching
             outcome.status, outcome.reason = "error", f"{type(error).__name__}: {error}"
             outcome.artifact = None
@@ -446,6 +449,8 @@ class _Stage2:
         try:
             outcome.seconds = float(self.time_step(bits))
             outcome.cost = self.cost(bits, outcome.seconds)
+        except (BadInputError, SearchError):
+            raise
         except Exception as error:
             outcome.status, outcome.reason = "error", f"{type(error).__name__}: {error}"
         outcome.duration = time.perf_counter() - start

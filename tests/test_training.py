@@ -1,0 +1,188 @@
+"""Fair sampling (compfx.training): same start, same RNG, same batches, state restored in place."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from compfx.errors import BadInputError
+from compfx.measure import Timing, time_repeats, timed
+from compfx.training import FairSampler, model_loss, restore_state, snapshot_state, split_batch
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Tiny tensors: one thread is fastest, and immune to OpenMP stalls when the CPU is shared."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+class SmallNet(nn.Module):
+    """Has everything state restore must cover: parameters, BatchNorm buffers, dropout randomness."""
+
+    def __init__(self, fail_on_call: int | None = None):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(6, 12), nn.BatchNorm1d(12), nn.Linear(12, 3)
+        self.drop = nn.Dropout(0.3)
+        self.fail_on_call, self.calls = fail_on_call, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.fail_on_call:
+            raise RuntimeError("low precision not supported here")
+        return self.fc2(self.drop(F.relu(self.bn(self.fc1(x)))))
+
+
+def ce(output, batch):
+    return F.cross_entropy(output, batch[-1])
+
+
+def make(fail_on_call=None, batches=4, optimizer=torch.optim.Adam):
+    torch.manual_seed(0)
+    model = SmallNet(fail_on_call)
+    opt = optimizer(model.parameters(), lr=0.05)
+    generator = torch.Generator().manual_seed(1)
+    loader = [(torch.randn(8, 6, generator=generator), torch.randint(0, 3, (8,), generator=generator))
+              for _ in range(batches)]
+    return model, opt, loader
+
+
+def warm_start(model, opt, loader):
+    """Give the optimizer state to restore (Adam's moments exist only after a step)."""
+    sampler = FairSampler(model, opt, loader, ce, device="cpu")
+    for batch in loader[:2]:
+        sampler.step(model, batch)
+
+
+def test_restore_copies_into_the_same_tensors():
+    model, opt, loader = make()
+    warm_start(model, opt, loader)
+    params = list(model.parameters())
+    moments = {id(p): opt.state[p]["exp_avg"] for p in params}
+    mean = model.bn.running_mean
+    snapshot = snapshot_state(model, opt)
+    sampler = FairSampler(model, opt, loader, ce, device="cpu")
+    for batch in loader:
+        sampler.step(model, batch)
+    assert not snapshot.matches()
+    restore_state(snapshot)
+    assert snapshot.matches()
+    assert list(model.parameters()) == params and all(a is b for a, b in zip(model.parameters(), params))
+    assert all(opt.state[p]["exp_avg"] is moments[id(p)] for p in params)  # user references stay valid
+    assert model.bn.running_mean is mean
+
+
+def test_restore_empties_optimizer_state_that_did_not_exist():
+    model, opt, loader = make()
+    snapshot = snapshot_state(model, opt)
+    FairSampler(model, opt, loader, ce, device="cpu").step(model, loader[0])
+    assert len(opt.state) > 0
+    restore_state(snapshot)
+    assert len(opt.state) == 0 and snapshot.matches()
+
+
+@pytest.mark.parametrize("optimizer", [torch.optim.Adam, torch.optim.SGD])
+def test_exception_inside_a_sample_restores_the_state_bitwise(optimizer):
+    model, opt, loader = make(fail_on_call=3, optimizer=optimizer)  # fails in the 3rd step
+    warm_start(model, opt, loader)
+    before = snapshot_state(model, opt)
+    sampler = FairSampler(model, opt, loader, ce, device="cpu")
+    model.calls = 0
+    with pytest.raises(RuntimeError, match="not supported"):
+        for _ in sampler.epoch(model):
+            pass
+    assert model.calls == 3 and before.matches()
+
+
+def test_closing_an_epoch_early_restores_the_state():
+    model, opt, loader = make()
+    before = snapshot_state(model, opt)
+    sampler = FairSampler(model, opt, loader, ce, device="cpu")
+    epoch = sampler.epoch(model)
+    next(epoch), next(epoch)
+    assert not before.matches()
+    epoch.close()  # what pruning does
+    assert before.matches()
+
+
+def test_every_sample_sees_the_same_rng_and_batch_order():
+    model, opt, _ = make()
+    data = torch.utils.data.TensorDataset(torch.randn(32, 6), torch.randint(0, 3, (32,)))
+    loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=True)  # order drawn from the global RNG
+    sampler = FairSampler(model, opt, loader, ce, device="cpu", seed=3)
+    first = list(sampler.epoch(model))
+    torch.rand(5)  # disturb the global RNG between samples
+    second = list(sampler.epoch(model))
+    assert [loss for loss, _ in first] == [loss for loss, _ in second]
+    assert sampler.initial.matches()
+
+
+def test_epoch_returns_the_trained_state_and_mean_loss_matches_its_first_batches():
+    model, opt, loader = make()
+    sampler = FairSampler(model, opt, loader, ce, device="cpu", grad_scaler=True)
+    epoch, losses = sampler.epoch(model, warmup=1), []
+    try:
+        while True:
+            losses.append(next(epoch)[0])
+    except StopIteration as stop:
+        trained = stop.value
+    assert sampler.initial.matches() and not trained.matches()
+    restore_state(trained)
+    assert trained.matches()
+    sampler.restore()
+    # the Stage-2 loss check compares against FP32's first batches of Stage 1: the same numbers
+    assert sampler.mean_loss(model, 2) == sum(losses[:2]) / 2
+
+
+def test_step_time_restores_the_state():
+    model, opt, loader = make()
+    sampler = FairSampler(model, opt, loader, ce, device="cpu")
+    timing = sampler.step_time(model, warmup=1, repeats=5)  # cycles through the 4 batches
+    assert isinstance(timing, Timing) and len(timing.samples) == 5 and timing.median > 0
+    assert sampler.initial.matches()
+
+
+def test_nonfinite_loss_skips_the_update():
+    model, opt, loader = make(optimizer=torch.optim.SGD)
+    before = snapshot_state(model, opt)
+    sampler = FairSampler(model, opt, loader, lambda out, batch: out.sum() * float("nan"), device="cpu")
+    model.eval()  # keep BatchNorm's running stats still so only an update could change the state
+    loss = sampler.step(model, loader[0])
+    assert loss != loss and before.matches()
+
+
+@pytest.mark.parametrize("batch, n_args, kwargs", [
+    ((torch.zeros(2, 3), torch.zeros(2)), 1, []),
+    ([torch.zeros(2, 3), torch.zeros(2, 3), torch.zeros(2)], 2, []),
+    ((torch.zeros(2, 3),), 1, []),
+    ({"input_ids": torch.zeros(2, 3), "labels": torch.zeros(2)}, 0, ["input_ids", "labels"]),
+    (torch.zeros(2, 3), 1, []),
+])
+def test_split_batch_maps_batches_to_model_inputs(batch, n_args, kwargs):
+    args, kw = split_batch(batch)
+    assert len(args) == n_args and sorted(kw) == kwargs
+
+
+def test_bad_batches_and_losses_say_what_to_do():
+    with pytest.raises(BadInputError, match="tuple/list"):
+        split_batch(3)
+    with pytest.raises(BadInputError, match="loss_fn"):
+        model_loss(torch.zeros(2), None)
+    assert model_loss({"loss": torch.tensor(1.0)}, None).item() == 1.0
+    model, opt, loader = make()
+    sampler = FairSampler(model, opt, loader, lambda out, batch: out, device="cpu")
+    with pytest.raises(BadInputError, match="scalar"):
+        sampler.step(model, loader[0])
+
+
+def test_timing_helpers():
+    assert timed(lambda: 7, "cpu")[0] == 7
+    calls = []
+    timing = time_repeats(calls.append, warmup=2, repeats=3, device="cpu")
+    assert calls == [0, 1, 2, 3, 4] and len(timing.samples) == 3
+    with pytest.raises(ValueError):
+        time_repeats(calls.append, warmup=0, repeats=0, device="cpu")
