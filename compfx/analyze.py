@@ -128,8 +128,13 @@ def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
     return torch.cuda.get_device_capability(device)
 
 
+def _dim(d) -> int:
+    """A concrete dim; a symbolic one (torch.compile with dynamic shapes) by its example value."""
+    return d if isinstance(d, int) else int(d.node.hint)
+
+
 def _shapes(value) -> tuple[Shape, ...]:
-    return tuple(tuple(t.shape) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
+    return tuple(tuple(_dim(d) for d in t.shape) for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor))
 
 
 def _input_values(node: fx.Node):

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import operator
 import os
 import traceback
 import warnings
@@ -389,9 +390,28 @@ def _symbolic_capture(model: nn.Module, args: tuple, kwargs: dict, leaf_modules)
     if unknown:
         raise CaptureError(f"symbolic tracing could not compute example values for: {'; '.join(unknown[:3])}")
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__ + "Captured")
-    gm.graph.eliminate_dead_code()
+    # Dead code here is shape arithmetic that only fed Python control flow.
+    gm.graph.eliminate_dead_code(is_impure_node=_keep_even_if_unused)
     gm.recompile()
     return gm
+
+
+def _keep_even_if_unused(node: fx.Node) -> bool:
+    """Impure nodes, in-place updates (BatchNorm's num_batches_tracked.add_(1)) and leaf modules."""
+    if node.op == "call_module" or node.is_impure():
+        return True
+    if node.op == "call_method":
+        return node.target.endswith("_") and not node.target.endswith("__")
+    name = getattr(node.target, "__name__", "")
+    return node.op == "call_function" and (
+        (name.endswith("_") and not name.endswith("__")) or node.target in _IN_PLACE_OPERATORS
+    )
+
+
+_IN_PLACE_OPERATORS = frozenset(
+    (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+     operator.imatmul, operator.ipow, operator.iand, operator.ior, operator.ixor)
+)
 
 
 # ---------------------------------------------------------------------------
@@ -412,8 +432,9 @@ def _buffers_restored(model: nn.Module):
 
 def _dynamo_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     # allow_rnn: keep nn.GRU/LSTM in the graph as one op, as the symbolic tracer does.
+    # Static shapes: compfx specialises to the example inputs (TC rules need concrete dims).
     with torch._dynamo.config.patch(allow_rnn=True), _buffers_restored(model):
-        exported = torch._dynamo.export(model, aten_graph=False)(*args, **kwargs)
+        exported = torch._dynamo.export(model, aten_graph=False, assume_static_by_default=True)(*args, **kwargs)
     gm = exported.graph_module
     fqn_of = {id(t): name for name, t in _named_tensors(model)}
     for node in gm.graph.nodes:

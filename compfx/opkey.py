@@ -111,10 +111,27 @@ def normalize_kind(op: str, target) -> str:
     return _KIND_ALIASES.get(name, name)
 
 
-def _module_kind(module_type) -> str:
-    """Kind of a user-named leaf module: its class name in snake case."""
-    name = module_type if isinstance(module_type, str) else type(module_type).__name__
-    return re.sub(r"(?<!^)(?=[A-Z])", "_", name).lower()
+# torch.nn classes kept as leaves get the kind of the function they call, so
+# they classify like their traced-through form (nn.BatchNorm2d -> batch_norm).
+_NN_MODULE_KINDS = {
+    "batchnorm1d": "batch_norm", "batchnorm2d": "batch_norm", "batchnorm3d": "batch_norm",
+    "layernorm": "layer_norm", "groupnorm": "group_norm", "multiheadattention": "multi_head_attention",
+    "maxpool1d": "max_pool1d", "maxpool2d": "max_pool2d", "maxpool3d": "max_pool3d",
+    "avgpool1d": "avg_pool1d", "avgpool2d": "avg_pool2d", "avgpool3d": "avg_pool3d",
+    "adaptiveavgpool2d": "adaptive_avg_pool2d", "convtranspose2d": "conv_transpose2d",
+    "rnn": "rnn_tanh", "logsoftmax": "log_softmax", "crossentropyloss": "cross_entropy",
+    "mseloss": "mse_loss",
+}
+
+
+def _module_kind(module) -> str:
+    """Kind of a leaf module from its class: torch.nn's own get their functional name,
+    user classes their name in snake case (``MyBlock`` -> ``my_block``, ``ReLU`` -> ``relu``)."""
+    cls = module if isinstance(module, type) else type(module)
+    if cls.__module__.startswith("torch.nn."):
+        name = cls.__name__.lower()
+        return _NN_MODULE_KINDS.get(name, name)
+    return re.sub(r"(?<=[a-z0-9])(?=[A-Z])|(?<=[A-Z])(?=[A-Z][a-z])", "_", cls.__name__).lower()
 
 
 # The operator module's in-place and dunder names map onto the out-of-place op.

@@ -1,0 +1,275 @@
+"""capture(): graphs that compute what the model computes, keyed the same by every tracer,
+with metadata on every node, clear errors, and the user's model left alone."""
+
+import copy
+import functools
+import inspect
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from compfx.capture import capture, key_dynamo_graph, op_nodes
+from compfx.errors import CaptureError
+from zoo import ZOO, make
+
+ZOO_NAMES = sorted(ZOO)
+
+
+def _keys(gm):
+    return [str(n.meta["compfx_key"]) for n in op_nodes(gm)]
+
+
+@functools.lru_cache(maxsize=None)
+def _captured(name, method):
+    """One capture per (zoo model, method), shared by the tests that only read it."""
+    model, inputs = make(name)
+    return model, inputs, capture(model, inputs, method=method)
+
+
+@pytest.mark.parametrize("method", ["symbolic", "dynamo"])
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_captured_graph_matches_eager_and_has_metadata_everywhere(name, method):
+    model, inputs, gm = _captured(name, method)
+    assert gm.meta["compfx_capture_method"] == method
+    torch.testing.assert_close(gm(*inputs), model(*inputs))
+    for node in gm.graph.nodes:
+        assert "val" in node.meta, node.format_node()
+        if isinstance(node.meta["val"], torch.Tensor):
+            meta = node.meta["tensor_meta"]
+            assert (tuple(meta.shape), meta.dtype) == (tuple(node.meta["val"].shape), node.meta["val"].dtype)
+            assert all(type(d) is int for d in meta.shape), "capture specialises to static shapes"
+    assert op_nodes(gm), "every zoo model has numerical ops"
+
+
+def _torch_compile_keys(model, inputs):
+    """Keys that a torch.compile backend sees, via the public helper."""
+    keys = []
+
+    def backend(gm, example_inputs):
+        keys.extend(str(k) for k in key_dynamo_graph(gm))
+        return gm.forward
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(allow_rnn=True):
+        torch.compile(model, backend=backend, fullgraph=True)(*inputs)
+    return keys
+
+
+@pytest.mark.parametrize("name", ZOO_NAMES)
+def test_symbolic_dynamo_and_torch_compile_give_the_same_keys(name):
+    model, inputs, symbolic_gm = _captured(name, "symbolic")
+    symbolic = _keys(symbolic_gm)
+    assert symbolic == _keys(_captured(name, "dynamo")[2])
+    assert symbolic == _torch_compile_keys(model, inputs)
+
+
+def test_key_dynamo_graph_continues_indices_across_graphs():
+    counts = {}
+    model = nn.Sequential(nn.ReLU())
+
+    def one_graph():  # stands in for one of several graphs dynamo hands a backend
+        gm = torch.fx.symbolic_trace(model, concrete_args=None)
+        for node in gm.graph.nodes:
+            node.meta["example_value"] = torch.zeros(2)
+        return gm
+
+    assert [str(k) for k in key_dynamo_graph(one_graph(), counts)] == ["0:relu#0"]
+    assert [str(k) for k in key_dynamo_graph(one_graph(), counts)] == ["0:relu#1"]
+
+
+# ---------------------------------------------------------------------------
+# the user's model is left as it was
+
+
+@pytest.mark.parametrize("leaf_modules", [(), (nn.BatchNorm2d,)])
+@pytest.mark.parametrize("method", ["symbolic", "dynamo"])
+@pytest.mark.parametrize("training", [True, False])
+def test_capture_does_not_change_the_model(training, method, leaf_modules):
+    if method == "dynamo" and leaf_modules:
+        pytest.skip("dynamo ignores leaf_modules")
+    model, inputs = make("cnn")
+    model.train(training)
+    before = copy.deepcopy(model.state_dict())
+    capture(model, inputs, method=method, leaf_modules=leaf_modules)
+    assert all(m.training == training for m in model.modules())
+    after = model.state_dict()
+    assert before.keys() == after.keys()
+    for name, value in before.items():
+        assert torch.equal(after[name], value), f"capture changed {name}"
+
+
+@pytest.mark.parametrize("method", ["symbolic", "dynamo"])
+def test_running_the_captured_graph_updates_batchnorm_like_eager(method):
+    model, inputs = make("cnn")
+    gm = capture(model, inputs, method=method)
+    eager = copy.deepcopy(model)
+    eager(*inputs)
+    gm(*inputs)  # shares the model's tensors, so it updates the model's buffers
+    for name, value in eager.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[name], value, msg=name)
+    assert int(model.bn1.num_batches_tracked) == 1
+
+
+# ---------------------------------------------------------------------------
+# control flow
+
+
+def test_shape_branch_captures_symbolically_per_input_rank():
+    model, inputs = make("shape_branch")
+    four_d = capture(model, inputs, method="symbolic")
+    two_d_input = torch.randn(2, 8)
+    two_d = capture(model, two_d_input, method="symbolic")
+    assert _keys(four_d)[0] == ":adaptive_avg_pool2d#0"
+    assert "adaptive_avg_pool2d" not in " ".join(_keys(two_d))
+    torch.testing.assert_close(two_d(two_d_input), model(two_d_input))
+
+
+class ValueBranch(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        if y.sum() > 0:  # VALUE-BRANCH
+            return y
+        return -y
+
+
+@pytest.mark.parametrize("method", ["auto", "symbolic", "dynamo"])
+def test_value_branch_error_names_the_users_line(method):
+    line = next(i for i, text in enumerate(inspect.getsource(ValueBranch).splitlines()) if "VALUE-BRANCH" in text)
+    lineno = inspect.getsourcelines(ValueBranch)[1] + line
+    with pytest.raises(CaptureError) as info:
+        capture(ValueBranch(), torch.randn(2, 4), method=method)
+    message = str(info.value)
+    first_line = message.splitlines()[0]
+    assert f"{__file__}:{lineno}" in first_line
+    assert "if y.sum() > 0" in first_line
+    assert "torch.where" in message
+    assert not first_line.startswith("Traceback") and "torch/fx" not in first_line
+    assert info.value.__cause__ is not None
+
+
+class TensorMatmulInside(nn.Module):
+    def forward(self, x):
+        return torch.Tensor.matmul(x, x.t())  # FX proxies cannot go through this descriptor
+
+
+class Outer(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.block = nn.Sequential(nn.Linear(4, 4), TensorMatmulInside())
+
+    def forward(self, x):
+        return self.block(x)
+
+
+def test_symbolic_failure_names_module_and_line_and_auto_falls_back_to_dynamo():
+    model, x = Outer(), torch.randn(2, 4)
+    with pytest.raises(CaptureError) as info:
+        capture(model, x, method="symbolic")
+    message = str(info.value)
+    assert "block.1 (TensorMatmulInside)" in message
+    assert "test_capture.py" in message and "torch.Tensor.matmul(x, x.t())" in message
+    assert info.value.__cause__ is not None
+    gm = capture(model, x)
+    assert gm.meta["compfx_capture_method"] == "dynamo"
+    assert _keys(gm) == ["block.0:linear#0", "block.1:matmul#0"]
+
+
+class Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        return torch.tanh(self.fc(x))
+
+
+class WithBlocks(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = Block(), Block()
+
+    def forward(self, x):
+        return self.b(self.a(x))
+
+
+@pytest.mark.parametrize("leaf", [Block, "a"])
+def test_leaf_modules_stay_one_call_module(leaf):
+    model, x = WithBlocks(), torch.randn(2, 4)
+    gm = capture(model, x, leaf_modules=[leaf])
+    calls = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert [n.target for n in calls] == (["a", "b"] if leaf is Block else ["a"])
+    assert _keys(gm)[0] == "a:block#0"
+    assert calls[0].meta["val"].shape == (2, 4)
+    torch.testing.assert_close(gm(x), model(x))
+
+
+class DictInDictOut(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, features, scale=None, *, mask=None):
+        logits = self.fc(features) * (1.0 if scale is None else scale)
+        if mask is not None:
+            logits = logits + mask
+        return {"logits": logits, "extra": (logits.softmax(-1), logits.sum())}
+
+
+@pytest.mark.parametrize("method", ["symbolic", "dynamo"])
+def test_kwargs_inputs_and_dict_tuple_outputs(method):
+    model = DictInDictOut()
+    kwargs = {"features": torch.randn(2, 4), "mask": torch.randn(2, 3)}
+    gm = capture(model, kwargs, method=method)
+    torch.testing.assert_close(gm(**kwargs), model(**kwargs))
+    assert [k.split(":")[1] for k in _keys(gm)] == ["linear#0", "mul#0", "add#0", "softmax#0", "sum#0"]
+
+
+class NoGradPart(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.frozen, self.trained = nn.Linear(4, 4), nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            target = self.frozen(x)
+        return self.trained(x) * target
+
+
+@pytest.mark.parametrize("method", ["symbolic", "dynamo"])
+def test_no_grad_blocks_are_kept(method):
+    model, x = NoGradPart(), torch.randn(2, 4)
+    gm = capture(model, x, method=method)
+    gm(x).sum().backward()
+    assert model.frozen.weight.grad is None and model.trained.weight.grad is not None
+    assert torch.is_grad_enabled()
+    with torch.no_grad():
+        out = gm(x)
+        assert not torch.is_grad_enabled(), "the graph must restore the caller's grad mode"
+    assert not out.requires_grad
+
+
+class TrainingCheck(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        y = self.fc(x)
+        return y * 2 if self.training else F.relu(y)
+
+
+@pytest.mark.parametrize("method", ["symbolic", "dynamo"])
+def test_self_training_checks_specialise_to_the_current_mode(method):
+    model, x = TrainingCheck(), torch.randn(2, 4)
+    train_gm = capture(model, x, method=method)
+    model.eval()
+    eval_gm = capture(model, x, method=method)
+    assert not model.training
+    assert "relu" not in " ".join(_keys(train_gm)) and ":relu#0" in _keys(eval_gm)
+    torch.testing.assert_close(eval_gm(x), model(x))
