@@ -29,6 +29,7 @@ True
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import math
@@ -49,6 +50,9 @@ from torch.utils import benchmark
 from .errors import BadInputError, PlanFileError, SearchError
 from .files import read_json, write_json_atomic
 from .opkey import KEY_META, OpKey, normalize_kind
+from .passes.insert_casts import COMPOSITE_KINDS, NORM_KINDS, AutocastRegion, insert_casts
+from .plan import Plan
+from .plan_cache import default_cache_dir
 
 __all__ = [
     "OpProfile",
@@ -61,6 +65,7 @@ __all__ = [
     "profile_cache_dir",
     "device_name",
     "find_casts",
+    "rewrite_with_insert_casts",
     "rank_by_prediction",
     "should_skip",
     "skip_message",
@@ -71,10 +76,10 @@ _OP_FORMAT = "compfx-op-profile"
 _CAST_FORMAT = "compfx-cast-cost"
 _CACHE_VERSION = 1
 
-# Norm ops run their activation in the low dtype but keep weight, bias and
-# running statistics in FP32 (what the cast pass and autocast do), so only
-# their first argument is cast when they are profiled at the low dtype.
-NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "instance_norm", "rms_norm"})
+# The low profile of an op runs it the way the cast pass will: norm ops
+# (NORM_KINDS) cast only their activation, weight, bias and running stats stay
+# FP32; composite ops (COMPOSITE_KINDS) and leaf modules run under
+# torch.autocast; every other op gets all its floating inputs cast.
 
 # Spellings of a dtype conversion; a node is a cast only when it also changes
 # the floating dtype of its input.
@@ -94,23 +99,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
 
 
 def profile_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
-    """Folder for profile files: ``<root>/profiles`` with root ``cache_dir``, ``$COMPFX_CACHE_DIR`` or ``~/.cache/compfx``.
+    """Folder for profile files: ``profiles/`` inside the plan cache folder (``cache_dir`` or its default).
 
     >>> profile_cache_dir("/tmp/c").as_posix()
     '/tmp/c/profiles'
     """
-    if cache_dir is None:
-        cache_dir = _default_cache_root()
-    return Path(cache_dir).expanduser() / "profiles"
-
-
-def _default_cache_root() -> Path:
-    try:  # one definition of the cache root when the plan cache exists
-        from .plan_cache import default_cache_dir  # type: ignore[attr-defined]
-
-        return Path(default_cache_dir())
-    except (ImportError, AttributeError):
-        return Path(os.environ.get("COMPFX_CACHE_DIR") or Path.home() / ".cache" / "compfx")
+    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return root / "profiles"
 
 
 def device_name(device: torch.device | str) -> str:
@@ -199,16 +194,22 @@ class _OpBench:
         self.node = node
         self.kind = node.meta[KEY_META].kind
         self.device = device
+        self.module = gm.get_submodule(node.target) if node.op == "call_module" else None
         self.values = pytree.tree_map(lambda a: self._value(gm, a) if isinstance(a, fx.Node) else a,
                                       (node.args, node.kwargs))
 
     def _value(self, gm: fx.GraphModule, arg: fx.Node):
-        if arg.op == "get_attr":  # parameters and buffers: the real thing (BN running stats have no val)
+        if arg.op == "get_attr":  # parameters and buffers: the real thing (BN running stats may have no val)
             attr = gm
             for part in arg.target.split("."):
                 attr = getattr(attr, part)
             return attr
         return arg.meta.get("val")
+
+    @property
+    def low_under_autocast(self) -> bool:
+        """Composite ops and leaf modules run their low variant under torch.autocast (as the pass does)."""
+        return self.kind in COMPOSITE_KINDS or self.module is not None
 
     def signature(self) -> dict:
         """JSON-able description of the call: kind, target, tensor metadata and the other arguments."""
@@ -219,41 +220,51 @@ class _OpBench:
             return repr(value)
 
         args, kwargs = pytree.tree_map(describe, self.values)
-        return {"kind": self.kind, "op": self.node.op, "target": _target_name(self.node.target),
-                "args": args, "kwargs": kwargs}
+        target = repr(self.module) if self.module is not None else _target_name(self.node.target)
+        return {"kind": self.kind, "op": self.node.op, "target": target, "args": args, "kwargs": kwargs,
+                "low_mode": "autocast" if self.low_under_autocast else "cast"}
 
     def cast_positions(self) -> set[int]:
         """Indices (into the flattened arguments) of the floating tensors the low variant casts."""
+        if self.low_under_autocast:
+            return set()
         leaves = pytree.tree_leaves(self.values)
         floating = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor) and v.is_floating_point()]
         if self.kind in NORM_KINDS:  # the activation is the first argument
             return set(floating[:1]) if floating and floating[0] == 0 else set()
         return set(floating)
 
-    def make_step(self, dtype: torch.dtype) -> Callable[[], None]:
-        """A closure running the op forward and backward at ``dtype`` (FP32 = no casts)."""
+    def make_step(self, dtype: torch.dtype, *, clone_first: bool = False) -> Callable[[], None]:
+        """A closure running the op forward and backward at ``dtype`` (FP32 = no casts).
+
+        ``clone_first`` feeds the op a copy of its first input made inside the
+        step: an in-place op cannot write into a leaf that requires grad.
+        """
         leaves, spec = pytree.tree_flatten(self.values)
         casts = self.cast_positions() if dtype != torch.float32 else set()
         real = [self._real(v, dtype if i in casts else None) if isinstance(v, torch.Tensor) else v
                 for i, v in enumerate(leaves)]
         grad_inputs = [t for t in real if isinstance(t, torch.Tensor) and t.requires_grad]
-        args, kwargs = pytree.tree_unflatten(real, spec)
-        call = self._callable()
-        grads: list[torch.Tensor] = []
+        if self.module is not None:
+            grad_inputs += [p for p in self.module.parameters() if p.requires_grad]
+        call = self._callable(autocast_dtype=dtype if dtype != torch.float32 and self.low_under_autocast else None)
+        grads: list[torch.Tensor] = []  # ones into the outputs that carry gradients, made on the first call
 
         def forward():
+            inputs = list(real)
+            if clone_first:
+                inputs[0] = inputs[0].clone()
+            args, kwargs = pytree.tree_unflatten(inputs, spec)
             out = call(*args, **kwargs)
             return [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
-
-        outs = forward()  # one dry run: learn the outputs that carry gradients
-        grads.extend(torch.ones_like(o) for o in outs)
 
         def step():
             outs = forward()
             if outs and grad_inputs:
+                if not grads:
+                    grads.extend(torch.ones_like(o) for o in outs)
                 torch.autograd.grad(outs, grad_inputs, grads, allow_unused=True)
 
-        step()
         return step
 
     def _real(self, value: torch.Tensor, cast_to: torch.dtype | None) -> torch.Tensor:
@@ -270,18 +281,20 @@ class _OpBench:
             real = real.to(cast_to)
         return real.requires_grad_(requires_grad)
 
-    def _callable(self) -> Callable:
+    def _callable(self, autocast_dtype: torch.dtype | None) -> Callable:
         node = self.node
-        if node.op == "call_function":
-            return node.target
-        if node.op == "call_method":
-            return lambda self_, *a, **k: getattr(self_, node.target)(*a, **k)
-        raise _Unprofilable(f"{node.op} nodes are not profiled in isolation (leaf module {node.target!r})")
-
-
-class _Unprofilable(Exception):
-    pass
-
+        if self.module is not None:
+            function = self.module
+        elif node.op == "call_function":
+            function = node.target
+        elif node.op == "call_method":
+            function = lambda self_, *a, **k: getattr(self_, node.target)(*a, **k)  # noqa: E731
+        else:
+            raise SearchError(f"{node.op} nodes are not ops; only keyed call nodes are profiled")
+        if autocast_dtype is None:
+            return function
+        region = AutocastRegion(function, self.device.type, autocast_dtype)
+        return region.forward
 
 def _target_name(target) -> str:
     if isinstance(target, str):
@@ -293,25 +306,29 @@ def _target_name(target) -> str:
 
 def _time_step(step: Callable[[], None], device: torch.device, *, repeats: int, warmup: int,
                block_s: float, budget_s: float) -> float:
-    """Median seconds of one call: ``warmup`` calls, then up to ``repeats`` timed blocks.
+    """Seconds of one call: timed warmup calls, then up to ``repeats`` timed blocks; the fastest sample wins.
 
-    A block repeats the call until it lasts about ``block_s``; blocks stop early
-    once ``budget_s`` is spent, so ops that are slow (low precision on a CPU) are
-    timed a few times rather than many. ``benchmark.Timer`` synchronises CUDA.
+    A block repeats the call until it lasts about ``block_s``. An op slower than
+    ``budget_s`` (low precision on a CPU) is called only once more after its
+    warmup: profiling it costs two calls, not dozens. The minimum is the least
+    disturbed sample (other processes only ever add time); what isolated ops do
+    not see goes into the predictor's calibrated overhead. ``benchmark.Timer``
+    synchronises CUDA.
     """
-    for _ in range(warmup):
-        step()
     timer = benchmark.Timer(stmt="step()", globals={"step": step}, num_threads=torch.get_num_threads())
-    first = timer.timeit(1).median
-    number = max(1, int(block_s / max(first, 1e-9)))
-    samples = [first] if number == 1 else []
-    spent = first
+    last = 0.0
+    for _ in range(max(warmup, 1)):  # the first call pays one-off setup (kernel selection, allocation)
+        last = timer.timeit(1).median
+    if last >= budget_s:
+        return min(last, timer.timeit(1).median)
+    number = max(1, int(block_s / max(last, 1e-9)))
+    samples, spent = [], 0.0
     while len(samples) < repeats and (spent < budget_s or not samples):
         sample = timer.timeit(number).median
         samples.append(sample)
         spent += sample * number
     _synchronize(device)
-    return statistics.median(samples)
+    return min(samples)
 
 
 # ---------------------------------------------------------------------------
@@ -423,12 +440,22 @@ def _cached_or_measured(bench: _OpBench, dtype, cache_key, root, counts, timing)
         return float(cached["seconds"]), str(cached.get("skipped") or "")
     counts["measured"] += 1
     try:
-        seconds, reason = _time_step(bench.make_step(dtype), bench.device, **timing), ""
-    except Exception as error:  # noqa: BLE001 - e.g. an in-place op on a leaf, an op without a bf16 kernel
+        seconds, reason = _measure(bench, dtype, timing), ""
+    except Exception as error:  # noqa: BLE001 - e.g. an op without a kernel for this dtype
         seconds, reason = 0.0, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
     if path is not None:
         _write_entry(path, cache_key, _OP_FORMAT, {"seconds": seconds, "skipped": reason or None})
     return seconds, reason
+
+
+def _measure(bench: _OpBench, dtype: torch.dtype, timing: Mapping[str, float]) -> float:
+    try:
+        return _time_step(bench.make_step(dtype), bench.device, **timing)
+    except RuntimeError as error:
+        if "in-place" not in str(error):
+            raise
+        # x.relu_() on a leaf that requires grad: time it on a copy made inside the step
+        return _time_step(bench.make_step(dtype, clone_first=True), bench.device, **timing)
 
 
 # ---------------------------------------------------------------------------
@@ -609,14 +636,28 @@ def find_casts(gm: fx.GraphModule, values: Mapping[fx.Node, Any] | None = None) 
     return casts
 
 
-def _runs_low(node: fx.Node, values: Mapping[fx.Node, Any], low_dtype: torch.dtype) -> bool:
-    """True when every input the low profile casts arrives in the low dtype (else the op runs in FP32)."""
+def _runs_low(gm: fx.GraphModule, node: fx.Node, values: Mapping[fx.Node, Any], low_dtype: torch.dtype) -> bool:
+    """True when the op runs in the low dtype: under an autocast region, or fed low inputs only.
+
+    An op that gets the low dtype on only some of the inputs its low profile
+    casts runs by type promotion in FP32, so it is priced at FP32.
+    """
+    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), AutocastRegion):
+        return True
     inputs = pytree.tree_leaves(pytree.tree_map(lambda a: values.get(a) if isinstance(a, fx.Node) else a,
                                                 (node.args, node.kwargs)))
     floating = [v for v in inputs if isinstance(v, torch.Tensor) and v.is_floating_point()]
     if node.meta[KEY_META].kind in NORM_KINDS:
         floating = floating[:1]
     return bool(floating) and all(v.dtype == low_dtype for v in floating)
+
+
+def rewrite_with_insert_casts(analysis, plan: Plan) -> fx.GraphModule:
+    """The graph the cast pass makes of ``plan`` (on a copy of the analysis graph; nothing is trained)."""
+    source = analysis.graph_module
+    gm = fx.GraphModule(source, copy.deepcopy(source.graph))
+    categories = {op.key: op.category for op in analysis.ops}
+    return insert_casts(gm, plan, plan.low_dtype, categories=categories)
 
 
 # ---------------------------------------------------------------------------
@@ -643,8 +684,9 @@ class Predictor:
     """Predicts the seconds of one training step of a plan from profiles and the plan's rewritten graph.
 
     ``predict`` takes a rewritten ``GraphModule``, a :class:`~compfx.plan.Plan`
-    or a CoMP bitstring; the last two need ``analysis`` and ``rewrite(plan) ->
-    GraphModule`` (the cast pass applied to ``analysis.graph_module``).
+    or a CoMP bitstring; the last two need ``analysis``, and are turned into a
+    graph by ``rewrite(plan) -> GraphModule`` (default: the ``insert_casts``
+    pass on a copy of ``analysis.graph_module``).
     :meth:`calibrate` sets ``overhead`` from one measured FP32 step, so the FP32
     plan is predicted exactly.
 
@@ -662,6 +704,8 @@ class Predictor:
         self.cast_cost = cast_cost
         self.overhead = float(overhead)
         self.analysis = analysis
+        if rewrite is None and analysis is not None:
+            rewrite = lambda plan: rewrite_with_insert_casts(analysis, plan)  # noqa: E731
         self.rewrite = rewrite
 
     @classmethod
@@ -703,8 +747,6 @@ class Predictor:
             raise SearchError("Predictor.predict() got a plan but has no analysis or rewrite function; build it with "
                               "analysis=... and rewrite=<plan -> rewritten GraphModule>, or pass the rewritten graph.")
         if isinstance(plan_or_graph, str):
-            from .plan import Plan
-
             plan_or_graph = Plan.from_bitstring(self.analysis, plan_or_graph)
         return self.rewrite(plan_or_graph)
 
@@ -716,7 +758,7 @@ class Predictor:
             key = node.meta.get(KEY_META)
             if key is None or key not in self.profiles or node not in values:
                 continue
-            low = _runs_low(node, values, low_dtype)
+            low = _runs_low(gm, node, values, low_dtype)
             compute += self.profiles[key].seconds(low)
             if low:
                 low_ops.append(key)

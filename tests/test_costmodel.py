@@ -14,6 +14,7 @@ import pytest
 import torch
 import torch.fx as fx
 import torch.nn as nn
+import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
@@ -131,14 +132,44 @@ def test_damaged_cache_entry_is_measured_again(tmp_path):
     assert json.loads(victim.read_text())["format"] == "compfx-op-profile"
 
 
-def test_op_that_cannot_run_alone_is_skipped_with_a_reason(tmp_path):
-    model, inputs = make("mlp")
-    a = compfx.analyze(model, inputs, low_dtype=LOW, leaf_modules=[nn.Linear])
+def _relu_without_low_kernel(x, inplace=False):
+    if x.dtype != torch.float32:
+        raise NotImplementedError(f"relu has no {x.dtype} kernel here")
+    return torch.relu(x)
+
+
+def test_op_that_cannot_run_at_a_dtype_is_skipped_with_the_reason(tmp_path):
+    a = _analysis("mlp")
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(a.graph_module.graph, {}))
+    relu = next(n for n in graph.nodes if n.meta.get(KEY_META) == a.ops[1].key)
+    relu.target = _relu_without_low_kernel
+    broken = compfx.Analysis(a.ops, a.device, a.low_dtype, fx.GraphModule(a.graph_module, graph))
+    profiles = profile_ops(broken, cache_dir=tmp_path, **FAST)
+    assert list(profiles.skipped) == [a.ops[1].key]
+    assert "no torch.bfloat16 kernel" in profiles.skipped[a.ops[1].key]
+    assert profiles[a.ops[1].key].fp32_s == profiles[a.ops[1].key].low_s == 0.0  # half a profile is no profile
+    assert all(profiles[op.key].low_s > 0 for op in (a.ops[0], a.ops[2]))
+
+
+class _InPlaceAndLeaf(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.leaf = nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.leaf(F.relu(self.fc(x), inplace=True))
+
+
+def test_in_place_ops_and_leaf_modules_are_profiled(tmp_path):
+    model = _InPlaceAndLeaf()
+    a = compfx.analyze(model, torch.randn(4, 8), low_dtype=LOW, leaf_modules=["leaf"])
     profiles = profile_ops(a, cache_dir=tmp_path, **FAST)
-    skipped = profiles.skipped
-    assert {k.kind for k in skipped} == {"linear"} and all("leaf module" in why for why in skipped.values())
-    assert all(profiles[k].fp32_s == profiles[k].low_s == 0.0 for k in skipped)
-    assert all(profiles[k].fp32_s > 0 for k in profiles if k not in skipped)
+    assert profiles.skipped == {}
+    assert {k.kind for k in profiles} == {"linear", "relu"} and len(profiles) == 3
+    modes = {json.loads(f.read_text())["key"]["signature"]["low_mode"] for f in profile_cache_dir(tmp_path).iterdir()}
+    assert modes == {"cast", "autocast"}  # the leaf module's low variant runs under torch.autocast
 
 
 @pytest.mark.parametrize("name, kind, casts", [
@@ -299,3 +330,30 @@ def test_median_abs_percentage_error_matches_its_definition(pairs):
     middle = len(errors) // 2
     expected = errors[middle] if len(errors) % 2 else (errors[middle - 1] + errors[middle]) / 2
     assert median_abs_percentage_error(predicted, measured) == pytest.approx(expected, rel=1e-6)
+
+
+# -- with the real cast pass -----------------------------------------------------------
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "encoder_sdpa"])
+def test_default_rewrite_is_the_cast_pass_and_casts_match_its_report(name):
+    from compfx.apply import apply
+    from compfx.passes import count_casts
+
+    a = _analysis(name)
+    model, _ = make(name)
+    fake = _fake_predictor(a)
+    predictor = Predictor(fake.profiles, fake.cast_cost, analysis=a)  # default rewrite: the cast pass
+    for plan in (compfx.Plan.amp(a), compfx.Plan.uniform(a, "low"), compfx.Plan.fp32(a)):
+        result = predictor.breakdown(plan)
+        assert result.n_casts == count_casts(apply(a.graph_module, plan, analysis=a))
+        assert set(result.low_ops) >= {k for k, p in plan.items() if p == "low"}
+
+
+def test_ops_run_under_autocast_are_priced_low():
+    a = _analysis("mha")  # multi_head_attention runs under torch.autocast for "low"
+    fake = _fake_predictor(a)
+    predictor = Predictor(fake.profiles, fake.cast_cost, analysis=a)  # default rewrite: the cast pass
+    mha = a.ops[0].key
+    assert mha.kind == "multi_head_attention"
+    assert mha in predictor.breakdown("00").low_ops
+    assert mha not in predictor.breakdown("11").low_ops

@@ -1,0 +1,193 @@
+"""How well does the cost model predict a plan's training-step time? (issue 9, CPU)
+
+For a few small models this profiles every op (fresh cache), calibrates the
+per-step overhead on the measured FP32 step, then measures the real step time
+(forward + cross-entropy + backward + SGD step, via ``compfx.apply``) of several
+plans: FP32, AMP, all-low and seeded random bitstrings. It prints predicted
+against measured time per plan and the median absolute percentage error over
+the non-FP32 plans (FP32 is exact by calibration, so it is left out), and
+writes ``benchmarks/results/cpu/predictor_accuracy.json``.
+
+Plans are measured round-robin (every plan once per round, fastest round
+kept) so a change in machine load hits all plans alike. Everything runs on
+``--threads`` CPU threads (default 1: thread oversubscription on a busy
+machine distorts timings most). The machine's load average is recorded with
+the figures: on a shared machine they are noisy.
+
+Run from the repository root::
+
+    python -m benchmarks.predictor_accuracy            # all models
+    python -m benchmarks.predictor_accuracy --models digits_cnn --rounds 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from tabulate import tabulate
+
+import compfx
+from compfx import examples
+from compfx.apply import apply
+from compfx.costmodel import Predictor, device_name, median_abs_percentage_error
+from compfx.files import write_json_atomic
+from compfx.passes import count_casts
+
+RESULTS = Path(__file__).parent / "results" / "cpu" / "predictor_accuracy.json"
+
+
+class WideMLP(nn.Module):
+    """An MLP with wide enough layers that the bf16/fp32 gap shows (and a LayerNorm, a blacklist op)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.norm = nn.Linear(256, 512), nn.LayerNorm(512)
+        self.fc2, self.fc3 = nn.Linear(512, 256), nn.Linear(256, 10)
+
+    def forward(self, x):
+        return self.fc3(F.gelu(self.fc2(F.relu(self.norm(self.fc1(x))))))
+
+
+class SmallCNN(nn.Module):
+    """The test zoo's CNN (3x16x16 inputs) at a training batch size."""
+
+    def __init__(self):
+        super().__init__()
+        from tests.zoo import CNN
+
+        self.net = CNN()
+
+    def forward(self, x):
+        return self.net(x)
+
+
+def _digits_cnn():
+    return examples.cnn(), torch.randn(32, 1, 8, 8)
+
+
+def _zoo_cnn():
+    return SmallCNN(), torch.randn(16, 3, 16, 16)
+
+
+def _wide_mlp():
+    return WideMLP(), torch.randn(64, 256)
+
+
+MODELS = {"digits_cnn": _digits_cnn, "zoo_cnn": _zoo_cnn, "wide_mlp": _wide_mlp}
+
+
+def candidate_plans(analysis, n_random: int, seed: int) -> dict[str, compfx.Plan]:
+    plans = {"fp32": compfx.Plan.fp32(analysis), "amp": compfx.Plan.amp(analysis),
+             "all-low": compfx.Plan.uniform(analysis, "low")}
+    rng = random.Random(seed)
+    while len(plans) < 3 + n_random:
+        bits = "".join(rng.choice("01") for _ in analysis.ops)
+        plans.setdefault(bits, compfx.Plan.from_bitstring(analysis, bits))
+    return plans
+
+
+def _train_step(gm, optimizer, x, y) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    F.cross_entropy(gm(x).float(), y).backward()
+    optimizer.step()
+
+
+def measure_steps(model, plans, analysis, x, y, *, rounds: int, steps: int, warmup: int) -> dict[str, float]:
+    """Fastest round's mean step seconds of each plan; plans interleave within a round.
+
+    The minimum over rounds is the least disturbed figure on a shared machine
+    (the profiles are minima too).
+    """
+    runners = {}
+    for name, plan in plans.items():
+        gm = apply(model, plan, analysis=analysis)
+        optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+        for _ in range(warmup):
+            _train_step(gm, optimizer, x, y)
+        runners[name] = (gm, optimizer)
+    samples: dict[str, list[float]] = {name: [] for name in plans}
+    for _ in range(rounds):
+        for name, (gm, optimizer) in runners.items():
+            start = time.perf_counter()
+            for _ in range(steps):
+                _train_step(gm, optimizer, x, y)
+            samples[name].append((time.perf_counter() - start) / steps)
+    return {name: min(times) for name, times in samples.items()}
+
+
+def run_model(name: str, args) -> dict:
+    torch.manual_seed(0)
+    model, x = MODELS[name]()
+    y = torch.randint(0, 10, (x.shape[0],))
+    analysis = compfx.analyze(model, x)
+    with tempfile.TemporaryDirectory() as cache:  # fresh cache: the profiling cost is paid here
+        start = time.perf_counter()
+        predictor = Predictor.build(analysis, cache_dir=cache)
+        profiling_s = time.perf_counter() - start
+    plans = candidate_plans(analysis, args.random_plans, args.seed)
+    measured = measure_steps(model, plans, analysis, x, y, rounds=args.rounds, steps=args.steps, warmup=2)
+    predictor.calibrate(measured["fp32"])
+    rows = []
+    for plan_name, plan in plans.items():
+        breakdown = predictor.breakdown(plan)
+        rows.append({"plan": plan_name, "bits": plan.bitstring(analysis), "measured_s": measured[plan_name],
+                     "predicted_s": breakdown.seconds, "compute_s": breakdown.compute_s, "cast_s": breakdown.cast_s,
+                     "casts": breakdown.n_casts, "pass_casts": count_casts(apply(model, plan, analysis=analysis)),
+                     "error_pct": 100 * (breakdown.seconds - measured[plan_name]) / measured[plan_name]})
+    scored = [r for r in rows if r["plan"] != "fp32"]
+    mape = median_abs_percentage_error([r["predicted_s"] for r in scored], [r["measured_s"] for r in scored])
+    return {"model": name, "ops": len(analysis.ops), "input_shape": list(x.shape), "profiling_s": profiling_s,
+            "profiled_timings": predictor.profiles.measured, "fp32_step_s": measured["fp32"],
+            "profiling_in_fp32_steps": profiling_s / measured["fp32"], "overhead_s": predictor.overhead,
+            "skipped_ops": {str(k): why for k, why in predictor.profiles.skipped.items()},
+            "median_abs_pct_error": mape, "plans": rows}
+
+
+def print_model(result: dict) -> None:
+    print(f"\n{result['model']} ({result['ops']} ops, input {result['input_shape']}): profiling "
+          f"{result['profiling_s']:.2f} s = {result['profiling_in_fp32_steps']:.0f} FP32 steps; "
+          f"overhead {result['overhead_s'] * 1e3:.2f} ms")
+    table = [[r["plan"], r["bits"], f"{r['measured_s'] * 1e3:.2f}", f"{r['predicted_s'] * 1e3:.2f}",
+              f"{r['error_pct']:+.1f}%", r["casts"]] for r in result["plans"]]
+    print(tabulate(table, headers=["plan", "bits", "measured ms", "predicted ms", "error", "casts"]))
+    print(f"median |error| (non-FP32 plans): {result['median_abs_pct_error']:.1f}%")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--random-plans", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--output", type=Path, default=RESULTS)
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    load_before = os.getloadavg()
+    results = [run_model(name, args) for name in args.models]
+    for result in results:
+        print_model(result)
+    errors = [abs(r["error_pct"]) for result in results for r in result["plans"] if r["plan"] != "fp32"]
+    overall = statistics.median(errors)
+    print(f"\nmedian |error| over all measured non-FP32 plans: {overall:.1f}% (target <= 15%)")
+    write_json_atomic(args.output, {
+        "device": device_name("cpu"), "torch": torch.__version__, "load_average_before": load_before,
+        "load_average_after": os.getloadavg(), "rounds": args.rounds, "steps": args.steps, "threads": args.threads,
+        "median_abs_pct_error": overall, "models": results})
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
