@@ -66,7 +66,7 @@ def apply(
     gm = fx.GraphModule(source, copy.deepcopy(source.graph), class_name=type(model).__name__ + "Mixed")
     categories = {op.key: op.category for op in analysis.ops}
     insert_casts(gm, plan, plan.low_dtype, categories=categories, restore_output_dtypes=restore_output_dtypes)
-    mirror_state(gm, model)
+    _mirror_state(gm, model)
     gm.train(model.training)
     gm.meta.update(compfx_plan=plan, compfx_capture_method=analysis.capture_method)
     return gm
@@ -83,7 +83,7 @@ def _check_same_parameters(source: fx.GraphModule, model: nn.Module) -> None:
         )
 
 
-def mirror_state(gm: nn.Module, model: nn.Module) -> None:
+def _mirror_state(gm: nn.Module, model: nn.Module) -> None:
     """Give ``gm`` every parameter and buffer of ``model`` under the same names (same objects).
 
     The graph registers only what it reads; checkpoints need the rest too
