@@ -23,7 +23,7 @@ from .opkey import KEY_META, OpKey
 from .oplists import classify
 from .tensor_cores import tc_eligible
 
-__all__ = ["OpInfo", "Analysis", "analyze", "default_low_dtype", "model_device"]
+__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "describe_op", "default_low_dtype", "model_device"]
 
 Shape = tuple[int, ...]
 

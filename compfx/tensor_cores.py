@@ -141,11 +141,11 @@ def tc_eligible(
     """
     if category != "whitelist":
         return False, _NOT_LOW_PRECISION.get(category, f"{category} op")
-    if kind not in GEMM_KINDS and kind not in CONV_KINDS:
-        return False, f"no tensor-core rule for {kind} (only GEMMs and convolutions are checked)"
     reason = device_tensor_core_reason(device, low_dtype, capability)
     if reason:
         return False, reason
+    if kind not in GEMM_KINDS and kind not in CONV_KINDS:
+        return False, f"no tensor-core rule for {kind} (only GEMMs and convolutions are checked)"
     if len(input_shapes) < 2 or any(s is None for s in input_shapes[:2]):
         return False, "input shapes unknown"
     if kind in GEMM_KINDS:
