@@ -309,11 +309,8 @@ class CompfxBackend:
 
     def _rewrite(self, gm: fx.GraphModule, precisions: Mapping[OpKey, str], low_dtype: torch.dtype) -> fx.GraphModule:
         # Every op has a precision here (unplanned ones "follow"); insert_casts raises PassError itself.
-        # Dynamo's TracingContext holds the fake mode AOT will use, not the one that made the
-        # graph's example values; hide it so the pass types its casts with the values' own mode.
         sources = _placeholder_sources(gm)
-        with torch._guards.tracing(None):
-            gm = insert_casts(gm, precisions, low_dtype)
+        gm = insert_casts(gm, precisions, low_dtype)
         _restore_placeholder_sources(gm, sources)
         return gm
 
@@ -340,7 +337,7 @@ def _placeholder_sources(gm: fx.GraphModule) -> dict[str, object]:
 
 
 def _restore_placeholder_sources(gm: fx.GraphModule, sources: Mapping[str, object]) -> None:
-    # insert_casts rewrites a copy of the graph; attributes that are not node.meta do not survive the copy.
+    # insert_casts rewrites a copy of the graph, and a plain node attribute may not survive the copy.
     for node in gm.graph.find_nodes(op="placeholder"):
         if node.name in sources and not hasattr(node, "_dynamo_source"):
             node._dynamo_source = sources[node.name]
