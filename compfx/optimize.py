@@ -63,6 +63,9 @@ class SearchConfig:
     * ``stage2_check_batches``: batches on which the Stage-2 winner's loss is
       checked against FP32's (0 skips the check).
     * ``prune``: False runs every Stage-1 sample to the end (to measure what pruning saves).
+    * ``per_device``: under ``torch.distributed``, let ranks hold different plans
+      (QSync's allocator, see :mod:`compfx.distributed`); ``memory_budget``: this
+      rank's limit on activation bytes saved for backward per step (None: no limit).
     """
 
     threshold: float = 1.01
@@ -77,6 +80,8 @@ class SearchConfig:
     keep_search_training: bool = True
     stage2_check_batches: int = 4
     prune: bool = True
+    per_device: bool = False
+    memory_budget: int | None = None
 
     def __post_init__(self):
         if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold) and self.threshold >= 1):
@@ -135,7 +140,13 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, loss_fn=None, optimiz
         search_log = log if isinstance(log, SearchLog) else SearchLog(log)
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,
                               grad_scaler=config.scaler_on(analysis.low_dtype))
-        result = _Search(model, analysis, sampler, config, search_log).run()
+        search = _Search(model, analysis, sampler, config, search_log)
+        if config.per_device or config.memory_budget is not None or (
+                torch.distributed.is_available() and torch.distributed.is_initialized()):
+            from .distributed import distribute_search  # ranks agree on one plan, or get one per device
+
+            search = distribute_search(search)
+        result = search.run()
     finally:
         for module, training in modes.items():
             module.train(training)

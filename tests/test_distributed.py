@@ -1,0 +1,376 @@
+"""compfx under torch.distributed: lock-step search over 2 gloo CPU processes, DDP afterwards, and
+QSync's per-device allocator (exact, with fake measurements; and once with real activation bytes)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+import traceback
+from datetime import timedelta
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compfx.distributed import (RankContext, allocate_per_device, allocation_starts, recovery_order, synced_cost,
+                                synced_epoch)
+from compfx.errors import SearchError
+from compfx.memory import saved_activation_bytes
+from compfx.search import SearchSpace, run_stage1, stage1_candidates
+
+WORLD = 2
+TIMEOUT_S = 150  # for all scenarios; every collective also times out (init_process_group timeout)
+
+
+# -- the per-device allocator, exactly ------------------------------------------------------
+
+def additive_measure(low_seconds, fp32_seconds, low_bytes, fp32_bytes):
+    """A fake device model: a plan's time and memory are sums over ops of per-rank, per-precision tables."""
+    def measure(plans):
+        rows = []
+        for rank, bits in enumerate(plans):
+            pairs = [(fp32_seconds[rank][i], fp32_bytes[rank][i]) if b == "1" else (low_seconds[rank][i],
+                                                                                      low_bytes[rank][i])
+                     for i, b in enumerate(bits) if b in "01"]
+            rows.append((sum(s for s, _ in pairs), sum(m for _, m in pairs)))
+        return rows
+    return measure
+
+
+THREE_LINEARS = SearchSpace(("whitelist", "other", "whitelist", "other", "blacklist"), (False,) * 5,
+                            ("a", "r", "b", "r", "c"))
+
+
+def test_small_budget_rank_goes_low_and_the_other_recovers_up_to_its_pace():
+    # low halves time and memory on both ranks; rank 1 is a slow, small device
+    low_s, fp32_s = [[1, 0, 1, 0, 1], [3, 0, 3, 0, 3]], [[2, 0, 2, 0, 2], [6, 0, 6, 0, 6]]
+    low_b, fp32_b = [[10, 0, 10, 0, 10]] * 2, [[20, 0, 20, 0, 20]] * 2
+    allocation = allocate_per_device(THREE_LINEARS, additive_measure(low_s, fp32_s, low_b, fp32_b), [None, 30])
+    assert allocation.starts == ("0f0f0", "0f0f0")  # low is fastest on both
+    assert allocation.bits[1] == "0f0f0" and allocation.activation_bytes[1] == 30  # nothing else fits 30 bytes
+    # rank 0's pace is rank 1's 9 s: recovering all three ops (6 s) keeps it; blacklist op first
+    assert allocation.bits[0] == "1f1f1" and allocation.recovered[0] == (4, 0, 2)
+    assert allocation.step_seconds == 9
+
+
+def test_recovery_stops_where_the_slowest_rank_would_wait():
+    low_s, fp32_s = [[1, 0, 1, 0, 1], [2, 0, 2, 0, 2]], [[3, 0, 3, 0, 3], [4, 0, 4, 0, 4]]
+    low_b = fp32_b = [[1, 0, 1, 0, 1]] * 2
+    allocation = allocate_per_device(THREE_LINEARS, additive_measure(low_s, fp32_s, low_b, fp32_b), [None, None])
+    # pace 6 s (rank 1 all low); rank 0 at 3 s can give back one op (+2 s each): 5 s, then 7 s > 6 s
+    assert allocation.bits == ("0f0f1", "0f0f0") and allocation.step_seconds == 6
+
+
+def test_start_is_the_fastest_plan_that_fits_even_when_fp32_is_fastest():
+    # a CPU-like device: low precision is slower but smaller
+    low_s, fp32_s = [[5, 0, 5, 0, 5]] * 2, [[1, 0, 1, 0, 1]] * 2
+    low_b, fp32_b = [[1, 0, 1, 0, 1]] * 2, [[4, 0, 4, 0, 4]] * 2
+    allocation = allocate_per_device(THREE_LINEARS, additive_measure(low_s, fp32_s, low_b, fp32_b), [None, 9])
+    assert allocation.starts == ("1f1f1", "0f1f1")  # 9 bytes: two ops must go low; the earliest such start
+    assert allocation.bits == ("1f1f1", "0f1f1")
+
+
+def test_no_plan_fits_says_which_rank_and_how_much():
+    measure = additive_measure([[1] * 5] * 2, [[1] * 5] * 2, [[5] * 5] * 2, [[5] * 5] * 2)
+    with pytest.raises(SearchError, match=r"rank 1's memory_budget=3 bytes.*saves 15"):
+        allocate_per_device(THREE_LINEARS, measure, [None, 3])
+
+
+def test_starts_cover_every_group_combination_or_shrink_past_the_budget():
+    assert allocation_starts(THREE_LINEARS) == ["0f0f0", "0f0f1", "0f1f0", "1f0f0", "0f1f1", "1f0f1", "1f1f0",
+                                                "1f1f1"]
+    wide = SearchSpace(("whitelist",) * 8, (False,) * 8, tuple(range(8)))
+    starts = allocation_starts(wide, budget=16)
+    assert starts[0] == "0" * 8 and starts[-1] == "1" * 8 and len(starts) == 10
+    assert recovery_order(SearchSpace(("whitelist", "blacklist", "whitelist"), (True, False, False),
+                                      ("a", "b", "c"))) == [1, 2, 0]
+
+
+per_op = st.lists(st.integers(1, 9), min_size=5, max_size=5)
+
+
+@settings(max_examples=25, deadline=None)
+@given(st.lists(st.tuples(per_op, per_op, per_op, per_op), min_size=1, max_size=3),
+       st.lists(st.one_of(st.none(), st.integers(15, 40)), min_size=3, max_size=3))
+def test_allocation_meets_budgets_never_slows_the_step_and_only_recovers(tables, budget_pool):
+    world = len(tables)
+    low_s, fp32_s, low_b, fp32_b = ([t[k] for t in tables] for k in range(4))
+    budgets = budget_pool[:world]
+    measure = additive_measure(low_s, fp32_s, low_b, fp32_b)
+    starts = allocation_starts(THREE_LINEARS)
+    rows = {bits: measure([bits] * world) for bits in starts}
+    if any(all(b is not None and rows[s][r][1] > b for s in starts) for r, b in enumerate(budgets)):
+        with pytest.raises(SearchError, match="no plan fits"):
+            allocate_per_device(THREE_LINEARS, measure, budgets)
+        return
+    allocation = allocate_per_device(THREE_LINEARS, measure, budgets)
+    for r in range(world):
+        fitting = [s for s in starts if budgets[r] is None or rows[s][r][1] <= budgets[r]]
+        assert rows[allocation.starts[r]][r][0] == min(rows[s][r][0] for s in fitting)  # fastest that fits
+        assert budgets[r] is None or allocation.activation_bytes[r] <= budgets[r]
+        changed = {i for i, (a, b) in enumerate(zip(allocation.starts[r], allocation.bits[r])) if a != b}
+        assert changed == set(allocation.recovered[r]) and all(allocation.bits[r][i] == "1" for i in changed)
+    assert list(measure(allocation.bits)) == list(zip(allocation.seconds, allocation.activation_bytes))
+    assert allocation.step_seconds <= max(rows[allocation.starts[r]][r][0] for r in range(world))
+
+
+# -- activation memory --------------------------------------------------------------------
+
+class Square(nn.Module):
+    def forward(self, x):
+        return x * x  # autograd saves x twice: one storage
+
+
+def test_saved_bytes_count_inputs_and_activations_once_and_never_parameters():
+    x = torch.randn(32, 16)
+    assert saved_activation_bytes(nn.Linear(16, 1000), (x,)) == x.nbytes  # the weight is resident, not counted
+    assert saved_activation_bytes(Square(), (x,)) == 0  # nothing needs a gradient: nothing is saved
+    assert saved_activation_bytes(Square(), (x.requires_grad_(),)) == x.nbytes
+    assert saved_activation_bytes(nn.Linear(16, 8), (torch.randn(32, 16),)) == x.nbytes
+
+
+def test_measuring_leaves_buffers_rng_and_grads_as_they_were():
+    model = nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Dropout(0.5))
+    model.train()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    x = torch.randn(16, 4) * 5 + 3
+    rng = torch.get_rng_state()
+    assert saved_activation_bytes(model, (x,)) > 0
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+    assert torch.equal(rng, torch.get_rng_state())
+    assert all(p.grad is None for p in model.parameters())
+
+
+def activation_heavy_mlp():
+    return nn.Sequential(nn.Linear(8, 64), nn.ReLU(), nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def test_an_all_low_plan_saves_fewer_activation_bytes_than_fp32():
+    import compfx
+    from compfx.apply import apply
+
+    torch.manual_seed(0)
+    model, x = activation_heavy_mlp(), (torch.randn(256, 8),)
+    a = compfx.analyze(model, x)
+    low = saved_activation_bytes(apply(model, compfx.Plan.from_bitstring(a, "0f0f0"), analysis=a), x)
+    fp32 = saved_activation_bytes(apply(model, compfx.Plan.fp32(a), analysis=a), x)
+    assert low < fp32 == saved_activation_bytes(model, x)
+
+
+# -- two gloo processes --------------------------------------------------------------------
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Run every scenario on this rank, one after the other (one process start for them all)."""
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # two processes share this machine's cores
+    results = {}
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        for name, scenario in SCENARIOS.items():
+            try:
+                results[name] = scenario(rank, world)
+            except BaseException:
+                results[name] = {"error": traceback.format_exc()}
+            dist.barrier()  # a scenario that failed on one rank only must not shift the next one's collectives
+    except BaseException:
+        results["setup"] = {"error": traceback.format_exc()}
+    finally:
+        with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+            json.dump(results, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def run_ranks(out_dir, world: int = WORLD) -> list[dict]:
+    """Run all scenarios on ``world`` gloo processes; every process is gone when this returns."""
+    context = mp.get_context("spawn")
+    port = free_port()
+    procs = [context.Process(target=_rank_main, args=(r, world, port, str(out_dir)), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + TIMEOUT_S
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+        p.join(5)
+    assert not hung, f"{len(hung)} rank(s) still running after {TIMEOUT_S}s (a collective mismatch?)"
+    results = [json.loads((out_dir / f"{r}.json").read_text()) for r in range(world)]
+    for r, result in enumerate(results):
+        assert "setup" not in result, f"rank {r} could not join the process group:\n{result['setup']['error']}"
+    return results
+
+
+@pytest.fixture(scope="module")
+def gloo_results(tmp_path_factory):
+    return run_ranks(tmp_path_factory.mktemp("gloo"))
+
+
+def scenario(gloo_results, name: str) -> list[dict]:
+    ranks = [result[name] for result in gloo_results]
+    for r, result in enumerate(ranks):
+        assert "error" not in result, f"scenario {name} failed on rank {r}:\n{result['error']}"
+    return ranks
+
+
+# scenario 1: the synced Stage 1 with fake evaluators ------------------------------------------
+
+SPACE3 = SearchSpace(("whitelist", "other", "blacklist"), (False,) * 3, ("a", "b", "c"))
+
+
+def lockstep(rank, world):
+    from compfx.distributed import rank_context
+
+    ctx = rank_context()
+
+    def run_epoch(bits):  # rank 1 is slower, and crashes under plan 0f1 in its second batch
+        for batch in range(3):
+            if rank == 1 and bits == "0f1" and batch == 1:
+                raise RuntimeError("rank 1 cannot run 0f1")
+            yield 1.0 + rank, (1.0 + rank) * (1.0 - 0.2 * bits.count("0"))
+
+    result = run_stage1(SPACE3, synced_epoch(run_epoch, ctx), synced_cost(lambda bits, s: s, ctx))
+    samples = [(o.bits, o.status, o.loss, o.seconds) for o in result.samples]
+
+    def uneven(bits):
+        yield from ((1.0, 1.0) for _ in range(2 + rank))
+
+    try:
+        run_stage1(SPACE3, synced_epoch(uneven, ctx), synced_cost(lambda bits, s: s, ctx))
+        uneven_error = ""
+    except SearchError as error:
+        uneven_error = str(error)
+    return {"rank": ctx.rank, "world": ctx.world_size, "samples": samples, "best": result.best.bits,
+            "uneven_error": uneven_error}
+
+
+def test_synced_stage1_sees_mean_loss_max_seconds_and_fails_a_plan_on_every_rank(gloo_results):
+    ranks = scenario(gloo_results, "lockstep")
+    assert [r["rank"] for r in ranks] == [0, 1] and ranks[0]["world"] == WORLD
+    assert ranks[0]["samples"] == ranks[1]["samples"]  # same numbers, same decisions, in the same order
+    by_bits = {bits: (status, loss, seconds) for bits, status, loss, seconds in ranks[0]["samples"]}
+    assert by_bits["111"] == ("accepted", 1.5, pytest.approx(6.0))  # mean of 1 and 2; 3 batches x rank 1's 2 s
+    assert by_bits["0f1"][0] == "error"  # rank 1's crash fails the plan on rank 0 too
+    assert ranks[0]["best"] == ranks[1]["best"] == "0f0"
+    assert all("different lengths" in r["uneven_error"] for r in ranks)
+
+
+# scenario 2: optimize() with per-rank costs, then DDP ------------------------------------------
+
+LINEARS = ("0:linear#0", "2:linear#0", "4:linear#0")
+# rank 0 alone would pick all-low (0f0f0), rank 1 alone all-FP32; the max over ranks is lowest at 1f0f1
+COST_WEIGHTS = {0: {"fp32": (1.0, 1.0, 0.8), "low": (0.0, 0.0, 0.0)},
+                1: {"fp32": (0.0, 0.0, 0.0), "low": (5.0, 1.5, 1.0)}}
+
+
+def rank_cost(rank, precisions) -> float:
+    """Rank ``rank``'s cost of a plan from its three linears' precisions (constant in the seconds)."""
+    w = COST_WEIGHTS[rank]
+    return sum(w[p][i] for i, p in enumerate(precisions))
+
+
+def shard(rank, n=2, rows=256):
+    g = torch.Generator().manual_seed(100 + rank)  # each rank samples its own data
+    return [(torch.randn(rows, 8, generator=g), torch.randint(0, 4, (rows,), generator=g)) for _ in range(n)]
+
+
+def ce(output, batch):
+    return F.cross_entropy(output, batch[-1])
+
+
+def optimized(rank, **config):
+    from compfx.optimize import SearchConfig, optimize
+
+    torch.manual_seed(rank)  # different initial weights per rank: the broadcast must make them agree
+    model = activation_heavy_mlp()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    settings_ = dict(progress=False, warmup=0, repeats=1, stage1_budget=8, stage2_budget=3, stage2_check_batches=1,
+                     threshold=2.0, grad_scaler=False)
+    fast = optimize(model, shard(rank), loss_fn=ce, optimizer=opt, low_dtype=torch.bfloat16,
+                           config=SearchConfig(**settings_, **config))
+    return model, opt, fast
+
+
+def ddp_train(module, opt, rank, steps=3) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ddp = DDP(module)
+    grad_dtypes = set()
+    for batch in shard(rank, n=steps, rows=32):
+        opt.zero_grad()
+        ce(ddp(batch[0]), batch).backward()
+        grad_dtypes |= {str(p.grad.dtype) for p in module.parameters()}
+        opt.step()
+    return {"params": [p.detach().flatten().tolist() for p in module.parameters()], "grad_dtypes": sorted(grad_dtypes)}
+
+
+def shared_plan(rank, world):
+    def cost(plan, seconds):
+        chosen = {str(k): p for k, p in plan.items()}
+        return rank_cost(rank, [chosen[k] for k in LINEARS])
+
+    model, opt, fast = optimized(rank, cost_fn=cost)
+    before = [p.detach().flatten().tolist() for p in model.parameters()]
+    trained = ddp_train(fast, opt, rank)
+    return {"bits": fast.plan.bitstring(fast.plan_analysis), "before_ddp": before, **trained,
+            "notes": [r.reason for r in fast.log.notes()]}
+
+
+def test_ranks_agree_on_the_plan_that_minimises_the_max_cost_and_train_in_step_under_ddp(gloo_results):
+    ranks = scenario(gloo_results, "shared_plan")
+    stage1 = stage1_candidates(THREE_LINEARS)
+    precision = {"0": "low", "1": "fp32"}
+    max_cost = {bits: max(rank_cost(r, [precision[bits[i]] for i in (0, 2, 4)]) for r in range(WORLD))
+                for bits in stage1}
+    expected = min(stage1, key=max_cost.get)
+    assert expected == "1f0f1" and min(max_cost.values()) < sorted(max_cost.values())[1]  # a unique optimum
+    assert ranks[0]["bits"] == ranks[1]["bits"] == expected
+    assert any("agreed on plan 1f0f1" in note for note in ranks[0]["notes"])
+    assert ranks[0]["before_ddp"] == ranks[1]["before_ddp"]  # rank 0's searched state was broadcast
+    assert ranks[0]["params"] == ranks[1]["params"] != ranks[0]["before_ddp"]  # trained, in step
+    assert ranks[0]["grad_dtypes"] == ranks[1]["grad_dtypes"] == ["torch.float32"]  # FP32 gradients reduced
+
+
+# scenario 3: per-device plans with a small memory budget on rank 1 -----------------------------
+
+SMALL_BUDGET = 100_000  # bytes: all-low saves ~78 kB per step of 256 rows, FP32 ~139 kB, mixed plans more
+
+
+def per_device(rank, world):
+    model, opt, fast = optimized(rank, per_device=True, memory_budget=SMALL_BUDGET if rank == 1 else None)
+    x, y = shard(rank)[0]
+    nbytes = saved_activation_bytes(fast, (x,))
+    return {"bits": fast.plan.bitstring(fast.plan_analysis), "bytes": nbytes, **ddp_train(fast, opt, rank)}
+
+
+def test_per_device_plans_meet_the_small_budget_and_the_other_rank_keeps_more_fp32(gloo_results):
+    ranks = scenario(gloo_results, "per_device")
+    assert ranks[1]["bytes"] <= SMALL_BUDGET
+    assert ranks[0]["bits"].count("1") > ranks[1]["bits"].count("1")
+    assert ranks[0]["params"] == ranks[1]["params"]  # different plans, one model
+    assert ranks[0]["grad_dtypes"] == ranks[1]["grad_dtypes"] == ["torch.float32"]
+
+
+SCENARIOS = {"lockstep": lockstep, "shared_plan": shared_plan, "per_device": per_device}
+
+
+def test_a_single_process_context_makes_collectives_local():
+    ctx = RankContext()
+    assert ctx.gather([1.0, 2.0]) == [[1.0, 2.0]] and ctx.broadcast_text("01") == "01"
+    assert synced_cost(lambda bits, s: s * 2, ctx)("0", 1.5) == 3.0
