@@ -208,3 +208,13 @@ def test_report_lists_every_op_and_the_search_figures():
     summary = fast.search_summary
     assert summary.samples_run == len(fast.log.samples("stage1")) + len(fast.log.samples("stage2"))
     assert set(summary.step_seconds) == {"fp32", "amp", "chosen"}
+
+
+def test_demo_runs_the_search_and_post_training():
+    from compfx.demo import run_demo
+
+    lines = []
+    module = run_demo(epochs=1, sample_batches=3, progress=False, print_fn=lines.append)
+    text = "\n".join(lines)
+    assert "chosen plan" in text and "epoch 1: train loss" in text and "test accuracy" in text
+    assert set(module.plan) == set(module.plan_analysis.keys)
