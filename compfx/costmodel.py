@@ -65,6 +65,7 @@ __all__ = [
     "profile_cache_dir",
     "device_name",
     "find_casts",
+    "CLOCKS",
     "rewrite_with_insert_casts",
     "rank_by_prediction",
     "should_skip",
@@ -304,8 +305,23 @@ def _target_name(target) -> str:
     return f"{module}.{name}" if module else name
 
 
+#: Clocks the profiler can time with. "cpu" (process CPU time) ignores time the
+#: process spends preempted, which makes profiles on a busy machine usable; it
+#: equals wall time only for one CPU thread (torch.set_num_threads(1)).
+CLOCKS = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def _clock(name: str, device: torch.device) -> Callable[[], float]:
+    if name not in CLOCKS:
+        raise BadInputError(f"clock={name!r}; expected one of {sorted(CLOCKS)}.")
+    if name == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        raise BadInputError(f"clock='cpu' measures one CPU thread; this run has device {device} and "
+                            f"{torch.get_num_threads()} threads. Use clock='wall', or torch.set_num_threads(1) on CPU.")
+    return CLOCKS[name]
+
+
 def _time_step(step: Callable[[], None], device: torch.device, *, repeats: int, warmup: int,
-               block_s: float, budget_s: float) -> float:
+               block_s: float, budget_s: float, clock: str = "wall") -> float:
     """Seconds of one call: timed warmup calls, then up to ``repeats`` timed blocks; the fastest sample wins.
 
     A block repeats the call until it lasts about ``block_s``. An op slower than
@@ -315,16 +331,17 @@ def _time_step(step: Callable[[], None], device: torch.device, *, repeats: int, 
     not see goes into the predictor's calibrated overhead. ``benchmark.Timer``
     synchronises CUDA.
     """
-    timer = benchmark.Timer(stmt="step()", globals={"step": step}, num_threads=torch.get_num_threads())
+    timer = benchmark.Timer(stmt="step()", globals={"step": step}, num_threads=torch.get_num_threads(),
+                            **({"timer": _clock(clock, device)} if clock != "wall" else {}))
     last = 0.0
     for _ in range(max(warmup, 1)):  # the first call pays one-off setup (kernel selection, allocation)
-        last = timer.timeit(1).median
+        last = timer.timeit(1).mean
     if last >= budget_s:
-        return min(last, timer.timeit(1).median)
+        return min(last, timer.timeit(1).mean)
     number = max(1, int(block_s / max(last, 1e-9)))
     samples, spent = [], 0.0
     while len(samples) < repeats and (spent < budget_s or not samples):
-        sample = timer.timeit(number).median
+        sample = timer.timeit(number).mean
         samples.append(sample)
         spent += sample * number
     _synchronize(device)
@@ -357,8 +374,9 @@ def _write_entry(path: Path, key: Mapping[str, Any], fmt: str, result: Mapping[s
     write_json_atomic(path, {"format": fmt, "version": _CACHE_VERSION, "key": key, **result})
 
 
-def _op_cache_key(signature: Mapping, dtype: torch.dtype, device: torch.device, casts: Iterable[int]) -> dict:
-    return {"signature": signature, "dtype": _dtype_name(dtype), "cast_inputs": sorted(casts),
+def _op_cache_key(signature: Mapping, dtype: torch.dtype, device: torch.device, casts: Iterable[int],
+                  clock: str) -> dict:
+    return {"signature": signature, "dtype": _dtype_name(dtype), "cast_inputs": sorted(casts), "clock": clock,
             "device": device_name(device), "torch": torch.__version__, "version": _CACHE_VERSION}
 
 
@@ -372,8 +390,9 @@ def profile_ops(
     low_dtype: torch.dtype | None = None,
     repeats: int = 3,
     warmup: int = 1,
-    block_s: float = 1e-3,
-    budget_s: float = 0.01,
+    block_s: float = 5e-4,
+    budget_s: float = 5e-3,
+    clock: str = "wall",
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
     keys: Iterable[OpKey] | None = None,
@@ -386,7 +405,8 @@ def profile_ops(
     gradient into its floating outputs. At the low dtype every floating input
     is cast, except for norm ops, which cast only the activation. Ops that
     cannot run in isolation get time 0 and a ``skipped`` reason. ``keys``
-    limits profiling to some ops (default: all of ``analysis.ops``).
+    limits profiling to some ops (default: all of ``analysis.ops``). ``clock``
+    is ``"wall"`` or, on one CPU thread, ``"cpu"`` (immune to other processes).
 
     >>> import torch, compfx
     >>> from compfx.costmodel import profile_ops
@@ -399,6 +419,7 @@ def profile_ops(
         raise BadInputError(f"repeats={repeats}, warmup={warmup}; expected repeats >= 1 and warmup >= 0.")
     low_dtype = low_dtype or analysis.low_dtype
     device = torch.device(analysis.device)
+    _clock(clock, device)  # refuse a clock that cannot time this device before measuring anything
     root = profile_cache_dir(cache_dir) if use_cache else None
     wanted = set(keys) if keys is not None else None
     nodes = {n.meta[KEY_META]: n for n in analysis.graph_module.graph.nodes if KEY_META in n.meta}
@@ -409,7 +430,7 @@ def profile_ops(
         if wanted is not None and op.key not in wanted:
             continue
         profiles[op.key] = _profile_one(analysis.graph_module, nodes[op.key], device, low_dtype, root, counts,
-                                        dict(repeats=repeats, warmup=warmup, block_s=block_s, budget_s=budget_s))
+                                        dict(repeats=repeats, warmup=warmup, block_s=block_s, budget_s=budget_s, clock=clock))
     return OpProfiles(profiles, low_dtype, device, counts["measured"], counts["reused"], time.perf_counter() - start)
 
 
@@ -423,7 +444,7 @@ def _profile_one(gm, node, device, low_dtype, root, counts, timing) -> OpProfile
         return OpProfile(key, 0.0, 0.0, f"could not build inputs: {type(error).__name__}: {error}")
     seconds, reasons = {}, []
     for dtype in (torch.float32, low_dtype):
-        cache_key = _op_cache_key(signature, dtype, device, casts if dtype != torch.float32 else ())
+        cache_key = _op_cache_key(signature, dtype, device, casts if dtype != torch.float32 else (), timing["clock"])
         seconds[dtype], reason = _cached_or_measured(bench, dtype, cache_key, root, counts, timing)
         if reason:
             reasons.append(f"{_dtype_name(dtype)}: {reason}")
@@ -495,7 +516,7 @@ class CastCost:
                     for p in data["pairs"]}, str(data.get("device", "")))
 
 
-DEFAULT_CAST_SIZES = (1 << 8, 1 << 11, 1 << 14, 1 << 17, 1 << 20)
+DEFAULT_CAST_SIZES = (1 << 8, 1 << 12, 1 << 16, 1 << 20)
 
 
 def fit_cast_cost(
@@ -504,6 +525,7 @@ def fit_cast_cost(
     sizes: Sequence[int] = DEFAULT_CAST_SIZES,
     *,
     repeats: int = 3,
+    clock: str = "wall",
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
 ) -> CastCost:
@@ -527,12 +549,12 @@ def fit_cast_cost(
     root = profile_cache_dir(cache_dir) if use_cache else None
     coefficients = {}
     for src, dst in pairs:
-        key = {"cast": [_dtype_name(src), _dtype_name(dst)], "sizes": sorted(sizes),
+        key = {"cast": [_dtype_name(src), _dtype_name(dst)], "sizes": sorted(sizes), "clock": clock,
                "device": device_name(device), "torch": torch.__version__, "version": _CACHE_VERSION}
         path = _entry_path(root, key) if root is not None else None
         cached = _read_entry(path, key, _CAST_FORMAT) if path is not None else None
         if cached is None:
-            times = [_time_cast(src, dst, n, device, repeats) for n in sorted(sizes)]
+            times = [_time_cast(src, dst, n, device, repeats, clock) for n in sorted(sizes)]
             alpha, beta = _fit_line(sorted(sizes), times)
             if path is not None:
                 _write_entry(path, key, _CAST_FORMAT, {"alpha": alpha, "beta": beta, "times": times})
@@ -542,9 +564,11 @@ def fit_cast_cost(
     return CastCost(coefficients, device_name(device))
 
 
-def _time_cast(src: torch.dtype, dst: torch.dtype, numel: int, device: torch.device, repeats: int) -> float:
+def _time_cast(src: torch.dtype, dst: torch.dtype, numel: int, device: torch.device, repeats: int,
+               clock: str) -> float:
     source = torch.randn(numel, device=device).to(src)
-    return _time_step(lambda: source.to(dst), device, repeats=repeats, warmup=1, block_s=1e-3, budget_s=0.01)
+    return _time_step(lambda: source.to(dst), device, repeats=repeats, warmup=1, block_s=5e-4, budget_s=5e-3,
+                      clock=clock)
 
 
 def _fit_line(sizes: Sequence[int], times: Sequence[float]) -> tuple[float, float]:
@@ -714,7 +738,8 @@ class Predictor:
         """Profile ``analysis`` (through the cache) and fit the cast cost of its device."""
         profiles = profile_ops(analysis, cache_dir=cache_dir, use_cache=use_cache, **profile_kwargs)
         pairs = ((torch.float32, profiles.low_dtype), (profiles.low_dtype, torch.float32))
-        cast_cost = fit_cast_cost(analysis.device, pairs, cache_dir=cache_dir, use_cache=use_cache)
+        cast_cost = fit_cast_cost(analysis.device, pairs, clock=profile_kwargs.get("clock", "wall"),
+                                  cache_dir=cache_dir, use_cache=use_cache)
         return cls(profiles, cast_cost, analysis=analysis, rewrite=rewrite)
 
     def calibrate(self, measured_fp32_step_seconds: float) -> "Predictor":
