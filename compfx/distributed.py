@@ -84,13 +84,6 @@ class RankContext:
         dist.all_gather(rows, local, group=self.group)
         return [row.tolist() for row in rows]
 
-    def gather_text(self, text: str) -> list[str]:
-        if not self.distributed:
-            return [text]
-        rows: list = [None] * self.world_size
-        dist.all_gather_object(rows, text, group=self.group)
-        return rows
-
     def broadcast_text(self, text: str, src: int = 0) -> str:
         if not self.distributed:
             return text

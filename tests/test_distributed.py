@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 
 from compfx.distributed import (RankContext, allocate_per_device, allocation_starts, recovery_order, synced_cost,
                                 synced_epoch)
-from compfx.errors import SearchError
+from compfx.errors import BadInputError, SearchError
 from compfx.memory import saved_activation_bytes
 from compfx.search import SearchSpace, run_stage1, stage1_candidates
 
@@ -367,7 +367,38 @@ def test_per_device_plans_meet_the_small_budget_and_the_other_rank_keeps_more_fp
     assert ranks[0]["grad_dtypes"] == ranks[1]["grad_dtypes"] == ["torch.float32"]
 
 
-SCENARIOS = {"lockstep": lockstep, "shared_plan": shared_plan, "per_device": per_device}
+# scenario 4: the torchrun example, in the job these processes already joined ---------------------
+
+def torchrun_example(rank, world):
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "examples" / "torchrun_search.py"
+    spec = importlib.util.spec_from_file_location("torchrun_search", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    return example.main(["--search-batches", "2", "--epochs", "1", "--batch-size", "64"])
+
+
+def test_the_torchrun_example_agrees_on_a_plan_and_trains(gloo_results):
+    ranks = scenario(gloo_results, "example")
+    assert [r["rank"] for r in ranks] == [0, 1]
+    assert ranks[0]["bits"] == ranks[1]["bits"] and all(r["loss"] == r["loss"] for r in ranks)  # not NaN
+
+
+SCENARIOS = {"lockstep": lockstep, "shared_plan": shared_plan, "per_device": per_device, "example": torchrun_example}
+
+
+def test_per_device_in_one_process_picks_the_fastest_plan_within_the_budget():
+    model, opt, fast = optimized(0, per_device=True, memory_budget=SMALL_BUDGET)
+    x, _ = shard(0)[0]
+    assert fast.plan.bitstring(fast.plan_analysis) == "0f0f0"  # the only plan that fits
+    assert saved_activation_bytes(fast, (x,)) <= SMALL_BUDGET
+
+
+def test_a_memory_budget_without_per_device_is_refused():
+    with pytest.raises(BadInputError, match="per_device=True"):
+        optimized(0, memory_budget=SMALL_BUDGET)
 
 
 def test_a_single_process_context_makes_collectives_local():
