@@ -40,7 +40,8 @@ from .errors import BadInputError, SearchError
 from .search import SearchSpace, is_accepted
 
 __all__ = [
-    "PlanFailedOnRankError", "RankContext", "rank_context", "synced_epoch", "synced_value", "synced_cost", "broadcast_training_state",
+    "PlanFailedOnRankError", "RankContext", "rank_context", "synced_epoch", "synced_value", "synced_cost",
+    "broadcast_training_state",
     "Allocation", "allocation_starts", "recovery_order", "allocate_per_device", "gathered_measure",
     "distribute_search",
 ]
@@ -407,7 +408,6 @@ class _DistributedSearch:
         self.budget = getattr(config, "memory_budget", None)
         _check_budget(self.budget, self.per_device)
         self.local_time_step = search.time_step
-        self.local_check_loss = search.check_loss
         self.checked = search._checked
         search.run_epoch = synced_epoch(search.run_epoch, ctx)
         search.time_step = synced_value(search.time_step, ctx, max)
@@ -431,10 +431,12 @@ class _DistributedSearch:
 
     def _allocate(self, stage1, shared: str) -> str:
         search, ctx = self.search, self.ctx
-        budgets = [None if b < 0 else int(b) for _, b in ctx.gather([0.0, -1 if self.budget is None else self.budget])]
+        rows = ctx.gather([0.0, -1 if self.budget is None else self.budget])
+        budgets = [None if budget < 0 else int(budget) for _, budget in rows]
         measure = gathered_measure(self._measure_locally, ctx)
         allocation = allocate_per_device(search.space, measure, budgets)
-        mine = allocation.bits[ctx.rank]
+        # every rank computed the same allocation from the same gathered numbers; rank 0's is the last word
+        mine = ctx.broadcast_text(" ".join(allocation.bits)).split()[ctx.rank]
         search.log.note("distributed", f"per-device plans {list(allocation.bits)}; predicted step "
                         f"{allocation.step_seconds:.6g} s", plans=list(allocation.bits), starts=list(allocation.starts),
                         seconds=list(allocation.seconds), activation_bytes=list(allocation.activation_bytes),
