@@ -380,19 +380,21 @@ def _symbolic_capture(model: nn.Module, args: tuple, kwargs: dict, leaf_modules)
             + (f" inside module {module}" if module else "")
         ) from error
     tracer.restore_grad_mode_before(graph)
-    unknown = []
     for node in graph.nodes:
         value = tracer.values.get(node)
-        if isinstance(value, _UnknownValue):
-            unknown.append(f"{node.format_node()} ({_first_line(value.error)})")
-        elif node.op != "output":
+        if node.op != "output" and not isinstance(value, _UnknownValue):
             node.meta["val"] = value
-    if unknown:
-        raise CaptureError(f"symbolic tracing could not compute example values for: {'; '.join(unknown[:3])}")
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__ + "Captured")
     # Dead code here is shape arithmetic that only fed Python control flow.
     gm.graph.eliminate_dead_code(is_impure_node=_keep_even_if_unused)
     gm.recompile()
+    unknown = [
+        f"{node.format_node()} ({_first_line(tracer.values[node].error)})"
+        for node in gm.graph.nodes
+        if isinstance(tracer.values.get(node), _UnknownValue)
+    ]
+    if unknown:
+        raise CaptureError(f"symbolic tracing could not compute example values for: {'; '.join(unknown[:3])}")
     return gm
 
 
