@@ -15,22 +15,23 @@
 Every batch is a tuple ``(inputs..., target)``, the batch format that
 ``compfx.optimize`` documents. Splits are fixed by a seed.
 
->>> images, labels = digits(size=32, channels=3, split="train")
->>> tuple(images.shape[1:]), images.dtype
-((3, 32, 32), torch.float32)
+>>> images, labels = digits(split="train")
+>>> [tuple(x.shape) for x, y in image_batches(images, labels, batch_size=4, n_batches=2, size=32, channels=3)]
+[(4, 3, 32, 32), (4, 3, 32, 32)]
 """
 
 from __future__ import annotations
 
-import inspect
 import importlib
+import inspect
 from dataclasses import dataclass
+from functools import lru_cache
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
-    "Batch", "digits", "image_batches", "stdlib_text", "encode_ascii", "char_lm_batches",
+    "Batch", "digits", "resize_images", "image_batches", "stdlib_text", "encode_ascii", "char_lm_batches",
     "span_qa_batches", "Graph", "karate_graph", "block_model_graph", "graph_batch",
     "VOCAB_SIZE", "IGNORE_INDEX",
 ]
@@ -51,29 +52,36 @@ def _split_indices(n: int, split: str, seed: int, train_share: float = 0.8) -> t
 
 
 # -- images -------------------------------------------------------------------
-def digits(size: int, channels: int, split: str = "train", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-    """scikit-learn's digits as float images ``(N, channels, size, size)`` with zero mean, unit std."""
+@lru_cache(maxsize=4)  # the runner asks for the same split once per mode; callers index (copy), never mutate
+def digits(split: str = "train", seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    """scikit-learn's digits: ``(N, 1, 8, 8)`` float images in [-1, 1] and their labels (0-9)."""
     from sklearn.datasets import load_digits  # ships its data with the wheel
 
     bunch = load_digits()
     images = torch.tensor(bunch.images, dtype=torch.float32).unsqueeze(1) / 16.0
     labels = torch.tensor(bunch.target, dtype=torch.long)
     index = _split_indices(len(labels), split, seed)
-    images = F.interpolate(images[index], size=(size, size), mode="bilinear", align_corners=False)
-    images = (images - 0.5) / 0.5  # [-1, 1], the range a tanh generator produces too
-    return images.expand(-1, channels, -1, -1).contiguous(), labels[index]
+    return (images[index] - 0.5) / 0.5, labels[index]  # [-1, 1]: the range a tanh generator produces too
+
+
+def resize_images(images: torch.Tensor, size: int, channels: int) -> torch.Tensor:
+    """Bilinear resize to ``size`` x ``size`` and repeat the grey channel ``channels`` times."""
+    images = F.interpolate(images, size=(size, size), mode="bilinear", align_corners=False)
+    return images.expand(-1, channels, -1, -1).contiguous()
 
 
 def image_batches(images: torch.Tensor, labels: torch.Tensor, batch_size: int, n_batches: int | None = None,
-                  seed: int = 0) -> list[Batch]:
-    """Shuffled ``(images, labels)`` batches; the last partial batch is dropped (fixed shapes)."""
+                  seed: int = 0, size: int | None = None, channels: int = 1) -> list[Batch]:
+    """Shuffled ``(images, labels)`` batches, each resized to ``size`` (resizing per batch keeps 224x224
+    data small); the last partial batch is dropped (fixed shapes)."""
     order = torch.randperm(len(labels), generator=torch.Generator().manual_seed(seed))
-    batches = [(images[order[i:i + batch_size]], labels[order[i:i + batch_size]])
-               for i in range(0, len(labels) - batch_size + 1, batch_size)]
-    return batches[:n_batches] if n_batches else batches
+    starts = range(0, len(labels) - batch_size + 1, batch_size)[:n_batches]
+    resize = (lambda x: resize_images(x, size, channels)) if size else (lambda x: x)
+    return [(resize(images[order[i:i + batch_size]]), labels[order[i:i + batch_size]]) for i in starts]
 
 
 # -- text ---------------------------------------------------------------------
+@lru_cache(maxsize=4)
 def stdlib_text(modules: tuple[str, ...] = _TEXT_MODULES) -> str:
     """Source text of a few standard-library modules (ships with every Python)."""
     return "\n".join(inspect.getsource(importlib.import_module(name)) for name in modules)

@@ -18,7 +18,8 @@ import statistics
 import sys
 import time
 import traceback
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Mapping
 
 import torch
 import torch.nn as nn
@@ -44,6 +45,7 @@ class RunOptions:
     compile: bool = False
     seed: int = 0
     count_casts: bool = True
+    search: Mapping = field(default_factory=dict)  # SearchConfig overrides, e.g. {"stage1_budget": 8}
 
     def __post_init__(self):
         if self.data not in ("real", "synthetic"):
@@ -104,10 +106,10 @@ def _run_epoch(spec, nets, optimizers, batches, precision: Precision, device) ->
     return seconds, float(torch.stack(losses).float().mean())  # one device sync per epoch, not per step
 
 
-def _search(spec, nets, optimizers, batches, device, low_dtype) -> tuple[float, dict]:
+def _search(spec, nets, optimizers, batches, device, low_dtype, overrides: Mapping) -> tuple[float, dict]:
     """Run compfx.optimize on each search target; swap the searched networks in. Returns (seconds, plans)."""
     optimize, config_class = load_compfx()
-    config = search_config(config_class, progress=False)
+    config = search_config(config_class, **{"progress": False, **overrides})
     plans = {}
     synchronize(device)
     start = time.perf_counter()
@@ -159,7 +161,7 @@ def _train_and_measure(spec, config_name, mode, options, device, low_dtype) -> d
     row: dict = {"batches_per_epoch": len(train)}
     search_seconds = 0.0
     if mode == "compfx":
-        search_seconds, row["plan"] = _search(spec, nets, optimizers, train, device, low_dtype)
+        search_seconds, row["plan"] = _search(spec, nets, optimizers, train, device, low_dtype, options.search)
     if options.count_casts:
         row.update(_cast_counts(spec, nets, train[0], precision, mode))
     if options.compile:

@@ -82,4 +82,4 @@ def compfx_status() -> str:
 def search_config(config_class, **wanted):
     """A SearchConfig with those of ``wanted`` that the class has (its fields are still settling)."""
     names = {f.name for f in dataclasses.fields(config_class)} if dataclasses.is_dataclass(config_class) else set()
-    return config_class(**{name: value for name, value in wanted.items() if name in names})
+    return config_class(**{name: value for name, value in wanted.items() if name in names and value is not None})

@@ -59,8 +59,8 @@ def image_example_batch(config, batch_size: int, generator: torch.Generator):
 
 def digits_batches(config, batch_size: int, n_batches: int, split: str, seed: int):
     """scikit-learn digits resized to the config's input (shared by the image classifiers)."""
-    images, labels = data.digits(config["image_size"], 3, split, seed)
-    return data.image_batches(images, labels, batch_size, n_batches, seed)
+    images, labels = data.digits(split, seed)
+    return data.image_batches(images, labels, batch_size, n_batches, seed, config["image_size"], 3)
 
 
 def _spec(name: str, image_size: int, num_classes: int, paper_batch: int, dataset: str) -> ModelSpec:

@@ -101,7 +101,7 @@ def _discriminator_batches(nets, batches):
     out = []
     with torch.no_grad():
         for z, real in batches:
-            fake = nets["stack"].generator(z) if hasattr(nets["stack"], "generator") else nets["stack"](z)[1]
+            fake = nets["stack"].generator(z)  # called before any search: still the eager GAN
             is_real = torch.cat([torch.ones(len(real), 1), torch.zeros(len(fake), 1)]).to(real.device)
             out.append((torch.cat([real, fake]), is_real))
     return out
@@ -137,10 +137,10 @@ def _example_batch(config, batch_size: int, generator: torch.Generator):
 
 
 def _real_batches(config, batch_size: int, n_batches: int, split: str, seed: int):
-    images, labels = data.digits(28, 1, split, seed)
+    images, labels = data.digits(split, seed)
     gen = torch.Generator().manual_seed(seed + 1)
     return [(torch.randn(len(real), config["latent"], generator=gen), real)
-            for real, _ in data.image_batches(images, labels, batch_size, n_batches, seed)]
+            for real, _ in data.image_batches(images, labels, batch_size, n_batches, seed, 28, 1)]
 
 
 GAN_MNIST = ModelSpec(
