@@ -1,0 +1,156 @@
+"""What the CoMP search costs, and whether its plan holds up, on this machine (a benchmark, not a test).
+
+Runs ``compfx.optimize`` with the default cost (measured time) on a CNN with
+six adjustable ops (six convs/linears, no Tensor Cores on a CPU: 64 Stage-1
+plans) and a 20-batch sample loader, then reports
+
+* the search cost in FP32 epochs of the sample loader (search wall time /
+  wall time of the FP32 baseline epoch);
+* the search cost as a fraction of exhaustive CoMP, where every Stage-1 plan
+  runs its whole epoch. A pruned sample's full epoch is estimated from its own
+  measured per-batch time (seconds so far / batches run x batches per epoch);
+  ``--validate`` also runs the search without pruning and reports the measured figure;
+* the chosen plan's median step time against FP32 and AMP (same batches).
+
+Run from the repository root::
+
+    python -m benchmarks.search_cost            # writes benchmarks/results/<device>/search_cost.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import compfx
+from compfx.optimize import SearchConfig, optimize
+
+__all__ = ["SixOpCNN", "sample_loader", "exhaustive_estimate", "run"]
+
+
+class SixOpCNN(nn.Module):
+    """Four convs and two linears: six whitelist ops, none Tensor-Core-eligible on a CPU."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.features = nn.Sequential(
+            nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16), nn.ReLU(),
+            nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(), nn.MaxPool2d(2),
+            nn.Conv2d(32, 32, 3, padding=1), nn.BatchNorm2d(32), nn.ReLU(),
+            nn.Conv2d(32, 64, 3, padding=1), nn.BatchNorm2d(64), nn.ReLU(), nn.MaxPool2d(2),
+        )
+        self.head = nn.Sequential(nn.Flatten(), nn.Linear(64 * 4 * 4, 128), nn.ReLU(), nn.Linear(128, classes))
+
+    def forward(self, x):
+        return self.head(self.features(x))
+
+
+def sample_loader(batches: int = 20, batch_size: int = 32, seed: int = 0) -> list:
+    """Synthetic 16x16 RGB images whose class shifts the mean: learnable, so the loss moves."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(batches):
+        labels = torch.randint(0, 10, (batch_size,), generator=g)
+        images = torch.randn(batch_size, 3, 16, 16, generator=g) + labels.view(-1, 1, 1, 1) * 0.1
+        out.append((images, labels))
+    return out
+
+
+def _ce(output, batch):
+    return F.cross_entropy(output, batch[-1])
+
+
+def exhaustive_estimate(log: compfx.searchlog.SearchLog, batches_per_epoch: int) -> dict:
+    """Wall seconds of the search's samples as run, and as exhaustive CoMP would have run them."""
+    ran = exhaustive = 0.0
+    for record in log.samples():
+        if record.stage not in ("stage1", "stage2", "check"):
+            continue  # "compare" timings are for the report, not part of the search
+        ran += record.duration
+        exhaustive += record.duration
+        if record.stage == "stage1" and record.status == "pruned" and record.batches:
+            full_epoch = record.seconds / record.batches * batches_per_epoch
+            exhaustive += full_epoch - record.seconds
+    return {"sampling_seconds": ran, "exhaustive_sampling_seconds": exhaustive}
+
+
+def _search(loader, config: SearchConfig, seed: int):
+    torch.manual_seed(seed)
+    model = SixOpCNN()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    start = time.perf_counter()
+    fast = optimize(model, loader, loss_fn=_ce, optimizer=optimizer, config=config)
+    return fast, time.perf_counter() - start
+
+
+def run(batches: int = 20, seed: int = 0, threads: int | None = 1, validate: bool = False) -> dict:
+    if threads:
+        torch.set_num_threads(threads)
+    loader = sample_loader(batches, seed=seed)
+    fast, wall = _search(loader, SearchConfig(seed=seed, progress=False), seed)
+    summary = fast.search_summary
+    cost = exhaustive_estimate(fast.log, batches)
+    fp32_epoch = summary.fp32_epoch_seconds
+    steps = summary.step_seconds
+    result = {
+        "device": str(summary.analysis.device),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "model": "SixOpCNN (4 conv + 2 linear, 16x16x3 inputs, batch 32)",
+        "adjustable_ops": len(summary.analysis.stage1_adjustable),
+        "sample_batches": batches,
+        "stage1_mode": summary.stage1_mode,
+        "stage1_samples": len(fast.log.samples("stage1")),
+        "stage1_pruned": sum(r.status == "pruned" for r in fast.log.samples("stage1")),
+        "stage2_candidates": len(fast.log.samples("stage2")),
+        "chosen_plan": fast.plan.bitstring(summary.analysis),
+        "fp32_epoch_seconds": fp32_epoch,
+        "search_seconds": summary.search_seconds,
+        "optimize_wall_seconds": wall,  # + capture and analysis
+        "search_cost_fp32_epochs": summary.search_seconds / fp32_epoch,
+        "sampling_seconds": cost["sampling_seconds"],
+        "exhaustive_sampling_seconds_estimated": cost["exhaustive_sampling_seconds"],
+        "fraction_of_exhaustive_estimated": cost["sampling_seconds"] / cost["exhaustive_sampling_seconds"],
+        "exhaustive_cost_fp32_epochs_estimated": cost["exhaustive_sampling_seconds"] / fp32_epoch,
+        "step_seconds": steps,
+        "chosen_vs_fp32_step_ratio": steps["chosen"] / steps["fp32"],
+        "chosen_within_5pct_of_fp32": steps["chosen"] <= 1.05 * steps["fp32"],
+        "chosen_vs_amp_step_ratio": steps["chosen"] / steps["amp"],
+    }
+    if validate:
+        unpruned, _ = _search(loader, SearchConfig(seed=seed, progress=False, prune=False), seed)
+        measured = exhaustive_estimate(unpruned.log, batches)["sampling_seconds"]
+        result["exhaustive_sampling_seconds_measured"] = measured
+        result["fraction_of_exhaustive_measured"] = cost["sampling_seconds"] / measured
+        result["unpruned_chosen_plan"] = unpruned.plan.bitstring(unpruned.search_summary.analysis)
+    return result
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--batches", type=int, default=20, help="batches in the sample loader")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave as is)")
+    parser.add_argument("--validate", action="store_true", help="also run without pruning and measure it")
+    parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>/search_cost.json)")
+    args = parser.parse_args(argv)
+    result = run(args.batches, args.seed, args.threads or None, args.validate)
+    for key, value in result.items():
+        print(f"{key:40s} {value:.4g}" if isinstance(value, float) else f"{key:40s} {value}")
+    out = Path(args.out or Path(__file__).parent / "results" / torch.device(result["device"]).type / "search_cost.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"wrote {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
