@@ -69,7 +69,7 @@ def _spec(name: str, image_size: int, num_classes: int, paper_batch: int, datase
         description=f"AlexNet, {image_size}x{image_size} input ({dataset} shape)",
         configs={
             "small": dict(channels=_SMALL_CHANNELS, hidden=64, num_classes=10, image_size=image_size,
-                          batch_size=8 if image_size < 64 else 2),
+                          batch_size=4 if image_size < 64 else 2),
             "paper": dict(channels=_PAPER_CHANNELS, hidden=4096, num_classes=num_classes, image_size=image_size,
                           batch_size=paper_batch),
         },

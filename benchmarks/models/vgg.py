@@ -64,5 +64,5 @@ def _spec(name: str, image_size: int, num_classes: int, dataset: str, small_batc
     )
 
 
-VGG16_CIFAR = _spec("vgg16_cifar", 32, 100, "CIFAR-100", 8)
+VGG16_CIFAR = _spec("vgg16_cifar", 32, 100, "CIFAR-100", 4)
 VGG16_IMAGENET = _spec("vgg16_imagenet", 224, 1000, "ImageNet", 1)
