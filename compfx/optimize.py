@@ -13,7 +13,7 @@ import functools
 import math
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterable
+from typing import Callable, Iterable, Iterator
 
 import torch
 import torch.nn as nn
@@ -134,12 +134,15 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, loss_fn=None, optimiz
     modes = {module: module.training for module in model.modules()}
     model.train()  # the search trains; the captured graph is specialised to this mode
     try:
-        first = move_batch(next(iter(sample_loader)), device)
-        args, kwargs = split_batch(first)
+        first = next(iter(sample_loader), None)
+        if first is None:
+            raise BadInputError("sample_loader yielded no batches; the search trains on it, so give it some "
+                                "(CoMP's Stage 1 uses one epoch of it).")
+        args, kwargs = split_batch(move_batch(first, device))
         analysis = analyze(model, kwargs if kwargs else args, device=device, low_dtype=low_dtype)
-        search_log = log if isinstance(log, SearchLog) else SearchLog(log)
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,
                               grad_scaler=config.scaler_on(analysis.low_dtype))
+        search_log = log if isinstance(log, SearchLog) else SearchLog(log)
         search = _Search(model, analysis, sampler, config, search_log)
         if config.per_device or config.memory_budget is not None or (
                 torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -164,7 +167,7 @@ def _check_arguments(model, loader, optimizer, device) -> None:
     if foreign:
         raise BadInputError(f"{foreign} of the optimizer's parameters are not this model's; build the optimizer "
                             "on model.parameters() (after moving the model to its device).")
-    if iter(loader) is loader:
+    if isinstance(loader, Iterator):
         raise BadInputError("sample_loader is a one-shot iterator, but every search sample walks it again; pass a "
                             "list of batches or a DataLoader.")
     if device is not None and torch.device(device) != model_device(model):

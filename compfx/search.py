@@ -292,6 +292,7 @@ class _Stage1:
                 outcome.reason = (f"loss {outcome.loss:.6g} not below {loss_limit(self.loss0, self.threshold):.6g} "
                                   f"(loss_0 {self.loss0:.6g} x threshold {self.threshold})")
         if became_best:
+            self.best.artifact = None  # only the best plan's trained state is kept
             self.best = outcome
         else:
             outcome.artifact = None  # only the best plan's trained state is kept

@@ -218,3 +218,9 @@ def test_demo_runs_the_search_and_post_training():
     text = "\n".join(lines)
     assert "chosen plan" in text and "epoch 1: train loss" in text and "test accuracy" in text
     assert set(module.plan) == set(module.plan_analysis.keys)
+
+
+def test_empty_loader_is_a_bad_input():
+    model = nn.Linear(4, 3)
+    with pytest.raises(BadInputError, match="no batches"):
+        optimize(model, [], loss_fn=ce, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))

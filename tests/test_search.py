@@ -57,6 +57,21 @@ def test_stage1_space_is_reduced_by_groups_then_greedy(budget, mode):
     assert stage1_plan_space(space, budget) == mode
 
 
+def test_grouped_stage1_enumerates_groups_then_refines_op_by_op():
+    space = space_of(W, W, B, groups=["lin", "lin", "exp"])  # 2^3 = 8 plans > budget 5; 2 groups fit
+    records = []
+
+    def table(bits):
+        return [(math.nan if bits[2] == "0" else 1.0, 1.0)] * 2  # the blacklisted op cannot go low
+
+    result = run_stage1(space, fake_epoch(table), lambda bits, s: bits.count("1"), budget=5,
+                        report=records.append)
+    assert result.mode == "grouped"
+    assert [s.bits for s in result.samples] == ["111", "000", "001", "110", "101", "011"]  # "111" ran as FP32
+    assert result.best.bits == "001"
+    assert "share one bit" in [r for r in records if not r.is_sample][0].reason
+
+
 def test_guard_keeps_the_overflowing_op_fp32():
     # op 2 (blacklist) overflows in low precision; cost rewards every low op.
     space = space_of(W, O, B, W)
