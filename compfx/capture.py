@@ -595,6 +595,12 @@ def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
             if method == "symbolic":
                 raise CaptureError(_capture_advice(model, [str(error)])) from error
             failures.append(str(error))
+    if tuple(leaf_modules):
+        warnings.warn(
+            f"compfx captures {type(model).__name__} with dynamo, which inlines every module: "
+            "leaf_modules is ignored and those modules' ops get keys of their own.",
+            stacklevel=3,
+        )
     try:
         gm = _dynamo_capture(model, args, kwargs)
     except Exception as error:

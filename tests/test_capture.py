@@ -88,7 +88,7 @@ def test_key_dynamo_graph_continues_indices_across_graphs():
 @pytest.mark.parametrize("training", [True, False])
 def test_capture_does_not_change_the_model(training, method, leaf_modules):
     if method == "dynamo" and leaf_modules:
-        pytest.skip("dynamo ignores leaf_modules")
+        pytest.skip("dynamo ignores leaf_modules (tested below)")
     model, inputs = make("cnn")
     model.train(training)
     before = copy.deepcopy(model.state_dict())
@@ -196,6 +196,12 @@ class WithBlocks(nn.Module):
 
     def forward(self, x):
         return self.b(self.a(x))
+
+
+def test_dynamo_warns_that_it_ignores_leaf_modules():
+    with pytest.warns(UserWarning, match="leaf_modules is ignored"):
+        gm = capture(WithBlocks(), torch.randn(2, 4), leaf_modules=[Block], method="dynamo")
+    assert _keys(gm) == ["a.fc:linear#0", "a:tanh#0", "b.fc:linear#0", "b:tanh#0"]
 
 
 @pytest.mark.parametrize("leaf", [Block, "a"])
