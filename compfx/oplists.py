@@ -60,10 +60,14 @@ _CUDA_FP32 = _kinds("""
 
 # CPU: TORCH_LIBRARY_IMPL(aten, AutocastCPU, m) in autocast_mode.cpp. Unlike
 # CUDA, softmax, layer_norm, sum, exp ... are on no list: they run in whatever
-# dtype reaches them. nn.LSTM reaches mkldnn_rnn_layer; nn.GRU does not.
+# dtype reaches them. nn.LSTM reaches mkldnn_rnn_layer. nn.GRU/nn.RNN have no
+# CPU kernel of their own: torch.gru decomposes into linear/mm cells, and
+# autocast casts those GEMMs to low precision, so as one captured op the GRU
+# runs low under CPU autocast (its output keeps the hidden state's dtype).
 _CPU_LOWER = _kinds("""
     conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm addmm_activation addbmm linear
-    convolution matmul conv_tbc mkldnn_rnn_layer lstm conv_transpose1d conv_transpose2d
+    convolution matmul conv_tbc mkldnn_rnn_layer lstm gru rnn_tanh rnn_relu
+    conv_transpose1d conv_transpose2d
     conv_transpose3d prelu scaled_dot_product_attention native_multi_head_attention
 """)
 _CPU_FP32 = _kinds("""

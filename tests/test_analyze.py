@@ -69,7 +69,7 @@ EXPECTED = {
     ],
     "embed_gru": [
         ("embed:embedding#0", O, False, O),
-        ("gru:gru#0", W, False, O),  # cuDNN RNN autocasts; CPU GRU does not
+        ("gru:gru#0", W, False, W),  # cuDNN RNN autocasts; CPU autocast casts its GEMM cells
         ("head:linear#0", W, False, W),  # M=2*6=12, N=20
     ],
     "shape_branch": [

@@ -15,11 +15,6 @@ from zoo import ZOO, make
 
 ZOO_NAMES = sorted(ZOO)
 
-# CPU autocast runs torch.gru's GEMMs in low precision (autocast casts inside the
-# composite op), so the GRU belongs on the low-precision list; until the CPU
-# table says so, the AMP test states it here.
-GRU_IS_LOW = {"gru": "whitelist"}
-
 
 def _forward_backward(module, inputs, params, autocast_dtype=None):
     """One seeded forward and backward; returns the output and each named parameter's grad."""
@@ -68,7 +63,7 @@ def test_fp32_plan_is_bitwise_the_original_model(name):
 def test_amp_plan_matches_real_autocast(name, low_dtype):
     model, inputs = make(name)
     reference = copy.deepcopy(model)
-    analysis = compfx.analyze(model, inputs, low_dtype=low_dtype, overrides=GRU_IS_LOW)
+    analysis = compfx.analyze(model, inputs, low_dtype=low_dtype)
     gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
 
     expected, expected_grads = _forward_backward(reference, inputs, dict(reference.named_parameters()), low_dtype)

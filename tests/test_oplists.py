@@ -78,7 +78,7 @@ def test_cross_entropy_spellings_agree():
         ("exp", "blacklist", "other"),
         ("pow", "blacklist", "other"),
         ("mse_loss", "blacklist", "blacklist"),
-        ("gru", "whitelist", "other"),  # cuDNN RNN autocast; no CPU kernel for GRU
+        ("gru", "whitelist", "whitelist"),  # cuDNN RNN autocast; CPU autocast casts its GEMM cells
         ("lstm", "whitelist", "whitelist"),  # cuDNN / mkldnn_rnn_layer
         ("max_pool3d", "other", "blacklist"),
         ("relu", "other", "other"),
