@@ -64,19 +64,23 @@ def _round(value, digits: int = 4):
     return None if value is None else round(value, digits)
 
 
+def _percent(fraction) -> float | None:
+    return None if fraction is None else round(100 * fraction, 2)
+
+
 def _table_row(row: dict) -> list:
     paper = row.get("paper") or {}
     mode = row["mode"] + ("+compile" if row.get("compiled") else "")
     return [
         row["model"], mode, row["status"] if row["status"] == "ok" else row["status"][:40],
         _round(row.get("time_per_epoch_s")), _mb(row.get("saved_activation_bytes")), _mb(row.get("peak_memory_bytes")),
-        _round(row.get("final_train_loss")), _round(row.get("metric")), _round(row.get("search_share"), 3),
+        _round(row.get("final_train_loss")), _percent(row.get("metric")), _round(row.get("search_share"), 3),
         row.get("casts_forward"), row.get("casts_graph"),
         paper.get("time_a100_s"), paper.get("peak_memory_mb"), paper.get("accuracy_pct"),
     ]
 
 
-_HEADERS = ["model", "mode", "status", "s/epoch", "saved act. MB", "GPU peak MB", "train loss", "metric",
+_HEADERS = ["model", "mode", "status", "s/epoch", "saved act. MB", "GPU peak MB", "train loss", "metric %",
             "search share", "casts fwd", "casts graph", "paper s/epoch A100", "paper GPU MB", "paper acc. %"]
 
 
@@ -115,7 +119,7 @@ def write_results(rows: list[dict], meta: dict, out_root: str | os.PathLike, ste
     """Write ``<out_root>/<device-slug>/<stem>.json`` and ``.md``; returns their paths."""
     folder = Path(out_root) / slug(meta["device_name"])
     folder.mkdir(parents=True, exist_ok=True)
-    rows = [attach_paper_figures(row) for row in rows]
+    rows = [attach_paper_figures(row) for row in rows]  # idempotent: main() has usually attached them
     paths = {"json": folder / f"{stem}.json", "markdown": folder / f"{stem}.md"}
     paths["json"].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str) + "\n")
     paths["markdown"].write_text(_markdown(rows, meta))

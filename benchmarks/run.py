@@ -21,7 +21,7 @@ import torch
 from .harness import RunOptions, default_low_dtype, options_dict, resolve_device, run_benchmark
 from .models import MODELS, get_spec
 from .modes import MODES, compfx_status
-from .report import device_name, markdown_table, plot_results, write_results
+from .report import attach_paper_figures, device_name, markdown_table, plot_results, write_results
 
 __all__ = ["main", "parse_args", "run_all"]
 
@@ -81,7 +81,7 @@ def run_all(args: argparse.Namespace, log=print) -> list[dict]:
 def main(argv=None) -> int:
     args = parse_args(argv)
     device = resolve_device(args.device)
-    rows = run_all(args)
+    rows = [attach_paper_figures(row) for row in run_all(args)]
     meta = {
         "device": str(device), "device_name": device_name(device), "torch": torch.__version__,
         "config": args.config, "data": args.data, "epochs": args.epochs, "batches": args.batches,
