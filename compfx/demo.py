@@ -14,6 +14,7 @@ import torch.nn.functional as F
 
 from .analyze import Analysis
 from .apply import apply
+from .errors import BadInputError
 from .examples import cnn
 from .optimize import SearchConfig, optimize
 
@@ -22,7 +23,11 @@ __all__ = ["digits_batches", "run_demo"]
 
 def digits_batches(batch_size: int = 64, seed: int = 0) -> tuple[list, list]:
     """Train and test batches ``(images [B,1,8,8] in [0,1], labels)`` of scikit-learn's digits, shuffled once."""
-    from sklearn.datasets import load_digits
+    try:
+        from sklearn.datasets import load_digits
+    except ImportError as error:
+        raise BadInputError("the demo's data set (digits) ships with scikit-learn, which is not installed; "
+                            "run: pip install scikit-learn") from error
 
     digits = load_digits()
     images = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0

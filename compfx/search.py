@@ -407,7 +407,10 @@ def stage2_segments(space: SearchSpace, bits: str) -> list[Segment]:
     if len(bits) != len(space):
         raise SearchError(f"bitstring {bits!r} has {len(bits)} characters for {len(space)} ops")
     cuts = [-1, *space.stage1_positions, len(space)]
-    precision = lambda i: _FP32 if i in (-1, len(space)) else bits[i]  # noqa: E731
+
+    def precision(i: int) -> str:
+        return _FP32 if i in (-1, len(space)) else bits[i]
+
     segments = []
     for start, end in zip(cuts, cuts[1:]):
         inner = tuple(range(start + 1, end))
