@@ -52,7 +52,7 @@ new backend object, and dynamo recompiles for it.
 >>> import torch, compfx
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
 >>> plan = compfx.Plan.fp32(compfx.analyze(model, torch.randn(2, 4)))
->>> compiled = torch.compile(model, backend=compfx.backend.backend(plan, inner="eager"))
+>>> compiled = torch.compile(model, backend=compfx.backend(plan, inner="eager"))
 >>> compiled(torch.randn(2, 4)).dtype
 torch.float32
 """
@@ -74,10 +74,11 @@ from .analyze import analyze_graph, default_low_dtype
 from .capture import key_dynamo_graph, op_nodes
 from .errors import BadInputError
 from .opkey import KEY_META, OpKey, normalize_module_path
-from .passes.insert_casts import insert_casts
+from .passes.insert_casts import AutocastRegion, insert_casts
 from .plan import Plan
 
-__all__ = ["backend", "compfx_backend", "compile_with_plan", "CompfxBackend", "GraphRecord", "INNER_BACKENDS"]
+__all__ = ["backend", "compfx_backend", "registered_backend", "compile_with_plan", "key_backend_graph", "CompfxBackend", "GraphRecord",
+           "INNER_BACKENDS"]
 
 log = logging.getLogger("compfx")
 
@@ -134,8 +135,10 @@ def _frame_root_prefix(gm: fx.GraphModule, example_inputs: Sequence, names: _Mod
         if full is None or source is None:
             continue
         relative = normalize_module_path(str(source.name))
-        if relative and full.endswith(relative):
-            return full[: len(full) - len(relative)].rstrip(".")
+        if full == relative:
+            return ""
+        if relative and full.endswith("." + relative):
+            return full[: -len(relative) - 1]
     return ""
 
 
@@ -156,6 +159,16 @@ def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, mode
     ``model`` (optional) maps dynamo's frame-relative module paths back to the
     model's names; ``index_offsets`` ((module, kind) -> calls in earlier graphs)
     continues call indices across graph breaks. Returns the keys in graph order.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+    >>> keys = []
+    >>> def record(gm, example_inputs):
+    ...     keys.extend(map(str, key_backend_graph(gm, example_inputs, model=model)))
+    ...     return gm.forward
+    >>> _ = torch.compile(model, backend=record)(torch.randn(2, 4))
+    >>> keys
+    ['0:linear#0', '1:relu#0']
     """
     key_dynamo_graph(gm)  # capture's keys, relative to dynamo's frame, indices from 0
     names = _ModelNames(model) if model is not None else None
@@ -225,12 +238,16 @@ def _load_plan(plan: PlanSource) -> Plan | None:
     )
 
 
-def _compute_dtype(node: fx.Node) -> torch.dtype | None:
-    """The dtype of ``node``'s first floating-point tensor input (its activation), or None if it has none.
+def _compute_dtype(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None:
+    """The dtype ``node`` computes in: its first floating-point input's (its activation), or None.
 
     Normalisation ops keep FP32 weights whatever their precision, so the first
-    input, not all of them, says which precision the op runs at.
+    input, not all of them, says which precision the op runs at. Composite ops
+    (GRU, multi-head attention) that the pass runs under autocast compute in
+    the autocast dtype, whatever their inputs.
     """
+    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), AutocastRegion):
+        return gm.get_submodule(node.target).dtype
     for arg in node.all_input_nodes:
         value = arg.meta.get("val", arg.meta.get("example_value"))
         if isinstance(value, torch.Tensor) and value.is_floating_point():
@@ -290,7 +307,7 @@ class CompfxBackend:
         self.records.append(GraphRecord(
             compile_id=str(gm.meta.get("dynamo_compile_id")) if "dynamo_compile_id" in gm.meta else None,
             plan_source=source, precisions=precisions, unplanned=unplanned,
-            compute_dtypes={key: _compute_dtype(node) for key, node in _keyed_nodes(gm).items()},
+            compute_dtypes={key: _compute_dtype(gm, node) for key, node in _keyed_nodes(gm).items()},
         ))
         return self._compile_inner(gm, example_inputs)
 
@@ -365,26 +382,36 @@ def backend(plan: PlanSource = None, inner: str | Callable = "inductor", low_dty
     >>> import torch, compfx
     >>> model = torch.nn.Linear(4, 4)
     >>> plan = compfx.Plan.fp32(compfx.analyze(model, torch.randn(2, 4)))
-    >>> compiled = torch.compile(model, backend=compfx.backend.backend(plan, inner="aot_eager"))
+    >>> compiled = torch.compile(model, backend=compfx.backend(plan, inner="aot_eager"))
     >>> compiled(torch.randn(2, 4)).shape
     torch.Size([2, 4])
     """
     return CompfxBackend(plan, inner, low_dtype, **options)
 
 
-_default: CompfxBackend | None = None
+_registered: CompfxBackend | None = None
+
+
+def registered_backend() -> CompfxBackend:
+    """The one backend object behind ``backend="compfx"``; its ``records`` show what it did.
+
+    >>> registered_backend() is registered_backend()
+    True
+    """
+    global _registered
+    if _registered is None:
+        _registered = CompfxBackend()
+    return _registered
 
 
 def compfx_backend(gm: fx.GraphModule, example_inputs: Sequence):
     """The backend behind ``torch.compile(model, backend="compfx")``: cached plan or default, then Inductor.
 
-    One shared backend object serves every model compiled this way; to give
-    each model its own (and a plan), use :func:`backend` or :func:`compile_with_plan`.
+    One shared backend object (:func:`registered_backend`) serves every model
+    compiled this way; to give each model its own, and a plan, use
+    :func:`backend` or :func:`compile_with_plan`.
     """
-    global _default
-    if _default is None:
-        _default = CompfxBackend()
-    return _default(gm, example_inputs)
+    return registered_backend()(gm, example_inputs)
 
 
 def compile_with_plan(model: nn.Module, plan: PlanSource = None, inner: str | Callable = "inductor",

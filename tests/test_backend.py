@@ -16,7 +16,7 @@ import torch.nn as nn
 import compfx
 from compfx import plan_cache
 from compfx.apply import apply
-from compfx.backend import CompfxBackend, backend, compfx_backend, compile_with_plan
+from compfx.backend import backend, compfx_backend, compile_with_plan, registered_backend
 from compfx.errors import BadInputError, PlanFileError
 from compfx.opkey import OpKey
 
@@ -24,6 +24,12 @@ from zoo import make
 
 BF16_TOL = dict(rtol=2e-2, atol=2e-2)  # bf16 has 8 bits of mantissa: eps 7.8e-3
 FP32_TOL = dict(rtol=1e-4, atol=1e-5)
+# AOT autograd decomposes some composite ops (nn.GRU) into other kernels: same casts, other bf16 rounding.
+AOT_LOW_TOL = dict(rtol=1.6e-2, atol=1e-4)
+
+
+def aot_tolerance(plan) -> dict:
+    return AOT_LOW_TOL if "low" in plan.values() else FP32_TOL
 
 
 @pytest.fixture(autouse=True)
@@ -119,7 +125,7 @@ def test_aot_eager_matches_apply_in_outputs_and_gradients(name, plan_kind):
     # Without allow_rnn dynamo graph-breaks around nn.GRU and runs it eagerly, outside the plan.
     with torch._dynamo.config.patch(allow_rnn=True):
         compiled = torch.compile(model, backend=compiled_backend)
-        assert_matches_apply(compiled, model, plan, analysis, x, FP32_TOL)
+        assert_matches_apply(compiled, model, plan, analysis, x, aot_tolerance(plan))
     (record,) = compiled_backend.records  # no graph break: one graph holds the whole model
     assert set(record.precisions) == set(plan) and not record.unplanned
     assert_records_follow_plan(compiled_backend.records, plan, analysis.low_dtype)
@@ -304,9 +310,7 @@ def test_registered_backend_matches_apply_through_inductor(mlp_under_registered_
     torch.testing.assert_close(out, ref_out, **BF16_TOL)
     for name in ref_grads:
         torch.testing.assert_close(grads[name], ref_grads[name], **BF16_TOL)
-    from compfx import backend as backend_module
-
-    assert dict(backend_module._default.records[-1].precisions) == dict(amp)
+    assert dict(registered_backend().records[-1].precisions) == dict(amp)
 
 
 def test_inductor_with_a_new_plan_never_reuses_the_old_kernels(mlp_under_registered_backend):
