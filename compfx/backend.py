@@ -326,10 +326,8 @@ class CompfxBackend:
 
     def _rewrite(self, gm: fx.GraphModule, precisions: Mapping[OpKey, str], low_dtype: torch.dtype) -> fx.GraphModule:
         # Every op has a precision here (unplanned ones "follow"); insert_casts raises PassError itself.
-        sources = _placeholder_sources(gm)
-        gm = insert_casts(gm, precisions, low_dtype)
-        _restore_placeholder_sources(gm, sources)
-        return gm
+        # It also keeps dynamo's node attributes (_dynamo_source), which AOT autograd needs.
+        return insert_casts(gm, precisions, low_dtype)
 
     def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence):
         if callable(self.inner):
@@ -346,18 +344,6 @@ class CompfxBackend:
         if topic not in self._logged:
             self._logged.add(topic)
             log.info(message, *args)
-
-
-def _placeholder_sources(gm: fx.GraphModule) -> dict[str, object]:
-    """Dynamo's input sources, kept on placeholder nodes as a plain attribute; AOT autograd needs them."""
-    return {n.name: n._dynamo_source for n in gm.graph.find_nodes(op="placeholder") if hasattr(n, "_dynamo_source")}
-
-
-def _restore_placeholder_sources(gm: fx.GraphModule, sources: Mapping[str, object]) -> None:
-    # insert_casts rewrites a copy of the graph, and a plain node attribute may not survive the copy.
-    for node in gm.graph.find_nodes(op="placeholder"):
-        if node.name in sources and not hasattr(node, "_dynamo_source"):
-            node._dynamo_source = sources[node.name]
 
 
 def _keyed_nodes(gm: fx.GraphModule) -> dict[OpKey, fx.Node]:

@@ -164,14 +164,12 @@ def insert_casts(
 
 def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
     """A copy of ``gm.graph`` to rewrite; dynamo's plain attributes on nodes (``_dynamo_source``) come along."""
-    copies: dict = {}
-    graph = copy.deepcopy(gm.graph, copies)
+    graph = copy.deepcopy(gm.graph)
     graph.owning_module = gm  # purity checks of call_module nodes look the module up
-    for old, new in copies.items():
-        if isinstance(old, fx.Node) and isinstance(new, fx.Node):
-            for name, value in vars(old).items():
-                if name.startswith("_dynamo") and not hasattr(new, name):
-                    setattr(new, name, value)
+    for old, new in zip(gm.graph.nodes, graph.nodes):  # deepcopy keeps node order
+        for name, value in vars(old).items():
+            if name.startswith("_dynamo") and not hasattr(new, name):
+                setattr(new, name, value)
     return graph
 
 
