@@ -44,12 +44,9 @@ def _cmd_analyze(args) -> int:
 
 
 def _cmd_demo(args) -> int:
-    from .analyze import analyze
-    from .examples import cnn
+    from .demo import run_demo
 
-    analysis = analyze(cnn(), torch.randn(32, 1, 8, 8))
-    print(analysis.table())
-    print(analysis.summary())
+    run_demo()
     return 0
 
 
