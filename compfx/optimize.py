@@ -67,6 +67,10 @@ class SearchConfig:
     * ``per_device``: under ``torch.distributed``, let ranks hold different plans
       (QSync's allocator, see :mod:`compfx.distributed`); ``memory_budget``: this
       rank's limit on activation bytes saved for backward per step (None: no limit).
+    * ``predictor``: ``"on"`` profiles each op once (cached, see :mod:`compfx.costmodel`),
+      runs Stage-1 candidates cheapest-predicted first and skips those whose
+      predicted cost exceeds ``predictor_margin`` times the best measured accepted
+      cost; ``"off"`` measures every candidate (the exact CoMP search).
     """
 
     threshold: float = 1.01
@@ -83,6 +87,8 @@ class SearchConfig:
     prune: bool = True
     per_device: bool = False
     memory_budget: int | None = None
+    predictor: str = "on"
+    predictor_margin: float = 1.25
 
     def __post_init__(self):
         if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold) and self.threshold >= 1):
@@ -97,6 +103,13 @@ class SearchConfig:
             raise BadInputError(f"SearchConfig(seed={self.seed!r}); expected an int.")
         if self.cost_fn is not None and not callable(self.cost_fn):
             raise BadInputError(f"SearchConfig(cost_fn={self.cost_fn!r}); expected a callable (plan, seconds) -> float.")
+        if self.predictor not in ("on", "off"):
+            raise BadInputError(f"SearchConfig(predictor={self.predictor!r}); expected \"on\" or \"off\".")
+        if not (isinstance(self.predictor_margin, (int, float)) and not isinstance(self.predictor_margin, bool)
+                and self.predictor_margin >= 1):
+            raise BadInputError(f"SearchConfig(predictor_margin={self.predictor_margin!r}); expected a number >= 1, "
+                                "e.g. 1.25 (skip plans predicted 25% costlier than the best measured); "
+                                "math.inf only reorders.")
         if self.grad_scaler not in (None, True, False):
             raise BadInputError(f"SearchConfig(grad_scaler={self.grad_scaler!r}); expected None, True or False.")
 
@@ -188,6 +201,7 @@ class _Search:
         self.modules: dict[str, nn.Module] = {}
         self.plans: dict[str, Plan] = {}
         self.progress = _progress_bar(config.progress)
+        self.predictor = None  # a SearchPredictor while predictor="on"
 
     # -- evaluators handed to the pure search ------------------------------------
     def plan(self, bits: str) -> Plan:
@@ -216,6 +230,8 @@ class _Search:
         return self.sampler.mean_loss(self.module(bits), self.config.stage2_check_batches)
 
     def report(self, record: SampleRecord) -> None:
+        if self.predictor is not None:
+            record = self.predictor.observe(record)
         self.log.append(record)
         if record.is_sample:
             self.progress.update(1)
@@ -226,8 +242,11 @@ class _Search:
         c, start = self.config, time.perf_counter()
         try:
             with torch.random.fork_rng(devices=_cuda_devices(self.analysis.device)):  # the user's RNG is untouched
+                self.predictor = _build_predictor(self.analysis, c, self.log)  # profiling counts as search time
                 stage1 = run_stage1(self.space, self.run_epoch, self.cost, threshold=c.threshold,
-                                    budget=c.stage1_budget, prune=c.prune, report=self.report)
+                                    budget=c.stage1_budget, prune=c.prune, report=self.report,
+                                    predict=self.predictor and self.predictor.epoch_seconds,
+                                    margin=c.predictor_margin)
                 stage2 = run_stage2(self.space, stage1.best.bits, self.time_step, self.cost,
                                     budget=c.stage2_budget, report=self.report)
                 chosen = self._checked(stage1, stage2.best.bits)
@@ -299,6 +318,20 @@ class _Search:
         module.search_summary = summary
         module.report = functools.partial(render_report, summary)
         return module
+
+
+def _build_predictor(analysis, config: SearchConfig, log: SearchLog):
+    """The cost model for the search, or None when it is off or cannot be built (then the search is exact)."""
+    if config.predictor == "off":
+        return None
+    from .search_predictor import SearchPredictor
+
+    try:
+        predictor = SearchPredictor.build(analysis)
+    except Exception as error:  # the predictor only orders and skips: never fail the search for it
+        log.note("search", f"cost model unavailable ({type(error).__name__}: {error}); measuring every candidate")
+        return None
+    return predictor  # what profiling cost lands in the FP32 baseline's log line
 
 
 def _progress_bar(enabled: bool):

@@ -12,7 +12,10 @@ from tabulate import tabulate
 
 from .searchlog import SearchLog
 
-__all__ = ["SearchSummary", "render_report", "op_table"]
+__all__ = ["SearchSummary", "render_report", "op_table", "prediction_table", "prediction_error"]
+
+# keys of SampleRecord.extra written by compfx.search_predictor
+_PREDICTED, _MEASURED = "predicted_step_seconds", "measured_step_seconds"
 
 
 @dataclass
@@ -36,6 +39,42 @@ class SearchSummary:
     @property
     def samples_pruned(self) -> int:
         return len([r for r in self.log.samples() if r.status == "pruned"])
+
+    @property
+    def samples_skipped(self) -> int:
+        return len([r for r in self.log.samples() if r.status == "skipped"])
+
+
+def _predicted_records(log: SearchLog) -> list:
+    """Measured samples with a prediction, except the FP32 baseline the predictor was calibrated on."""
+    return [r for r in log.samples() if _PREDICTED in r.extra and _MEASURED in r.extra
+            and not r.extra.get("calibration")]
+
+
+def prediction_error(log: SearchLog) -> float | None:
+    """Median absolute percentage error of predicted against measured step time (None: nothing to compare).
+
+    >>> from compfx.searchlog import SampleRecord
+    >>> log = SearchLog()
+    >>> for p in (1.1, 0.9, 2.0):
+    ...     log.append(SampleRecord("stage1", "0", "accepted", extra={_PREDICTED: p, _MEASURED: 1.0 if p < 2 else 2.0}))
+    >>> round(prediction_error(log), 6)
+    10.0
+    """
+    records = _predicted_records(log)
+    if not records:
+        return None
+    errors = sorted(abs(r.extra[_PREDICTED] - r.extra[_MEASURED]) / r.extra[_MEASURED] * 100 for r in records)
+    middle = len(errors) // 2
+    return errors[middle] if len(errors) % 2 else (errors[middle - 1] + errors[middle]) / 2
+
+
+def prediction_table(log: SearchLog, tablefmt: str = "simple") -> str:
+    """Predicted against measured step time for every measured candidate (Stage 1 per batch, Stage 2 median)."""
+    rows = [[r.stage, r.bitstring, r.status, _ms(r.extra[_PREDICTED]), _ms(r.extra[_MEASURED]),
+             f"{(r.extra[_PREDICTED] / r.extra[_MEASURED] - 1) * 100:+.1f}%"] for r in _predicted_records(log)]
+    return tabulate(rows, headers=["stage", "plan", "status", "predicted step", "measured step", "error"],
+                    tablefmt=tablefmt)
 
 
 def op_table(analysis, plan, stage1_plan=None, tablefmt: str = "simple") -> str:
@@ -66,7 +105,8 @@ def render_report(summary: SearchSummary, tablefmt: str = "simple") -> str:
     a, log = summary.analysis, summary.log
     records = log.samples()
     by_stage = {s: [r for r in records if r.stage == s] for s in ("stage1", "stage2", "check")}
-    counts = {s: sum(r.status == s for r in by_stage["stage1"]) for s in ("accepted", "rejected", "pruned", "error")}
+    counts = {s: sum(r.status == s for r in by_stage["stage1"])
+              for s in ("accepted", "rejected", "pruned", "error", "skipped")}
     steps = summary.step_seconds
     chosen = steps.get("chosen")
     share = summary.search_seconds / summary.fp32_epoch_seconds if summary.fp32_epoch_seconds else float("nan")
@@ -76,15 +116,21 @@ def render_report(summary: SearchSummary, tablefmt: str = "simple") -> str:
         f"chosen plan    {summary.plan.bitstring(a)}   ('0' {str(a.low_dtype).replace('torch.', '')}, "
         "'1' fp32, 'f' follow)",
         f"stage 1        {len(by_stage['stage1'])} samples ({summary.stage1_mode}): {counts['accepted']} accepted, "
-        f"{counts['rejected']} rejected, {counts['pruned']} pruned, {counts['error']} failed; "
+        f"{counts['rejected']} rejected, {counts['pruned']} pruned, {counts['skipped']} skipped, {counts['error']} failed; "
         f"loss_0 {summary.loss0:.4g}; winner {summary.stage1_plan.bitstring(a)}",
         f"stage 2        {len(by_stage['stage2'])} candidates timed"
         + (f"; loss check {by_stage['check'][-1].status}" if by_stage["check"] else ""),
         f"search time    {summary.search_seconds:.2f} s = {share:.1f} FP32 epochs of the sample loader "
-        f"({summary.samples_run} samples run, {summary.samples_pruned} pruned)",
+        f"({summary.samples_run} samples: {summary.samples_pruned} pruned, {summary.samples_skipped} skipped "
+        "on prediction)",
         f"step time      chosen {_ms(chosen)}; FP32 {_ms(steps.get('fp32'))} ({_ratio(chosen, steps.get('fp32'))}); "
         f"AMP {_ms(steps.get('amp'))} ({_ratio(chosen, steps.get('amp'))})  [median, same batches]",
     ]
+    error = prediction_error(log)
+    if error is not None:
+        lines += ["", f"cost model     {summary.samples_skipped} Stage-1 plans skipped on prediction; median absolute "
+                  f"error {error:.1f}% over {len(_predicted_records(log))} measured candidates "
+                  "(FP32 baseline excluded: it calibrates the model)", prediction_table(log, tablefmt)]
     notes = [r.reason for r in log.notes()]
     if notes:
         lines += ["", "notes:", *(f"  - {n}" for n in notes)]

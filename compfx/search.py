@@ -49,11 +49,12 @@ from .searchlog import SampleRecord
 __all__ = [
     "SearchSpace", "Outcome", "Segment", "Stage1Result", "Stage2Result",
     "loss_limit", "is_accepted", "stage1_bits", "stage1_plan_space", "stage1_candidates",
-    "stage2_segments", "algorithm2_candidates", "run_stage1", "run_stage2", "check_stage2",
+    "stage2_segments", "algorithm2_candidates", "run_stage1", "skip_message", "run_stage2", "check_stage2",
 ]
 
 EpochRunner = Callable[[str], Iterator[tuple[float, float]]]
 CostFn = Callable[[str, float], float]
+Predict = Callable[[str], float]  # bits -> predicted seconds of one Stage-1 epoch
 Reporter = Callable[[SampleRecord], None]
 
 _LOW, _FP32, _FOLLOW = "0", "1", "f"
@@ -114,7 +115,7 @@ class Outcome:
     """What one sample gave."""
 
     bits: str
-    status: str  # accepted | rejected | pruned | error
+    status: str  # accepted | rejected | pruned | error | skipped
     loss: float | None = None
     seconds: float = 0.0
     cost: float = math.inf
@@ -123,11 +124,13 @@ class Outcome:
     duration: float = 0.0
     batch_losses: list[float] = field(default_factory=list)
     artifact: Any = field(default=None, repr=False)
+    extra: dict = field(default_factory=dict)  # e.g. the predicted epoch seconds, for the report
 
     def record(self, stage: str) -> SampleRecord:
         return SampleRecord(stage, self.bits, self.status, loss=self.loss,
                             cost=None if math.isinf(self.cost) else self.cost, seconds=self.seconds,
-                            batches=self.batches, reason=self.reason, duration=self.duration)
+                            batches=self.batches, reason=self.reason, duration=self.duration,
+                            extra=dict(self.extra))
 
 
 def loss_limit(loss0: float, threshold: float) -> float:
@@ -206,9 +209,11 @@ class _Stage1:
     """Runs samples and keeps the best accepted one; the strategies below decide what to run."""
 
     def __init__(self, run_epoch: EpochRunner, cost: CostFn, threshold: float, prune: bool,
-                 report: Reporter | None):
+                 report: Reporter | None, predict: Predict | None = None, margin: float = 1.25):
         self.run_epoch, self.cost, self.threshold, self.prune = run_epoch, cost, threshold, prune
         self.report = report or (lambda record: None)
+        self.predict, self.margin = predict, margin
+        self.predicted: dict[str, float] = {}  # bits -> predicted cost
         self.samples: list[Outcome] = []
         self.seen: set[str] = set()
         self.best: Outcome | None = None
@@ -276,12 +281,43 @@ class _Stage1:
         self.report(outcome.record("stage1"))
         return outcome
 
+    def predicted_cost(self, bits: str) -> float | None:
+        """``cost(bits, predicted epoch seconds)``; None without a predictor, NaN when it cannot price ``bits``."""
+        if self.predict is None:
+            return None
+        if bits not in self.predicted:
+            seconds = float(self.predict(bits))
+            self.predicted[bits] = float(self.cost(bits, seconds)) if math.isfinite(seconds) else math.nan
+        return self.predicted[bits]
+
+    def by_prediction(self, candidates: Sequence[str]) -> list[str]:
+        """Candidates cheapest-predicted first (stable), or as given without a predictor."""
+        if self.predict is None:
+            return list(candidates)
+        # a plan the predictor cannot price (NaN) keeps its place after those it can
+        return sorted(candidates, key=lambda bits: (not math.isfinite(self.predicted_cost(bits)),
+                                                    self.predicted_cost(bits) if math.isfinite(self.predicted_cost(bits)) else 0.0))
+
+    def skipped(self, bits: str) -> bool:
+        """Log and skip ``bits`` when its predicted cost exceeds ``margin`` x the best measured accepted cost."""
+        predicted = self.predicted_cost(bits)
+        if predicted is None or self.best is None or not predicted > self.margin * self.best.cost:
+            return False
+        outcome = Outcome(bits, "skipped", reason=skip_message(predicted, self.best.cost),
+                          extra={"predicted_cost": predicted})
+        self.report(outcome.record("stage1"))
+        return True
+
     def try_plan(self, bits: str) -> bool:
         """Sample ``bits`` (once); True when it became the new best."""
         if bits in self.seen:
             return False
         self.seen.add(bits)
+        if self.skipped(bits):
+            return False
         outcome = self.sample(bits)
+        if self.predict is not None and math.isfinite(self.predicted_cost(bits)):
+            outcome.extra["predicted_cost"] = self.predicted_cost(bits)
         became_best = False
         if outcome.status == "rejected":
             if is_accepted(outcome.loss, self.loss0, self.threshold):
@@ -313,9 +349,27 @@ class Stage1Result:
         return self.baseline.loss
 
 
+def skip_message(predicted: float, best: float) -> str:
+    """The reason logged for a candidate the predictor skipped.
+
+    >>> skip_message(0.0123, 0.0045)
+    'skipped (predicted 0.0123 s vs best 0.0045 s)'
+    """
+    return f"skipped (predicted {predicted:.3g} s vs best {best:.3g} s)"
+
+
 def run_stage1(space: SearchSpace, run_epoch: EpochRunner, cost: CostFn, *, threshold: float = 1.01,
-               budget: int = 64, prune: bool = True, report: Reporter | None = None) -> Stage1Result:
+               budget: int = 64, prune: bool = True, report: Reporter | None = None,
+               predict: Predict | None = None, margin: float = 1.25) -> Stage1Result:
     """CoMP Algorithm 1 with exact-safe pruning; ``budget`` caps samples after the FP32 baseline.
+
+    With ``predict(bits) -> predicted epoch seconds`` (called only after the
+    FP32 baseline has run, so it may calibrate on it; NaN when it cannot price
+    a plan, which then runs after the priced ones and is never skipped), candidates run cheapest
+    predicted cost first, and a candidate whose ``cost(bits, predicted seconds)``
+    exceeds ``margin`` times the best measured accepted cost is not run: it is
+    logged with status ``"skipped"``. Skipped plans do not count against
+    ``budget``. ``margin=math.inf`` only reorders.
 
     >>> space = SearchSpace(("whitelist", "other", "blacklist"), (False,) * 3, ("a", "b", "c"))
     >>> def run_epoch(bits):                # fake: low precision halves the time, never hurts the loss
@@ -326,11 +380,13 @@ def run_stage1(space: SearchSpace, run_epoch: EpochRunner, cost: CostFn, *, thre
     """
     if budget < 1:
         raise SearchError(f"stage1_budget={budget}; expected at least 1 sample after the FP32 baseline")
-    search = _Stage1(run_epoch, cost, threshold, prune, report)
+    if not margin >= 1.0:
+        raise SearchError(f"predictor margin={margin}; expected >= 1 (1.25 skips plans predicted 25% costlier)")
+    search = _Stage1(run_epoch, cost, threshold, prune, report, predict, margin)
     search.baseline(space.fp32_bits)
     mode = stage1_plan_space(space, budget)
     if mode == "exhaustive":
-        for bits in stage1_candidates(space):
+        for bits in search.by_prediction(stage1_candidates(space)):
             search.try_plan(bits)
     elif mode == "grouped":
         _grouped(space, search, budget, report)
@@ -355,7 +411,7 @@ def _grouped(space: SearchSpace, search: _Stage1, budget: int, report: Reporter 
           "then the rest of the budget refines op by op", mode="grouped",
           groups=[[space.name(i) for i in g] for g in groups])
     candidates = stage1_candidates(space, groups)
-    for bits in candidates:
+    for bits in search.by_prediction(candidates):
         search.try_plan(bits)
     current = search.best.bits if search.best is not search.samples[0] else candidates[-1]
     _refine(space, search, budget, report, current, [i for g in groups if len(g) > 1 for i in g])

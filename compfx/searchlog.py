@@ -21,8 +21,9 @@ __all__ = ["SampleRecord", "SearchLog", "STATUSES"]
 
 #: accepted: a valid plan (it may still lose to a cheaper one); rejected: it ran
 #: to the end but failed the loss guard; pruned: stopped early because it could
-#: no longer win or be accepted; error: the model raised under the plan.
-STATUSES = ("accepted", "rejected", "pruned", "error", "note")
+#: no longer win or be accepted; error: the model raised under the plan;
+#: skipped: not run, the cost model predicted it could not win (see SearchConfig.predictor).
+STATUSES = ("accepted", "rejected", "pruned", "error", "note", "skipped")
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,130 @@
+"""The cost model inside the search: ordering, skipping, exactness when off, the profile cache, the report."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from compfx.errors import BadInputError
+from compfx.optimize import SearchConfig, optimize
+from compfx.search import SearchSpace, run_stage1, skip_message
+
+FAST = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=0)
+SKIP = re.compile(r"skipped \(predicted \S+ s vs best \S+ s\)")
+
+
+def space(k: int = 2) -> SearchSpace:
+    return SearchSpace(("whitelist",) * k, (False,) * k, tuple(range(k)))
+
+
+def fake_epoch(seconds_of, calls):
+    def run_epoch(bits):
+        calls.append(bits)
+        for _ in range(2):
+            yield 1.0, seconds_of(bits) / 2
+    return run_epoch
+
+
+def test_candidates_run_in_order_of_predicted_cost():
+    predicted = {"11": 2.0, "00": 4.0, "01": 1.0, "10": 3.0}  # measured times equal: nothing gets pruned or skipped
+    calls = []
+    run_stage1(space(), fake_epoch(lambda bits: 1.0, calls), lambda bits, s: s, prune=False,
+               predict=predicted.__getitem__, margin=math.inf)
+    assert calls == ["11", "01", "10", "00"]  # FP32 baseline first, then cheapest predicted first
+
+
+def test_plan_predicted_over_the_margin_is_skipped_and_logged():
+    measured = {"11": 1.0, "01": 0.5, "10": 0.8, "00": 0.4}
+    predicted = {"11": 1.0, "01": 0.5, "10": 0.8, "00": 0.7}  # 0.7 > 1.25 * 0.5: "00" cannot win by prediction
+    calls, records = [], []
+    result = run_stage1(space(), fake_epoch(measured.__getitem__, calls), lambda bits, s: s,
+                        predict=predicted.__getitem__, report=records.append)
+    skipped = [r for r in records if r.status == "skipped"]
+    assert [r.bitstring for r in skipped] == ["00", "10"] and calls == ["11", "01"]
+    assert skipped[0].reason == "skipped (predicted 0.7 s vs best 0.5 s)" == skip_message(0.7, 0.5)
+    assert all(SKIP.fullmatch(r.reason) for r in skipped)
+    assert result.best.bits == "01"  # the measured winner; a skipped plan never wins
+
+
+def test_margin_infinity_and_no_predictor_choose_the_same_plan():
+    measured = {"11": 1.0, "01": 0.6, "10": 0.8, "00": 0.5}
+    wrong = {"11": 0.0, "01": 0.1, "10": 0.2, "00": 9.0}  # a bad prediction may reorder but must not change the winner
+    exact = run_stage1(space(), fake_epoch(measured.__getitem__, []), lambda bits, s: s)
+    guided = run_stage1(space(), fake_epoch(measured.__getitem__, []), lambda bits, s: s,
+                        predict=wrong.__getitem__, margin=math.inf)
+    assert exact.best.bits == guided.best.bits == "00"
+
+
+def test_unpriceable_plan_runs_last_and_is_never_skipped():
+    predicted = {"11": 1.0, "00": math.nan, "01": 1.0, "10": 1.0}
+    calls, records = [], []
+    run_stage1(space(), fake_epoch(lambda bits: 1.0, calls), lambda bits, s: s, predict=predicted.__getitem__,
+               margin=1.0, prune=False, report=records.append)
+    assert calls[-1] == "00" and not any(r.status == "skipped" and r.bitstring == "00" for r in records)
+
+
+def mlp_setup(seed: int = 0):
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.05)
+    g = torch.Generator().manual_seed(seed)
+    loader = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+    return model, opt, loader
+
+
+def ce(output, batch):
+    return F.cross_entropy(output, batch[-1])
+
+
+def fp32_ops(plan, seconds):
+    """Deterministic cost: seconds barely matter, the count of FP32 ops decides."""
+    return sum(p == "fp32" for p in plan.values()) + seconds * 1e-9
+
+
+def search(_unused, **kw):
+    model, opt, loader = mlp_setup()
+    return optimize(model, loader, loss_fn=ce, optimizer=opt, config=SearchConfig(cost_fn=fp32_ops, **FAST, **kw))
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("COMPFX_CACHE_DIR", str(tmp_path))
+    return tmp_path
+
+
+def test_predictor_off_and_on_with_infinite_margin_choose_the_exact_plan(cache):
+    off = search(None, predictor="off")
+    inf = search(None, predictor="on", predictor_margin=math.inf)
+    assert off.plan == inf.plan
+    assert not any(r.status == "skipped" for r in off.log.samples() + inf.log.samples())
+    assert not any("predicted_step_seconds" in r.extra for r in off.log.samples())
+    assert any("predicted_step_seconds" in r.extra for r in inf.log.samples())
+
+
+def test_second_search_reuses_the_profile_cache(cache):
+    first = search(None)
+    files = sorted(p.name for p in (cache / "profiles").rglob("*") if p.is_file())
+    second = search(None)
+    stats = [next(r.extra for r in fast.log.samples("stage1") if r.extra.get("calibration"))
+             for fast in (first, second)]
+    assert stats[0]["profiles_measured"] > 0 and stats[1]["profiles_measured"] == 0
+    assert stats[1]["profiles_reused"] == stats[0]["profiles_measured"]
+    assert files and sorted(p.name for p in (cache / "profiles").rglob("*") if p.is_file()) == files
+
+
+def test_report_shows_predicted_against_measured(cache):
+    fast = search(None, predictor_margin=math.inf)
+    text = fast.report()
+    assert "median absolute error" in text and "predicted step" in text and "measured step" in text
+
+
+@pytest.mark.parametrize("kw", [dict(predictor="maybe"), dict(predictor=True), dict(predictor_margin=0.9),
+                                dict(predictor_margin="1.25")])
+def test_config_refuses_bad_predictor_settings(kw):
+    with pytest.raises(BadInputError, match="predictor"):
+        SearchConfig(**kw)
