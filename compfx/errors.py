@@ -15,6 +15,7 @@ __all__ = [
     "PlanFileError",
     "SearchError",
     "PassError",
+    "NonFiniteGradientError",
 ]
 
 
@@ -44,3 +45,7 @@ class SearchError(CompfxError):
 
 class PassError(CompfxError):
     """A graph pass failed; the message names the pass."""
+
+
+class NonFiniteGradientError(CompfxError, ArithmeticError):
+    """A training step under a plan produced NaN/inf gradients; the search rejects that plan."""

@@ -4,6 +4,15 @@ A log survives a crash or Ctrl-C up to the last finished sample, and
 ``SearchLog.read(path)`` turns it back into records. Lines with
 ``"status": "note"`` are not samples: they say why the search did what it did
 (the Stage-1 space was reduced, the Stage-2 check fell back, ...).
+
+Resume: the first line of a log written by :func:`compfx.optimize` carries, in
+``extra["search"]``, the model's fingerprint and the settings that decide the
+search. ``SearchLog.open(path, header, resume=True)`` reads an existing
+log, refuses one written for another model or other settings, drops a last line
+cut short by a crash, and keeps appending to it. :class:`Replay` then serves the
+outcome of every sample already logged -- Stage-1 epochs batch by batch (loss
+and seconds), Stage-2 timings, the Stage-2 check -- instead of running it again,
+so a resumed search makes the same decisions as one that was never interrupted.
 """
 
 from __future__ import annotations
@@ -11,13 +20,16 @@ from __future__ import annotations
 import json
 import math
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator
 
-from .errors import PlanFileError
+from .errors import PlanFileError, PlanMismatchError, SearchError
 
-__all__ = ["SampleRecord", "SearchLog", "STATUSES"]
+__all__ = ["SampleRecord", "SearchLog", "Replay", "ReplayedState", "STATUSES", "HEADER"]
+
+#: key, in the ``extra`` of a log's first line, of what the search was run on (fingerprint and settings)
+HEADER = "search"
 
 #: accepted: a valid plan (it may still lose to a cheaper one); rejected: it ran
 #: to the end but failed the loss guard; pruned: stopped early because it could
@@ -73,15 +85,46 @@ class SearchLog:
     ['11']
     """
 
-    def __init__(self, path: str | os.PathLike | None = None):
+    def __init__(self, path: str | os.PathLike | None = None, *, append: bool = False):
         self.path = Path(path) if path is not None else None
         self.records: list[SampleRecord] = []
         self._file = None
+        self._header: dict | None = None  # goes into the first line written
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "w")
+            self._file = open(self.path, "a" if append else "w")
+
+    @classmethod
+    def open(cls, log: "str | os.PathLike | SearchLog | None", header: dict, *, resume: bool = False) -> "SearchLog":
+        """The log a search writes to, starting with a header note; with ``resume``, the records already there.
+
+        ``header`` holds ``fingerprint`` (the model's) and the settings that must
+        match for a resumed search to reach the same decision.
+        """
+        if resume and log is None:
+            raise PlanFileError("resume=True needs log=<path of the search log to resume>; got log=None.")
+        if resume and not isinstance(log, SearchLog) and Path(log).exists() and SearchLog.read(log).records:
+            return cls._reopen(Path(log), header)
+        opened = log if isinstance(log, SearchLog) else cls(log)
+        if not opened.records:
+            opened._header = dict(header)
+        return opened
+
+    @classmethod
+    def _reopen(cls, path: Path, header: dict) -> "SearchLog":
+        previous, good_bytes = cls._read(path)
+        _check_header(path, previous, header)
+        with open(path, "r+b") as file:  # drop a last line cut short by a crash before appending
+            file.truncate(good_bytes)
+        opened = cls(path, append=True)
+        opened.records = previous.records
+        opened.note("search", "resumed", samples_in_log=len(previous.samples()))
+        return opened
 
     def append(self, record: SampleRecord) -> None:
+        if self._header is not None:
+            record = replace(record, extra={**record.extra, HEADER: self._header})
+            self._header = None
         self.records.append(record)
         if self._file is not None:
             self._file.write(record.to_json() + "\n")
@@ -114,18 +157,145 @@ class SearchLog:
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "SearchLog":
-        """Load a log written by a search; a damaged line raises :class:`PlanFileError`."""
+        """Load a log written by a search.
+
+        A last line without its newline (the search was killed while writing it)
+        is dropped; a damaged line anywhere else raises :class:`PlanFileError`.
+        """
+        return cls._read(Path(path))[0]
+
+    @classmethod
+    def _read(cls, path: Path) -> tuple["SearchLog", int]:
+        """The log and the number of bytes that hold complete lines."""
         log = cls()
         try:
-            lines = Path(path).read_text().splitlines()
+            text = path.read_bytes().decode("utf-8", errors="replace")
         except OSError as error:
-            raise PlanFileError(f"could not read search log {path}: {error}") from error
-        for number, line in enumerate(lines, 1):
-            if not line.strip():
-                continue
-            try:
-                log.records.append(SampleRecord.from_json(line))
-            except (ValueError, TypeError) as error:
-                raise PlanFileError(f"search log {path} line {number} is damaged ({error}); "
-                                    "the search may have been killed mid-write.") from error
-        return log
+            raise PlanFileError(f"could not read search log {path}: {error}; expected a JSON Lines file written "
+                                "by compfx.optimize(log=...). Check the path.") from error
+        lines = text.split("\n")
+        complete, tail = lines[:-1], lines[-1]  # ``tail`` is "" when the file ends with a newline
+        for number, line in enumerate(complete, 1):
+            if line.strip():
+                log.records.append(_parse_line(path, number, line))
+        good_bytes = len(text.encode("utf-8")) - len(tail.encode("utf-8"))
+        return log, good_bytes
+
+
+def _parse_line(path: Path, number: int, line: str) -> SampleRecord:
+    try:
+        return SampleRecord.from_json(line)
+    except (ValueError, TypeError) as error:
+        raise PlanFileError(f"search log {path} line {number} is damaged ({type(error).__name__}: {error}); "
+                            "expected one JSON object per line as compfx writes them. Delete the file (or that "
+                            "line) and search again.") from error
+
+
+def _check_header(path: Path, log: SearchLog, header: dict) -> None:
+    found = log.records[0].extra.get(HEADER) if log.records else None
+    if found is None:
+        raise PlanFileError(f"search log {path} has no '{HEADER}' entry on its first line, so compfx cannot tell "
+                            "which model and "
+                            "settings it was written for; expected a log written by compfx.optimize(log=...). "
+                            "Start a new search without resume=True.")
+    if found.get("fingerprint") != header.get("fingerprint"):
+        raise PlanMismatchError(f"search log {path} was written for another model (fingerprint "
+                                f"{found.get('fingerprint')!r}, this model's is {header.get('fingerprint')!r}); "
+                                "expected a log of this model. Resume with the log of this model, or search "
+                                "again without resume=True.")
+    differ = {k: (found.get(k), v) for k, v in header.items() if k != "fingerprint" and found.get(k) != v}
+    if differ:
+        details = ", ".join(f"{k}: log {old!r} vs now {new!r}" for k, (old, new) in differ.items())
+        raise PlanMismatchError(f"search log {path} was written with other search settings ({details}); a resumed "
+                                "search replays the logged samples, so expected the same settings. Use them, or "
+                                "search again without resume=True.")
+
+
+# -- replaying a log ----------------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReplayedState:
+    """Stands in for the trained state of a Stage-1 epoch served from the log (it was not kept)."""
+
+    bits: str
+
+
+class Replay:
+    """Outcomes of logged samples, keyed by stage and bitstring, handed back instead of re-running them.
+
+    It also records, per Stage-1 epoch that runs live, each batch's loss and
+    seconds, which :meth:`annotate` adds to the log line so that a later resume
+    can replay the epoch batch by batch (pruning decisions depend on them).
+
+    >>> log = SearchLog()
+    >>> log.append(SampleRecord("stage2", "10", "accepted", seconds=0.5, cost=0.5))
+    >>> Replay(log.records).time_step("10")
+    0.5
+    """
+
+    def __init__(self, records=()):
+        self.logged: dict[tuple[str, str], SampleRecord] = {}
+        for record in records:
+            if record.is_sample and record.stage in ("stage1", "stage2", "check"):
+                self.logged[(record.stage, record.bitstring)] = record
+        self.replayed: set[tuple[str, str]] = set()
+        self._batches: dict[str, list[list[float]]] = {}
+
+    def has(self, stage: str, bits: str) -> bool:
+        return (stage, bits) in self.logged
+
+    def _take(self, stage: str, bits: str) -> SampleRecord:
+        self.replayed.add((stage, bits))
+        record = self.logged[(stage, bits)]
+        if record.status == "error":
+            raise SearchReplayError(f"(replayed from the log) {record.reason}")
+        return record
+
+    def epoch(self, bits: str, run_live: Callable[[], Iterator]) -> Iterator:
+        """A Stage-1 epoch: the logged batches replayed, or the live epoch with its batches recorded."""
+        if self.has("stage1", bits):
+            return self._replay_epoch(bits)
+        return self._record_epoch(bits, run_live())
+
+    def _replay_epoch(self, bits: str):
+        record = self._take("stage1", bits)
+        batches = record.extra.get("batches")
+        if batches is None:
+            raise SearchError(f"the logged Stage-1 sample {bits} has no per-batch losses, so it cannot be "
+                              "replayed; expected a log written by this compfx version. Search again without "
+                              "resume=True.")
+        for loss, seconds in batches:
+            yield float(loss), float(seconds)
+        return ReplayedState(bits)
+
+    def _record_epoch(self, bits: str, epoch):
+        batches = self._batches[bits] = []
+        try:
+            while True:
+                loss, seconds = next(epoch)
+                batches.append([loss, seconds])
+                yield loss, seconds
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            epoch.close()  # pruning closes this wrapper: let the live epoch restore the state
+
+    def time_step(self, bits: str) -> float:
+        return float(self._take("stage2", bits).seconds)
+
+    def check_loss(self, bits: str) -> float:
+        return float(self._take("check", bits).loss)
+
+    def annotate(self, record: SampleRecord) -> SampleRecord | None:
+        """The record to log: None when it was replayed (already in the log), with per-batch data for Stage 1."""
+        key = (record.stage, record.bitstring)
+        if key in self.replayed:
+            return None
+        if record.stage == "stage1" and record.bitstring in self._batches:
+            batches = self._batches.pop(record.bitstring)
+            return SampleRecord(**{**asdict(record), "extra": {**record.extra, "batches": batches}})
+        return record
+
+
+class SearchReplayError(RuntimeError):
+    """A logged sample had failed; replaying it fails the same way (the search records it as ``error``)."""

@@ -18,6 +18,14 @@ How a batch maps to the model (:func:`split_batch`):
 ``loss_fn(output, batch)`` receives the model output and the whole batch (on
 the device); without one, the model's own loss is used (``output.loss`` or
 ``output["loss"]``).
+
+Non-finite values: a step whose loss is NaN/inf takes no backward or optimizer
+step (the sample is then pruned or rejected by the search). A step whose loss
+is finite but whose gradients are not raises :class:`NonFiniteGradientError`
+before the optimizer steps, so the sample ends as ``"error"`` and its plan can
+never be accepted. With a ``GradScaler`` the scaler owns that case, as in
+ordinary AMP training: it skips the optimizer step and lowers the scale, and
+the plan is judged by its epoch loss like any other.
 """
 
 from __future__ import annotations
@@ -33,11 +41,11 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .errors import BadInputError
+from .errors import BadInputError, CompfxError, NonFiniteGradientError
 from .measure import Timing, time_repeats, timed
 
-__all__ = ["split_batch", "move_batch", "model_loss", "StateSnapshot", "snapshot_state", "restore_state",
-           "FairSampler"]
+__all__ = ["split_batch", "move_batch", "model_loss", "check_loss", "check_first_batch", "StateSnapshot",
+           "snapshot_state", "restore_state", "FairSampler"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -78,6 +86,62 @@ def model_loss(output, batch) -> torch.Tensor:
             "loss_fn=lambda output, batch: torch.nn.functional.cross_entropy(output, batch[-1]) (or your own "
             "loss), or give the model labels so that it returns .loss.")
     return loss
+
+
+def check_loss(loss) -> torch.Tensor:
+    """``loss`` itself when it is a one-element tensor; otherwise :class:`BadInputError`."""
+    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
+        shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
+        raise BadInputError(f"loss_fn returned a {type(loss).__name__}{shape}; expected a scalar tensor. Reduce "
+                            "the loss (e.g. .mean()) inside loss_fn.")
+    return loss
+
+
+def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: torch.device) -> None:
+    """Run ``model`` and ``loss_fn`` once on ``batch`` (no grad) to catch bad inputs before any search work.
+
+    The model's parameters, buffers (e.g. BatchNorm statistics) and the RNG are
+    put back afterwards, so the check changes nothing.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(3, 2)
+    >>> check_first_batch(model, (torch.randn(4, 3), torch.randn(4, 2)),
+    ...                   lambda out, b: torch.nn.functional.mse_loss(out, b[-1]), torch.device("cpu"))
+    """
+    devices = {t.device for t in (*model.parameters(), *model.buffers())}
+    if len(devices) > 1:
+        raise BadInputError(f"the model's parameters and buffers are spread over {sorted(map(str, devices))}; "
+                            "compfx expected one device. Move the whole model there with model.to(device).")
+    batch = move_batch(batch, device)
+    args, kwargs = split_batch(batch)
+    snapshot = snapshot_state(model)
+    cuda = [device.index or 0] if device.type == "cuda" else []
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+            output = _user_call("the model", lambda: model(*args, **kwargs), batch)
+            check_loss(_user_call("loss_fn", lambda: (loss_fn or model_loss)(output, batch), batch))
+    finally:
+        restore_state(snapshot)
+
+
+def _user_call(what: str, call: Callable[[], Any], batch):
+    """``call()``, turning a failure into a :class:`BadInputError` that says which batch and why."""
+    try:
+        return call()
+    except CompfxError:
+        raise
+    except Exception as error:
+        first = (str(error).splitlines() or [""])[0][:300]
+        raise BadInputError(
+            f"{what} failed on the loader's first batch, in FP32 before any search ({type(error).__name__}: "
+            f"{first}). The batch was {_describe(batch)}; expected one the model trains on "
+            "(a tuple (inputs..., target), a dict of keyword arguments, or a tensor). Fix the loader, the "
+            "model or loss_fn so that one FP32 training step runs.") from error
+
+
+def _describe(batch) -> str:
+    return str(pytree.tree_map(lambda t: f"Tensor{tuple(t.shape)}:{t.dtype}" if isinstance(t, torch.Tensor)
+                               else type(t).__name__, batch))[:200]
 
 
 # -- state snapshots ------------------------------------------------------------
@@ -239,11 +303,7 @@ class FairSampler:
         batch = move_batch(batch, self.device)
         args, kwargs = split_batch(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = self.loss_fn(module(*args, **kwargs), batch)
-        if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-            raise BadInputError(f"loss_fn returned {type(loss).__name__} "
-                                f"{tuple(loss.shape) if isinstance(loss, torch.Tensor) else ''}; "
-                                "expected a scalar tensor (reduce the loss with .mean()).")
+        loss = check_loss(self.loss_fn(module(*args, **kwargs), batch))
         value = float(loss.detach().float())
         if not math.isfinite(value):
             return value  # this sample is over: the search stops it; do not push NaN into the weights
@@ -253,8 +313,18 @@ class FairSampler:
             scaler.update()
         else:
             loss.backward()
+            self._check_gradients()
             self.optimizer.step()
         return value
+
+    def _check_gradients(self) -> None:
+        # Without a scaler nothing else stops a NaN/inf gradient from reaching the
+        # weights; a step that cannot be taken makes the plan unusable.
+        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)):
+            raise NonFiniteGradientError(
+                "a gradient became NaN/inf under this plan (the loss was finite); the optimizer step was not taken "
+                "and the plan is rejected. Keep the overflowing ops in FP32, or use grad_scaler=True.")
 
     def warm_up(self, module: nn.Module, steps: int) -> None:
         """Untimed steps on the first batches, then the initial state again.

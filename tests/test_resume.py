@@ -1,0 +1,146 @@
+"""Resume: a search interrupted at any sample and resumed from its log picks the plan of an uninterrupted run.
+
+Costs are injected (``cost_fn`` ignores the measured seconds), so two runs with
+the same samples make the same decisions; the resumed run must reach them while
+re-running only the samples the log lacks.
+"""
+
+from __future__ import annotations
+
+import zlib
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from compfx.errors import PlanFileError, PlanMismatchError
+from compfx.optimize import SearchConfig, optimize
+from compfx.searchlog import SearchLog
+
+from test_reliability import Tiny, nll, setup
+
+EXACT = {"predictor": "off"} if "predictor" in SearchConfig.__dataclass_fields__ else {}
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def costs(salt: int):
+    """A deterministic, arbitrary cost per plan (so that any plan can win), constant in the seconds."""
+    def cost_fn(plan, seconds):
+        key = "".join(p[0] for p in plan.values()) + str(salt)
+        return 1.0 + zlib.crc32(key.encode()) % 97 / 10
+
+    return cost_fn
+
+
+def config(salt: int, prune: bool) -> SearchConfig:
+    return SearchConfig(cost_fn=costs(salt), prune=prune, progress=False, warmup=0, repeats=1,
+                        stage2_check_batches=1, threshold=1.5, **EXACT)
+
+
+def counting(stop_at: int | None = None):
+    calls = []
+
+    def loss_fn(output, batch):
+        calls.append(1)
+        if stop_at is not None and len(calls) == stop_at:
+            raise KeyboardInterrupt
+        return nll(output, batch)
+
+    return loss_fn, calls
+
+
+def state(model):
+    return [t.detach().clone() for t in (*model.parameters(), *model.buffers())]
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(salt=st.integers(0, 1000), prune=st.booleans(), where=st.floats(0.0, 1.0))
+def test_resumed_search_picks_the_plan_of_an_uninterrupted_one(tmp_path_factory, salt, prune, where):
+    path = tmp_path_factory.mktemp("resume") / "search.jsonl"
+    model, opt, loader = setup()
+    loss_fn, calls = counting()
+    straight = optimize(model, loader, loss_fn=loss_fn, optimizer=opt, config=config(salt, prune))
+    total = len(calls)
+
+    stop_at = 2 + int(where * (total - 2))  # call 1 is the input check: interrupt anywhere after it
+    model, opt, loader = setup()
+    loss_fn, _ = counting(stop_at)
+    with pytest.raises(KeyboardInterrupt):
+        optimize(model, loader, loss_fn=loss_fn, optimizer=opt, config=config(salt, prune), log=path)
+    logged = len(SearchLog.read(path).samples())
+
+    loss_fn, resumed_calls = counting()
+    resumed = optimize(model, loader, loss_fn=loss_fn, optimizer=opt, config=config(salt, prune), log=path,
+                       resume=True)
+    assert resumed.plan == straight.plan
+    assert resumed.search_summary.stage1_plan == straight.search_summary.stage1_plan
+    # the model holds the Stage-1 winner's trained state, as after the uninterrupted run (retrained if replayed)
+    assert all(torch.equal(a, b) for a, b in zip(state(resumed), state(straight)))
+    if logged:
+        assert len(resumed_calls) < total  # logged samples were replayed, not run again
+    samples = [(r.stage, r.bitstring) for r in SearchLog.read(path).samples() if r.stage != "compare"]
+    assert len(samples) == len(set(samples))  # no sample logged twice
+
+
+def _interrupted_log(tmp_path, stop_at=6):
+    path = tmp_path / "search.jsonl"
+    model, opt, loader = setup()
+    loss_fn, _ = counting(stop_at)
+    with pytest.raises(KeyboardInterrupt):
+        optimize(model, loader, loss_fn=loss_fn, optimizer=opt, config=config(0, True), log=path)
+    return path
+
+
+def test_a_last_line_cut_short_by_a_crash_is_dropped_on_resume(tmp_path):
+    path = _interrupted_log(tmp_path)
+    complete = len(SearchLog.read(path).records)
+    with open(path, "a") as file:
+        file.write('{"stage": "stage1", "bitstr')  # killed mid-write
+    assert len(SearchLog.read(path).records) == complete
+    model, opt, loader = setup()
+    resumed = optimize(model, loader, loss_fn=nll, optimizer=opt, config=config(0, True), log=path, resume=True)
+    assert len(SearchLog.read(path).records) == len(resumed.log.records)  # every line parses again
+
+
+def test_a_damaged_line_inside_the_log_names_the_file_and_line(tmp_path):
+    path = _interrupted_log(tmp_path)
+    lines = path.read_text().splitlines()
+    lines[1] = lines[1][:10]
+    path.write_text("\n".join(lines) + "\n")
+    model, opt, loader = setup()
+    with pytest.raises(PlanFileError, match="line 2") as error:
+        optimize(model, loader, loss_fn=nll, optimizer=opt, config=config(0, True), log=path, resume=True)
+    assert str(path) in str(error.value) and error.value.__cause__ is not None
+
+
+def test_resuming_the_log_of_another_model_or_other_settings_is_refused(tmp_path):
+    path = _interrupted_log(tmp_path)
+    before = path.read_text()
+    torch.manual_seed(1)
+    other = torch.nn.Sequential(torch.nn.Linear(4, 3))
+    _, _, loader = setup()
+    with pytest.raises(PlanMismatchError, match="another model"):
+        optimize(other, loader, loss_fn=F.cross_entropy and (lambda out, b: F.cross_entropy(out, b[-1])),
+                 optimizer=torch.optim.SGD(other.parameters(), 0.1), config=config(0, True), log=path, resume=True)
+    model, opt, loader = setup()
+    with pytest.raises(PlanMismatchError, match="threshold"):
+        optimize(model, loader, loss_fn=nll, optimizer=opt, log=path, resume=True,
+                 config=SearchConfig(cost_fn=costs(0), progress=False, warmup=0, repeats=1, stage2_check_batches=1,
+                                     threshold=1.2, **EXACT))
+    assert path.read_text() == before  # a refused resume leaves the log alone
+
+
+def test_resume_without_a_log_file_starts_a_fresh_search(tmp_path):
+    model, opt, loader = setup()
+    fast = optimize(model, loader, loss_fn=nll, optimizer=opt, config=config(0, True),
+                    log=tmp_path / "new.jsonl", resume=True)
+    assert SearchLog.read(tmp_path / "new.jsonl").samples("stage1")[0].bitstring == "1" * len(fast.plan)
