@@ -67,6 +67,10 @@ class SearchConfig:
     * ``per_device``: under ``torch.distributed``, let ranks hold different plans
       (QSync's allocator, see :mod:`compfx.distributed`); ``memory_budget``: this
       rank's limit on activation bytes saved for backward per step (None: no limit).
+    * ``predictor``: ``"on"`` profiles each op once (cached, see :mod:`compfx.costmodel`),
+      runs Stage-1 candidates cheapest-predicted first and skips those whose
+      predicted cost exceeds ``predictor_margin`` times the best measured accepted
+      cost; ``"off"`` measures every candidate (the exact CoMP search).
     """
 
     threshold: float = 1.01
@@ -83,6 +87,8 @@ class SearchConfig:
     prune: bool = True
     per_device: bool = False
     memory_budget: int | None = None
+    predictor: str = "on"
+    predictor_margin: float = 1.25
 
     def __post_init__(self):
         if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold) and self.threshold >= 1):
@@ -97,6 +103,13 @@ class SearchConfig:
             raise BadInputError(f"SearchConfig(seed={self.seed!r}); expected an int.")
         if self.cost_fn is not None and not callable(self.cost_fn):
             raise BadInputError(f"SearchConfig(cost_fn={self.cost_fn!r}); expected a callable (plan, seconds) -> float.")
+        if self.predictor not in ("on", "off"):
+            raise BadInputError(f"SearchConfig(predictor={self.predictor!r}); expected \"on\" or \"off\".")
+        if not (isinstance(self.predictor_margin, (int, float)) and not isinstance(self.predictor_margin, bool)
+                and self.predictor_margin >= 1):
+            raise BadInputError(f"SearchConfig(predictor_margin={self.predictor_margin!r}); expected a number >= 1, "
+                                "e.g. 1.25 (skip plans predicted 25% costlier than the best measured); "
+                                "math.inf only reorders.")
         if self.grad_scaler not in (None, True, False):
             raise BadInputError(f"SearchConfig(grad_scaler={self.grad_scaler!r}); expected None, True or False.")
 
@@ -194,6 +207,7 @@ class _Search:
         self.modules: dict[str, nn.Module] = {}
         self.plans: dict[str, Plan] = {}
         self.progress = _progress_bar(config.progress)
+        self.predictor = None  # a SearchPredictor while predictor="on"
         self.replay = Replay(log.records)  # samples a resumed log already holds are not run again
 
     # -- evaluators handed to the pure search ------------------------------------
@@ -228,8 +242,11 @@ class _Search:
 
     def report(self, record: SampleRecord) -> None:
         annotated = self.replay.annotate(record)  # None: replayed, the log holds it already
+        record = annotated or record
+        if self.predictor is not None:
+            record = self.predictor.observe(record)
         if annotated is not None:
-            self.log.append(annotated)
+            self.log.append(record)
         if record.is_sample:
             self.progress.update(1)
             self.progress.set_postfix_str(f"{record.stage} {record.status}", refresh=False)
@@ -239,8 +256,11 @@ class _Search:
         c, start = self.config, time.perf_counter()
         try:
             with torch.random.fork_rng(devices=_cuda_devices(self.analysis.device)):  # the user's RNG is untouched
+                self.predictor = _build_predictor(self.analysis, c, self.log)  # profiling counts as search time
                 stage1 = run_stage1(self.space, self.run_epoch, self.cost, threshold=c.threshold,
-                                    budget=c.stage1_budget, prune=c.prune, report=self.report)
+                                    budget=c.stage1_budget, prune=c.prune, report=self.report,
+                                    predict=self.predictor and self.predictor.epoch_seconds,
+                                    margin=c.predictor_margin)
                 stage2 = run_stage2(self.space, stage1.best.bits, self.time_step, self.cost,
                                     budget=c.stage2_budget, report=self.report)
                 chosen = self._checked(stage1, stage2.best.bits)
@@ -325,13 +345,27 @@ class _Search:
         return module
 
 
+def _build_predictor(analysis, config: SearchConfig, log: SearchLog):
+    """The cost model for the search, or None when it is off or cannot be built (then the search is exact)."""
+    if config.predictor == "off":
+        return None
+    from .search_predictor import SearchPredictor
+
+    try:
+        predictor = SearchPredictor.build(analysis)
+    except Exception as error:  # the predictor only orders and skips: never fail the search for it
+        log.note("search", f"cost model unavailable ({type(error).__name__}: {error}); measuring every candidate")
+        return None
+    return predictor  # what profiling cost lands in the FP32 baseline's log line
+
+
 def _log_header(analysis, config: SearchConfig) -> dict:
     """What a resumed search must share with the logged one to replay its samples."""
     return {"fingerprint": analysis.fingerprint, "low_dtype": str(analysis.low_dtype).replace("torch.", ""),
             "seed": config.seed, "threshold": config.threshold, "prune": config.prune,
             "stage1_budget": config.stage1_budget, "stage2_budget": config.stage2_budget,
             "warmup": config.warmup, "repeats": config.repeats, "grad_scaler": config.grad_scaler,
-            "stage2_check_batches": config.stage2_check_batches}
+            "stage2_check_batches": config.stage2_check_batches, "predictor": config.predictor}
 
 
 def _progress_bar(enabled: bool):
