@@ -103,7 +103,7 @@ class SearchLog:
         """
         if resume and log is None:
             raise PlanFileError("resume=True needs log=<path of the search log to resume>; got log=None.")
-        if resume and not isinstance(log, SearchLog) and Path(log).exists() and SearchLog.read(log).records:
+        if resume and not isinstance(log, SearchLog) and Path(log).exists() and cls._read(Path(log))[0].records:
             return cls._reopen(Path(log), header)
         opened = log if isinstance(log, SearchLog) else cls(log)
         if not opened.records:
@@ -157,16 +157,15 @@ class SearchLog:
 
     @classmethod
     def read(cls, path: str | os.PathLike) -> "SearchLog":
-        """Load a log written by a search.
+        """Load a log written by a search; a damaged line raises :class:`PlanFileError`.
 
-        A last line without its newline (the search was killed while writing it)
-        is dropped; a damaged line anywhere else raises :class:`PlanFileError`.
+        (Resuming is more lenient: it drops a last line cut short by a crash.)
         """
-        return cls._read(Path(path))[0]
+        return cls._read(Path(path), strict=True)[0]
 
     @classmethod
-    def _read(cls, path: Path) -> tuple["SearchLog", int]:
-        """The log and the number of bytes that hold complete lines."""
+    def _read(cls, path: Path, strict: bool = False) -> tuple["SearchLog", int]:
+        """The log and the number of bytes that hold complete lines; ``strict`` parses an unfinished last line too."""
         log = cls()
         try:
             text = path.read_bytes().decode("utf-8", errors="replace")
@@ -175,6 +174,8 @@ class SearchLog:
                                 "by compfx.optimize(log=...). Check the path.") from error
         lines = text.split("\n")
         complete, tail = lines[:-1], lines[-1]  # ``tail`` is "" when the file ends with a newline
+        if strict and tail.strip():
+            complete, tail = lines, ""
         for number, line in enumerate(complete, 1):
             if line.strip():
                 log.records.append(_parse_line(path, number, line))
@@ -235,9 +236,13 @@ class Replay:
 
     def __init__(self, records=()):
         self.logged: dict[tuple[str, str], SampleRecord] = {}
+        self.skipped: set[tuple[str, str]] = set()  # never run (the cost model skipped them): nothing to replay
         for record in records:
-            if record.is_sample and record.stage in ("stage1", "stage2", "check"):
-                self.logged[(record.stage, record.bitstring)] = record
+            key = (record.stage, record.bitstring)
+            if record.status == "skipped":
+                self.skipped.add(key)
+            elif record.is_sample and record.stage in ("stage1", "stage2", "check"):
+                self.logged[key] = record
         self.replayed: set[tuple[str, str]] = set()
         self._batches: dict[str, list[list[float]]] = {}
 
@@ -289,7 +294,7 @@ class Replay:
     def annotate(self, record: SampleRecord) -> SampleRecord | None:
         """The record to log: None when it was replayed (already in the log), with per-batch data for Stage 1."""
         key = (record.stage, record.bitstring)
-        if key in self.replayed:
+        if key in self.replayed or (record.status == "skipped" and key in self.skipped):
             return None
         if record.stage == "stage1" and record.bitstring in self._batches:
             batches = self._batches.pop(record.bitstring)
