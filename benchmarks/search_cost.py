@@ -12,6 +12,13 @@ plans) and a 20-batch sample loader, then reports
   ``--validate`` also runs the search without pruning and reports the measured figure;
 * the chosen plan's median step time against FP32 and AMP (same batches).
 
+It does so twice: with the cost model (``predictor="on"``, profiling on a cold
+profile cache counted in the search time, then once more on the warm cache)
+and without it (``predictor="off"``: the exact search, which picks the plan
+exhaustive CoMP picks). The predictor's plan is then timed against the exact
+plan, interleaved on the same batches (target: within 5%), and its search cost
+is compared with the target of 5 FP32 epochs.
+
 Run from the repository root::
 
     python -m benchmarks.search_cost            # writes benchmarks/results/<device>/search_cost.json
@@ -21,7 +28,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
+import statistics
+import tempfile
 import time
 from pathlib import Path
 
@@ -30,9 +40,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
+import compfx.report
 from compfx.optimize import SearchConfig, optimize
 
-__all__ = ["SixOpCNN", "sample_loader", "exhaustive_estimate", "run"]
+__all__ = ["SixOpCNN", "sample_loader", "exhaustive_estimate", "step_time_ratio", "run"]
 
 
 class SixOpCNN(nn.Module):
@@ -87,29 +98,50 @@ def _search(loader, config: SearchConfig, seed: int):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     start = time.perf_counter()
     fast = optimize(model, loader, loss_fn=_ce, optimizer=optimizer, config=config)
-    return fast, time.perf_counter() - start
+    return fast, optimizer, time.perf_counter() - start
 
 
-def run(batches: int = 20, seed: int = 0, threads: int | None = 1, validate: bool = False) -> dict:
-    if threads:
-        torch.set_num_threads(threads)
-    loader = sample_loader(batches, seed=seed)
-    fast, wall = _search(loader, SearchConfig(seed=seed, progress=False), seed)
+def _train_step(module, optimizer, batch) -> None:
+    optimizer.zero_grad(set_to_none=True)
+    _ce(module(batch[0]), batch).backward()
+    optimizer.step()
+
+
+def step_time_ratio(first, second, loader, rounds: int = 5, steps: int = 10) -> dict:
+    """Median training-step time of two (module, optimizer) pairs, taking turns round after round."""
+    times = {0: [], 1: []}
+    for module, optimizer in (first, second):
+        for batch in loader[:3]:  # warm-up
+            _train_step(module, optimizer, batch)
+    for _ in range(rounds):
+        for index, (module, optimizer) in enumerate((first, second)):
+            per_step = []
+            for batch in loader[:steps]:
+                start = time.perf_counter()
+                _train_step(module, optimizer, batch)
+                per_step.append(time.perf_counter() - start)
+            times[index].append(statistics.median(per_step))
+    a, b = statistics.median(times[0]), statistics.median(times[1])
+    return {"first_step_seconds": a, "second_step_seconds": b, "ratio": a / b}
+
+
+def _figures(fast, wall: float, batches: int) -> dict:
+    """What one search cost and chose."""
     summary = fast.search_summary
     cost = exhaustive_estimate(fast.log, batches)
     fp32_epoch = summary.fp32_epoch_seconds
     steps = summary.step_seconds
-    result = {
-        "device": str(summary.analysis.device),
-        "cpu": platform.processor() or platform.machine(),
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-        "model": "SixOpCNN (4 conv + 2 linear, 16x16x3 inputs, batch 32)",
-        "adjustable_ops": len(summary.analysis.stage1_adjustable),
-        "sample_batches": batches,
+    stage1 = fast.log.samples("stage1")
+    baseline = stage1[0].extra
+    return {
         "stage1_mode": summary.stage1_mode,
-        "stage1_samples": len(fast.log.samples("stage1")),
-        "stage1_pruned": sum(r.status == "pruned" for r in fast.log.samples("stage1")),
+        "stage1_samples": len(stage1),
+        "stage1_pruned": sum(r.status == "pruned" for r in stage1),
+        "stage1_skipped": sum(r.status == "skipped" for r in stage1),
+        "profiles_measured": baseline.get("profiles_measured"),
+        "profiles_reused": baseline.get("profiles_reused"),
+        "predictor_build_seconds": baseline.get("predictor_build_seconds"),
+        "predictor_median_abs_error_pct": compfx.report.prediction_error(fast.log),
         "stage2_candidates": len(fast.log.samples("stage2")),
         "chosen_plan": fast.plan.bitstring(summary.analysis),
         "fp32_epoch_seconds": fp32_epoch,
@@ -125,13 +157,63 @@ def run(batches: int = 20, seed: int = 0, threads: int | None = 1, validate: boo
         "chosen_within_5pct_of_fp32": steps["chosen"] <= 1.05 * steps["fp32"],
         "chosen_vs_amp_step_ratio": steps["chosen"] / steps["amp"],
     }
+
+
+def _with_cache_dir(path: str, function):
+    """Run ``function()`` with ``COMPFX_CACHE_DIR`` pointing at ``path`` (a cold profile cache)."""
+    before = os.environ.get("COMPFX_CACHE_DIR")
+    os.environ["COMPFX_CACHE_DIR"] = path
+    try:
+        return function()
+    finally:
+        if before is None:
+            del os.environ["COMPFX_CACHE_DIR"]
+        else:
+            os.environ["COMPFX_CACHE_DIR"] = before
+
+
+def run(batches: int = 20, seed: int = 0, threads: int | None = 1, validate: bool = False) -> dict:
+    if threads:
+        torch.set_num_threads(threads)
+    loader = sample_loader(batches, seed=seed)
+    exact, exact_opt, exact_wall = _search(loader, SearchConfig(seed=seed, progress=False, predictor="off"), seed)
+    with tempfile.TemporaryDirectory() as cache:
+        guided_config = SearchConfig(seed=seed, progress=False, predictor="on")
+        guided, guided_opt, guided_wall = _with_cache_dir(cache, lambda: _search(loader, guided_config, seed))
+        warm, _, warm_wall = _with_cache_dir(cache, lambda: _search(loader, guided_config, seed))
+    analysis = exact.search_summary.analysis
+    steps = step_time_ratio((guided, guided_opt), (exact, exact_opt), loader)
+    result = {
+        "device": str(analysis.device),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "model": "SixOpCNN (4 conv + 2 linear, 16x16x3 inputs, batch 32)",
+        "adjustable_ops": len(analysis.stage1_adjustable),
+        "sample_batches": batches,
+        "predictor_off": _figures(exact, exact_wall, batches),
+        "predictor_on_cold_cache": _figures(guided, guided_wall, batches),
+        "predictor_on_warm_cache": _figures(warm, warm_wall, batches),
+        "predictor_plan_step_seconds": steps["first_step_seconds"],
+        "exact_plan_step_seconds": steps["second_step_seconds"],
+        "predictor_vs_exact_plan_step_ratio": steps["ratio"],
+        "predictor_plan_within_5pct_of_exact": steps["ratio"] <= 1.05,
+        "predictor_search_within_5_fp32_epochs": result_epochs(guided) <= 5.0,
+    }
     if validate:
-        unpruned, _ = _search(loader, SearchConfig(seed=seed, progress=False, prune=False), seed)
+        unpruned, _, _ = _search(loader, SearchConfig(seed=seed, progress=False, prune=False, predictor="off"), seed)
         measured = exhaustive_estimate(unpruned.log, batches)["sampling_seconds"]
         result["exhaustive_sampling_seconds_measured"] = measured
-        result["fraction_of_exhaustive_measured"] = cost["sampling_seconds"] / measured
+        result["fraction_of_exhaustive_measured"] = (
+            result["predictor_off"]["sampling_seconds"] / measured)
         result["unpruned_chosen_plan"] = unpruned.plan.bitstring(unpruned.search_summary.analysis)
     return result
+
+
+def result_epochs(fast) -> float:
+    """Search cost of ``fast`` in FP32 epochs of its sample loader."""
+    summary = fast.search_summary
+    return summary.search_seconds / summary.fp32_epoch_seconds
 
 
 def main(argv=None) -> int:
@@ -144,7 +226,12 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     result = run(args.batches, args.seed, args.threads or None, args.validate)
     for key, value in result.items():
-        print(f"{key:40s} {value:.4g}" if isinstance(value, float) else f"{key:40s} {value}")
+        if isinstance(value, dict) and key.startswith("predictor_o"):
+            print(key)
+            for name, figure in value.items():
+                print(f"  {name:38s} {figure:.4g}" if isinstance(figure, float) else f"  {name:38s} {figure}")
+        else:
+            print(f"{key:40s} {value:.4g}" if isinstance(value, float) else f"{key:40s} {value}")
     out = Path(args.out or Path(__file__).parent / "results" / torch.device(result["device"]).type / "search_cost.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=2) + "\n")

@@ -209,11 +209,14 @@ class _Stage1:
     """Runs samples and keeps the best accepted one; the strategies below decide what to run."""
 
     def __init__(self, run_epoch: EpochRunner, cost: CostFn, threshold: float, prune: bool,
-                 report: Reporter | None, predict: Predict | None = None, margin: float = 1.25):
+                 report: Reporter | None, predict: Predict | None = None, margin: float = 1.25,
+                 bound: Predict | None = None):
         self.run_epoch, self.cost, self.threshold, self.prune = run_epoch, cost, threshold, prune
         self.report = report or (lambda record: None)
         self.predict, self.margin = predict, margin
+        self.bound = bound if predict is not None else None
         self.predicted: dict[str, float] = {}  # bits -> predicted cost
+        self.bounds: dict[str, float] = {}  # bits -> cost at the lower bound of the predicted seconds
         self.samples: list[Outcome] = []
         self.seen: set[str] = set()
         self.best: Outcome | None = None
@@ -290,21 +293,40 @@ class _Stage1:
             self.predicted[bits] = float(self.cost(bits, seconds)) if math.isfinite(seconds) else math.nan
         return self.predicted[bits]
 
+    def bound_cost(self, bits: str) -> float:
+        """``cost(bits, lower bound of the predicted seconds)``: the full prediction when there is no bound."""
+        if self.bound is None:
+            return self.predicted_cost(bits)
+        if bits not in self.bounds:
+            seconds = float(self.bound(bits))
+            self.bounds[bits] = float(self.cost(bits, seconds)) if math.isfinite(seconds) else math.nan
+        return self.bounds[bits]
+
     def by_prediction(self, candidates: Sequence[str]) -> list[str]:
-        """Candidates cheapest-predicted first (stable), or as given without a predictor."""
+        """Candidates cheapest-predicted first (stable; by the bound when there is one), or as given."""
         if self.predict is None:
             return list(candidates)
-        # a plan the predictor cannot price (NaN) keeps its place after those it can
-        return sorted(candidates, key=lambda bits: (not math.isfinite(self.predicted_cost(bits)),
-                                                    self.predicted_cost(bits) if math.isfinite(self.predicted_cost(bits)) else 0.0))
+
+        def key(bits: str) -> tuple[bool, float]:
+            value = self.bound_cost(bits)  # a plan that cannot be priced (NaN) goes after those that can
+            return (not math.isfinite(value), value if math.isfinite(value) else 0.0)
+        return sorted(candidates, key=key)
 
     def skipped(self, bits: str) -> bool:
-        """Log and skip ``bits`` when its predicted cost exceeds ``margin`` x the best measured accepted cost."""
-        predicted = self.predicted_cost(bits)
-        if predicted is None or self.best is None or not predicted > self.margin * self.best.cost:
+        """Log and skip ``bits`` when its predicted cost exceeds ``margin`` x the best measured accepted cost.
+
+        The cheap lower bound is tried first: when even it is over, the full
+        prediction (which can only be higher) is not computed.
+        """
+        if self.predict is None or self.best is None:
             return False
-        outcome = Outcome(bits, "skipped", reason=skip_message(predicted, self.best.cost),
-                          extra={"predicted_cost": predicted})
+        limit = self.margin * self.best.cost
+        predicted, name = self.bound_cost(bits), "predicted_cost_lower_bound"
+        if not predicted > limit:
+            predicted, name = self.predicted_cost(bits), "predicted_cost"
+            if not predicted > limit:
+                return False
+        outcome = Outcome(bits, "skipped", reason=skip_message(predicted, self.best.cost), extra={name: predicted})
         self.report(outcome.record("stage1"))
         return True
 
@@ -360,7 +382,8 @@ def skip_message(predicted: float, best: float) -> str:
 
 def run_stage1(space: SearchSpace, run_epoch: EpochRunner, cost: CostFn, *, threshold: float = 1.01,
                budget: int = 64, prune: bool = True, report: Reporter | None = None,
-               predict: Predict | None = None, margin: float = 1.25) -> Stage1Result:
+               predict: Predict | None = None, margin: float = 1.25,
+               bound: Predict | None = None) -> Stage1Result:
     """CoMP Algorithm 1 with exact-safe pruning; ``budget`` caps samples after the FP32 baseline.
 
     With ``predict(bits) -> predicted epoch seconds`` (called only after the
@@ -369,7 +392,10 @@ def run_stage1(space: SearchSpace, run_epoch: EpochRunner, cost: CostFn, *, thre
     predicted cost first, and a candidate whose ``cost(bits, predicted seconds)``
     exceeds ``margin`` times the best measured accepted cost is not run: it is
     logged with status ``"skipped"``. Skipped plans do not count against
-    ``budget``. ``margin=math.inf`` only reorders.
+    ``budget``. ``margin=math.inf`` only reorders. An optional cheap
+    ``bound(bits)`` that never exceeds ``predict(bits)`` orders the candidates
+    and skips without the full prediction when even the bound is over the
+    margin (the logged figure is then that bound).
 
     >>> space = SearchSpace(("whitelist", "other", "blacklist"), (False,) * 3, ("a", "b", "c"))
     >>> def run_epoch(bits):                # fake: low precision halves the time, never hurts the loss
@@ -382,7 +408,7 @@ def run_stage1(space: SearchSpace, run_epoch: EpochRunner, cost: CostFn, *, thre
         raise SearchError(f"stage1_budget={budget}; expected at least 1 sample after the FP32 baseline")
     if not margin >= 1.0:
         raise SearchError(f"predictor margin={margin}; expected >= 1 (1.25 skips plans predicted 25% costlier)")
-    search = _Stage1(run_epoch, cost, threshold, prune, report, predict, margin)
+    search = _Stage1(run_epoch, cost, threshold, prune, report, predict, margin, bound)
     search.baseline(space.fp32_bits)
     mode = stage1_plan_space(space, budget)
     if mode == "exhaustive":

@@ -64,6 +64,27 @@ class SearchPredictor:
                 self._steps[bits] = math.nan
         return self._steps[bits]
 
+    def lower_bound_seconds(self, bits: str) -> float:
+        """A cheap lower bound of :meth:`epoch_seconds`: no graph rewrite, no casts.
+
+        Stage-1 ops ('0'/'1') cost their profile at their bit, "follow" ops the
+        cheaper of their two profiles, casts nothing. It never exceeds the full
+        prediction while every fitted cast cost is non-negative; otherwise the
+        full prediction is returned.
+        """
+        if not self._casts_non_negative():
+            return self.epoch_seconds(bits)
+        total = self.predictor.overhead
+        for op, bit in zip(self.predictor.analysis.ops, bits):
+            profile = self.profiles.get(op.key)
+            if profile is None:
+                continue
+            total += profile.seconds(bit == "0") if bit in "01" else min(profile.fp32_s, profile.low_s)
+        return total * self.batches
+
+    def _casts_non_negative(self) -> bool:
+        return all(alpha >= 0 and beta >= 0 for alpha, beta in self.predictor.cast_cost.coefficients.values())
+
     def epoch_seconds(self, bits: str) -> float:
         """Predicted seconds of one Stage-1 epoch under ``bits`` (step time x batches of the baseline)."""
         if not self.calibrated:

@@ -128,3 +128,15 @@ def test_report_shows_predicted_against_measured(cache):
 def test_config_refuses_bad_predictor_settings(kw):
     with pytest.raises(BadInputError, match="predictor"):
         SearchConfig(**kw)
+
+
+def test_lower_bound_orders_and_skips_without_the_full_prediction():
+    measured = {"11": 1.0, "01": 0.5, "10": 0.8, "00": 0.9}
+    bound = {"11": 1.0, "01": 0.4, "10": 0.9, "00": 0.6}
+    full = {"01": 0.5, "00": 0.6}  # "10" must never be priced in full: its bound is already over 1.25 x 0.5
+    calls, records = [], []
+    run_stage1(space(), fake_epoch(measured.__getitem__, calls), lambda bits, s: s, predict=full.__getitem__,
+               bound=bound.__getitem__, report=records.append)
+    assert calls == ["11", "01", "00"]  # ordered by the bound; "00" passes the bound and its full prediction
+    skipped = [r for r in records if r.status == "skipped"]
+    assert [r.reason for r in skipped] == ["skipped (predicted 0.9 s vs best 0.5 s)"]
