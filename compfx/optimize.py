@@ -24,8 +24,8 @@ from .errors import BadInputError, SearchError
 from .plan import Plan
 from .report import SearchSummary, render_report
 from .search import SearchSpace, check_stage2, run_stage1, run_stage2
-from .searchlog import SampleRecord, SearchLog
-from .training import FairSampler, move_batch, restore_state, split_batch
+from .searchlog import Replay, ReplayedState, SampleRecord, SearchLog
+from .training import FairSampler, check_first_batch, move_batch, restore_state, split_batch
 
 __all__ = ["SearchConfig", "optimize", "measured_time"]
 
@@ -119,7 +119,7 @@ class SearchConfig:
 
 def optimize(model: nn.Module, sample_loader: Iterable, *, loss_fn=None, optimizer: torch.optim.Optimizer,
              device=None, low_dtype: torch.dtype | None = None, config: SearchConfig = SearchConfig(),
-             log=None) -> nn.Module:
+             log=None, resume: bool = False) -> nn.Module:
     """Search a mixed-precision plan for ``model`` and return the model rewritten to run it.
 
     ``sample_loader`` is re-iterable (a list of batches or a ``DataLoader``); a
@@ -129,6 +129,11 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, loss_fn=None, optimiz
     ``model.parameters()``: the returned GraphModule shares those Parameters, so
     it keeps training them. ``log`` is a path for the JSON Lines search log (or
     a :class:`SearchLog`). The result has ``.plan``, ``.log`` and ``.report()``.
+    ``resume=True`` continues the search logged at ``log`` (an interrupted one):
+    samples already logged are replayed from it, not run again, so it reaches the
+    decision an uninterrupted run would have, given the same costs; the winner's
+    Stage-1 epoch is trained again when its state came from the log. A log of
+    another model or other search settings is refused (:class:`PlanMismatchError`).
     The returned graph is specialised to training mode.
 
     >>> import torch, compfx
@@ -152,11 +157,12 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, loss_fn=None, optimiz
         if first is None:
             raise BadInputError("sample_loader yielded no batches; the search trains on it, so give it some "
                                 "(CoMP's Stage 1 uses one epoch of it).")
+        check_first_batch(model, first, loss_fn, device)  # bad inputs fail here, before any search work
         args, kwargs = split_batch(move_batch(first, device))
         analysis = analyze(model, kwargs if kwargs else args, device=device, low_dtype=low_dtype)
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,
                               grad_scaler=config.scaler_on(analysis.low_dtype))
-        search_log = log if isinstance(log, SearchLog) else SearchLog(log)
+        search_log = SearchLog.open(log, _log_header(analysis, config), resume=resume)
         search = _Search(model, analysis, sampler, config, search_log)
         if config.per_device or config.memory_budget is not None or (
                 torch.distributed.is_available() and torch.distributed.is_initialized()):
@@ -202,6 +208,7 @@ class _Search:
         self.plans: dict[str, Plan] = {}
         self.progress = _progress_bar(config.progress)
         self.predictor = None  # a SearchPredictor while predictor="on"
+        self.replay = Replay(log.records)  # samples a resumed log already holds are not run again
 
     # -- evaluators handed to the pure search ------------------------------------
     def plan(self, bits: str) -> Plan:
@@ -220,19 +227,26 @@ class _Search:
         return float(self.cost_fn(self.plan(bits), seconds))
 
     def run_epoch(self, bits: str):
-        return self.sampler.epoch(self.module(bits), warmup=self.config.warmup)
+        return self.replay.epoch(bits, lambda: self.sampler.epoch(self.module(bits), warmup=self.config.warmup))
 
     def time_step(self, bits: str) -> float:
+        if self.replay.has("stage2", bits):
+            return self.replay.time_step(bits)
         return self.sampler.step_time(self.module(bits), warmup=self.config.warmup,
                                       repeats=self.config.repeats).median
 
     def check_loss(self, bits: str) -> float:
+        if self.replay.has("check", bits):
+            return self.replay.check_loss(bits)
         return self.sampler.mean_loss(self.module(bits), self.config.stage2_check_batches)
 
     def report(self, record: SampleRecord) -> None:
+        annotated = self.replay.annotate(record)  # None: replayed, the log holds it already
+        record = annotated or record
         if self.predictor is not None:
             record = self.predictor.observe(record)
-        self.log.append(record)
+        if annotated is not None:
+            self.log.append(record)
         if record.is_sample:
             self.progress.update(1)
             self.progress.set_postfix_str(f"{record.stage} {record.status}", refresh=False)
@@ -264,13 +278,24 @@ class _Search:
         finally:
             self.progress.close()
             self.log.close()
-        if c.keep_search_training and stage1.best.artifact is not None:
+        if c.keep_search_training and isinstance(stage1.best.artifact, ReplayedState):
+            restore_state(self._retrain(stage1.best.bits))  # its state was not in the log
+        elif c.keep_search_training and stage1.best.artifact is not None:
             restore_state(stage1.best.artifact)
         else:
             self.sampler.restore()
         summary = SearchSummary(self.analysis, self.plan(chosen), self.plan(stage1.best.bits), self.log,
                                 stage1.mode, stage1.loss0, stage1.baseline.duration, search_seconds, steps)
         return self._result(chosen, summary)
+
+    def _retrain(self, bits: str):
+        """Train the Stage-1 epoch of ``bits`` again (same seed, same start) and return its final state."""
+        epoch = self.sampler.epoch(self.module(bits), warmup=self.config.warmup)
+        while True:
+            try:
+                next(epoch)
+            except StopIteration as stop:
+                return stop.value
 
     def _checked(self, stage1, winner: str) -> str:
         batches = min(self.config.stage2_check_batches, stage1.baseline.batches)
@@ -333,6 +358,15 @@ def _build_predictor(analysis, config: SearchConfig, log: SearchLog):
         log.note("search", f"cost model unavailable ({type(error).__name__}: {error}); measuring every candidate")
         return None
     return predictor  # what profiling cost lands in the FP32 baseline's log line
+
+
+def _log_header(analysis, config: SearchConfig) -> dict:
+    """What a resumed search must share with the logged one to replay its samples."""
+    return {"fingerprint": analysis.fingerprint, "low_dtype": str(analysis.low_dtype).replace("torch.", ""),
+            "seed": config.seed, "threshold": config.threshold, "prune": config.prune,
+            "stage1_budget": config.stage1_budget, "stage2_budget": config.stage2_budget,
+            "warmup": config.warmup, "repeats": config.repeats, "grad_scaler": config.grad_scaler,
+            "stage2_check_batches": config.stage2_check_batches, "predictor": config.predictor}
 
 
 def _progress_bar(enabled: bool):
