@@ -28,7 +28,7 @@ all ranks, which the lock-step search relies on.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import product
 from typing import Callable, Hashable, Sequence
 
@@ -407,6 +407,11 @@ class _DistributedSearch:
         self.per_device = bool(getattr(config, "per_device", False))
         self.budget = getattr(config, "memory_budget", None)
         _check_budget(self.budget, self.per_device)
+        if ctx.distributed and config.predictor == "on":
+            # Each rank would profile its own ops and order or skip candidates on its own
+            # predictions, and the ranks' collectives would stop matching; measure them all.
+            search.config = replace(config, predictor="off")
+            search.log.note("search", "cost model off under torch.distributed: every rank measures every candidate")
         self.local_time_step = search.time_step
         self.checked = search._checked
         search.run_epoch = synced_epoch(search.run_epoch, ctx)

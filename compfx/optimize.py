@@ -320,8 +320,9 @@ class _Search:
             for bits in medians:
                 if bits in failed:
                     continue
-                try:
-                    medians[bits].append(self.time_step(bits))
+                try:  # this rank's own timing: under per-device plans ranks compare different plans
+                    medians[bits].append(self.sampler.step_time(self.module(bits), warmup=self.config.warmup,
+                                                                repeats=self.config.repeats).median)
                 except Exception as error:  # a comparison is informative only; never fail the search for it
                     failed.add(bits)
                     self.log.append(SampleRecord("compare", bits, "error", reason=f"{type(error).__name__}: {error}"))

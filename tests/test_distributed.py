@@ -25,7 +25,7 @@ from compfx.memory import saved_activation_bytes
 from compfx.search import SearchSpace, run_stage1, stage1_candidates
 
 WORLD = 2
-TIMEOUT_S = 150  # for all scenarios; every collective also times out (init_process_group timeout)
+TIMEOUT_S = 420  # for all scenarios; every collective also times out (init_process_group timeout)
 
 
 # -- the per-device allocator, exactly ------------------------------------------------------
@@ -179,7 +179,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     torch.set_num_threads(1)  # two processes share this machine's cores
     results = {}
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=60))
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=240))
         for name, scenario in SCENARIOS.items():
             try:
                 results[name] = scenario(rank, world)
