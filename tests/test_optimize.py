@@ -16,13 +16,7 @@ from compfx.errors import BadInputError
 from compfx.optimize import SearchConfig, optimize
 from compfx.training import FairSampler, restore_state, snapshot_state
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is fastest, and immune to OpenMP stalls when the CPU is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 
 FAST = dict(progress=False, warmup=1, repeats=2, stage2_check_batches=2)

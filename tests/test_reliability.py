@@ -30,12 +30,7 @@ CONFIG = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, prune
               keep_search_training=False, **EXACT)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 
 class Tiny(nn.Module):

@@ -24,12 +24,7 @@ from test_reliability import Tiny, nll, setup
 EXACT = {"predictor": "off"} if "predictor" in SearchConfig.__dataclass_fields__ else {}
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 
 def costs(salt: int):

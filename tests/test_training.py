@@ -12,13 +12,7 @@ from compfx.measure import Timing, time_repeats, timed
 from compfx.training import FairSampler, model_loss, restore_state, snapshot_state, split_batch
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny tensors: one thread is fastest, and immune to OpenMP stalls when the CPU is shared."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 
 class SmallNet(nn.Module):
