@@ -324,8 +324,9 @@ def _time_step(step: Callable[[], None], device: torch.device, *, repeats: int, 
     """Seconds of one call: timed warmup calls, then up to ``repeats`` timed blocks; the fastest sample wins.
 
     A block repeats the call until it lasts about ``block_s``. An op slower than
-    ``budget_s`` (low precision on a CPU) gets only ``min(repeats, 2)`` more
-    calls after its warmup, so profiling it costs a few calls, not dozens. The
+    ``budget_s`` (low precision on a CPU) gets one more call after its warmup:
+    at that length, one-off setup is a small share of the first call, and more
+    calls would cost more than the search they save. The
     minimum is the least disturbed sample (other processes only ever add
     time); what isolated ops do not see goes into the predictor's calibrated
     overhead.
@@ -335,7 +336,7 @@ def _time_step(step: Callable[[], None], device: torch.device, *, repeats: int, 
     for _ in range(max(warmup, 1)):  # the first call pays one-off setup (kernel selection, allocation)
         last = _timed_calls(step, 1, read_clock, device)
     if last >= budget_s:
-        return min([last] + [_timed_calls(step, 1, read_clock, device) for _ in range(min(repeats, 2))])
+        return min(last, _timed_calls(step, 1, read_clock, device))
     number = max(1, int(block_s / max(last, 1e-9)))
     samples, spent = [], 0.0
     while len(samples) < repeats and (spent < budget_s or not samples):
@@ -405,6 +406,7 @@ def profile_ops(
     clock: str = "wall",
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
+    refresh: bool = False,
     keys: Iterable[OpKey] | None = None,
 ) -> OpProfiles:
     """Time every op of ``analysis`` forward+backward, in isolation, at FP32 and at the low dtype.
@@ -415,7 +417,8 @@ def profile_ops(
     gradient into its floating outputs. At the low dtype every floating input
     is cast, except for norm ops, which cast only the activation. Ops that
     cannot run in isolation get time 0 and a ``skipped`` reason. ``keys``
-    limits profiling to some ops (default: all of ``analysis.ops``). ``clock``
+    limits profiling to some ops (default: all of ``analysis.ops``).
+    ``refresh=True`` measures every op again and overwrites its cache entries. ``clock``
     is ``"wall"`` or, on one CPU thread, ``"cpu"`` (immune to other processes).
 
     >>> import torch, compfx
@@ -440,11 +443,12 @@ def profile_ops(
         if wanted is not None and op.key not in wanted:
             continue
         profiles[op.key] = _profile_one(analysis.graph_module, nodes[op.key], device, low_dtype, root, counts,
-                                        dict(repeats=repeats, warmup=warmup, block_s=block_s, budget_s=budget_s, clock=clock))
+                                        dict(repeats=repeats, warmup=warmup, block_s=block_s, budget_s=budget_s,
+                                             clock=clock), refresh)
     return OpProfiles(profiles, low_dtype, device, counts["measured"], counts["reused"], time.perf_counter() - start)
 
 
-def _profile_one(gm, node, device, low_dtype, root, counts, timing) -> OpProfile:
+def _profile_one(gm, node, device, low_dtype, root, counts, timing, refresh: bool = False) -> OpProfile:
     key: OpKey = node.meta[KEY_META]
     try:
         bench = _OpBench(gm, node, device)
@@ -455,7 +459,7 @@ def _profile_one(gm, node, device, low_dtype, root, counts, timing) -> OpProfile
     seconds, reasons = {}, []
     for dtype in (torch.float32, low_dtype):
         cache_key = _op_cache_key(signature, dtype, device, casts if dtype != torch.float32 else (), timing["clock"])
-        seconds[dtype], reason = _cached_or_measured(bench, dtype, cache_key, root, counts, timing)
+        seconds[dtype], reason = _cached_or_measured(bench, dtype, cache_key, root, counts, timing, refresh)
         if reason:
             reasons.append(f"{_dtype_name(dtype)}: {reason}")
     if reasons:  # half a profile would mislead the predictor; treat the op as unknown
@@ -463,9 +467,10 @@ def _profile_one(gm, node, device, low_dtype, root, counts, timing) -> OpProfile
     return OpProfile(key, seconds[torch.float32], seconds[low_dtype])
 
 
-def _cached_or_measured(bench: _OpBench, dtype, cache_key, root, counts, timing) -> tuple[float, str]:
+def _cached_or_measured(bench: _OpBench, dtype, cache_key, root, counts, timing,
+                        refresh: bool = False) -> tuple[float, str]:
     path = _entry_path(root, cache_key) if root is not None else None
-    cached = _read_entry(path, cache_key, _OP_FORMAT) if path is not None else None
+    cached = _read_entry(path, cache_key, _OP_FORMAT) if path is not None and not refresh else None
     if cached is not None:
         counts["reused"] += 1
         return float(cached["seconds"]), str(cached.get("skipped") or "")
@@ -538,13 +543,15 @@ def fit_cast_cost(
     clock: str = "wall",
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
+    refresh: bool = False,
 ) -> CastCost:
     """Fit ``alpha * numel + beta`` to measured cast times for each (src, dst) pair.
 
     ``pairs`` defaults to FP32 <-> the device's default low dtype (fp16 on CUDA,
     bf16 elsewhere). The fit is least squares on relative error (rows weighted
     by 1/time), because small tensors, where ``beta`` dominates, are most of the
-    casts in a model. Coefficients are clamped at 0.
+    casts in a model. Coefficients are clamped at 0. ``refresh=True`` measures
+    again and overwrites the cached fit.
 
     >>> cost = fit_cast_cost("cpu", sizes=(256, 4096, 65536), use_cache=False)
     >>> cost.seconds(torch.float32, torch.bfloat16, 65536) > cost.seconds(torch.float32, torch.bfloat16, 256)
@@ -562,7 +569,7 @@ def fit_cast_cost(
         key = {"cast": [_dtype_name(src), _dtype_name(dst)], "sizes": sorted(sizes), "clock": clock,
                "device": device_name(device), "torch": torch.__version__, "version": _CACHE_VERSION}
         path = _entry_path(root, key) if root is not None else None
-        cached = _read_entry(path, key, _CAST_FORMAT) if path is not None else None
+        cached = _read_entry(path, key, _CAST_FORMAT) if path is not None and not refresh else None
         if cached is None:
             times = [_time_cast(src, dst, n, device, repeats, clock) for n in sorted(sizes)]
             alpha, beta = _fit_line(sorted(sizes), times)
@@ -621,7 +628,13 @@ class _FakeValues(fx.Interpreter):
         return value
 
 
+#: ``gm.meta`` flag: every node's ``meta["val"]`` already has the dtype it runs in
+_VALUES_FRESH = "compfx_values_fresh"
+
+
 def _graph_values(gm: fx.GraphModule) -> dict[fx.Node, Any]:
+    if gm.meta.get(_VALUES_FRESH):  # propagating FakeTensors again would cost more than the rest of a prediction
+        return {node: node.meta.get("val") for node in gm.graph.nodes}
     interpreter = _FakeValues(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     try:
@@ -691,7 +704,9 @@ def rewrite_with_insert_casts(analysis, plan: Plan) -> fx.GraphModule:
     source = analysis.graph_module
     gm = fx.GraphModule(source, copy.deepcopy(source.graph))
     categories = {op.key: op.category for op in analysis.ops}
-    return insert_casts(gm, plan, plan.low_dtype, categories=categories)
+    gm = insert_casts(gm, plan, plan.low_dtype, categories=categories)
+    gm.meta[_VALUES_FRESH] = True  # the pass re-typed ``meta["val"]`` of every node its casts reach
+    return gm
 
 
 # ---------------------------------------------------------------------------
@@ -744,12 +759,13 @@ class Predictor:
 
     @classmethod
     def build(cls, analysis, *, rewrite: Callable[[Any], fx.GraphModule] | None = None,
-              cache_dir: str | os.PathLike | None = None, use_cache: bool = True, **profile_kwargs) -> "Predictor":
-        """Profile ``analysis`` (through the cache) and fit the cast cost of its device."""
-        profiles = profile_ops(analysis, cache_dir=cache_dir, use_cache=use_cache, **profile_kwargs)
+              cache_dir: str | os.PathLike | None = None, use_cache: bool = True, refresh: bool = False,
+              **profile_kwargs) -> "Predictor":
+        """Profile ``analysis`` (through the cache; ``refresh`` measures again) and fit its device's cast cost."""
+        profiles = profile_ops(analysis, cache_dir=cache_dir, use_cache=use_cache, refresh=refresh, **profile_kwargs)
         pairs = ((torch.float32, profiles.low_dtype), (profiles.low_dtype, torch.float32))
         cast_cost = fit_cast_cost(analysis.device, pairs, clock=profile_kwargs.get("clock", "wall"),
-                                  cache_dir=cache_dir, use_cache=use_cache)
+                                  cache_dir=cache_dir, use_cache=use_cache, refresh=refresh)
         return cls(profiles, cast_cost, analysis=analysis, rewrite=rewrite)
 
     def calibrate(self, measured_fp32_step_seconds: float) -> "Predictor":
@@ -763,9 +779,14 @@ class Predictor:
             raise BadInputError(f"measured_fp32_step_seconds={measured_fp32_step_seconds}; expected a positive time.")
         if self.analysis is None:
             raise SearchError("calibrate() needs the FP32 graph; build the Predictor with analysis=...")
-        fp32 = self._breakdown_graph(self.analysis.graph_module, overhead=0.0)
-        self.overhead = measured_fp32_step_seconds - fp32.seconds
+        self.overhead = measured_fp32_step_seconds - self.fp32_compute_seconds()
         return self
+
+    def fp32_compute_seconds(self) -> float:
+        """The profiles' FP32 step: every op at FP32, no casts, no overhead."""
+        if self.analysis is None:
+            raise SearchError("fp32_compute_seconds() needs the FP32 graph; build the Predictor with analysis=...")
+        return self._breakdown_graph(self.analysis.graph_module, overhead=0.0).seconds
 
     def predict(self, plan_or_graph) -> float:
         """Predicted seconds of one training step (forward, backward, optimizer)."""

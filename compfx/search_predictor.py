@@ -19,25 +19,39 @@ cost model: it only sees ``predict(bits) -> seconds``.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import os
 import time
+from typing import Callable
 
 from .costmodel import Predictor
 from .searchlog import SampleRecord
 
-__all__ = ["SearchPredictor", "PREDICTED_STEP", "MEASURED_STEP"]
+__all__ = ["SearchPredictor", "PREDICTED_STEP", "MEASURED_STEP", "STALE_PROFILES", "STALE_PROFILE_RATIO"]
 
 #: keys of ``SampleRecord.extra`` that the report compares
 PREDICTED_STEP, MEASURED_STEP = "predicted_step_seconds", "measured_step_seconds"
+#: key of the calibration record's ``extra``: the ratio that made cached profiles be measured again
+STALE_PROFILES = "stale_profile_ratio"
+#: The profiled ops are part of the FP32 step, so their profiles cannot sum to
+#: much more than it: fresh profiles of the CPU benchmark models sum to 0.65-1.4x
+#: the measured step (isolated ops pay their own dispatch). Cached profiles over
+#: this multiple were taken under other conditions (a loaded shared machine,
+#: another clock) and are measured again. Far below is normal where the loss,
+#: the optimizer and Python dominate a small model's step.
+STALE_PROFILE_RATIO = 1.5
 
 
 class SearchPredictor:
     """A :class:`~compfx.costmodel.Predictor` calibrated on the first Stage-1 record (the FP32 baseline)."""
 
-    def __init__(self, predictor: Predictor, build_seconds: float = 0.0):
+    def __init__(self, predictor: Predictor, build_seconds: float = 0.0,
+                 remeasure: Callable[[], Predictor] | None = None):
         self.predictor = predictor
         self.build_seconds = build_seconds
+        self.remeasure = remeasure  # builds the predictor again from fresh profiles (None: never)
+        self.stale_ratio: float | None = None  # set when cached profiles were measured again
         self.batches: int | None = None  # batches per Stage-1 epoch, known once the baseline ran
         self._steps: dict[str, float] = {}
 
@@ -45,7 +59,8 @@ class SearchPredictor:
     def build(cls, analysis, *, cache_dir: str | os.PathLike | None = None, **profile_kwargs) -> "SearchPredictor":
         start = time.perf_counter()
         predictor = Predictor.build(analysis, cache_dir=cache_dir, **profile_kwargs)
-        return cls(predictor, time.perf_counter() - start)
+        remeasure = functools.partial(Predictor.build, analysis, cache_dir=cache_dir, refresh=True, **profile_kwargs)
+        return cls(predictor, time.perf_counter() - start, remeasure)
 
     @property
     def profiles(self):
@@ -96,6 +111,7 @@ class SearchPredictor:
         if not self.calibrated:
             if record.stage != "stage1" or record.status != "accepted" or not record.batches:
                 return record
+            self._remeasure_if_stale(record.seconds / record.batches)
             self.predictor.calibrate(record.seconds / record.batches)
             self.batches = record.batches
             self._steps.clear()
@@ -105,12 +121,26 @@ class SearchPredictor:
             return record
         return self._annotated(record, measured)
 
+    def _remeasure_if_stale(self, measured_step: float) -> None:
+        """Profile again when cached profiles do not match the FP32 step this machine just measured."""
+        if self.remeasure is None or not self.profiles.reused:
+            return
+        ratio = self.predictor.fp32_compute_seconds() / measured_step
+        if ratio <= STALE_PROFILE_RATIO:
+            return
+        start = time.perf_counter()
+        self.predictor = self.remeasure()  # overwrites the stale cache entries
+        self.build_seconds += time.perf_counter() - start
+        self.stale_ratio = ratio
+
     def _annotated(self, record: SampleRecord, measured: float, calibration: bool = False) -> SampleRecord:
         extra = {**record.extra, PREDICTED_STEP: self.step_seconds(record.bitstring), MEASURED_STEP: measured}
         if calibration:
             extra["calibration"] = True  # predicted exactly by construction: not an accuracy figure
             extra.update(profiles_measured=self.profiles.measured, profiles_reused=self.profiles.reused,
                          predictor_build_seconds=self.build_seconds)
+            if self.stale_ratio is not None:
+                extra[STALE_PROFILES] = self.stale_ratio
         return dataclasses.replace(record, extra=extra)
 
 

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 import compfx
 from compfx.costmodel import (CastCost, OpProfile, OpProfiles, Predictor, _fit_line, _OpBench, find_casts,
                               fit_cast_cost, median_abs_percentage_error, profile_cache_dir, profile_ops,
-                              rank_by_prediction, should_skip, skip_message)
+                              rank_by_prediction, rewrite_with_insert_casts, should_skip, skip_message)
 from compfx.opkey import KEY_META
 from tests.zoo import make
 
@@ -245,6 +245,31 @@ def test_prediction_sums_op_costs_and_the_graphs_casts(name, data):
     backward = sum(predictor.cast_cost.seconds(c.dst, c.src, c.numel) for c in result.casts if c.backward)
     assert result.cast_s == pytest.approx(forward + backward)
     assert result.seconds == pytest.approx(result.compute_s + result.cast_s)
+
+
+@pytest.mark.parametrize("name", ["cnn", "encoder_sdpa", "mha", "embed_gru"])
+@settings(max_examples=10, deadline=None)
+@given(data=st.data())
+def test_cast_pass_metadata_prices_a_plan_as_propagating_fake_tensors_does(name, data):
+    a = _analysis(name)
+    bits = "".join(data.draw(st.sampled_from("01f" if op.category == "other" else "01")) for op in a.ops)
+    plan = compfx.Plan.from_bitstring(a, bits)
+    predictor = _fake_predictor(a)
+    from_meta = predictor.breakdown(rewrite_with_insert_casts(a, plan))  # trusts the pass's meta["val"]
+    unflagged = rewrite_with_insert_casts(a, plan)
+    unflagged.meta.clear()  # what any other graph gets: dtypes recomputed on FakeTensors
+    propagated = predictor.breakdown(unflagged)
+    assert from_meta.casts == propagated.casts and from_meta.low_ops == propagated.low_ops
+    assert from_meta.seconds == propagated.seconds
+
+
+def test_cast_pass_graph_is_priced_without_propagating_fake_tensors_again(monkeypatch):
+    import compfx.costmodel as costmodel
+
+    a = _analysis("cnn")
+    gm = rewrite_with_insert_casts(a, compfx.Plan.from_bitstring(a, "0" * len(a.ops)))
+    monkeypatch.setattr(costmodel._FakeValues, "run", lambda *args, **kwargs: pytest.fail("propagated again"))
+    assert _fake_predictor(a).breakdown(gm).casts
 
 
 def test_input_cast_has_no_backward_cast_but_weight_casts_do():
