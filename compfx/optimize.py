@@ -71,6 +71,10 @@ class SearchConfig:
       runs Stage-1 candidates cheapest-predicted first and skips those whose
       predicted cost exceeds ``predictor_margin`` times the best measured accepted
       cost; ``"off"`` measures every candidate (the exact CoMP search).
+    * ``early_stop``: with the cost model on, a Stage-1 sample stops once its
+      pace, batch for batch against the best plan's, projects its epoch cost
+      more than this fraction over the best accepted cost (None: never; with
+      ``predictor="off"`` only exact pruning stops samples).
     """
 
     threshold: float = 1.01
@@ -89,6 +93,7 @@ class SearchConfig:
     memory_budget: int | None = None
     predictor: str = "on"
     predictor_margin: float = 1.25
+    early_stop: float | None = 0.05
 
     def __post_init__(self):
         if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold) and self.threshold >= 1):
@@ -110,6 +115,10 @@ class SearchConfig:
             raise BadInputError(f"SearchConfig(predictor_margin={self.predictor_margin!r}); expected a number >= 1, "
                                 "e.g. 1.25 (skip plans predicted 25% costlier than the best measured); "
                                 "math.inf only reorders.")
+        if self.early_stop is not None and not (isinstance(self.early_stop, (int, float))
+                                                and not isinstance(self.early_stop, bool) and self.early_stop >= 0):
+            raise BadInputError(f"SearchConfig(early_stop={self.early_stop!r}); expected a fraction >= 0, e.g. 0.05 "
+                                "(stop a sample projected 5% over the best plan), or None.")
         if self.grad_scaler not in (None, True, False):
             raise BadInputError(f"SearchConfig(grad_scaler={self.grad_scaler!r}); expected None, True or False.")
 
@@ -223,6 +232,10 @@ class _Search:
             self.modules[bits] = apply(self.model, self.plan(bits), analysis=self.analysis)
         return self.modules[bits]
 
+    def program(self, bits: str) -> str:
+        """What ``bits`` runs: the rewritten module's structure and code (equal text, equal program)."""
+        return str(self.module(bits))
+
     def cost(self, bits: str, seconds: float) -> float:
         return float(self.cost_fn(self.plan(bits), seconds))
 
@@ -261,9 +274,10 @@ class _Search:
                                     budget=c.stage1_budget, prune=c.prune, report=self.report,
                                     predict=self.predictor and self.predictor.epoch_seconds,
                                     bound=self.predictor and self.predictor.lower_bound_seconds,
-                                    margin=c.predictor_margin)
+                                    margin=c.predictor_margin, identity=self.program,
+                                    early_stop=c.early_stop if self.predictor is not None else None)
                 stage2 = run_stage2(self.space, stage1.best.bits, self.time_step, self.cost,
-                                    budget=c.stage2_budget, report=self.report)
+                                    budget=c.stage2_budget, report=self.report, identity=self.program)
                 chosen = self._checked(stage1, stage2.best.bits)
                 search_seconds = time.perf_counter() - start  # the comparison below is for the report only
                 steps = self._compare(chosen)
@@ -367,7 +381,8 @@ def _log_header(analysis, config: SearchConfig) -> dict:
             "seed": config.seed, "threshold": config.threshold, "prune": config.prune,
             "stage1_budget": config.stage1_budget, "stage2_budget": config.stage2_budget,
             "warmup": config.warmup, "repeats": config.repeats, "grad_scaler": config.grad_scaler,
-            "stage2_check_batches": config.stage2_check_batches, "predictor": config.predictor}
+            "stage2_check_batches": config.stage2_check_batches, "predictor": config.predictor,
+            "early_stop": config.early_stop if config.predictor == "on" else None}
 
 
 def _progress_bar(enabled: bool):

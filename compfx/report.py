@@ -12,10 +12,11 @@ from tabulate import tabulate
 
 from .searchlog import SearchLog
 
-__all__ = ["SearchSummary", "render_report", "op_table", "prediction_table", "prediction_error"]
+__all__ = ["SearchSummary", "render_report", "op_table", "prediction_table", "prediction_error", "predicted_records"]
 
 # keys of SampleRecord.extra written by compfx.search_predictor
 _PREDICTED, _MEASURED = "predicted_step_seconds", "measured_step_seconds"
+_STALE = "stale_profile_ratio"
 
 
 @dataclass
@@ -45,7 +46,7 @@ class SearchSummary:
         return len([r for r in self.log.samples() if r.status == "skipped"])
 
 
-def _predicted_records(log: SearchLog) -> list:
+def predicted_records(log: SearchLog) -> list:
     """Measured samples with a prediction, except the FP32 baseline the predictor was calibrated on."""
     return [r for r in log.samples() if _PREDICTED in r.extra and _MEASURED in r.extra
             and not r.extra.get("calibration")]
@@ -61,7 +62,7 @@ def prediction_error(log: SearchLog) -> float | None:
     >>> round(prediction_error(log), 6)
     10.0
     """
-    records = _predicted_records(log)
+    records = predicted_records(log)
     if not records:
         return None
     errors = sorted(abs(r.extra[_PREDICTED] - r.extra[_MEASURED]) / r.extra[_MEASURED] * 100 for r in records)
@@ -72,7 +73,7 @@ def prediction_error(log: SearchLog) -> float | None:
 def prediction_table(log: SearchLog, tablefmt: str = "simple") -> str:
     """Predicted against measured step time for every measured candidate (Stage 1 per batch, Stage 2 median)."""
     rows = [[r.stage, r.bitstring, r.status, _ms(r.extra[_PREDICTED]), _ms(r.extra[_MEASURED]),
-             f"{(r.extra[_PREDICTED] / r.extra[_MEASURED] - 1) * 100:+.1f}%"] for r in _predicted_records(log)]
+             f"{(r.extra[_PREDICTED] / r.extra[_MEASURED] - 1) * 100:+.1f}%"] for r in predicted_records(log)]
     return tabulate(rows, headers=["stage", "plan", "status", "predicted step", "measured step", "error"],
                     tablefmt=tablefmt)
 
@@ -100,6 +101,19 @@ def _ratio(chosen: float | None, other: float | None) -> str:
     return "n/a" if not chosen or not other else f"speed-up {other / chosen:.2f}x"
 
 
+def _stale_profiles(log: SearchLog) -> str:
+    """A sentence when cached profiles disagreed with the measured FP32 step and were measured again."""
+    ratio = next((r.extra[_STALE] for r in log.samples() if _STALE in r.extra), None)
+    return "" if ratio is None else (f"; the cached profiles summed to {ratio:.2f}x the measured FP32 step, "
+                                     "so they were measured again")
+
+
+def _stopped_early(records) -> str:
+    """`` (n stopped early on pace)`` when the guided search stopped any sample before exact pruning could."""
+    n = sum(bool(r.extra.get("stopped_early")) for r in records)
+    return f" ({n} stopped early on pace)" if n else ""
+
+
 def render_report(summary: SearchSummary, tablefmt: str = "simple") -> str:
     """The report as text: the per-op table, then the search and the timing summary."""
     a, log = summary.analysis, summary.log
@@ -116,7 +130,8 @@ def render_report(summary: SearchSummary, tablefmt: str = "simple") -> str:
         f"chosen plan    {summary.plan.bitstring(a)}   ('0' {str(a.low_dtype).replace('torch.', '')}, "
         "'1' fp32, 'f' follow)",
         f"stage 1        {len(by_stage['stage1'])} samples ({summary.stage1_mode}): {counts['accepted']} accepted, "
-        f"{counts['rejected']} rejected, {counts['pruned']} pruned, {counts['skipped']} skipped, {counts['error']} failed; "
+        f"{counts['rejected']} rejected, {counts['pruned']} pruned{_stopped_early(by_stage['stage1'])}, "
+        f"{counts['skipped']} skipped, {counts['error']} failed; "
         f"loss_0 {summary.loss0:.4g}; winner {summary.stage1_plan.bitstring(a)}",
         f"stage 2        {len(by_stage['stage2'])} candidates timed"
         + (f"; loss check {by_stage['check'][-1].status}" if by_stage["check"] else ""),
@@ -129,8 +144,9 @@ def render_report(summary: SearchSummary, tablefmt: str = "simple") -> str:
     error = prediction_error(log)
     if error is not None:
         lines += ["", f"cost model     {summary.samples_skipped} Stage-1 plans skipped on prediction; median absolute "
-                  f"error {error:.1f}% over {len(_predicted_records(log))} measured candidates "
-                  "(FP32 baseline excluded: it calibrates the model)", prediction_table(log, tablefmt)]
+                  f"error {error:.1f}% over {len(predicted_records(log))} measured candidates "
+                  "(FP32 baseline excluded: it calibrates the model)" + _stale_profiles(log),
+                  prediction_table(log, tablefmt)]
     notes = [r.reason for r in log.notes()]
     if notes:
         lines += ["", "notes:", *(f"  - {n}" for n in notes)]

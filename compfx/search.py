@@ -30,6 +30,13 @@ the same plan as without pruning -- provided ``cost`` is non-decreasing in
 ``seconds``, which every cost of the form "seconds times or plus something that
 depends on the plan" is.
 
+**Fewer samples.** A candidate that rewrites to a program already sampled
+(``identity``) is not run again. With a cost model (``predict``), candidates
+run cheapest-predicted first and those predicted over ``margin`` x the best are
+skipped; ``early_stop`` also ends a sample whose measured pace projects it over
+the best. These two are not exact, which is why ``optimize`` uses them only
+with ``predictor="on"``.
+
 **Stage 2** (Algorithm 2) takes the Stage-1 winner and, for each segment
 between consecutive Stage-1 ops whose precisions differ, enumerates the "other"
 ops strictly inside it (see :func:`stage2_segments` for the boundaries).
@@ -38,6 +45,7 @@ ops strictly inside it (see :func:`stage2_segments` for the boundaries).
 from __future__ import annotations
 
 import math
+import statistics
 import time
 from dataclasses import dataclass, field
 from itertools import product
@@ -55,9 +63,13 @@ __all__ = [
 EpochRunner = Callable[[str], Iterator[tuple[float, float]]]
 CostFn = Callable[[str, float], float]
 Predict = Callable[[str], float]  # bits -> predicted seconds of one Stage-1 epoch
+Identity = Callable[[str], Hashable]  # bits -> what the plan runs (equal: the same program)
 Reporter = Callable[[SampleRecord], None]
 
 _LOW, _FP32, _FOLLOW = "0", "1", "f"
+
+#: batches a Stage-1 sample runs before an early stop may judge its pace
+EARLY_STOP_MIN_BATCHES = 3
 
 
 @dataclass(frozen=True)
@@ -123,6 +135,7 @@ class Outcome:
     reason: str = ""
     duration: float = 0.0
     batch_losses: list[float] = field(default_factory=list)
+    batch_seconds: list[float] = field(default_factory=list)
     artifact: Any = field(default=None, repr=False)
     extra: dict = field(default_factory=dict)  # e.g. the predicted epoch seconds, for the report
 
@@ -210,15 +223,18 @@ class _Stage1:
 
     def __init__(self, run_epoch: EpochRunner, cost: CostFn, threshold: float, prune: bool,
                  report: Reporter | None, predict: Predict | None = None, margin: float = 1.25,
-                 bound: Predict | None = None):
+                 bound: Predict | None = None, identity: Identity | None = None,
+                 early_stop: float | None = None):
         self.run_epoch, self.cost, self.threshold, self.prune = run_epoch, cost, threshold, prune
         self.report = report or (lambda record: None)
         self.predict, self.margin = predict, margin
         self.bound = bound if predict is not None else None
+        self.identity, self.early_stop = identity, early_stop
         self.predicted: dict[str, float] = {}  # bits -> predicted cost
         self.bounds: dict[str, float] = {}  # bits -> cost at the lower bound of the predicted seconds
         self.samples: list[Outcome] = []
         self.seen: set[str] = set()
+        self.programs: dict[Hashable, str] = {}  # identity -> the first plan sampled with it
         self.best: Outcome | None = None
         self.loss0: float | None = None
 
@@ -250,6 +266,7 @@ class _Stage1:
                 artifact = stop.value
                 break
             outcome.batch_losses.append(float(loss))
+            outcome.batch_seconds.append(float(seconds))
             outcome.batches += 1
             outcome.seconds += seconds
             total += loss
@@ -263,6 +280,8 @@ class _Stage1:
                     outcome.status, outcome.cost = "pruned", running
                     outcome.reason = (f"running cost {running:.6g} after {outcome.batches} batches already "
                                       f">= best accepted cost {self.best.cost:.6g} ({self.best.bits})")
+                    return None
+                if self._stopped_early(outcome):
                     return None
         if outcome.batches == 0:
             raise SearchError("the sample loader yielded no batches; Stage 1 needs at least one batch per epoch")
@@ -281,6 +300,8 @@ class _Stage1:
         self.loss0, self.best = outcome.loss, outcome
         self.samples.append(outcome)
         self.seen.add(bits)
+        if self.identity is not None:
+            self.programs[self.identity(bits)] = bits
         self.report(outcome.record("stage1"))
         return outcome
 
@@ -330,12 +351,51 @@ class _Stage1:
         self.report(outcome.record("stage1"))
         return True
 
+    def _same_program_sampled(self, bits: str) -> bool:
+        """True (and a note) when ``bits`` rewrites to a program already sampled: its epoch would be a replica.
+
+        E.g. the Stage-1 plan with every adjustable op FP32 is the FP32 baseline
+        whenever its "follow" ops only ever see FP32 inputs.
+        """
+        if self.identity is None:
+            return False
+        program = self.identity(bits)
+        first = self.programs.setdefault(program, bits)
+        if first == bits:
+            return False
+        _note(self.report, "stage1", f"plan {bits} runs the same program as {first}, already sampled: not run "
+              "again", plan=bits, same_as=first)
+        return True
+
+    def _stopped_early(self, outcome: Outcome) -> bool:
+        """Stop a sample whose pace, batch for batch against the best plan's, projects it well over the best.
+
+        Not exact (pruning is): the projection is the best plan's epoch seconds
+        times the median per-batch ratio so far, after
+        :data:`EARLY_STOP_MIN_BATCHES` batches; the sample stops when that
+        projected cost exceeds the best accepted cost by more than ``early_stop``.
+        """
+        best, k = self.best, outcome.batches
+        if self.early_stop is None or k < EARLY_STOP_MIN_BATCHES or len(best.batch_seconds) < k:
+            return False
+        ratios = [mine / theirs for mine, theirs in zip(outcome.batch_seconds, best.batch_seconds) if theirs > 0]
+        if len(ratios) < EARLY_STOP_MIN_BATCHES:
+            return False
+        projected = self.cost(outcome.bits, statistics.median(ratios) * best.seconds)
+        if not projected > (1.0 + self.early_stop) * best.cost:
+            return False
+        outcome.status, outcome.cost = "pruned", projected
+        outcome.extra["stopped_early"] = True
+        outcome.reason = (f"stopped early: projected cost {projected:.6g} after {k} batches is over "
+                          f"{1.0 + self.early_stop:g} x best accepted cost {best.cost:.6g} ({best.bits})")
+        return True
+
     def try_plan(self, bits: str) -> bool:
         """Sample ``bits`` (once); True when it became the new best."""
         if bits in self.seen:
             return False
         self.seen.add(bits)
-        if self.skipped(bits):
+        if self.skipped(bits) or self._same_program_sampled(bits):
             return False
         outcome = self.sample(bits)
         if self.predict is not None and math.isfinite(self.predicted_cost(bits)):
@@ -383,7 +443,8 @@ def skip_message(predicted: float, best: float) -> str:
 def run_stage1(space: SearchSpace, run_epoch: EpochRunner, cost: CostFn, *, threshold: float = 1.01,
                budget: int = 64, prune: bool = True, report: Reporter | None = None,
                predict: Predict | None = None, margin: float = 1.25,
-               bound: Predict | None = None) -> Stage1Result:
+               bound: Predict | None = None, identity: Identity | None = None,
+               early_stop: float | None = None) -> Stage1Result:
     """CoMP Algorithm 1 with exact-safe pruning; ``budget`` caps samples after the FP32 baseline.
 
     With ``predict(bits) -> predicted epoch seconds`` (called only after the
@@ -397,6 +458,13 @@ def run_stage1(space: SearchSpace, run_epoch: EpochRunner, cost: CostFn, *, thre
     and skips without the full prediction when even the bound is over the
     margin (the logged figure is then that bound).
 
+    ``identity(bits)`` names the program a plan runs (e.g. the rewritten
+    graph's code): a candidate whose program was already sampled is not run
+    again, and a note says so. ``early_stop`` (a fraction, e.g. 0.05; None: off)
+    stops a sample once its measured pace projects it more than that fraction
+    over the best accepted cost; unlike pruning it can misjudge a near-tie, so
+    only approximate searches (the cost model on) should use it.
+
     >>> space = SearchSpace(("whitelist", "other", "blacklist"), (False,) * 3, ("a", "b", "c"))
     >>> def run_epoch(bits):                # fake: low precision halves the time, never hurts the loss
     ...     for _ in range(3):
@@ -408,7 +476,10 @@ def run_stage1(space: SearchSpace, run_epoch: EpochRunner, cost: CostFn, *, thre
         raise SearchError(f"stage1_budget={budget}; expected at least 1 sample after the FP32 baseline")
     if not margin >= 1.0:
         raise SearchError(f"predictor margin={margin}; expected >= 1 (1.25 skips plans predicted 25% costlier)")
-    search = _Stage1(run_epoch, cost, threshold, prune, report, predict, margin, bound)
+    if early_stop is not None and not early_stop >= 0:
+        raise SearchError(f"early_stop={early_stop}; expected a fraction >= 0 (0.05: stop samples projected "
+                          "5% over the best) or None")
+    search = _Stage1(run_epoch, cost, threshold, prune, report, predict, margin, bound, identity, early_stop)
     search.baseline(space.fp32_bits)
     mode = stage1_plan_space(space, budget)
     if mode == "exhaustive":
@@ -521,14 +592,22 @@ class Stage2Result:
 
 
 class _Stage2:
-    def __init__(self, time_step: Callable[[str], float], cost: CostFn, report: Reporter | None):
-        self.time_step, self.cost = time_step, cost
+    def __init__(self, time_step: Callable[[str], float], cost: CostFn, report: Reporter | None,
+                 identity: Identity | None = None):
+        self.time_step, self.cost, self.identity = time_step, cost, identity
         self.report = report or (lambda record: None)
         self.samples: list[Outcome] = []
         self.known: dict[str, Outcome] = {}
+        self.programs: dict[Hashable, str] = {}  # identity -> the first plan timed with it
 
     def sample(self, bits: str, reason: str = "") -> Outcome:
         if bits in self.known:
+            return self.known[bits]
+        twin = self._twin(bits)
+        if twin is not None:  # the same program was timed: its outcome stands (and wins the tie, being earlier)
+            self.known[bits] = self.known[twin]
+            _note(self.report, "stage2", f"plan {bits} runs the same program as {twin}, already timed: not "
+                  "timed again", plan=bits, same_as=twin)
             return self.known[bits]
         start = time.perf_counter()
         outcome = Outcome(bits, "accepted", reason=reason)
@@ -545,13 +624,20 @@ class _Stage2:
         self.report(outcome.record("stage2"))
         return outcome
 
+    def _twin(self, bits: str) -> str | None:
+        """The plan already timed that runs the same program as ``bits``, if any."""
+        if self.identity is None:
+            return None
+        first = self.programs.setdefault(self.identity(bits), bits)
+        return None if first == bits else first
+
     def cheapest(self, outcomes: Sequence[Outcome]) -> Outcome:
         """Lowest cost; the earliest wins a tie (``min`` keeps the first)."""
         return min(outcomes, key=lambda o: o.cost)
 
 
 def run_stage2(space: SearchSpace, base_bits: str, time_step: Callable[[str], float], cost: CostFn, *,
-               budget: int = 32, report: Reporter | None = None) -> Stage2Result:
+               budget: int = 32, report: Reporter | None = None, identity: Identity | None = None) -> Stage2Result:
     """CoMP Algorithm 2 on the Stage-1 winner; ``budget`` caps timed candidates (the winner included).
 
     Candidates are the winner itself, then each differing segment's ``2**n``
@@ -559,7 +645,11 @@ def run_stage2(space: SearchSpace, base_bits: str, time_step: Callable[[str], fl
     whose ``2**n`` does not fit the budget left is searched greedily instead
     (each op tried at low and FP32 in turn, keeping the cheaper). Last, when
     two or more segments improved, their best strings are combined into one
-    more candidate. The cheapest candidate wins.
+    more candidate. The cheapest candidate wins. With no segment at all the
+    winner stands untimed (``samples`` is empty and a note says why). With
+    ``identity``, a candidate that runs the same program as one already timed
+    (e.g. follow ops set to the dtype that reaches them anyway) takes that
+    outcome instead of being timed, and does not count against ``budget``.
 
     >>> space = SearchSpace(("whitelist", "other", "blacklist"), (False,) * 3, ("a", "b", "c"))
     >>> run_stage2(space, "0f1", lambda bits: 1.0 - 0.1 * bits.count("0"), lambda b, s: s).best.bits
@@ -567,9 +657,14 @@ def run_stage2(space: SearchSpace, base_bits: str, time_step: Callable[[str], fl
     """
     if budget < 1:
         raise SearchError(f"stage2_budget={budget}; expected at least 1 (the Stage-1 winner itself)")
-    search = _Stage2(time_step, cost, report)
-    base = search.sample(base_bits, "Stage-1 winner")
     segments = stage2_segments(space, base_bits)
+    if not segments:  # no alternative to compare with: timing the winner alone would decide nothing
+        _note(report, "stage2", "no segment lies between Stage-1 ops of differing precision: the Stage-1 winner "
+              "stands, with nothing to time")
+        base = Outcome(base_bits, "accepted", reason="Stage-1 winner")
+        return Stage2Result(base, base, [], [])
+    search = _Stage2(time_step, cost, report, identity)
+    base = search.sample(base_bits, "Stage-1 winner")
     improved: list[tuple[Segment, str]] = []
     for segment in segments:
         left = budget - len(search.samples)

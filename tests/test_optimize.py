@@ -15,26 +15,12 @@ from compfx.apply import apply
 from compfx.errors import BadInputError
 from compfx.optimize import SearchConfig, optimize
 from compfx.training import FairSampler, restore_state, snapshot_state
+from tests.helpers import batches, ce, fp32_op_count
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 
 FAST = dict(progress=False, warmup=1, repeats=2, stage2_check_batches=2)
-
-
-def fp32_op_count(plan, seconds):
-    """A device where low precision always pays: fewer FP32 ops is cheaper (constant in seconds)."""
-    return float(sum(p == "fp32" for p in plan.values()))
-
-
-def ce(output, batch):
-    return F.cross_entropy(output, batch[-1])
-
-
-def batches(n, *shapes, classes=3, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    return [(*(torch.randn(*s, generator=g) for s in shapes), torch.randint(0, classes, (shapes[0][0],), generator=g))
-            for _ in range(n)]
 
 
 class Overflowing(nn.Module):

@@ -8,7 +8,6 @@ input check before the search, then each Stage-1 epoch makes one call per batch
 from __future__ import annotations
 
 import json
-import math
 
 import pytest
 import torch
@@ -23,9 +22,9 @@ from compfx.errors import (BadInputError, CompfxError, NonFiniteGradientError, P
 from compfx.optimize import SearchConfig, optimize
 from compfx.searchlog import SearchLog
 from compfx.training import snapshot_state
+from tests.helpers import EXACT, fp32_op_count, nll
 
 BATCHES = 2
-EXACT = {"predictor": "off"} if "predictor" in SearchConfig.__dataclass_fields__ else {}
 CONFIG = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, prune=False,
               keep_search_training=False, **EXACT)
 
@@ -54,15 +53,6 @@ def setup(seed=0):
     opt.step()  # Adam state exists before the search: it must come back bitwise
     opt.zero_grad()
     return model, opt, loader
-
-
-def nll(output, batch):
-    return F.nll_loss(output, batch[-1])
-
-
-def fp32_count(plan, seconds):
-    """Deterministic cost (ignores the measured seconds): fewer FP32 ops is cheaper."""
-    return float(sum(p == "fp32" for p in plan.values()))
 
 
 class NanGradient(torch.autograd.Function):
@@ -123,7 +113,7 @@ def test_a_fault_in_one_sample_rejects_that_plan_and_nothing_leaks(tmp_path, mon
     before, rng = snapshot_state(model, opt), torch.get_rng_state()
     path = tmp_path / "search.jsonl"
     fast = optimize(model, loader, loss_fn=injecting(1 + SAMPLE * BATCHES, fault), optimizer=opt,
-                    config=SearchConfig(cost_fn=fp32_count, **CONFIG), log=path)
+                    config=SearchConfig(cost_fn=fp32_op_count, **CONFIG), log=path)
     stage1 = fast.log.samples("stage1")
     faulty = stage1[SAMPLE]
     assert faulty.status == status and reason in faulty.reason.lower() + faulty.reason + str(faulty.loss)
@@ -131,8 +121,11 @@ def test_a_fault_in_one_sample_rejects_that_plan_and_nothing_leaks(tmp_path, mon
     assert_untouched(model, before)
     assert torch.equal(torch.get_rng_state(), rng)
     logged = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["bitstring"] for r in logged if r["stage"] == "stage1"] == [r.bitstring for r in stage1]
-    assert len(stage1) == 5  # FP32 baseline + every combination of the three adjustable ops' groups, none lost
+    assert [r["bitstring"] for r in logged if r["stage"] == "stage1" and r["status"] != "note"] == [
+        r.bitstring for r in stage1]
+    # FP32 baseline + every combination of the adjustable ops' two groups but the all-FP32 one (the baseline's
+    # program, noted and not run again), none lost
+    assert len(stage1) == 4 and any("same program" in note.reason for note in fast.log.notes())
     assert (fault == "oom") == bool(emptied)
 
 
@@ -152,7 +145,7 @@ def test_keyboard_interrupt_restores_state_and_the_log_holds_every_finished_samp
     path = tmp_path / "search.jsonl"
     with pytest.raises(KeyboardInterrupt):
         optimize(model, loader, loss_fn=injecting(2 + sample * BATCHES, "interrupt"), optimizer=opt,
-                 config=SearchConfig(cost_fn=fp32_count, **CONFIG), log=path)
+                 config=SearchConfig(cost_fn=fp32_op_count, **CONFIG), log=path)
     assert_untouched(model, before)
     assert torch.equal(torch.get_rng_state(), rng)
     log = SearchLog.read(path)

@@ -18,11 +18,8 @@ from hypothesis import strategies as st
 from compfx.errors import PlanFileError, PlanMismatchError
 from compfx.optimize import SearchConfig, optimize
 from compfx.searchlog import SearchLog
-
-from test_reliability import Tiny, nll, setup
-
-EXACT = {"predictor": "off"} if "predictor" in SearchConfig.__dataclass_fields__ else {}
-
+from test_reliability import setup
+from tests.helpers import EXACT, nll
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 

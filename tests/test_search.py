@@ -179,6 +179,56 @@ def test_pruning_picks_the_same_plan_as_exhaustive_search(kinds, seed, batches, 
             best_so_far = min(best_so_far, whole.cost)
 
 
+def test_plan_that_runs_the_same_program_as_one_sampled_is_not_run_again():
+    space = space_of(W, O, B)  # "1f1" (every adjustable op FP32) is the FP32 baseline "111" in disguise
+    started, records = [], []
+
+    def program(bits):
+        return bits.replace("f", "1") if "0" not in bits else bits  # follow ops see only FP32 inputs
+
+    run_stage1(space, fake_epoch(lambda bits: [(1.0, 1.0)] * 3, log=started), lambda bits, s: s,
+               identity=program, report=records.append)
+    assert [b for event, b in started if event == "start"] == ["111", "0f0", "0f1", "1f0"]
+    notes = [r for r in records if not r.is_sample]
+    assert [n.extra["plan"] for n in notes] == ["1f1"] and notes[0].extra["same_as"] == "111"
+    assert "same program" in notes[0].reason
+
+
+def pace_table(per_batch):
+    """Fake epochs of 10 batches whose seconds per batch come from ``per_batch[bits]`` (FP32: 1.0)."""
+    return lambda bits: [(1.0, per_batch.get(bits, 1.0))] * 10
+
+
+def test_early_stop_ends_a_sample_whose_pace_projects_it_over_the_best():
+    space = space_of(W, B)
+    per_batch = {"00": 2.0, "01": 1.5, "10": 1.03}  # 2x and 1.5x: clearly slower; 3%: within the tolerance
+    result = run_stage1(space, fake_epoch(pace_table(per_batch), batches=10), lambda bits, s: s,
+                        early_stop=0.05)
+    by_bits = {s.bits: s for s in result.samples}
+    for bits in ("00", "01"):
+        assert by_bits[bits].status == "pruned" and by_bits[bits].batches == 3
+        assert by_bits[bits].extra["stopped_early"] and "stopped early" in by_bits[bits].reason
+        assert by_bits[bits].cost == pytest.approx(10 * per_batch[bits])  # the projected epoch
+    near_tie = by_bits["10"]
+    assert near_tie.status == "pruned" and near_tie.batches == 10 and "stopped_early" not in near_tie.extra
+    assert result.best.bits == "11"
+
+
+def test_early_stop_compares_batch_for_batch_and_is_off_by_default():
+    space = space_of(W)
+    # batches alternate long and short; the low plan is 20% slower on each, its first batches being long ones
+    fp32 = [(1.0, 2.0), (1.0, 0.5)] * 5
+    low = [(1.0, 2.4), (1.0, 0.6)] * 5
+    table = {"1": fp32, "0": low}.__getitem__
+    stopped = run_stage1(space, fake_epoch(table, batches=10), lambda bits, s: s, early_stop=0.1)
+    assert stopped.samples[1].extra["stopped_early"] and stopped.samples[1].batches == 3
+    assert stopped.samples[1].cost == pytest.approx(1.2 * 12.5)  # median ratio 1.2 x the best's 12.5 s
+    exact = run_stage1(space, fake_epoch(table, batches=10), lambda bits, s: s)
+    assert exact.samples[1].batches == 9 and "stopped_early" not in exact.samples[1].extra
+    with pytest.raises(SearchError, match="early_stop"):
+        run_stage1(space, fake_epoch(table), lambda bits, s: s, early_stop=-0.1)
+
+
 # -- Stage 2 ---------------------------------------------------------------------
 
 # ops:        0  1  2  3  4  5  6  7
@@ -229,6 +279,36 @@ def test_stage2_goes_greedy_over_budget_and_breaks_ties_by_order():
     assert tried == ["f0ff1f0f", "00ff1f0f", "10ff1f0f", "f00f1f0f"]  # segment (1, 4) gets one greedy try
     assert result.best.bits == "00ff1f0f"  # 12.0, tied with f00f1f0f; the earlier candidate wins
     assert any("greedy" in r.reason or "one at a time" in r.reason for r in records if not r.is_sample)
+
+
+def test_stage2_without_segments_times_nothing():
+    timed, records = [], []
+    result = run_stage2(STAGE2_SPACE, "11111111", lambda bits: timed.append(bits) or 1.0, lambda b, s: s,
+                        report=records.append)
+    assert timed == [] and result.samples == [] and result.best.bits == "11111111"
+    assert "nothing to time" in records[0].reason and not records[0].is_sample
+
+
+def test_stage2_does_not_time_a_candidate_that_runs_the_same_program_again():
+    space = space_of(W, O, O, B)  # base "0ff1": the follow ops after the low op 0 run low already
+    timed, records = [], []
+
+    def program(bits):  # a follow op takes the precision of the op before it
+        out = []
+        for bit in bits:
+            out.append(out[-1] if bit == "f" else bit)
+        return "".join(out)
+
+    def time_step(bits):
+        timed.append(bits)
+        return 1.0 - 0.1 * program(bits).count("0")
+
+    result = run_stage2(space, "0ff1", time_step, lambda b, s: s, budget=4 + 1, report=records.append,
+                        identity=program)
+    assert timed == ["0ff1", "0011", "0101", "0111"]  # "0001" is "0ff1" again, and timing it was not needed
+    assert result.best.bits == "0ff1"  # the cheapest program, timed once
+    twin = [r for r in records if not r.is_sample]
+    assert [(r.extra["plan"], r.extra["same_as"]) for r in twin] == [("0001", "0ff1")]
 
 
 def test_stage2_failed_candidate_is_logged_and_skipped():

@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import json
 import math
 import re
+import sys
 
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from compfx.errors import BadInputError
 from compfx.optimize import SearchConfig, optimize
 from compfx.search import SearchSpace, run_stage1, skip_message
+from compfx.search_predictor import STALE_PROFILE_RATIO, STALE_PROFILES
+from tests.helpers import ce
 
 FAST = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=0)
 SKIP = re.compile(r"skipped \(predicted \S+ s vs best \S+ s\)")
@@ -77,10 +80,6 @@ def mlp_setup(seed: int = 0):
     return model, opt, loader
 
 
-def ce(output, batch):
-    return F.cross_entropy(output, batch[-1])
-
-
 def fp32_ops(plan, seconds):
     """Deterministic cost: seconds barely matter, the count of FP32 ops decides."""
     return sum(p == "fp32" for p in plan.values()) + seconds * 1e-9
@@ -117,6 +116,24 @@ def test_second_search_reuses_the_profile_cache(cache):
     assert files and sorted(p.name for p in (cache / "profiles").rglob("*") if p.is_file()) == files
 
 
+def test_profiles_cached_under_other_conditions_are_measured_again(cache):
+    search(None)  # fills the cache
+    entries = [path for path in (cache / "profiles").glob("*.json")
+               if json.loads(path.read_text())["format"] == "compfx-op-profile"]
+    for path in entries:  # as if profiled on a machine 20x slower (another job hogging the cores)
+        data = json.loads(path.read_text())
+        path.write_text(json.dumps({**data, "seconds": data["seconds"] * 20 + 1e-3}))
+    again = search(None)
+    calibration = next(r.extra for r in again.log.samples("stage1") if r.extra.get("calibration"))
+    assert calibration[STALE_PROFILES] > STALE_PROFILE_RATIO
+    assert calibration["profiles_measured"] > 0 and calibration["profiles_reused"] == 0
+    rewritten = [json.loads(path.read_text())["seconds"] for path in entries]
+    assert all(seconds < 1e-3 for seconds in rewritten)  # the stale entries were overwritten
+    assert "measured again" in again.report()
+    third = search(None)  # fresh entries are trusted
+    assert STALE_PROFILES not in next(r.extra for r in third.log.samples("stage1") if r.extra.get("calibration"))
+
+
 def test_report_shows_predicted_against_measured(cache):
     fast = search(None, predictor_margin=math.inf)
     text = fast.report()
@@ -128,6 +145,22 @@ def test_report_shows_predicted_against_measured(cache):
 def test_config_refuses_bad_predictor_settings(kw):
     with pytest.raises(BadInputError, match="predictor"):
         SearchConfig(**kw)
+
+
+@pytest.mark.parametrize("value", [-0.01, "0.05", True, math.nan])
+def test_config_refuses_a_bad_early_stop(value):
+    with pytest.raises(BadInputError, match="early_stop"):
+        SearchConfig(early_stop=value)
+
+
+def test_early_stop_is_part_of_the_guided_search_only(cache, monkeypatch):
+    seen = []
+    module = sys.modules["compfx.optimize"]  # the module; compfx.optimize is the function
+    real = module.run_stage1
+    monkeypatch.setattr(module, "run_stage1", lambda *a, **kw: seen.append(kw["early_stop"]) or real(*a, **kw))
+    search(None, predictor="on", early_stop=0.2)
+    search(None, predictor="off", early_stop=0.2)
+    assert seen == [0.2, None]
 
 
 def test_lower_bound_orders_and_skips_without_the_full_prediction():

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from compfx.errors import BadInputError
 from compfx.measure import Timing, time_repeats, timed
 from compfx.training import FairSampler, model_loss, restore_state, snapshot_state, split_batch
+from tests.helpers import ce
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
@@ -29,10 +30,6 @@ class SmallNet(nn.Module):
         if self.calls == self.fail_on_call:
             raise RuntimeError("low precision not supported here")
         return self.fc2(self.drop(F.relu(self.bn(self.fc1(x)))))
-
-
-def ce(output, batch):
-    return F.cross_entropy(output, batch[-1])
 
 
 def make(fail_on_call=None, batches=4, optimizer=torch.optim.Adam):
