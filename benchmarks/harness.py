@@ -25,7 +25,7 @@ import torch
 import torch.nn as nn
 
 from .casts import count_forward_casts, count_graph_casts
-from .memory import measure_saved_tensors, peak_memory_bytes, reset_peak_memory, synchronize
+from .memory import peak_memory_bytes, reset_peak_memory, saved_storages, synchronize
 from .models.spec import ModelSpec
 from .modes import Precision, compfx_status, load_compfx, precision_for, search_config
 
@@ -106,11 +106,14 @@ def _run_epoch(spec, nets, optimizers, batches, precision: Precision, device) ->
     return seconds, float(torch.stack(losses).float().mean())  # one device sync per epoch, not per step
 
 
-def _search(spec, nets, optimizers, batches, device, low_dtype, overrides: Mapping) -> tuple[float, dict]:
-    """Run compfx.optimize on each search target; swap the searched networks in. Returns (seconds, plans)."""
+def _search(spec, nets, optimizers, batches, device, low_dtype, overrides: Mapping) -> tuple[float, dict, dict]:
+    """Run compfx.optimize on each search target; swap the searched networks in.
+
+    Returns (seconds, plan summary per network, search figures per network).
+    """
     optimize, config_class = load_compfx()
     config = search_config(config_class, **{"progress": False, **overrides})
-    plans = {}
+    plans, figures = {}, {}
     synchronize(device)
     start = time.perf_counter()
     for target in spec.search_targets(spec, nets, optimizers, batches):
@@ -119,8 +122,21 @@ def _search(spec, nets, optimizers, batches, device, low_dtype, overrides: Mappi
                             config=config)
         nets[target.net] = searched
         plans[target.net] = _plan_summary(getattr(searched, "plan", None))
+        figures[target.net] = _search_figures(searched)
     synchronize(device)
-    return time.perf_counter() - start, plans
+    return time.perf_counter() - start, plans, figures
+
+
+def _search_figures(searched) -> dict:
+    """What the search cost (in FP32 epochs of its loader) and how well the cost model predicted what it measured."""
+    summary = getattr(searched, "search_summary", None)
+    if summary is None:
+        return {}
+    from compfx.report import predicted_records, prediction_error
+
+    return {"search_fp32_epochs": summary.search_seconds / summary.fp32_epoch_seconds,
+            "predictor_error_pct": prediction_error(searched.log),
+            "predictor_candidates": len(predicted_records(searched.log))}
 
 
 def _plan_summary(plan) -> dict:
@@ -145,9 +161,9 @@ def _cast_counts(spec, nets, batch, precision: Precision, mode: str) -> dict:
 def _measured_step(spec, nets, optimizers, batch, precision, model) -> dict:
     """One training step with saved-tensor hooks on (also the warm-up step before timing)."""
     owned = [*model.parameters(), *model.buffers()]
-    with measure_saved_tensors(owned) as saved:
+    with saved_storages(owned) as saved:
         spec.train_step(spec, nets, optimizers, batch, precision)
-    return {"saved_bytes": saved.total_bytes, "saved_parameter_bytes": saved.parameter_bytes,
+    return {"saved_bytes": saved.total_bytes, "saved_parameter_bytes": saved.resident_bytes,
             "saved_activation_bytes": saved.activation_bytes}
 
 
@@ -161,7 +177,8 @@ def _train_and_measure(spec, config_name, mode, options, device, low_dtype) -> d
     row: dict = {"batches_per_epoch": len(train)}
     search_seconds = 0.0
     if mode == "compfx":
-        search_seconds, row["plan"] = _search(spec, nets, optimizers, train, device, low_dtype, options.search)
+        search_seconds, row["plan"], row["search"] = _search(spec, nets, optimizers, train, device, low_dtype,
+                                                             options.search)
     if options.count_casts:
         row.update(_cast_counts(spec, nets, train[0], precision, mode))
     if options.compile:

@@ -22,7 +22,8 @@ from tabulate import tabulate
 from .models import get_spec
 from .paper_figures import paper_figures
 
-__all__ = ["device_name", "slug", "attach_paper_figures", "markdown_table", "write_results", "plot_results"]
+__all__ = ["device_name", "slug", "attach_paper_figures", "markdown_table", "comparison_table", "write_results",
+           "plot_results"]
 
 _MB = 1024 * 1024
 
@@ -88,6 +89,57 @@ def markdown_table(rows: list[dict]) -> str:
     return tabulate([_table_row(row) for row in rows], headers=_HEADERS, tablefmt="github", missingval="")
 
 
+_COMPARED = ("fp32", "amp", "compfx")
+
+
+def _ratio_to_fp32(value, fp32) -> str:
+    return "" if value is None or not fp32 else f"{value / fp32:.2f}x"
+
+
+def _per_net(row: dict, key: str, fmt: str) -> str:
+    """``key`` of each searched network's figures (``row["search"]``), formatted; "net: x" when there are several."""
+    figures = {net: found[key] for net, found in (row.get("search") or {}).items() if found.get(key) is not None}
+    if len(figures) == 1:
+        return fmt.format(*figures.values())
+    return ", ".join(f"{net}: {fmt.format(value)}" for net, value in figures.items())
+
+
+def comparison_table(rows: list[dict]) -> str:
+    """One line per model: compfx and AMP against FP32 (time, saved activations, metric, casts).
+
+    >>> rows = [{"model": "m", "mode": mode, "status": "ok", "time_per_epoch_s": t, "saved_activation_bytes": 2 ** 20,
+    ...          "metric": 0.5, "casts_forward": c, "search_share": share,
+    ...          "search": {"model": {"search_fp32_epochs": 3.04, "predictor_error_pct": 4.2}} if share else None}
+    ...         for mode, t, c, share in (("fp32", 1.0, 0, None), ("amp", 2.0, 9, None), ("compfx", 1.1, 1, 0.25))]
+    >>> [cell.strip() for cell in comparison_table(rows).splitlines()[2].split("|")[1:-1]]
+    ['m', '1.0000 s', '2.00x', '1.10x', '1.000 MB', '1.00x', '1.00x', '50.0 / 50.0 / 50.0', '9 / 1', '25%', '3.0', '4.2%']
+    """
+    by_model: dict[str, dict[str, dict]] = {}
+    for row in rows:
+        if row["status"] == "ok" and not row.get("compiled") and row["mode"] in _COMPARED:
+            by_model.setdefault(row["model"], {})[row["mode"]] = row
+    lines = []
+    for model, modes in by_model.items():
+        fp32, amp, ours = (modes.get(mode, {}) for mode in _COMPARED)
+        time0, memory0 = fp32.get("time_per_epoch_s"), fp32.get("saved_activation_bytes")
+        metrics = " / ".join("" if m.get("metric") is None else f"{100 * m['metric']:.1f}" for m in (fp32, amp, ours))
+        share = ours.get("search_share")
+        lines.append([
+            model, "" if time0 is None else f"{time0:.4f} s",
+            _ratio_to_fp32(amp.get("time_per_epoch_s"), time0), _ratio_to_fp32(ours.get("time_per_epoch_s"), time0),
+            "" if memory0 is None else f"{memory0 / _MB:.3f} MB",
+            _ratio_to_fp32(amp.get("saved_activation_bytes"), memory0),
+            _ratio_to_fp32(ours.get("saved_activation_bytes"), memory0),
+            metrics, f"{amp.get('casts_forward', '')} / {ours.get('casts_forward', '')}",
+            "" if share is None else f"{100 * share:.0f}%",
+            _per_net(ours, "search_fp32_epochs", "{:.1f}"), _per_net(ours, "predictor_error_pct", "{:.1f}%"),
+        ])
+    headers = ["model", "FP32 s/epoch", "AMP", "compfx", "FP32 saved act.", "AMP", "compfx",
+               "metric % FP32 / AMP / compfx", "casts AMP / compfx", "search share", "search (FP32 epochs)",
+               "predictor error"]
+    return tabulate(lines, headers=headers, tablefmt="github", disable_numparse=True)
+
+
 def _metric_notes(rows: list[dict]) -> str:
     seen = {}
     for row in rows:
@@ -107,6 +159,11 @@ def _markdown(rows: list[dict], meta: dict) -> str:
         "metric: evaluated in FP32 eval mode on held-out batches with the weights each mode trained. "
         "casts fwd: dtype casts in one traced forward (make_fx under the mode's autocast). "
         "Paper columns: CoMP paper Tables 4-7 (GPU, real datasets, 100 epochs) for matching paper-config rows.",
+        "AMP and compfx against FP32 (time and saved activations as multiples of FP32's; below 1x is better):",
+        "",
+        comparison_table(rows),
+        "",
+        "Every row:",
         "",
         markdown_table(rows),
         "",

@@ -8,30 +8,34 @@ that, with :func:`torch.autograd.graph.saved_tensors_hooks`, on any device
 saved during one forward pass, leaving out the module's own parameters and
 buffers (they are resident whatever the plan).
 
-``benchmarks/memory.py`` (``measure_saved_tensors``) measures the same thing
-around a whole step; this is the library's version, which the per-device
-allocator (:mod:`compfx.distributed`) uses to check a rank's memory budget.
+The benchmarks (``benchmarks/harness.py``) record a whole training step with
+:func:`saved_storages`; the per-device allocator (:mod:`compfx.distributed`)
+checks a rank's memory budget with :func:`saved_activation_bytes`.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterable, Iterator
 
 import torch
 import torch.nn as nn
 
-__all__ = ["SavedStorages", "saved_activation_bytes"]
+__all__ = ["SavedStorages", "saved_storages", "saved_activation_bytes"]
 
 
 class SavedStorages:
-    """Unique storages autograd saved while recording, keyed by (device, address)."""
+    """Unique storages autograd saved while recording, keyed by (device, address).
 
-    def __init__(self, excluded: set[tuple[str, int]]):
-        self.excluded = excluded
+    Storages of the ``resident`` tensors (a model's parameters and buffers,
+    which stay in memory whatever the plan) are counted apart from the rest.
+    """
+
+    def __init__(self, resident: set[tuple[str, int]] = frozenset()):
+        self.resident = resident
         self.nbytes: dict[tuple[str, int], int] = {}
         # Holding each storage stops its address from being reused by a later
-        # tensor of the same forward pass, which would hide it from the count.
+        # tensor of the same step, which would hide it from the count.
         self._alive: list = []
 
     def record(self, tensor: torch.Tensor) -> None:
@@ -40,22 +44,48 @@ class SavedStorages:
         except (RuntimeError, NotImplementedError):  # no storage (sparse, some subclasses): nothing to count
             return
         key = _storage_key(tensor.device, storage)
-        if key in self.excluded or key in self.nbytes:
-            return
-        self._alive.append(storage)
-        self.nbytes[key] = storage.nbytes()
+        if key not in self.nbytes:
+            self._alive.append(storage)
+            self.nbytes[key] = storage.nbytes()
 
     @property
-    def total(self) -> int:
+    def total_bytes(self) -> int:
         return sum(self.nbytes.values())
+
+    @property
+    def resident_bytes(self) -> int:
+        return sum(n for key, n in self.nbytes.items() if key in self.resident)
+
+    @property
+    def activation_bytes(self) -> int:
+        """Everything saved but the resident storages: inputs, activations, low-precision weight copies."""
+        return self.total_bytes - self.resident_bytes
 
 
 def _storage_key(device: torch.device, storage) -> tuple[str, int]:
     return str(device), storage.data_ptr()
 
 
-def _resident_storages(module: nn.Module) -> set[tuple[str, int]]:
-    return {_storage_key(t.device, t.untyped_storage()) for t in (*module.parameters(), *module.buffers())}
+@contextmanager
+def saved_storages(resident: Iterable[torch.Tensor] = ()) -> Iterator[SavedStorages]:
+    """Record every storage autograd saves for backward inside the block (its forward passes).
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 1))
+    >>> with saved_storages(model.parameters()) as saved:
+    ...     model(torch.randn(32, 64)).sum().backward()
+    >>> saved.activation_bytes > 0, saved.resident_bytes > 0
+    (True, True)
+    """
+    saved = SavedStorages({_storage_key(t.device, t.untyped_storage()) for t in resident})
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        saved.record(tensor)
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        yield saved
+    saved._alive.clear()
 
 
 @contextmanager
@@ -90,14 +120,8 @@ def saved_activation_bytes(module: nn.Module, args: tuple = (), kwargs: dict | N
     >>> full > 0 and half < full
     True
     """
-    saved = SavedStorages(_resident_storages(module))
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        saved.record(tensor)
-        return tensor
-
     with _state_kept(module), torch.enable_grad():
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        with saved_storages((*module.parameters(), *module.buffers())) as saved:
             output = module(*args, **(kwargs or {}))
         del output  # frees the autograd graph: nothing is kept past the measurement
-    return saved.total
+    return saved.activation_bytes

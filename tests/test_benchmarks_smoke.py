@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 from benchmarks import data, modes
 from benchmarks.casts import count_forward_casts
 from benchmarks.harness import RunOptions, run_benchmark
-from benchmarks.memory import measure_saved_tensors
+from compfx.memory import saved_storages
 from benchmarks.models import MODELS, get_spec
 from benchmarks.paper_figures import PAPER_ROWS
 from benchmarks.report import attach_paper_figures
@@ -80,6 +80,8 @@ def test_small_config_runs_in_compfx_mode(name):
     _check_row(row)
     assert 0 < row["search_share"] < 1
     assert sum(sum(counts.values()) for counts in row["plan"].values()) > 0
+    assert row["search"].keys() == row["plan"].keys()
+    assert all(figures["search_fp32_epochs"] > 1 for figures in row["search"].values())  # the FP32 epoch, at least
     assert row["casts_graph"] >= 0 and row["casts_graph_counter"]
 
 
@@ -97,20 +99,20 @@ def test_compfx_mode_reports_not_available_instead_of_crashing(monkeypatch):
 @given(rows=st.integers(1, 16), cols=st.integers(1, 16))
 def test_saved_bytes_are_the_unique_storages_autograd_keeps(rows, cols):
     x = torch.randn(rows, cols, requires_grad=True)
-    with measure_saved_tensors() as saved:
+    with saved_storages() as saved:
         y = torch.sigmoid(x)  # saves its output only
         z = y * y  # saves y twice: one storage, counted once
     z.sum().backward()
     assert saved.total_bytes == rows * cols * 4
-    assert saved.parameter_bytes == 0
+    assert saved.resident_bytes == 0
 
 
 def test_parameter_storages_are_counted_apart_from_activations():
     linear = nn.Linear(8, 4)
     x = torch.randn(3, 8, requires_grad=True)
-    with measure_saved_tensors(linear.parameters()) as saved:
+    with saved_storages(linear.parameters()) as saved:
         linear(x).sum().backward()
-    assert saved.parameter_bytes == linear.weight.numel() * 4  # addmm saves the weight, not the bias
+    assert saved.resident_bytes == linear.weight.numel() * 4  # addmm saves the weight, not the bias
     assert saved.activation_bytes == x.numel() * 4
 
 
@@ -123,7 +125,7 @@ def test_all_low_saves_fewer_activation_bytes_than_fp32(name):
     batch = spec.example_batch(config, config["batch_size"], torch.Generator().manual_seed(0))
 
     def saved_activation_bytes(forward, precision=None):
-        with measure_saved_tensors([*model.parameters(), *model.buffers()]) as saved:
+        with saved_storages([*model.parameters(), *model.buffers()]) as saved:
             with precision or torch.autocast("cpu", enabled=False):
                 loss = spec.loss_fn(forward(*batch[:-1]), batch)
         loss.backward()
