@@ -49,7 +49,8 @@ from torch.utils import _pytree as pytree
 from .errors import BadInputError, PlanFileError, SearchError
 from .files import read_json, write_json_atomic
 from .opkey import KEY_META, OpKey, normalize_kind
-from .passes.insert_casts import COMPOSITE_KINDS, NORM_KINDS, AutocastRegion, insert_casts
+from .passes.insert_casts import (COMPOSITE_KINDS, DTYPES_FRESH, NORM_KINDS, AutocastRegion, insert_casts,
+                                  meta_value)
 from .plan import Plan
 from .plan_cache import default_cache_dir
 
@@ -628,13 +629,9 @@ class _FakeValues(fx.Interpreter):
         return value
 
 
-#: ``gm.meta`` flag: every node's ``meta["val"]`` already has the dtype it runs in
-_VALUES_FRESH = "compfx_values_fresh"
-
-
 def _graph_values(gm: fx.GraphModule) -> dict[fx.Node, Any]:
-    if gm.meta.get(_VALUES_FRESH):  # propagating FakeTensors again would cost more than the rest of a prediction
-        return {node: node.meta.get("val") for node in gm.graph.nodes}
+    if gm.meta.get(DTYPES_FRESH):  # propagating FakeTensors again would cost more than the rest of a prediction
+        return {node: meta_value(node) for node in gm.graph.nodes}
     interpreter = _FakeValues(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     try:
@@ -704,9 +701,7 @@ def rewrite_with_insert_casts(analysis, plan: Plan) -> fx.GraphModule:
     source = analysis.graph_module
     gm = fx.GraphModule(source, copy.deepcopy(source.graph))
     categories = {op.key: op.category for op in analysis.ops}
-    gm = insert_casts(gm, plan, plan.low_dtype, categories=categories)
-    gm.meta[_VALUES_FRESH] = True  # the pass re-typed ``meta["val"]`` of every node its casts reach
-    return gm
+    return insert_casts(gm, plan, plan.low_dtype, categories=categories)
 
 
 # ---------------------------------------------------------------------------

@@ -232,6 +232,10 @@ class _Search:
             self.modules[bits] = apply(self.model, self.plan(bits), analysis=self.analysis)
         return self.modules[bits]
 
+    def planned_module(self, plan: Plan) -> nn.Module:
+        """:meth:`module` for a :class:`Plan` (the cost model prices plans)."""
+        return self.module(plan.bitstring(self.analysis))
+
     def program(self, bits: str) -> str:
         """What ``bits`` runs: the rewritten module's structure and code (equal text, equal program)."""
         return str(self.module(bits))
@@ -269,7 +273,8 @@ class _Search:
         c, start = self.config, time.perf_counter()
         try:
             with torch.random.fork_rng(devices=_cuda_devices(self.analysis.device)):  # the user's RNG is untouched
-                self.predictor = _build_predictor(self.analysis, c, self.log)  # profiling counts as search time
+                # profiling counts as search time; predictions price the very modules the samples run
+                self.predictor = _build_predictor(self.analysis, c, self.log, rewrite=self.planned_module)
                 stage1 = run_stage1(self.space, self.run_epoch, self.cost, threshold=c.threshold,
                                     budget=c.stage1_budget, prune=c.prune, report=self.report,
                                     predict=self.predictor and self.predictor.epoch_seconds,
@@ -361,14 +366,14 @@ class _Search:
         return module
 
 
-def _build_predictor(analysis, config: SearchConfig, log: SearchLog):
+def _build_predictor(analysis, config: SearchConfig, log: SearchLog, rewrite=None):
     """The cost model for the search, or None when it is off or cannot be built (then the search is exact)."""
     if config.predictor == "off":
         return None
     from .search_predictor import SearchPredictor
 
     try:
-        predictor = SearchPredictor.build(analysis)
+        predictor = SearchPredictor.build(analysis, rewrite=rewrite)
     except Exception as error:  # the predictor only orders and skips: never fail the search for it
         log.note("search", f"cost model unavailable ({type(error).__name__}: {error}); measuring every candidate")
         return None

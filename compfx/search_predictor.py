@@ -40,7 +40,7 @@ STALE_PROFILES = "stale_profile_ratio"
 #: this multiple were taken under other conditions (a loaded shared machine,
 #: another clock) and are measured again. Far below is normal where the loss,
 #: the optimizer and Python dominate a small model's step.
-STALE_PROFILE_RATIO = 1.5
+STALE_PROFILE_RATIO = 2.0
 
 
 class SearchPredictor:

@@ -48,12 +48,14 @@ from compfx.errors import PassError
 from compfx.oplists import classify
 from compfx.opkey import KEY_META, OpKey
 
-__all__ = ["insert_casts", "AutocastRegion", "CAST_META", "NORM_KINDS", "COMPOSITE_KINDS", "PROMOTING_KINDS",
-           "dtype_short_name", "meta_value"]
+__all__ = ["insert_casts", "AutocastRegion", "CAST_META", "DTYPES_FRESH", "NORM_KINDS", "COMPOSITE_KINDS",
+           "PROMOTING_KINDS", "dtype_short_name", "meta_value"]
 
 PASS_NAME = "insert_casts"
 #: ``node.meta`` flag on every cast node this pass inserts.
 CAST_META = "compfx_cast"
+#: ``gm.meta`` flag the pass sets: every node's value (``meta_value``) has the dtype it runs in after the rewrite
+DTYPES_FRESH = "compfx_dtypes_fresh"
 #: Ops whose weight/bias/running stats stay FP32 whatever the op's precision.
 NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "instance_norm"})
 #: Ops that autocast casts *inside*; "low" runs them under torch.autocast.
@@ -159,6 +161,7 @@ def insert_casts(
         raise PassError(f"{PASS_NAME} failed ({type(error).__name__}: {error}); the graph module was left "
                         "unchanged. Please report this with the model that triggers it.") from error
     gm.graph = graph  # recompiles
+    gm.meta[DTYPES_FRESH] = True  # values were re-typed downstream of every cast: later passes may trust them
     return gm
 
 
