@@ -16,13 +16,14 @@ from __future__ import annotations
 
 import statistics
 import sys
-import time
 import traceback
 from dataclasses import asdict, dataclass, field
 from typing import Mapping
 
 import torch
 import torch.nn as nn
+
+from compfx.costmodel import CLOCKS
 
 from .casts import count_forward_casts, count_graph_casts
 from .memory import peak_memory_bytes, reset_peak_memory, saved_storages, synchronize
@@ -46,10 +47,18 @@ class RunOptions:
     seed: int = 0
     count_casts: bool = True
     search: Mapping = field(default_factory=dict)  # SearchConfig overrides, e.g. {"stage1_budget": 8}
+    # "wall", or "cpu": process CPU time, which a shared machine's other jobs do not inflate; it is the
+    # step's cost only on one CPU thread, so it needs device "cpu" and threads=1
+    clock: str = "wall"
+    threads: int | None = None  # torch intra-op threads (None: torch's default)
 
     def __post_init__(self):
         if self.data not in ("real", "synthetic"):
             raise ValueError(f"data={self.data!r}; expected 'real' or 'synthetic'")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock={self.clock!r}; expected one of {sorted(CLOCKS)}")
+        if self.clock == "cpu" and (self.threads != 1 or resolve_device(self.device).type != "cpu"):
+            raise ValueError("clock='cpu' times one CPU thread: use it with device 'cpu' and threads=1")
         if self.epochs < 1 or self.batches < 1:
             raise ValueError(f"epochs={self.epochs}, batches={self.batches}; both must be at least 1")
 
@@ -97,16 +106,18 @@ def evaluate(spec: ModelSpec, model: nn.Module, batches: list) -> float:
     return statistics.fmean(scores)
 
 
-def _run_epoch(spec, nets, optimizers, batches, precision: Precision, device) -> tuple[float, float]:
+def _run_epoch(spec, nets, optimizers, batches, precision: Precision, device, clock: str) -> tuple[float, float]:
+    read_clock = CLOCKS[clock]
     synchronize(device)
-    start = time.perf_counter()
+    start = read_clock()
     losses = [spec.train_step(spec, nets, optimizers, batch, precision) for batch in batches]
     synchronize(device)
-    seconds = time.perf_counter() - start
+    seconds = read_clock() - start
     return seconds, float(torch.stack(losses).float().mean())  # one device sync per epoch, not per step
 
 
-def _search(spec, nets, optimizers, batches, device, low_dtype, overrides: Mapping) -> tuple[float, dict, dict]:
+def _search(spec, nets, optimizers, batches, device, low_dtype, overrides: Mapping,
+            clock: str = "wall") -> tuple[float, dict, dict]:
     """Run compfx.optimize on each search target; swap the searched networks in.
 
     Returns (seconds, plan summary per network, search figures per network).
@@ -114,8 +125,9 @@ def _search(spec, nets, optimizers, batches, device, low_dtype, overrides: Mappi
     optimize, config_class = load_compfx()
     config = search_config(config_class, **{"progress": False, **overrides})
     plans, figures = {}, {}
+    read_clock = CLOCKS[clock]
     synchronize(device)
-    start = time.perf_counter()
+    start = read_clock()
     for target in spec.search_targets(spec, nets, optimizers, batches):
         searched = optimize(nets[target.net], target.batches, loss_fn=target.loss_fn,
                             optimizer=optimizers[target.optimizer], device=device, low_dtype=low_dtype,
@@ -124,7 +136,7 @@ def _search(spec, nets, optimizers, batches, device, low_dtype, overrides: Mappi
         plans[target.net] = _plan_summary(getattr(searched, "plan", None))
         figures[target.net] = _search_figures(searched)
     synchronize(device)
-    return time.perf_counter() - start, plans, figures
+    return read_clock() - start, plans, figures
 
 
 def _search_figures(searched) -> dict:
@@ -178,14 +190,15 @@ def _train_and_measure(spec, config_name, mode, options, device, low_dtype) -> d
     search_seconds = 0.0
     if mode == "compfx":
         search_seconds, row["plan"], row["search"] = _search(spec, nets, optimizers, train, device, low_dtype,
-                                                             options.search)
+                                                             options.search, options.clock)
     if options.count_casts:
         row.update(_cast_counts(spec, nets, train[0], precision, mode))
     if options.compile:
         nets = {name: torch.compile(net) for name, net in nets.items()}
     row.update(_measured_step(spec, nets, optimizers, train[0], precision, model))
     reset_peak_memory(device)
-    epochs = [_run_epoch(spec, nets, optimizers, train, precision, device) for _ in range(options.epochs)]
+    epochs = [_run_epoch(spec, nets, optimizers, train, precision, device, options.clock)
+              for _ in range(options.epochs)]
     epoch_seconds = [seconds for seconds, _ in epochs]
     # The first epoch can still include compilation and allocator warm-up; report the median of the rest.
     steady = epoch_seconds[1:] or epoch_seconds
@@ -204,6 +217,8 @@ def run_benchmark(spec: ModelSpec, config_name: str, mode: str, options: RunOpti
     """Train ``spec`` at ``config_name`` in ``mode``; a row of measurements (never raises for a model)."""
     device = resolve_device(options.device)
     low_dtype = default_low_dtype(device, options.low_dtype)
+    if options.threads is not None:
+        torch.set_num_threads(options.threads)
     row = {"model": spec.name, "config": config_name, "mode": mode, "compiled": options.compile,
            "data": options.data if options.data == "synthetic" else f"real: {spec.real_data}",
            "device": str(device), "low_dtype": str(low_dtype).replace("torch.", ""), "epochs": options.epochs}

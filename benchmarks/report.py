@@ -147,12 +147,18 @@ def _metric_notes(rows: list[dict]) -> str:
     return "\n".join(f"- {model}: metric = {metric}; data = {data}" for model, (metric, data) in seen.items())
 
 
+def _clock_words(meta: dict) -> str:
+    clock = (meta.get("options") or {}).get("clock", "wall")
+    return "process CPU time (one thread; other jobs on the machine do not count)" if clock == "cpu" else "wall clock"
+
+
 def _markdown(rows: list[dict], meta: dict) -> str:
     return "\n".join([
         f"# Benchmark: {meta['device_name']} ({meta['device']}), config {meta['config']}",
         "",
         f"torch {meta['torch']}; low dtype {meta['low_dtype']}; {meta['epochs']} epoch(s) of up to "
-        f"{meta['batches']} batches; data: {meta['data']}; compfx: {meta['compfx']}.",
+        f"{meta['batches']} batches; data: {meta['data']}; compfx: {meta['compfx']}; "
+        f"{meta.get('threads', '?')} thread(s); times: {_clock_words(meta)}.",
         "",
         "s/epoch: median of epochs after the first (the only one if epochs=1). saved act. MB: bytes saved for "
         "backward in one step, measured with saved-tensor hooks, excluding the parameters' own storages. "

@@ -46,6 +46,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stage1-budget", type=int, help="compfx SearchConfig.stage1_budget (default: compfx's)")
     parser.add_argument("--stage2-budget", type=int, help="compfx SearchConfig.stage2_budget (default: compfx's)")
     parser.add_argument("--search-repeats", type=int, help="compfx SearchConfig.repeats (default: compfx's)")
+    parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
+    parser.add_argument("--clock", default="wall", choices=["wall", "cpu"],
+                        help="wall time, or process CPU time (--device cpu --threads 1 only): other jobs on a shared "
+                             "machine do not inflate it")
     parser.add_argument("--out", default=str(_DEFAULT_OUT), help="results root (a device folder is made inside)")
     parser.add_argument("--plot", action="store_true", help="also save a time/memory plot (needs matplotlib)")
     args = parser.parse_args(argv)
@@ -68,7 +72,7 @@ def run_all(args: argparse.Namespace, log=print) -> list[dict]:
     for compiled in ([False, True] if args.compile else [False]):
         options = RunOptions(device=args.device, low_dtype=args.low_dtype, epochs=args.epochs, batches=args.batches,
                              data=args.data, compile=compiled, seed=args.seed, count_casts=not args.no_casts,
-                             search=_search_overrides(args))
+                             search=_search_overrides(args), clock=args.clock, threads=args.threads)
         for name in args.models:
             for mode in args.modes:
                 row = run_benchmark(get_spec(name), args.config, mode, options)
@@ -89,7 +93,8 @@ def main(argv=None) -> int:
         "compfx": compfx_status(), "argv": sys.argv[1:] if argv is None else list(argv),
         "options": options_dict(RunOptions(device=args.device, epochs=args.epochs, batches=args.batches,
                                            data=args.data, compile=args.compile, seed=args.seed,
-                                           search=_search_overrides(args))),
+                                           search=_search_overrides(args), clock=args.clock, threads=args.threads)),
+        "threads": torch.get_num_threads(),
     }
     stem = f"{args.config}-{args.data}" + ("-compile" if args.compile else "")
     paths = write_results(rows, meta, args.out, stem)

@@ -18,11 +18,11 @@ from hypothesis import strategies as st
 from benchmarks import data, modes
 from benchmarks.casts import count_forward_casts
 from benchmarks.harness import RunOptions, run_benchmark
-from compfx.memory import saved_storages
 from benchmarks.models import MODELS, get_spec
 from benchmarks.paper_figures import PAPER_ROWS
 from benchmarks.report import attach_paper_figures
 from benchmarks.run import main
+from compfx.memory import saved_storages
 
 COMPFX_STATUS = modes.compfx_status()
 # The smallest search that still runs both stages, so the smoke test stays fast.
@@ -200,6 +200,25 @@ def test_runner_writes_json_and_markdown(tmp_path):
         ("gcn", "fp32"), ("gcn", "amp"), ("gat", "fp32"), ("gat", "amp")]
     assert all(len(row["epoch_seconds"]) == 2 for row in result["rows"])
     assert "| gcn" in markdown and "paper s/epoch A100" in markdown
+
+
+def test_cpu_clock_times_one_thread_and_says_so(tmp_path):
+    threads = torch.get_num_threads()
+    try:
+        code = main(["--models", "gcn", "--modes", "fp32", "--epochs", "2", "--batches", "1", "--device", "cpu",
+                     "--threads", "1", "--clock", "cpu", "--no-casts", "--out", str(tmp_path)])
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(threads)
+    [folder] = tmp_path.iterdir()
+    result = json.loads((folder / "small-real.json").read_text())
+    assert code == 0 and result["meta"]["options"]["clock"] == "cpu" and result["meta"]["threads"] == 1
+    assert all(seconds > 0 for seconds in result["rows"][0]["epoch_seconds"])
+    assert "process CPU time" in (folder / "small-real.md").read_text()
+    with pytest.raises(ValueError, match="threads=1"):
+        RunOptions(clock="cpu", threads=2)
+    with pytest.raises(ValueError, match="clock"):
+        RunOptions(clock="sundial")
 
 
 def test_paper_figures_sit_beside_matching_paper_config_rows_only():
