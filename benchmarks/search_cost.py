@@ -16,7 +16,9 @@ It does so twice: with the cost model (``predictor="on"``, profiling on a cold
 profile cache counted in the search time, then once more on the warm cache)
 and without it (``predictor="off"``: the exact search, which picks the plan
 exhaustive CoMP picks). The predictor's plan is then timed against the exact
-plan, interleaved on the same batches (target: within 5%), and its search cost
+plan, interleaved on the same batches (target: within 5%; when both searches
+chose the same plan it is within by definition, and the timing shows the
+machine's noise), and its search cost
 is compared with the target of 5 FP32 epochs.
 
 Run from the repository root::
@@ -142,6 +144,11 @@ def _figures(fast, wall: float, batches: int) -> dict:
         "profiles_reused": baseline.get("profiles_reused"),
         "predictor_build_seconds": baseline.get("predictor_build_seconds"),
         "predictor_median_abs_error_pct": compfx.report.prediction_error(fast.log),
+        # over the few candidates this search measured, many stopped after 3 batches: a noisy figure;
+        # benchmarks/predictor_accuracy.py measures the predictor's accuracy properly
+        "predictor_error_candidates": len(compfx.report.predicted_records(fast.log)),
+        "stage1_stopped_early": sum(bool(r.extra.get("stopped_early")) for r in stage1),
+        "same_program_notes": sum("same program" in r.reason for r in fast.log.notes()),
         "stage2_candidates": len(fast.log.samples("stage2")),
         "chosen_plan": fast.plan.bitstring(summary.analysis),
         "fp32_epoch_seconds": fp32_epoch,
@@ -183,6 +190,7 @@ def run(batches: int = 20, seed: int = 0, threads: int | None = 1, validate: boo
         warm, _, warm_wall = _with_cache_dir(cache, lambda: _search(loader, guided_config, seed))
     analysis = exact.search_summary.analysis
     steps = step_time_ratio((guided, guided_opt), (exact, exact_opt), loader)
+    same_plan = guided.plan == exact.plan  # then the timing below only measures the machine's noise
     result = {
         "device": str(analysis.device),
         "cpu": platform.processor() or platform.machine(),
@@ -197,7 +205,8 @@ def run(batches: int = 20, seed: int = 0, threads: int | None = 1, validate: boo
         "predictor_plan_step_seconds": steps["first_step_seconds"],
         "exact_plan_step_seconds": steps["second_step_seconds"],
         "predictor_vs_exact_plan_step_ratio": steps["ratio"],
-        "predictor_plan_within_5pct_of_exact": steps["ratio"] <= 1.05,
+        "predictor_plan_is_exact_plan": same_plan,
+        "predictor_plan_within_5pct_of_exact": same_plan or steps["ratio"] <= 1.05,
         "predictor_search_within_5_fp32_epochs": result_epochs(guided) <= 5.0,
     }
     if validate:
