@@ -35,6 +35,7 @@ import copy
 import inspect
 import logging
 import operator
+import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Mapping
 
@@ -207,6 +208,32 @@ def meta_value(node: fx.Node):
     return UNKNOWN
 
 
+#: Fake results are pure functions of an op and its inputs' metadata. A search rewrites one graph for
+#: many plans, and FakeTensor dispatch is most of a rewrite's cost, so runs on the same fake mode (the
+#: graph's: its values belong to it) share their results.
+_FAKE_RESULTS: "weakref.WeakKeyDictionary[FakeTensorMode, dict]" = weakref.WeakKeyDictionary()
+
+
+def _fake_call_key(*call) -> tuple | None:
+    """A hashable description of a call on fake values; None when there is none (symbolic sizes...)."""
+    leaves, spec = pytree.tree_flatten(call)
+    parts = []
+    for leaf in leaves:
+        if isinstance(leaf, torch.Tensor):
+            sizes = (*leaf.shape, *leaf.stride(), leaf.storage_offset())
+            if not all(type(size) is int for size in sizes):
+                return None
+            parts.append((sizes, leaf.dtype, leaf.device, leaf.requires_grad))
+        else:
+            parts.append((type(leaf), leaf))
+    key = (str(spec), tuple(parts), torch.is_grad_enabled())  # grad mode decides the outputs' requires_grad
+    try:
+        hash(key)
+    except TypeError:  # e.g. a slice argument
+        return None
+    return key
+
+
 def _float_leaves(value) -> list[torch.Tensor]:
     return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
@@ -244,6 +271,7 @@ class _CastInserter:
         self.precisions, self.low_dtype = precisions, low_dtype
         self.default_precision = default_precision
         self.mode = self._fake_mode()
+        self.shared_results = _FAKE_RESULTS.setdefault(self.mode, {})
         self.values: dict[fx.Node, Any] = {}
         self.original_dtypes: dict[fx.Node, tuple] = {}
         self.casts: dict[tuple[Any, torch.dtype], fx.Node] = {}
@@ -399,8 +427,10 @@ class _CastInserter:
             if name in consumer.meta:
                 cast.meta[name] = copy.copy(consumer.meta[name])
         cast.meta[CAST_META] = True
-        with self.mode:
-            value = self._value(source).to(dtype)
+        value = self._shared(("to", dtype), self._value(source), run=lambda: self._value(source).to(dtype))
+        if value is UNKNOWN:  # the pass must not guess the value of its own cast
+            raise PassError(f"{PASS_NAME} could not cast {source.name} to {dtype} on fake values; please report "
+                            "this with the model that triggers it.")
         self.values[cast] = value
         self.original_dtypes[cast] = (dtype,)
         self._write_meta(cast, value, like=source)
@@ -438,18 +468,33 @@ class _CastInserter:
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), self._value)
         if any(leaf is UNKNOWN for leaf in pytree.tree_leaves((args, kwargs))):
             return UNKNOWN
+        if node.op == "call_module":  # region names are per run: never shared
+            module = self.regions.get(node.target) or self.gm.get_submodule(node.target)
+            return self._run_fake(lambda: module(*args, **kwargs))
+        call = (lambda: node.target(*args, **kwargs)) if node.op == "call_function" else (
+            lambda: getattr(args[0], node.target)(*args[1:], **kwargs))
+        if node.op not in ("call_function", "call_method"):
+            return UNKNOWN
+        if _mutated_positions(node) - {"out"} or "out" in node.kwargs:  # writes its inputs: run it here
+            return self._run_fake(call)
+        return self._shared((node.op, node.target), args, kwargs, run=call)
+
+    def _shared(self, what, *inputs, run: Callable[[], Any]):
+        """``run()`` on fakes, or the result an earlier run on this fake mode got for the same call."""
+        key = _fake_call_key(what, *inputs)
+        if key is not None and key in self.shared_results:
+            return self.shared_results[key]
+        value = self._run_fake(run)
+        if key is not None and value is not UNKNOWN:
+            self.shared_results[key] = value
+        return value
+
+    def _run_fake(self, run: Callable[[], Any]):
         try:
             with _quiet_fake_tensor_errors(), self.mode:
-                if node.op == "call_function":
-                    return node.target(*args, **kwargs)
-                if node.op == "call_method":
-                    return getattr(args[0], node.target)(*args[1:], **kwargs)
-                if node.op == "call_module":
-                    module = self.regions.get(node.target) or self.gm.get_submodule(node.target)
-                    return module(*args, **kwargs)
+                return run()
         except Exception:  # noqa: BLE001 - an op that cannot run on these dtypes
             return UNKNOWN
-        return UNKNOWN
 
     def _guess_value(self, node: fx.Node):
         """Conservative typing when fake execution fails: float outputs take the promoted input dtype."""
