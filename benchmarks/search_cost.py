@@ -44,6 +44,7 @@ import torch.nn.functional as F
 import compfx
 import compfx.report
 from compfx.optimize import SearchConfig, optimize
+from compfx.search import STOPPED_EARLY
 
 __all__ = ["SixOpCNN", "sample_loader", "exhaustive_estimate", "step_time_ratio", "run"]
 
@@ -147,8 +148,8 @@ def _figures(fast, wall: float, batches: int) -> dict:
         # over the few candidates this search measured, many stopped after 3 batches: a noisy figure;
         # benchmarks/predictor_accuracy.py measures the predictor's accuracy properly
         "predictor_error_candidates": len(compfx.report.predicted_records(fast.log)),
-        "stage1_stopped_early": sum(bool(r.extra.get("stopped_early")) for r in stage1),
-        "same_program_notes": sum("same program" in r.reason for r in fast.log.notes()),
+        "stage1_stopped_early": sum(bool(r.extra.get(STOPPED_EARLY)) for r in stage1),
+        "same_program_notes": sum("same_as" in r.extra for r in fast.log.notes()),
         "stage2_candidates": len(fast.log.samples("stage2")),
         "chosen_plan": fast.plan.bitstring(summary.analysis),
         "fp32_epoch_seconds": fp32_epoch,

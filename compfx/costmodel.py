@@ -748,6 +748,7 @@ class Predictor:
         self.cast_cost = cast_cost
         self.overhead = float(overhead)
         self.analysis = analysis
+        self._fp32_compute: float | None = None  # see fp32_compute_seconds
         if rewrite is None and analysis is not None:
             rewrite = lambda plan: rewrite_with_insert_casts(analysis, plan)  # noqa: E731
         self.rewrite = rewrite
@@ -772,16 +773,17 @@ class Predictor:
         """
         if not (measured_fp32_step_seconds > 0 and math.isfinite(measured_fp32_step_seconds)):
             raise BadInputError(f"measured_fp32_step_seconds={measured_fp32_step_seconds}; expected a positive time.")
-        if self.analysis is None:
-            raise SearchError("calibrate() needs the FP32 graph; build the Predictor with analysis=...")
         self.overhead = measured_fp32_step_seconds - self.fp32_compute_seconds()
         return self
 
     def fp32_compute_seconds(self) -> float:
-        """The profiles' FP32 step: every op at FP32, no casts, no overhead."""
-        if self.analysis is None:
-            raise SearchError("fp32_compute_seconds() needs the FP32 graph; build the Predictor with analysis=...")
-        return self._breakdown_graph(self.analysis.graph_module, overhead=0.0).seconds
+        """The profiles' FP32 step: every op at FP32, no casts, no overhead (priced once: profiles are fixed)."""
+        if self._fp32_compute is None:
+            if self.analysis is None:
+                raise SearchError("pricing the FP32 step (calibrate) needs the FP32 graph; build the Predictor "
+                                  "with analysis=...")
+            self._fp32_compute = self._breakdown_graph(self.analysis.graph_module, overhead=0.0).seconds
+        return self._fp32_compute
 
     def predict(self, plan_or_graph) -> float:
         """Predicted seconds of one training step (forward, backward, optimizer)."""

@@ -10,13 +10,11 @@ from dataclasses import dataclass, field
 
 from tabulate import tabulate
 
+from .search import STOPPED_EARLY
+from .search_predictor import MEASURED_STEP as _MEASURED, PREDICTED_STEP as _PREDICTED, STALE_PROFILES as _STALE
 from .searchlog import SearchLog
 
 __all__ = ["SearchSummary", "render_report", "op_table", "prediction_table", "prediction_error", "predicted_records"]
-
-# keys of SampleRecord.extra written by compfx.search_predictor
-_PREDICTED, _MEASURED = "predicted_step_seconds", "measured_step_seconds"
-_STALE = "stale_profile_ratio"
 
 
 @dataclass
@@ -110,7 +108,7 @@ def _stale_profiles(log: SearchLog) -> str:
 
 def _stopped_early(records) -> str:
     """`` (n stopped early on pace)`` when the guided search stopped any sample before exact pruning could."""
-    n = sum(bool(r.extra.get("stopped_early")) for r in records)
+    n = sum(bool(r.extra.get(STOPPED_EARLY)) for r in records)
     return f" ({n} stopped early on pace)" if n else ""
 
 

@@ -55,7 +55,7 @@ from .errors import BadInputError, SearchError
 from .searchlog import SampleRecord
 
 __all__ = [
-    "SearchSpace", "Outcome", "Segment", "Stage1Result", "Stage2Result",
+    "SearchSpace", "Outcome", "Segment", "Stage1Result", "Stage2Result", "STOPPED_EARLY",
     "loss_limit", "is_accepted", "stage1_bits", "stage1_plan_space", "stage1_candidates",
     "stage2_segments", "algorithm2_candidates", "run_stage1", "skip_message", "run_stage2", "check_stage2",
 ]
@@ -70,6 +70,8 @@ _LOW, _FP32, _FOLLOW = "0", "1", "f"
 
 #: batches a Stage-1 sample runs before an early stop may judge its pace
 EARLY_STOP_MIN_BATCHES = 3
+#: key of ``Outcome.extra`` (and the log record's) on a sample stopped early on pace
+STOPPED_EARLY = "stopped_early"
 
 
 @dataclass(frozen=True)
@@ -385,7 +387,7 @@ class _Stage1:
         if not projected > (1.0 + self.early_stop) * best.cost:
             return False
         outcome.status, outcome.cost = "pruned", projected
-        outcome.extra["stopped_early"] = True
+        outcome.extra[STOPPED_EARLY] = True
         outcome.reason = (f"stopped early: projected cost {projected:.6g} after {k} batches is over "
                           f"{1.0 + self.early_stop:g} x best accepted cost {best.cost:.6g} ({best.bits})")
         return True

@@ -471,9 +471,11 @@ class _CastInserter:
         if node.op == "call_module":  # region names are per run: never shared
             module = self.regions.get(node.target) or self.gm.get_submodule(node.target)
             return self._run_fake(lambda: module(*args, **kwargs))
-        call = (lambda: node.target(*args, **kwargs)) if node.op == "call_function" else (
-            lambda: getattr(args[0], node.target)(*args[1:], **kwargs))
-        if node.op not in ("call_function", "call_method"):
+        if node.op == "call_function":
+            call = lambda: node.target(*args, **kwargs)  # noqa: E731
+        elif node.op == "call_method":
+            call = lambda: getattr(args[0], node.target)(*args[1:], **kwargs)  # noqa: E731
+        else:
             return UNKNOWN
         if _mutated_positions(node) - {"out"} or "out" in node.kwargs:  # writes its inputs: run it here
             return self._run_fake(call)
