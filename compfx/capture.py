@@ -43,6 +43,7 @@ from .opkey import KEY_META, OpKey, assign_op_keys, normalize_kind
 __all__ = [
     "capture",
     "key_dynamo_graph",
+    "buffers_restored",
     "normalize_example_inputs",
     "ExampleInputs",
     "DATA_MOVEMENT_KINDS",
@@ -421,8 +422,8 @@ _IN_PLACE_OPERATORS = frozenset(
 
 
 @contextlib.contextmanager
-def _buffers_restored(model: nn.Module):
-    """Put every buffer back afterwards: dynamo export runs the model once for real."""
+def buffers_restored(model: nn.Module):
+    """Put every buffer of ``model`` back afterwards (dynamo export, and any measuring forward, run it for real)."""
     saved = [(b, b.detach().clone()) for b in model.buffers()]
     try:
         yield
@@ -435,7 +436,7 @@ def _buffers_restored(model: nn.Module):
 def _dynamo_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     # allow_rnn: keep nn.GRU/LSTM in the graph as one op, as the symbolic tracer does.
     # Static shapes: compfx specialises to the example inputs (TC rules need concrete dims).
-    with torch._dynamo.config.patch(allow_rnn=True), _buffers_restored(model):
+    with torch._dynamo.config.patch(allow_rnn=True), buffers_restored(model):
         exported = torch._dynamo.export(model, aten_graph=False, assume_static_by_default=True)(*args, **kwargs)
     gm = exported.graph_module
     fqn_of = {id(t): name for name, t in _named_tensors(model)}

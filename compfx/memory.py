@@ -21,6 +21,8 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn as nn
 
+from .capture import buffers_restored
+
 __all__ = ["SavedStorages", "saved_storages", "saved_activation_bytes"]
 
 
@@ -91,15 +93,10 @@ def saved_storages(resident: Iterable[torch.Tensor] = ()) -> Iterator[SavedStora
 @contextmanager
 def _state_kept(module: nn.Module) -> Iterator[None]:
     """Undo what a measuring forward changes: buffers (BatchNorm running stats) and the RNG (dropout)."""
-    buffers = [(b, b.detach().clone()) for b in module.buffers()]
-    devices = sorted({b.device.index for b, _ in buffers if b.device.type == "cuda" and b.device.index is not None})
-    with torch.random.fork_rng(devices=devices):
-        try:
-            yield
-        finally:
-            with torch.no_grad():
-                for live, saved in buffers:
-                    live.copy_(saved)
+    devices = sorted({b.device.index for b in module.buffers()
+                      if b.device.type == "cuda" and b.device.index is not None})
+    with torch.random.fork_rng(devices=devices), buffers_restored(module):
+        yield
 
 
 def saved_activation_bytes(module: nn.Module, args: tuple = (), kwargs: dict | None = None) -> int:
