@@ -71,10 +71,10 @@ import torch.nn as nn
 
 from . import plan_cache
 from .analyze import analyze_graph, default_low_dtype
-from .capture import key_dynamo_graph, op_nodes
+from .capture import _named_tensors, key_dynamo_graph, op_nodes
 from .errors import BadInputError
 from .opkey import KEY_META, OpKey, normalize_module_path
-from .passes.insert_casts import AutocastRegion, insert_casts
+from .passes.insert_casts import AutocastRegion, insert_casts, meta_value
 from .plan import Plan
 
 __all__ = ["backend", "compfx_backend", "registered_backend", "compile_with_plan", "key_backend_graph", "CompfxBackend", "GraphRecord",
@@ -115,11 +115,6 @@ class _ModelNames:
     def __init__(self, model: nn.Module):
         self.modules = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
         self.tensors = {id(t): name for name, t in _named_tensors(model)}
-
-
-def _named_tensors(model: nn.Module):
-    yield from model.named_parameters(remove_duplicate=False)
-    yield from model.named_buffers(remove_duplicate=False)
 
 
 def _frame_root_prefix(gm: fx.GraphModule, example_inputs: Sequence, names: _ModelNames) -> str:
@@ -249,7 +244,7 @@ def _compute_dtype(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None:
     if node.op == "call_module" and isinstance(gm.get_submodule(node.target), AutocastRegion):
         return gm.get_submodule(node.target).dtype
     for arg in node.all_input_nodes:
-        value = arg.meta.get("val", arg.meta.get("example_value"))
+        value = meta_value(arg)
         if isinstance(value, torch.Tensor) and value.is_floating_point():
             return value.dtype
     return None
@@ -303,7 +298,9 @@ class CompfxBackend:
             self._log_once(f"unplanned:{source}", "compfx backend: %d op(s) in a compiled graph have no entry in "
                            "the plan (%s) and run as 'follow' (e.g. %s)", len(unplanned), source,
                            ", ".join(map(str, unplanned[:3])))
-        gm = self._rewrite(gm, precisions, plan.low_dtype)
+        # Every op has a precision here (unplanned ones "follow"); insert_casts raises PassError itself.
+        # It also keeps dynamo's node attributes (_dynamo_source), which AOT autograd needs.
+        gm = insert_casts(gm, precisions, plan.low_dtype)
         self.records.append(GraphRecord(
             compile_id=str(gm.meta.get("dynamo_compile_id")) if "dynamo_compile_id" in gm.meta else None,
             plan_source=source, precisions=precisions, unplanned=unplanned,
@@ -314,8 +311,9 @@ class CompfxBackend:
     def _plan_for(self, gm: fx.GraphModule, keys, example_inputs) -> tuple[Plan, str]:
         if self.plan is not None:
             return self.plan, self.plan_source
-        low_dtype = self.low_dtype or default_low_dtype(_graph_device(example_inputs))
-        analysis = analyze_graph(gm, _graph_device(example_inputs), low_dtype)
+        device = _graph_device(example_inputs)
+        low_dtype = self.low_dtype or default_low_dtype(device)
+        analysis = analyze_graph(gm, device, low_dtype)
         cached = plan_cache.find_plan(analysis.fingerprint, low_dtype, self.cache_dir)
         if cached is not None:
             return cached, f"plan cache ({plan_cache.plan_path(cached.fingerprint, low_dtype, self.cache_dir)})"
@@ -323,11 +321,6 @@ class CompfxBackend:
         if covering is not None:
             return covering, f"plan cache, whole-model plan {covering.fingerprint} covering this graph"
         return Plan.amp(analysis), "default AMP-equivalent plan (no plan given or cached)"
-
-    def _rewrite(self, gm: fx.GraphModule, precisions: Mapping[OpKey, str], low_dtype: torch.dtype) -> fx.GraphModule:
-        # Every op has a precision here (unplanned ones "follow"); insert_casts raises PassError itself.
-        # It also keeps dynamo's node attributes (_dynamo_source), which AOT autograd needs.
-        return insert_casts(gm, precisions, low_dtype)
 
     def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence):
         if callable(self.inner):
