@@ -6,6 +6,7 @@ turns it into text (``model.report()`` on the module ``optimize`` returns).
 
 from __future__ import annotations
 
+import statistics
 from dataclasses import dataclass, field
 
 from tabulate import tabulate
@@ -63,9 +64,8 @@ def prediction_error(log: SearchLog) -> float | None:
     records = predicted_records(log)
     if not records:
         return None
-    errors = sorted(abs(r.extra[_PREDICTED] - r.extra[_MEASURED]) / r.extra[_MEASURED] * 100 for r in records)
-    middle = len(errors) // 2
-    return errors[middle] if len(errors) % 2 else (errors[middle - 1] + errors[middle]) / 2
+    return statistics.median(abs(r.extra[_PREDICTED] - r.extra[_MEASURED]) / r.extra[_MEASURED] * 100
+                             for r in records)
 
 
 def prediction_table(log: SearchLog, tablefmt: str = "simple") -> str:
@@ -115,8 +115,7 @@ def _stopped_early(records) -> str:
 def render_report(summary: SearchSummary, tablefmt: str = "simple") -> str:
     """The report as text: the per-op table, then the search and the timing summary."""
     a, log = summary.analysis, summary.log
-    records = log.samples()
-    by_stage = {s: [r for r in records if r.stage == s] for s in ("stage1", "stage2", "check")}
+    by_stage = {s: log.samples(s) for s in ("stage1", "stage2", "check")}
     counts = {s: sum(r.status == s for r in by_stage["stage1"])
               for s in ("accepted", "rejected", "pruned", "error", "skipped")}
     steps = summary.step_seconds
