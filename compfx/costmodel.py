@@ -46,13 +46,17 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
+from .analyze import default_low_dtype
+from .capture import _get_attr
 from .errors import BadInputError, PlanFileError, SearchError
 from .files import read_json, write_json_atomic
+from .measure import synchronize
 from .opkey import KEY_META, OpKey, normalize_kind
 from .passes.insert_casts import (COMPOSITE_KINDS, DTYPES_FRESH, NORM_KINDS, AutocastRegion, insert_casts,
                                   meta_value)
-from .plan import Plan
-from .plan_cache import default_cache_dir
+from .plan import Plan, dtype_name
+from .search import should_skip, skip_message  # noqa: F401  (re-exported: the skip rule is the search's)
+from .plan_cache import cache_folder
 
 __all__ = [
     "OpProfile",
@@ -91,10 +95,6 @@ _DTYPE_BY_NAME = {"float32": torch.float32, "float16": torch.float16, "bfloat16"
                   "float64": torch.float64}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 # ---------------------------------------------------------------------------
 # cache location and device identity
 
@@ -105,8 +105,7 @@ def profile_cache_dir(cache_dir: str | os.PathLike | None = None) -> Path:
     >>> profile_cache_dir("/tmp/c").as_posix()
     '/tmp/c/profiles'
     """
-    root = Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-    return root / "profiles"
+    return cache_folder(cache_dir) / "profiles"
 
 
 def device_name(device: torch.device | str) -> str:
@@ -131,11 +130,6 @@ def _cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or "unknown"
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
 
 
 # ---------------------------------------------------------------------------
@@ -201,10 +195,7 @@ class _OpBench:
 
     def _value(self, gm: fx.GraphModule, arg: fx.Node):
         if arg.op == "get_attr":  # parameters and buffers: the real thing (BN running stats may have no val)
-            attr = gm
-            for part in arg.target.split("."):
-                attr = getattr(attr, part)
-            return attr
+            return _get_attr(gm, arg.target)
         return arg.meta.get("val")
 
     @property
@@ -217,7 +208,7 @@ class _OpBench:
         def describe(value):
             if isinstance(value, torch.Tensor):
                 return {"shape": list(value.shape), "stride": list(value.stride()),
-                        "dtype": _dtype_name(value.dtype), "grad": bool(value.requires_grad)}
+                        "dtype": dtype_name(value.dtype), "grad": bool(value.requires_grad)}
             return repr(value)
 
         args, kwargs = pytree.tree_map(describe, self.values)
@@ -352,11 +343,11 @@ def _timed_calls(step: Callable[[], None], number: int, read_clock: Callable[[],
     Not ``benchmark.Timer.timeit``: it runs hidden warmup calls first, which
     triples the cost of timing an op that takes tens of milliseconds.
     """
-    _synchronize(device)
+    synchronize(device)
     start = read_clock()
     for _ in range(number):
         step()
-    _synchronize(device)
+    synchronize(device)
     return (read_clock() - start) / number
 
 
@@ -388,7 +379,7 @@ def _write_entry(path: Path, key: Mapping[str, Any], fmt: str, result: Mapping[s
 
 def _op_cache_key(signature: Mapping, dtype: torch.dtype, device: torch.device, casts: Iterable[int],
                   clock: str) -> dict:
-    return {"signature": signature, "dtype": _dtype_name(dtype), "cast_inputs": sorted(casts), "clock": clock,
+    return {"signature": signature, "dtype": dtype_name(dtype), "cast_inputs": sorted(casts), "clock": clock,
             "device": device_name(device), "torch": torch.__version__, "version": _CACHE_VERSION}
 
 
@@ -462,7 +453,7 @@ def _profile_one(gm, node, device, low_dtype, root, counts, timing, refresh: boo
         cache_key = _op_cache_key(signature, dtype, device, casts if dtype != torch.float32 else (), timing["clock"])
         seconds[dtype], reason = _cached_or_measured(bench, dtype, cache_key, root, counts, timing, refresh)
         if reason:
-            reasons.append(f"{_dtype_name(dtype)}: {reason}")
+            reasons.append(f"{dtype_name(dtype)}: {reason}")
     if reasons:  # half a profile would mislead the predictor; treat the op as unknown
         return OpProfile(key, 0.0, 0.0, "; ".join(reasons))
     return OpProfile(key, seconds[torch.float32], seconds[low_dtype])
@@ -515,15 +506,15 @@ class CastCost:
         if src == dst:
             return 0.0
         if (src, dst) not in self.coefficients:
-            known = ", ".join(f"{_dtype_name(s)}->{_dtype_name(d)}" for s, d in self.coefficients)
-            raise SearchError(f"no cast cost fitted for {_dtype_name(src)}->{_dtype_name(dst)} (fitted: {known}); "
+            known = ", ".join(f"{dtype_name(s)}->{dtype_name(d)}" for s, d in self.coefficients)
+            raise SearchError(f"no cast cost fitted for {dtype_name(src)}->{dtype_name(dst)} (fitted: {known}); "
                               "call fit_cast_cost(device, pairs=...) with this pair.")
         alpha, beta = self.coefficients[(src, dst)]
         return alpha * numel + beta
 
     def to_dict(self) -> dict:
         return {"device": self.device,
-                "pairs": [{"src": _dtype_name(s), "dst": _dtype_name(d), "alpha": a, "beta": b}
+                "pairs": [{"src": dtype_name(s), "dst": dtype_name(d), "alpha": a, "beta": b}
                           for (s, d), (a, b) in self.coefficients.items()]}
 
     @classmethod
@@ -560,14 +551,14 @@ def fit_cast_cost(
     """
     device = torch.device(device)
     if pairs is None:
-        low = torch.float16 if device.type == "cuda" else torch.bfloat16
+        low = default_low_dtype(device)
         pairs = ((torch.float32, low), (low, torch.float32))
     if len(set(sizes)) < 2:
         raise BadInputError(f"sizes={tuple(sizes)}; fitting alpha*numel + beta needs at least two distinct sizes.")
     root = profile_cache_dir(cache_dir) if use_cache else None
     coefficients = {}
     for src, dst in pairs:
-        key = {"cast": [_dtype_name(src), _dtype_name(dst)], "sizes": sorted(sizes), "clock": clock,
+        key = {"cast": [dtype_name(src), dtype_name(dst)], "sizes": sorted(sizes), "clock": clock,
                "device": device_name(device), "torch": torch.__version__, "version": _CACHE_VERSION}
         path = _entry_path(root, key) if root is not None else None
         cached = _read_entry(path, key, _CAST_FORMAT) if path is not None and not refresh else None
@@ -833,26 +824,6 @@ def rank_by_prediction(predictor: Predictor, candidates: Iterable) -> list[tuple
     """Candidates (plans or graphs) with their predicted seconds, cheapest first (stable on ties)."""
     scored = [(candidate, predictor.predict(candidate)) for candidate in candidates]
     return sorted(scored, key=lambda pair: pair[1])
-
-
-def should_skip(predicted_s: float, best_measured_s: float | None, margin: float = 1.25) -> bool:
-    """Skip measuring a candidate predicted to cost more than ``margin`` times the best accepted one.
-
-    >>> should_skip(1.3, 1.0), should_skip(1.2, 1.0), should_skip(9.0, None)
-    (True, False, False)
-    """
-    if margin < 1.0:
-        raise BadInputError(f"margin={margin}; expected >= 1.0 (1.25 skips candidates predicted 25% slower).")
-    return best_measured_s is not None and predicted_s > margin * best_measured_s
-
-
-def skip_message(predicted_s: float, best_measured_s: float) -> str:
-    """The log line for a skipped candidate.
-
-    >>> skip_message(0.0123, 0.0045)
-    'skipped (predicted 0.0123 s vs best 0.0045 s)'
-    """
-    return f"skipped (predicted {predicted_s:.3g} s vs best {best_measured_s:.3g} s)"
 
 
 def median_abs_percentage_error(predicted: Sequence[float], measured: Sequence[float]) -> float:

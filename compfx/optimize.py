@@ -21,7 +21,7 @@ import torch.nn as nn
 
 from .analyze import analyze, model_device
 from .errors import BadInputError, SearchError
-from .plan import Plan
+from .plan import Plan, dtype_name
 from .report import SearchSummary, render_report
 from .search import SearchSpace, check_stage2, run_stage1, run_stage2
 from .searchlog import Replay, ReplayedState, SampleRecord, SearchLog
@@ -382,7 +382,7 @@ def _build_predictor(analysis, config: SearchConfig, log: SearchLog, rewrite=Non
 
 def _log_header(analysis, config: SearchConfig) -> dict:
     """What a resumed search must share with the logged one to replay its samples."""
-    return {"fingerprint": analysis.fingerprint, "low_dtype": str(analysis.low_dtype).replace("torch.", ""),
+    return {"fingerprint": analysis.fingerprint, "low_dtype": dtype_name(analysis.low_dtype),
             "seed": config.seed, "threshold": config.threshold, "prune": config.prune,
             "stage1_budget": config.stage1_budget, "stage2_budget": config.stage2_budget,
             "warmup": config.warmup, "repeats": config.repeats, "grad_scaler": config.grad_scaler,

@@ -24,7 +24,7 @@ from .errors import PlanFileError, PlanMismatchError
 from .files import read_json, write_json_atomic
 from .opkey import OpKey
 
-__all__ = ["Plan", "PRECISIONS", "BIT_OF", "PRECISION_OF_BIT"]
+__all__ = ["Plan", "PRECISIONS", "BIT_OF", "PRECISION_OF_BIT", "dtype_name"]
 
 PRECISIONS = ("low", "fp32", "follow")
 BIT_OF = {"low": "0", "fp32": "1", "follow": "f"}
@@ -33,7 +33,8 @@ _FORMAT = "compfx-plan"
 _DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
+def dtype_name(dtype: torch.dtype) -> str:
+    """``torch.bfloat16`` -> ``"bfloat16"``: the spelling plan files, caches and logs use."""
     return str(dtype).replace("torch.", "")
 
 
@@ -88,7 +89,7 @@ class Plan(Mapping[OpKey, str]):
     def __repr__(self) -> str:
         counts = {p: sum(v == p for v in self._entries.values()) for p in PRECISIONS}
         return (f"Plan({len(self)} ops: {counts['low']} low, {counts['fp32']} fp32, {counts['follow']} follow; "
-                f"low_dtype={_dtype_name(self.low_dtype)})")
+                f"low_dtype={dtype_name(self.low_dtype)})")
 
     # -- constructors --------------------------------------------------------
     @classmethod
@@ -158,7 +159,7 @@ class Plan(Mapping[OpKey, str]):
         return {
             "format": _FORMAT,
             "version": 1,
-            "low_dtype": _dtype_name(self.low_dtype),
+            "low_dtype": dtype_name(self.low_dtype),
             "fingerprint": self.fingerprint,
             "torch_version": torch.__version__,
             "ops": {str(k): v for k, v in self._entries.items()},

@@ -37,9 +37,9 @@ import torch
 
 from .errors import PlanFileError
 from .opkey import OpKey
-from .plan import Plan
+from .plan import Plan, dtype_name
 
-__all__ = ["CACHE_DIR_ENV", "default_cache_dir", "plan_path", "save_plan", "find_plan", "find_plan_covering"]
+__all__ = ["CACHE_DIR_ENV", "default_cache_dir", "cache_folder", "plan_path", "save_plan", "find_plan", "find_plan_covering"]
 
 #: Environment variable that moves the plan cache.
 CACHE_DIR_ENV = "COMPFX_CACHE_DIR"
@@ -58,17 +58,14 @@ def default_cache_dir() -> Path:
     return Path(base) / "compfx" / "plans"
 
 
-def _folder(cache_dir: str | os.PathLike | None) -> Path:
+def cache_folder(cache_dir: str | os.PathLike | None = None) -> Path:
+    """``cache_dir`` (``~`` expanded), or the default cache folder when it is None."""
     return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
 
 
 def plan_path(fingerprint: str, low_dtype: torch.dtype, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where the plan for ``(fingerprint, low_dtype)`` lives in the cache."""
-    return _folder(cache_dir) / f"{fingerprint}-{_dtype_name(low_dtype)}.json"
+    return cache_folder(cache_dir) / f"{fingerprint}-{dtype_name(low_dtype)}.json"
 
 
 def save_plan(plan: Plan, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -90,7 +87,7 @@ def _load_or_skip(path: Path) -> Plan | None:
 def find_plan(fingerprint: str, low_dtype: torch.dtype | None = None,
               cache_dir: str | os.PathLike | None = None) -> Plan | None:
     """The cached plan for ``fingerprint`` (any low dtype when ``low_dtype`` is None, newest first), or None."""
-    folder = _folder(cache_dir)
+    folder = cache_folder(cache_dir)
     if low_dtype is not None:
         path = plan_path(fingerprint, low_dtype, folder)
         return _load_or_skip(path) if path.is_file() else None
@@ -112,7 +109,7 @@ def find_plan_covering(keys: Iterable[OpKey], low_dtype: torch.dtype | None = No
     wanted = set(keys)
     if not wanted:
         return None
-    for path in _newest_first(_folder(cache_dir).glob("*.json")):
+    for path in _newest_first(cache_folder(cache_dir).glob("*.json")):
         plan = _load_or_skip(path)
         if plan is not None and (low_dtype is None or plan.low_dtype == low_dtype) and wanted <= set(plan):
             return plan

@@ -57,7 +57,7 @@ from .searchlog import SampleRecord
 __all__ = [
     "SearchSpace", "Outcome", "Segment", "Stage1Result", "Stage2Result", "STOPPED_EARLY",
     "loss_limit", "is_accepted", "stage1_bits", "stage1_plan_space", "stage1_candidates",
-    "stage2_segments", "algorithm2_candidates", "run_stage1", "skip_message", "run_stage2", "check_stage2",
+    "stage2_segments", "algorithm2_candidates", "run_stage1", "should_skip", "skip_message", "run_stage2", "check_stage2",
 ]
 
 EpochRunner = Callable[[str], Iterator[tuple[float, float]]]
@@ -343,11 +343,10 @@ class _Stage1:
         """
         if self.predict is None or self.best is None:
             return False
-        limit = self.margin * self.best.cost
         predicted, name = self.bound_cost(bits), "predicted_cost_lower_bound"
-        if not predicted > limit:
+        if not should_skip(predicted, self.best.cost, self.margin):
             predicted, name = self.predicted_cost(bits), "predicted_cost"
-            if not predicted > limit:
+            if not should_skip(predicted, self.best.cost, self.margin):
                 return False
         outcome = Outcome(bits, "skipped", reason=skip_message(predicted, self.best.cost), extra={name: predicted})
         self.report(outcome.record("stage1"))
@@ -431,6 +430,19 @@ class Stage1Result:
     @property
     def loss0(self) -> float:
         return self.baseline.loss
+
+
+def should_skip(predicted: float, best: float | None, margin: float = 1.25) -> bool:
+    """Skip measuring a candidate predicted to cost more than ``margin`` times the best accepted one.
+
+    A plan that cannot be priced (NaN) is never skipped.
+
+    >>> should_skip(1.3, 1.0), should_skip(1.2, 1.0), should_skip(9.0, None), should_skip(float("nan"), 1.0)
+    (True, False, False, False)
+    """
+    if margin < 1.0:
+        raise BadInputError(f"margin={margin}; expected >= 1.0 (1.25 skips candidates predicted 25% slower).")
+    return best is not None and predicted > margin * best
 
 
 def skip_message(predicted: float, best: float) -> str:
