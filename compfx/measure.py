@@ -56,11 +56,6 @@ class Timing:
     def median(self) -> float:
         return statistics.median(self.samples)
 
-    @property
-    def spread(self) -> float:
-        """(max - min) / median: how noisy the measurement was."""
-        return (max(self.samples) - min(self.samples)) / self.median if self.median > 0 else 0.0
-
 
 def time_repeats(step: Callable[[int], object], *, warmup: int, repeats: int,
                  device: torch.device | str | None) -> Timing:

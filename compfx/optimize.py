@@ -25,7 +25,7 @@ from .plan import Plan, dtype_name
 from .report import SearchSummary, render_report
 from .search import SearchSpace, check_stage2, run_stage1, run_stage2
 from .searchlog import Replay, ReplayedState, SampleRecord, SearchLog
-from .training import FairSampler, check_first_batch, move_batch, restore_state, split_batch
+from .training import FairSampler, check_first_batch, cuda_devices, restore_state
 
 __all__ = ["SearchConfig", "optimize", "measured_time"]
 
@@ -166,8 +166,7 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, loss_fn=None, optimiz
         if first is None:
             raise BadInputError("sample_loader yielded no batches; the search trains on it, so give it some "
                                 "(CoMP's Stage 1 uses one epoch of it).")
-        check_first_batch(model, first, loss_fn, device)  # bad inputs fail here, before any search work
-        args, kwargs = split_batch(move_batch(first, device))
+        args, kwargs = check_first_batch(model, first, loss_fn, device)  # bad inputs fail here, before any work
         analysis = analyze(model, kwargs if kwargs else args, device=device, low_dtype=low_dtype)
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,
                               grad_scaler=config.scaler_on(analysis.low_dtype))
@@ -272,7 +271,7 @@ class _Search:
     def run(self) -> nn.Module:
         c, start = self.config, time.perf_counter()
         try:
-            with torch.random.fork_rng(devices=_cuda_devices(self.analysis.device)):  # the user's RNG is untouched
+            with torch.random.fork_rng(devices=cuda_devices(self.analysis.device)):  # the user's RNG is untouched
                 # profiling counts as search time; predictions price the very modules the samples run
                 self.predictor = _build_predictor(self.analysis, c, self.log, rewrite=self.planned_module)
                 stage1 = run_stage1(self.space, self.run_epoch, self.cost, threshold=c.threshold,
@@ -396,7 +395,3 @@ def _progress_bar(enabled: bool):
     return tqdm(desc="compfx search", unit="sample", disable=not enabled, leave=False)
 
 
-def _cuda_devices(device: torch.device) -> list[int]:
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return []
-    return [device.index if device.index is not None else torch.cuda.current_device()]

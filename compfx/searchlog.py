@@ -103,16 +103,17 @@ class SearchLog:
         """
         if resume and log is None:
             raise PlanFileError("resume=True needs log=<path of the search log to resume>; got log=None.")
-        if resume and not isinstance(log, SearchLog) and Path(log).exists() and cls._read(Path(log))[0].records:
-            return cls._reopen(Path(log), header)
+        if resume and not isinstance(log, SearchLog) and Path(log).exists():
+            previous, good_bytes = cls._read(Path(log))
+            if previous.records:
+                return cls._reopen(Path(log), header, previous, good_bytes)
         opened = log if isinstance(log, SearchLog) else cls(log)
         if not opened.records:
             opened._header = dict(header)
         return opened
 
     @classmethod
-    def _reopen(cls, path: Path, header: dict) -> "SearchLog":
-        previous, good_bytes = cls._read(path)
+    def _reopen(cls, path: Path, header: dict, previous: "SearchLog", good_bytes: int) -> "SearchLog":
         _check_header(path, previous, header)
         with open(path, "r+b") as file:  # drop a last line cut short by a crash before appending
             file.truncate(good_bytes)
@@ -298,7 +299,7 @@ class Replay:
             return None
         if record.stage == "stage1" and record.bitstring in self._batches:
             batches = self._batches.pop(record.bitstring)
-            return SampleRecord(**{**asdict(record), "extra": {**record.extra, "batches": batches}})
+            return replace(record, extra={**record.extra, "batches": batches})
         return record
 
 

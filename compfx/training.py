@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 from .errors import BadInputError, CompfxError, NonFiniteGradientError
 from .measure import Timing, time_repeats, timed
 
-__all__ = ["split_batch", "move_batch", "model_loss", "check_loss", "check_first_batch", "StateSnapshot",
+__all__ = ["split_batch", "move_batch", "model_loss", "check_loss", "check_first_batch", "cuda_devices", "StateSnapshot",
            "snapshot_state", "restore_state", "FairSampler"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -97,16 +97,26 @@ def check_loss(loss) -> torch.Tensor:
     return loss
 
 
-def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: torch.device) -> None:
+def cuda_devices(device: torch.device) -> list[int]:
+    """The CUDA device whose RNG ``torch.random.fork_rng`` must protect for work on ``device`` ([] off CUDA)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
+def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: torch.device) -> tuple[tuple, dict]:
     """Run ``model`` and ``loss_fn`` once on ``batch`` (no grad) to catch bad inputs before any search work.
 
     The model's parameters, buffers (e.g. BatchNorm statistics) and the RNG are
-    put back afterwards, so the check changes nothing.
+    put back afterwards, so the check changes nothing. Returns the batch's
+    model inputs on ``device``, as ``(args, kwargs)``.
 
     >>> import torch
     >>> model = torch.nn.Linear(3, 2)
-    >>> check_first_batch(model, (torch.randn(4, 3), torch.randn(4, 2)),
-    ...                   lambda out, b: torch.nn.functional.mse_loss(out, b[-1]), torch.device("cpu"))
+    >>> args, kwargs = check_first_batch(model, (torch.randn(4, 3), torch.randn(4, 2)),
+    ...                                  lambda out, b: torch.nn.functional.mse_loss(out, b[-1]), torch.device("cpu"))
+    >>> args[0].shape, kwargs
+    (torch.Size([4, 3]), {})
     """
     devices = {t.device for t in (*model.parameters(), *model.buffers())}
     if len(devices) > 1:
@@ -115,13 +125,13 @@ def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: t
     batch = move_batch(batch, device)
     args, kwargs = split_batch(batch)
     snapshot = snapshot_state(model)
-    cuda = [device.index or 0] if device.type == "cuda" else []
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda):
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices(device)):
             output = _user_call("the model", lambda: model(*args, **kwargs), batch)
             check_loss(_user_call("loss_fn", lambda: (loss_fn or model_loss)(output, batch), batch))
     finally:
         restore_state(snapshot)
+    return args, kwargs
 
 
 def _user_call(what: str, call: Callable[[], Any], batch):
