@@ -30,7 +30,6 @@ import argparse
 import contextlib
 import json
 import platform
-import time
 from pathlib import Path
 from typing import Callable
 
@@ -44,6 +43,7 @@ import compfx
 from compfx.analyze import default_low_dtype
 from compfx.backend import compile_with_plan
 from compfx.files import write_json_atomic
+from compfx.measure import timed
 
 __all__ = ["MODELS", "bench_model", "main"]
 
@@ -99,11 +99,6 @@ def _train_step(compiled: nn.Module, model: nn.Module, inputs, targets, autocast
     return step
 
 
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _compiled(mode: str, model: nn.Module, inputs, inner: str, low_dtype: torch.dtype, plan_arg):
     """(compiled module, autocast factory, plan description) for one mode."""
     device = inputs[0].device
@@ -136,11 +131,7 @@ def bench_model(name: str, device: torch.device, inner: str, min_run_time: float
         compiled, autocast, plan_label = _compiled(mode, model, inputs, inner, low_dtype, plan_arg)
         scaler = torch.amp.GradScaler(device.type, enabled=(low_dtype == torch.float16 and mode != "fp32"))
         step = _train_step(compiled, model, inputs, targets, autocast, scaler)
-        _synchronize(device)
-        start = time.perf_counter()
-        first_loss = step()  # compiles forward and backward
-        _synchronize(device)
-        compile_s = time.perf_counter() - start
+        first_loss, compile_s = timed(step, device)  # compiles forward and backward
         measurement = Timer("step()", globals={"step": step}).blocked_autorange(min_run_time=min_run_time)
         rows.append(dict(model=name, mode=mode, inner=inner, device=str(device), low_dtype=str(low_dtype),
                          plan=plan_label, compile_s=round(compile_s, 2),

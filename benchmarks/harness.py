@@ -23,10 +23,12 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
+from compfx.analyze import default_low_dtype as _auto_low_dtype
 from compfx.costmodel import CLOCKS
+from compfx.measure import synchronize
 
 from .casts import count_forward_casts, count_graph_casts
-from .memory import peak_memory_bytes, reset_peak_memory, saved_storages, synchronize
+from .memory import peak_memory_bytes, reset_peak_memory, saved_storages
 from .models.spec import ModelSpec
 from .modes import Precision, compfx_status, load_compfx, precision_for, search_config
 
@@ -73,7 +75,7 @@ def default_low_dtype(device: torch.device, name: str = "auto") -> torch.dtype:
     named = {"fp16": torch.float16, "bf16": torch.bfloat16}
     if name != "auto":
         return named[name]
-    return torch.float16 if device.type == "cuda" else torch.bfloat16
+    return _auto_low_dtype(device)
 
 
 def _to_device(batch, device: torch.device):

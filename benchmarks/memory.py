@@ -18,13 +18,7 @@ import torch
 
 from compfx.memory import saved_storages
 
-__all__ = ["saved_storages", "reset_peak_memory", "peak_memory_bytes", "synchronize"]
-
-
-def synchronize(device: torch.device) -> None:
-    """Wait for queued GPU work, so wall-clock timings cover it."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
+__all__ = ["saved_storages", "reset_peak_memory", "peak_memory_bytes"]
 
 
 def reset_peak_memory(device: torch.device) -> None:

@@ -119,22 +119,24 @@ def _train_step(gm, optimizer, batch, loss_fn) -> None:
     optimizer.step()
 
 
-def measure_steps(model, plans, analysis, batch, loss_fn, *, rounds: int, steps: int,
+def measure_steps(model, graphs, batch, loss_fn, *, rounds: int, steps: int,
                   warmup: int) -> dict[str, dict]:
-    """Fastest round's mean step seconds of each plan, on the wall clock and the CPU clock.
+    """Fastest round's mean step seconds of each applied plan, on the wall clock and the CPU clock.
+
+    ``graphs`` maps a plan's name to ``apply(model, plan)``, built once by the
+    caller, which also counts the graph's casts.
 
     Plans interleave within a round, so a change in machine load hits all of
     them alike; the minimum over rounds is the least disturbed figure (the
     profiles are minima too).
     """
     runners = {}
-    for name, plan in plans.items():
-        gm = apply(model, plan, analysis=analysis)
+    for name, gm in graphs.items():
         optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
         for _ in range(warmup):
             _train_step(gm, optimizer, batch, loss_fn)
         runners[name] = (gm, optimizer)
-    samples: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in plans}
+    samples: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in graphs}
     for _ in range(rounds):
         for name, (gm, optimizer) in runners.items():
             wall, cpu = time.perf_counter(), time.process_time()
@@ -154,7 +156,8 @@ def run_model(name: str, args) -> dict:
         predictor = Predictor.build(analysis, cache_dir=cache, clock=args.clock)
         profiling_s = time.perf_counter() - start
     plans = candidate_plans(analysis, args.random_plans, args.seed)
-    measured = measure_steps(model, plans, analysis, batch, loss_fn, rounds=args.rounds, steps=args.steps, warmup=2)
+    graphs = {plan_name: apply(model, plan, analysis=analysis) for plan_name, plan in plans.items()}
+    measured = measure_steps(model, graphs, batch, loss_fn, rounds=args.rounds, steps=args.steps, warmup=2)
     predictor.calibrate(measured["fp32"][args.clock])
     rows = []
     for plan_name, plan in plans.items():
@@ -163,7 +166,7 @@ def run_model(name: str, args) -> dict:
         rows.append({"plan": plan_name, "bits": plan.bitstring(analysis), "measured_s": step,
                      "measured_wall_s": measured[plan_name]["wall"], "predicted_s": breakdown.seconds,
                      "compute_s": breakdown.compute_s, "cast_s": breakdown.cast_s, "casts": breakdown.n_casts,
-                     "pass_casts": count_casts(apply(model, plan, analysis=analysis)),
+                     "pass_casts": count_casts(graphs[plan_name]),
                      "error_pct": 100 * (breakdown.seconds - step) / step})
     scored = [r for r in rows if r["plan"] != "fp32"]
     mape = median_abs_percentage_error([r["predicted_s"] for r in scored], [r["measured_s"] for r in scored])

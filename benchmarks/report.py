@@ -179,10 +179,12 @@ def _markdown(rows: list[dict], meta: dict) -> str:
 
 
 def write_results(rows: list[dict], meta: dict, out_root: str | os.PathLike, stem: str) -> dict[str, Path]:
-    """Write ``<out_root>/<device-slug>/<stem>.json`` and ``.md``; returns their paths."""
+    """Write ``<out_root>/<device-slug>/<stem>.json`` and ``.md``; returns their paths.
+
+    Rows are written as given: the caller attaches the paper's figures (:func:`attach_paper_figures`).
+    """
     folder = Path(out_root) / slug(meta["device_name"])
     folder.mkdir(parents=True, exist_ok=True)
-    rows = [attach_paper_figures(row) for row in rows]  # idempotent: main() has usually attached them
     paths = {"json": folder / f"{stem}.json", "markdown": folder / f"{stem}.md"}
     paths["json"].write_text(json.dumps({"meta": meta, "rows": rows}, indent=2, default=str) + "\n")
     paths["markdown"].write_text(_markdown(rows, meta))
