@@ -22,6 +22,7 @@ import torch
 import torch.nn as nn
 
 from .capture import buffers_restored
+from .training import cuda_devices
 
 __all__ = ["SavedStorages", "saved_storages", "saved_activation_bytes"]
 
@@ -93,8 +94,8 @@ def saved_storages(resident: Iterable[torch.Tensor] = ()) -> Iterator[SavedStora
 @contextmanager
 def _state_kept(module: nn.Module) -> Iterator[None]:
     """Undo what a measuring forward changes: buffers (BatchNorm running stats) and the RNG (dropout)."""
-    devices = sorted({b.device.index for b in module.buffers()
-                      if b.device.type == "cuda" and b.device.index is not None})
+    # Parameters too: a CUDA model with dropout and no buffers still draws from the CUDA generator.
+    devices = sorted({index for t in (*module.parameters(), *module.buffers()) for index in cuda_devices(t.device)})
     with torch.random.fork_rng(devices=devices), buffers_restored(module):
         yield
 
