@@ -19,6 +19,7 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
     try:
+        os.chmod(tmp, _mode_for(path))  # mkstemp makes 0600; give the file the mode open() would have
         with os.fdopen(fd, "w") as handle:
             json.dump(data, handle, indent=2, sort_keys=False)
             handle.write("\n")
@@ -29,6 +30,16 @@ def write_json_atomic(path: str | os.PathLike, data: Any) -> Path:
         Path(tmp).unlink(missing_ok=True)
         raise
     return path
+
+
+def _mode_for(path: Path) -> int:
+    """An existing file's permission bits, or what ``open(path, "w")`` would create (0666 less the umask)."""
+    try:
+        return path.stat().st_mode & 0o777
+    except FileNotFoundError:
+        umask = os.umask(0)  # the only way to read the umask is to set it
+        os.umask(umask)
+        return 0o666 & ~umask
 
 
 def read_json(path: str | os.PathLike, what: str = "file") -> Any:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import stat
 
 import pytest
 import torch
@@ -139,3 +140,15 @@ def test_corrupt_plan_files_raise_plan_file_error(tmp_path, corrupt):
     with pytest.raises(PlanFileError) as error:
         compfx.Plan.load(path)
     assert isinstance(error.value, CompfxError) and str(path) in str(error.value)
+
+
+def test_saved_plan_file_gets_the_mode_a_plain_open_would_give_and_keeps_an_existing_mode(tmp_path):
+    a = _analysis("mlp")
+    plain = tmp_path / "plain.json"
+    plain.write_text("{}")  # what open(path, "w") makes under this process's umask
+    saved = tmp_path / "plan.json"
+    compfx.Plan.fp32(a).save(saved)
+    assert stat.S_IMODE(saved.stat().st_mode) == stat.S_IMODE(plain.stat().st_mode)  # not mkstemp's 0600
+    saved.chmod(0o640)
+    compfx.Plan.amp(a).save(saved)  # replaced atomically, mode kept
+    assert stat.S_IMODE(saved.stat().st_mode) == 0o640 and compfx.Plan.load(saved) == compfx.Plan.amp(a)
