@@ -252,7 +252,6 @@ class _Stage1:
             raise  # the user's inputs are wrong whatever the plan: no point trying the others
         except Exception as error:  # the model failed under this plan: reject it, keep searching
             outcome.status, outcome.reason = "error", f"{type(error).__name__}: {error}"
-            outcome.artifact = None
         finally:
             if epoch is not None and hasattr(epoch, "close"):
                 epoch.close()  # restores the state when the sample stopped early
@@ -302,28 +301,26 @@ class _Stage1:
         self.loss0, self.best = outcome.loss, outcome
         self.samples.append(outcome)
         self.seen.add(bits)
-        if self.identity is not None:
-            self.programs[self.identity(bits)] = bits
+        _earlier_twin(self.programs, self.identity, bits)  # the baseline's program is the first recorded
         self.report(outcome.record("stage1"))
         return outcome
 
     def predicted_cost(self, bits: str) -> float | None:
         """``cost(bits, predicted epoch seconds)``; None without a predictor, NaN when it cannot price ``bits``."""
-        if self.predict is None:
-            return None
-        if bits not in self.predicted:
-            seconds = float(self.predict(bits))
-            self.predicted[bits] = float(self.cost(bits, seconds)) if math.isfinite(seconds) else math.nan
-        return self.predicted[bits]
+        return None if self.predict is None else self._priced(self.predict, self.predicted, bits)
 
     def bound_cost(self, bits: str) -> float:
         """``cost(bits, lower bound of the predicted seconds)``: the full prediction when there is no bound."""
         if self.bound is None:
             return self.predicted_cost(bits)
-        if bits not in self.bounds:
-            seconds = float(self.bound(bits))
-            self.bounds[bits] = float(self.cost(bits, seconds)) if math.isfinite(seconds) else math.nan
-        return self.bounds[bits]
+        return self._priced(self.bound, self.bounds, bits)
+
+    def _priced(self, estimate: Predict, cache: dict[str, float], bits: str) -> float:
+        """``cost(bits, estimate(bits))``, computed once per plan; NaN when ``bits`` cannot be priced."""
+        if bits not in cache:
+            seconds = float(estimate(bits))
+            cache[bits] = float(self.cost(bits, seconds)) if math.isfinite(seconds) else math.nan
+        return cache[bits]
 
     def by_prediction(self, candidates: Sequence[str]) -> list[str]:
         """Candidates cheapest-predicted first (stable; by the bound when there is one), or as given."""
@@ -358,11 +355,8 @@ class _Stage1:
         E.g. the Stage-1 plan with every adjustable op FP32 is the FP32 baseline
         whenever its "follow" ops only ever see FP32 inputs.
         """
-        if self.identity is None:
-            return False
-        program = self.identity(bits)
-        first = self.programs.setdefault(program, bits)
-        if first == bits:
+        first = _earlier_twin(self.programs, self.identity, bits)
+        if first is None:
             return False
         _note(self.report, "stage1", f"plan {bits} runs the same program as {first}, already sampled: not run "
               "again", plan=bits, same_as=first)
@@ -430,6 +424,17 @@ class Stage1Result:
     @property
     def loss0(self) -> float:
         return self.baseline.loss
+
+
+def _earlier_twin(programs: dict, identity: Identity | None, bits: str) -> str | None:
+    """The plan first recorded in ``programs`` with the program ``bits`` rewrites to, unless that is ``bits``.
+
+    Records ``bits`` when its program is new; None without an ``identity``.
+    """
+    if identity is None:
+        return None
+    first = programs.setdefault(identity(bits), bits)
+    return None if first == bits else first
 
 
 def should_skip(predicted: float, best: float | None, margin: float = 1.25) -> bool:
@@ -640,10 +645,7 @@ class _Stage2:
 
     def _twin(self, bits: str) -> str | None:
         """The plan already timed that runs the same program as ``bits``, if any."""
-        if self.identity is None:
-            return None
-        first = self.programs.setdefault(self.identity(bits), bits)
-        return None if first == bits else first
+        return _earlier_twin(self.programs, self.identity, bits)
 
     def cheapest(self, outcomes: Sequence[Outcome]) -> Outcome:
         """Lowest cost; the earliest wins a tie (``min`` keeps the first)."""
