@@ -27,6 +27,7 @@ all ranks, which the lock-step search relies on.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 from itertools import product
@@ -404,9 +405,7 @@ class _DistributedSearch:
     def __init__(self, search, ctx: RankContext):
         self.search, self.ctx = search, ctx
         config = search.config
-        self.per_device = bool(getattr(config, "per_device", False))
-        self.budget = getattr(config, "memory_budget", None)
-        _check_budget(self.budget, self.per_device)
+        self.per_device, self.budget = config.per_device, config.memory_budget  # checked by SearchConfig
         if ctx.distributed and config.predictor == "on":
             # Each rank would profile its own ops and order or skip candidates on its own
             # predictions, and the ranks' collectives would stop matching; measure them all.
@@ -454,13 +453,17 @@ class _DistributedSearch:
 
     def _measure_locally(self, bits: str) -> tuple[float, int]:
         from .memory import saved_activation_bytes
+
+        args, kwargs = self._first_inputs
+        return self.local_time_step(bits), saved_activation_bytes(self.search.module(bits), args, kwargs)
+
+    @functools.cached_property
+    def _first_inputs(self) -> tuple[tuple, dict]:
+        """The loader's first batch on this rank's device, fetched once: every plan's bytes are of the same batch."""
         from .training import move_batch, split_batch
 
-        search = self.search
-        batch = move_batch(next(iter(search.sampler.loader)), search.sampler.device)
-        args, kwargs = split_batch(batch)
-        nbytes = saved_activation_bytes(search.module(bits), args, kwargs)
-        return self.local_time_step(bits), nbytes
+        sampler = self.search.sampler
+        return split_batch(move_batch(next(iter(sampler.loader)), sampler.device))
 
     def _converges(self, stage1, mine: str) -> bool:
         """The mean loss over ranks, each under its own plan, against FP32's on the same batches."""
@@ -473,15 +476,6 @@ class _DistributedSearch:
         except Exception:
             return False
         return is_accepted(loss, reference, self.search.config.threshold)
-
-
-def _check_budget(budget, per_device: bool) -> None:
-    if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
-        raise BadInputError(f"SearchConfig(memory_budget={budget!r}); expected a positive int (bytes of "
-                            "activations saved for backward per step on this rank) or None.")
-    if budget is not None and not per_device:
-        raise BadInputError("SearchConfig(memory_budget=...) is a per-rank limit used by the per-device allocator; "
-                            "set per_device=True as well, or leave memory_budget=None.")
 
 
 def distribute_search(search, group=None):

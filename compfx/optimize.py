@@ -121,6 +121,13 @@ class SearchConfig:
                                 "(stop a sample projected 5% over the best plan), or None.")
         if self.grad_scaler not in (None, True, False):
             raise BadInputError(f"SearchConfig(grad_scaler={self.grad_scaler!r}); expected None, True or False.")
+        budget = self.memory_budget
+        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
+            raise BadInputError(f"SearchConfig(memory_budget={budget!r}); expected a positive int (bytes of "
+                                "activations saved for backward per step on this rank) or None.")
+        if budget is not None and not self.per_device:
+            raise BadInputError("SearchConfig(memory_budget=...) is a per-rank limit used by the per-device "
+                                "allocator; set per_device=True as well, or leave memory_budget=None.")
 
     def scaler_on(self, low_dtype: torch.dtype) -> bool:
         return self.grad_scaler if self.grad_scaler is not None else low_dtype == torch.float16
