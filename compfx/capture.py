@@ -48,6 +48,7 @@ __all__ = [
     "ExampleInputs",
     "DATA_MOVEMENT_KINDS",
     "is_data_movement",
+    "is_in_place",
     "is_numerical_op",
     "produces_float",
     "op_nodes",
@@ -290,11 +291,7 @@ class _SpecializingTracer(fx.Tracer):
     def _run_leaf_on_fakes(self, module: nn.Module, args, kwargs):
         # functional_call swaps fake copies in for the module's own tensors, so
         # in-place updates (BatchNorm running stats) never touch the user's model.
-        state = {
-            name: self._fake(t)
-            for name, t in (*module.named_parameters(remove_duplicate=False),
-                            *module.named_buffers(remove_duplicate=False))
-        }
+        state = {name: self._fake(t) for name, t in _named_tensors(module)}
         return torch.func.functional_call(module, state, args, kwargs, tie_weights=False)
 
     # -- torch.no_grad() blocks -------------------------------------------------
@@ -403,18 +400,27 @@ def _keep_even_if_unused(node: fx.Node) -> bool:
     """Impure nodes, in-place updates (BatchNorm's num_batches_tracked.add_(1)) and leaf modules."""
     if node.op == "call_module" or node.is_impure():
         return True
-    if node.op == "call_method":
-        return node.target.endswith("_") and not node.target.endswith("__")
-    name = getattr(node.target, "__name__", "")
-    return node.op == "call_function" and (
-        (name.endswith("_") and not name.endswith("__")) or node.target in _IN_PLACE_OPERATORS
-    )
+    return node.op in ("call_function", "call_method") and is_in_place(node.target)
 
 
 _IN_PLACE_OPERATORS = frozenset(
     (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
      operator.imatmul, operator.ipow, operator.iand, operator.ior, operator.ixor)
 )
+
+
+def is_in_place(target) -> bool:
+    """True when a call target writes its first argument by name: ``add_``, ``torch.relu_``, ``operator.iadd``.
+
+    ``target`` is a node's target: a method or module name, or a function.
+    Dunder names (``__add__``) are not in-place; ``inplace=True`` is not seen here.
+
+    >>> import operator, torch
+    >>> is_in_place("add_"), is_in_place(torch.relu_), is_in_place(operator.iadd), is_in_place("__add__")
+    (True, True, True, False)
+    """
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or target in _IN_PLACE_OPERATORS
 
 
 # ---------------------------------------------------------------------------

@@ -19,6 +19,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from compfx.analyze import model_device
 from compfx.capture import normalize_example_inputs
 
 from .insert_casts import CAST_META, AutocastRegion, meta_value
@@ -83,10 +84,11 @@ def cast_report(gm: fx.GraphModule) -> CastReport:
     6 casts (bfloat16->float32: 1, float32->bfloat16: 5); 4 of parameters; 0 autocast regions
     """
     pairs: Counter[str] = Counter()
-    parameter_casts = 0
+    total = parameter_casts = 0
     for node in gm.graph.nodes:
         if not is_cast(node):
             continue
+        total += 1
         source = node.args[0]
         before, after = _dtype_of(meta_value(source)), _dtype_of(meta_value(node))
         if before is not None and after is not None:
@@ -94,7 +96,7 @@ def cast_report(gm: fx.GraphModule) -> CastReport:
         parameter_casts += source.op == "get_attr" or isinstance(meta_value(source), nn.Parameter)
     regions = sum(node.op == "call_module" and isinstance(gm.get_submodule(node.target), AutocastRegion)
                   for node in gm.graph.nodes)
-    return CastReport(sum(1 for n in gm.graph.nodes if is_cast(n)), dict(pairs), parameter_casts, regions)
+    return CastReport(total, dict(pairs), parameter_casts, regions)
 
 
 def count_casts(gm: fx.GraphModule) -> int:
@@ -132,8 +134,7 @@ def count_autocast_casts(model: nn.Module, example_inputs, dtype: torch.dtype | 
     """
     args, kwargs = normalize_example_inputs(example_inputs)
     if device_type is None:
-        tensors = [*model.parameters(), *model.buffers()]
-        device_type = tensors[0].device.type if tensors else "cpu"
+        device_type = model_device(model).type
     dtype = dtype or torch.get_autocast_dtype(device_type)
     counter = _CastCounter()
     with FakeTensorMode(allow_non_fake_inputs=True), counter, torch.autocast(device_type, dtype=dtype):

@@ -32,9 +32,9 @@ parameter is cast at most once per forward (autocast's weight-cast cache).
 from __future__ import annotations
 
 import copy
+import functools
 import inspect
 import logging
-import operator
 import weakref
 from contextlib import contextmanager
 from typing import Any, Callable, Mapping
@@ -45,9 +45,11 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
+from compfx.capture import _get_attr, is_in_place
 from compfx.errors import PassError
 from compfx.oplists import classify
 from compfx.opkey import KEY_META, OpKey
+from compfx.plan import PRECISIONS as _PRECISIONS
 
 __all__ = ["insert_casts", "AutocastRegion", "CAST_META", "DTYPES_FRESH", "NORM_KINDS", "COMPOSITE_KINDS",
            "PROMOTING_KINDS", "dtype_short_name", "meta_value"]
@@ -67,10 +69,7 @@ PROMOTING_KINDS = frozenset("""
     clamp clip clamp_min clamp_max hypot copysign remainder fmod floor_divide eq ne lt le gt ge
     logaddexp logaddexp2 xlogy heaviside
 """.split())
-_PRECISIONS = ("low", "fp32", "follow")
 _SHORT_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32", torch.float64: "fp64"}
-_INPLACE_OPERATORS = frozenset({operator.iadd, operator.isub, operator.imul, operator.itruediv,
-                                operator.ifloordiv, operator.ipow, operator.imatmul})
 
 
 class _Unknown:
@@ -256,13 +255,6 @@ def _quiet_fake_tensor_errors():
         logger.setLevel(level)
 
 
-def _get_attr(root: torch.nn.Module, target: str):
-    obj = root
-    for part in target.split("."):
-        obj = getattr(obj, part)
-    return obj
-
-
 class _CastInserter:
     """One run of the pass over one graph (state: node values and the cast cache)."""
 
@@ -273,11 +265,15 @@ class _CastInserter:
         self.mode = self._fake_mode()
         self.shared_results = _FAKE_RESULTS.setdefault(self.mode, {})
         self.values: dict[fx.Node, Any] = {}
+        self.initial_values: dict[fx.Node, Any] = {}  # _initial_value's answers: each node is typed once
         self.original_dtypes: dict[fx.Node, tuple] = {}
         self.casts: dict[tuple[Any, torch.dtype], fx.Node] = {}
         self.regions: dict[str, AutocastRegion] = {}
         self.device_type = self._device_type()
-        self.categories = categories if categories is not None else _AutocastCategories(self.device_type)
+        if categories is None:  # autocast's table for the graph's device type
+            categories = {n.meta[KEY_META]: classify(n.meta[KEY_META].kind, self.device_type)
+                          for n in self.graph.nodes if KEY_META in n.meta}
+        self.categories = categories
 
     def _fake_mode(self) -> FakeTensorMode:
         """The fake mode that made the graph's values (not a TracingContext's: AOT may hold another)."""
@@ -309,12 +305,17 @@ class _CastInserter:
             self._update_value(node)
 
     def _initial_value(self, node: fx.Node):
+        """The node's value before the rewrite (fake for parameters and buffers); worked out once per node."""
+        if node in self.initial_values:
+            return self.initial_values[node]
         if node.op == "get_attr":
-            attr = _get_attr(self.gm, node.target)
-            if isinstance(attr, torch.Tensor):
-                return attr if isinstance(attr, FakeTensor) else self.mode.from_tensor(attr, static_shapes=True)
-            return attr
-        return meta_value(node)
+            value = _get_attr(self.gm, node.target)
+            if isinstance(value, torch.Tensor) and not isinstance(value, FakeTensor):
+                value = self.mode.from_tensor(value, static_shapes=True)
+        else:
+            value = meta_value(node)
+        self.initial_values[node] = value
+        return value
 
     def _value(self, node: fx.Node):
         return self.values.get(node, UNKNOWN)
@@ -335,12 +336,13 @@ class _CastInserter:
         if precision == "low" and (key.kind in COMPOSITE_KINDS or node.op == "call_module"):
             self._run_under_autocast(node)
             return
+        castable = self._castable_inputs(node)
         if precision == "follow" and self._category(node) == "other":
-            if not self._runs_as_is(node):
-                self._cast_inputs(node, self._widest_input_dtype(node))
+            if not self._runs_as_is(node, castable):
+                self._cast_inputs(node, castable, self._widest_input_dtype(castable))
             return
-        dtype = {"low": self.low_dtype, "fp32": torch.float32}.get(precision) or self._widest_input_dtype(node)
-        self._cast_inputs(node, dtype)
+        dtype = {"low": self.low_dtype, "fp32": torch.float32}.get(precision) or self._widest_input_dtype(castable)
+        self._cast_inputs(node, castable, dtype)
 
     def _castable_inputs(self, node: fx.Node) -> list[tuple[Any, fx.Node]]:
         """(position, input node) pairs whose value this op's precision applies to."""
@@ -356,31 +358,27 @@ class _CastInserter:
                     pairs.append((position, arg))
         return pairs
 
-    def _widest_input_dtype(self, node: fx.Node) -> torch.dtype | None:
-        dtypes = [self._value(arg).dtype for _, arg in self._castable_inputs(node)]
-        if not dtypes:
-            return None
-        widest = dtypes[0]
-        for dtype in dtypes[1:]:
-            widest = torch.promote_types(widest, dtype)
-        return widest
+    def _widest_input_dtype(self, castable: list[tuple[Any, fx.Node]]) -> torch.dtype | None:
+        dtypes = [self._value(arg).dtype for _, arg in castable]
+        return functools.reduce(torch.promote_types, dtypes) if dtypes else None
 
-    def _cast_inputs(self, node: fx.Node, dtype: torch.dtype | None) -> None:
+    def _cast_inputs(self, node: fx.Node, castable: list[tuple[Any, fx.Node]], dtype: torch.dtype | None) -> None:
+        """Cast the ``castable`` inputs (from :meth:`_castable_inputs`) of ``node`` to ``dtype`` (None: no casts)."""
         if dtype is None:
             return
-        castable = dict.fromkeys(arg for _, arg in self._castable_inputs(node))  # ordered, no repeats
-        replace = {arg: self._cast(arg, dtype, node) for arg in castable if self._value(arg).dtype != dtype}
+        args = dict.fromkeys(arg for _, arg in castable)  # ordered, no repeats
+        replace = {arg: self._cast(arg, dtype, node) for arg in args if self._value(arg).dtype != dtype}
         if replace:
             _replace_inputs(node, replace)
 
-    def _runs_as_is(self, node: fx.Node) -> bool:
+    def _runs_as_is(self, node: fx.Node, castable: list[tuple[Any, fx.Node]]) -> bool:
         """Can an op with no casts of its own run on the dtypes that reach it?
 
         Yes when they agree, or when the op type-promotes mixed inputs (add, mul,
         where, ...). Other kernels (GEMMs, RNNs, scatter) reject mixed inputs,
         and fake kernels are too lax to tell (a fake ``linear`` takes bf16 x FP32).
         """
-        dtypes = {self._value(arg).dtype for _, arg in self._castable_inputs(node)}
+        dtypes = {self._value(arg).dtype for _, arg in castable}
         return len(dtypes) <= 1 or node.meta[KEY_META].kind in PROMOTING_KINDS
 
     def _run_under_autocast(self, node: fx.Node) -> None:
@@ -389,7 +387,7 @@ class _CastInserter:
         elif node.op == "call_function":
             fn = node.target
         else:  # call_method: no function to wrap; cast like any other op
-            self._cast_inputs(node, self.low_dtype)
+            self._cast_inputs(node, self._castable_inputs(node), self.low_dtype)
             return
         name = self._free_name(f"{node.meta[KEY_META].module or node.name}_autocast_{dtype_short_name(self.low_dtype)}")
         self.regions[name] = AutocastRegion(fn, self.device_type, self.low_dtype)
@@ -504,9 +502,7 @@ class _CastInserter:
         dtypes = [t.dtype for arg in node.all_input_nodes for t in _float_leaves(self._value(arg))]
         if original is UNKNOWN or not dtypes:
             return original
-        promoted = dtypes[0]
-        for dtype in dtypes[1:]:
-            promoted = torch.promote_types(promoted, dtype)
+        promoted = functools.reduce(torch.promote_types, dtypes)
         with self.mode:
             return pytree.tree_map_only(
                 torch.Tensor, lambda t: t.to(promoted) if t.is_floating_point() else t, original)
@@ -517,25 +513,6 @@ class _CastInserter:
             node.meta[key] = value
         if "tensor_meta" in like.meta and isinstance(value, torch.Tensor):
             node.meta["tensor_meta"] = _extract_tensor_metadata(value)
-
-
-class _AutocastCategories(Mapping):
-    """Default categories: autocast's table for the graph's device type."""
-
-    def __init__(self, device_type: str):
-        self.device_type = device_type
-
-    def __getitem__(self, key: OpKey) -> str:
-        return classify(key.kind, self.device_type)
-
-    def get(self, key, default=None):
-        return self[key]
-
-    def __iter__(self):
-        return iter(())
-
-    def __len__(self):
-        return 0
 
 
 # ---------------------------------------------------------------------------
@@ -556,9 +533,7 @@ def _replace_inputs(node: fx.Node, replace: Mapping[fx.Node, fx.Node]) -> None:
 def _mutated_positions(node: fx.Node) -> set:
     """Argument positions the op writes to: never cast them, or the write is lost."""
     positions = {"out"}
-    name = node.target if isinstance(node.target, str) else getattr(node.target, "__name__", "")
-    in_place_name = name.endswith("_") and not name.endswith("__")
-    if in_place_name or node.target in _INPLACE_OPERATORS or _passes_inplace_true(node):
+    if is_in_place(node.target) or _passes_inplace_true(node):
         positions |= {0, "input", "self"}
     return positions
 
@@ -568,8 +543,30 @@ def _passes_inplace_true(node: fx.Node) -> bool:
         return True
     if node.op != "call_function":
         return False
+    signature = _signature(node.target)
+    if signature is None:
+        return False
     try:
-        bound = inspect.signature(node.target).bind(*node.args, **node.kwargs)
-    except (TypeError, ValueError):  # builtins without a signature
+        bound = signature.bind(*node.args, **node.kwargs)
+    except TypeError:  # the call does not fit the signature
         return False
     return bound.arguments.get("inplace") is True
+
+
+def _signature(target) -> inspect.Signature | None:
+    """``inspect.signature(target)``, None for builtins without one; cached, as every rewrite asks again."""
+    try:
+        hash(target)
+    except TypeError:  # an unhashable callable: no cache
+        return _signature_uncached(target)
+    return _cached_signature(target)
+
+
+def _signature_uncached(target) -> inspect.Signature | None:
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):  # builtins without a signature, non-callables
+        return None
+
+
+_cached_signature = functools.lru_cache(maxsize=1024)(_signature_uncached)
