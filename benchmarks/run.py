@@ -66,13 +66,17 @@ def _search_overrides(args: argparse.Namespace) -> dict:
     return {"stage1_budget": args.stage1_budget, "stage2_budget": args.stage2_budget, "repeats": args.search_repeats}
 
 
+def _options(args: argparse.Namespace, compiled: bool) -> RunOptions:
+    return RunOptions(device=args.device, low_dtype=args.low_dtype, epochs=args.epochs, batches=args.batches,
+                      data=args.data, compile=compiled, seed=args.seed, count_casts=not args.no_casts,
+                      search=_search_overrides(args), clock=args.clock, threads=args.threads)
+
+
 def run_all(args: argparse.Namespace, log=print) -> list[dict]:
     """Every (model, mode, eager/compiled) row, in that order."""
     rows = []
     for compiled in ([False, True] if args.compile else [False]):
-        options = RunOptions(device=args.device, low_dtype=args.low_dtype, epochs=args.epochs, batches=args.batches,
-                             data=args.data, compile=compiled, seed=args.seed, count_casts=not args.no_casts,
-                             search=_search_overrides(args), clock=args.clock, threads=args.threads)
+        options = _options(args, compiled)
         for name in args.models:
             for mode in args.modes:
                 row = run_benchmark(get_spec(name), args.config, mode, options)
@@ -91,9 +95,7 @@ def main(argv=None) -> int:
         "config": args.config, "data": args.data, "epochs": args.epochs, "batches": args.batches,
         "low_dtype": str(default_low_dtype(device, args.low_dtype)).replace("torch.", ""),
         "compfx": compfx_status(), "argv": sys.argv[1:] if argv is None else list(argv),
-        "options": options_dict(RunOptions(device=args.device, epochs=args.epochs, batches=args.batches,
-                                           data=args.data, compile=args.compile, seed=args.seed,
-                                           search=_search_overrides(args), clock=args.clock, threads=args.threads)),
+        "options": options_dict(_options(args, args.compile)),
         "threads": torch.get_num_threads(),
     }
     stem = f"{args.config}-{args.data}" + ("-compile" if args.compile else "")
