@@ -89,6 +89,7 @@ def _run(epochs, sample_batches, batch_size, seed, log, progress, print_fn) -> n
     print_fn(fast.report())
     print_fn("")
     print_fn(f"post-training with the chosen plan ({epochs} epochs of {len(train)} batches):")
+    evaluator = _evaluator(model, fast, test)
     for epoch in range(1, epochs + 1):
         losses = []
         for x, y in train:
@@ -98,15 +99,18 @@ def _run(epochs, sample_batches, batch_size, seed, log, progress, print_fn) -> n
             optimizer.step()
             losses.append(loss.item())
         print_fn(f"  epoch {epoch}: train loss {sum(losses) / len(losses):.4f}, "
-                 f"test accuracy {_evaluation_accuracy(model, fast, test):.3f}")
+                 f"test accuracy {_accuracy(evaluator, test):.3f}")
     return fast
 
 
-def _evaluation_accuracy(model: nn.Module, fast: nn.Module, test: list) -> float:
-    """Accuracy with the chosen plan applied to the model in eval mode (BatchNorm running statistics)."""
+def _evaluator(model: nn.Module, fast: nn.Module, test: list) -> nn.Module:
+    """The chosen plan applied to the model in eval mode (BatchNorm running statistics).
+
+    Built once: it shares the model's parameters and buffers, so it reads the
+    weights and statistics that training has reached.
+    """
     model.eval()
     try:
-        evaluator = apply(model, fast.plan, test[0][:1])
-        return _accuracy(evaluator, test)
+        return apply(model, fast.plan, test[0][:1])
     finally:
         model.train()
