@@ -379,8 +379,13 @@ def _write_entry(path: Path, key: Mapping[str, Any], fmt: str, result: Mapping[s
 
 def _op_cache_key(signature: Mapping, dtype: torch.dtype, device: torch.device, casts: Iterable[int],
                   clock: str) -> dict:
-    return {"signature": signature, "dtype": dtype_name(dtype), "cast_inputs": sorted(casts), "clock": clock,
-            "device": device_name(device), "torch": torch.__version__, "version": _CACHE_VERSION}
+    return {"signature": signature, "dtype": dtype_name(dtype), "cast_inputs": sorted(casts),
+            **_environment_key(device, clock)}
+
+
+def _environment_key(device: torch.device, clock: str) -> dict:
+    """What makes a cached timing stale besides the op itself: the clock, the device, torch, the cache format."""
+    return {"clock": clock, "device": device_name(device), "torch": torch.__version__, "version": _CACHE_VERSION}
 
 
 # ---------------------------------------------------------------------------
@@ -558,8 +563,7 @@ def fit_cast_cost(
     root = profile_cache_dir(cache_dir) if use_cache else None
     coefficients = {}
     for src, dst in pairs:
-        key = {"cast": [dtype_name(src), dtype_name(dst)], "sizes": sorted(sizes), "clock": clock,
-               "device": device_name(device), "torch": torch.__version__, "version": _CACHE_VERSION}
+        key = {"cast": [dtype_name(src), dtype_name(dst)], "sizes": sorted(sizes), **_environment_key(device, clock)}
         path = _entry_path(root, key) if root is not None else None
         cached = _read_entry(path, key, _CAST_FORMAT) if path is not None and not refresh else None
         if cached is None:
