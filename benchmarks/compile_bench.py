@@ -5,7 +5,7 @@ Three ways to compile the same model and train it:
 * ``fp32``:   ``torch.compile(model, backend=inner)``,
 * ``amp``:    the same, with the forward under ``torch.autocast(device, low_dtype)``
   (dynamo traces the autocast region),
-* ``compfx``: ``compile_with_plan(model, plan, inner)``: the plan's casts are
+* ``compfx``: ``compile_with_plan(model, plan, inner=inner)``: the plan's casts are
   inserted into dynamo's graph before AOT autograd and ``inner``.
 
 A step is forward + loss + backward + optimizer step (with a GradScaler for
@@ -40,7 +40,7 @@ from tabulate import tabulate
 from torch.utils.benchmark import Timer
 
 import compfx
-from compfx.analyze import default_low_dtype
+from compfx.vocabulary import default_low_dtype
 from compfx.backend import compile_with_plan
 from compfx.files import write_json_atomic
 from compfx.measure import timed
@@ -114,7 +114,7 @@ def _compiled(mode: str, model: nn.Module, inputs, inner: str, low_dtype: torch.
         plan, label = None, "plan cache / default"
     else:
         plan, label = compfx.Plan.load(plan_arg), str(plan_arg)
-    return compile_with_plan(model, plan, inner), contextlib.nullcontext, label
+    return compile_with_plan(model, plan, inner=inner), contextlib.nullcontext, label
 
 
 def bench_model(name: str, device: torch.device, inner: str, min_run_time: float, plan_arg: str,

@@ -23,7 +23,7 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-from compfx.analyze import default_low_dtype as _auto_low_dtype
+from compfx.vocabulary import default_low_dtype as _auto_low_dtype
 from compfx.costmodel import CLOCKS
 from compfx.measure import synchronize
 

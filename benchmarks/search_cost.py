@@ -45,7 +45,7 @@ import compfx
 import compfx.report
 from compfx.files import write_json_atomic
 from compfx.optimize import SearchConfig, optimize
-from compfx.plan_cache import CACHE_DIR_ENV
+from compfx.cache import CACHE_DIR_ENV
 from compfx.search import STOPPED_EARLY
 
 __all__ = ["SixOpCNN", "sample_loader", "exhaustive_estimate", "step_time_ratio", "run"]

@@ -18,12 +18,12 @@ from tabulate import tabulate
 from torch.utils import _pytree as pytree
 
 from .capture import capture, op_nodes
-from .errors import BadInputError
 from .opkey import KEY_META, OpKey
 from .oplists import classify
 from .tensor_cores import tc_eligible
+from .vocabulary import Category, check_low_dtype, default_low_dtype, dtype_name
 
-__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "describe_op", "default_low_dtype", "model_device"]
+__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "describe_op", "model_device"]
 
 Shape = tuple[int, ...]
 
@@ -33,7 +33,7 @@ class OpInfo:
     """What the analysis knows about one operator."""
 
     key: OpKey
-    category: str  # "whitelist" | "blacklist" | "other"
+    category: Category
     tc_eligible: bool
     reason: str
     input_shapes: tuple[Shape, ...]
@@ -46,7 +46,7 @@ class OpInfo:
     @property
     def adjustable_in_stage1(self) -> bool:
         """CoMP Stage 1 tries this op at both precisions (blacklist, or whitelist without TC)."""
-        return self.category == "blacklist" or (self.category == "whitelist" and not self.tc_eligible)
+        return self.category is Category.BLACKLIST or (self.category is Category.WHITELIST and not self.tc_eligible)
 
 
 @dataclass(frozen=True, eq=False)
@@ -71,7 +71,7 @@ class Analysis:
     @property
     def stage1_ops(self) -> tuple[OpInfo, ...]:
         """CoMP's Stage1_OP_list: whitelisted and blacklisted ops."""
-        return tuple(op for op in self.ops if op.category in ("whitelist", "blacklist"))
+        return tuple(op for op in self.ops if op.category is not Category.OTHER)
 
     @property
     def stage1_adjustable(self) -> tuple[OpInfo, ...]:
@@ -80,7 +80,7 @@ class Analysis:
 
     @property
     def other_ops(self) -> tuple[OpInfo, ...]:
-        return tuple(op for op in self.ops if op.category == "other")
+        return tuple(op for op in self.ops if op.category is Category.OTHER)
 
     def index(self, key: OpKey) -> int:
         return self.keys.index(key)
@@ -103,11 +103,12 @@ class Analysis:
         return tabulate(rows, headers=headers, tablefmt=tablefmt)
 
     def summary(self) -> str:
-        counts = {c: sum(op.category == c for op in self.ops) for c in ("whitelist", "blacklist", "other")}
+        counts = {c: sum(op.category is c for op in self.ops) for c in Category}
         tc = sum(op.tc_eligible for op in self.ops)
-        return (f"{len(self.ops)} ops on {self.device} (low dtype {str(self.low_dtype).replace('torch.', '')}): "
-                f"{counts['whitelist']} whitelist ({tc} tensor-core eligible), {counts['blacklist']} blacklist, "
-                f"{counts['other']} other; Stage 1 adjusts {len(self.stage1_adjustable)}.")
+        return (f"{len(self.ops)} ops on {self.device} (low dtype {dtype_name(self.low_dtype)}): "
+                f"{counts[Category.WHITELIST]} whitelist ({tc} tensor-core eligible), "
+                f"{counts[Category.BLACKLIST]} blacklist, {counts[Category.OTHER]} other; "
+                f"Stage 1 adjusts {len(self.stage1_adjustable)}.")
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -115,11 +116,6 @@ def model_device(model: nn.Module) -> torch.device:
     for tensor in (*model.parameters(), *model.buffers()):
         return tensor.device
     return torch.device("cpu")
-
-
-def default_low_dtype(device: torch.device) -> torch.dtype:
-    """fp16 on CUDA (the paper's setting), bf16 elsewhere (what CPU autocast uses)."""
-    return torch.float16 if device.type == "cuda" else torch.bfloat16
 
 
 def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
@@ -146,7 +142,7 @@ def _conv_groups(node: fx.Node) -> int:
     return groups if isinstance(groups, int) else 1
 
 
-def describe_op(node: fx.Node, device: torch.device, low_dtype: torch.dtype,
+def describe_op(node: fx.Node, *, device: torch.device, low_dtype: torch.dtype,
                 overrides: Mapping[str, str] | None = None, capability=None) -> OpInfo:
     """Build the :class:`OpInfo` of one keyed node."""
     key: OpKey = node.meta[KEY_META]
@@ -157,20 +153,21 @@ def describe_op(node: fx.Node, device: torch.device, low_dtype: torch.dtype,
     return OpInfo(key, category, eligible, reason, input_shapes, _shapes(node.meta.get("val")))
 
 
-def analyze_graph(gm: fx.GraphModule, device: torch.device, low_dtype: torch.dtype,
+def analyze_graph(gm: fx.GraphModule, *, device: torch.device, low_dtype: torch.dtype,
                   overrides: Mapping[str, str] | None = None, capability: tuple[int, int] | None = None) -> Analysis:
     """Analyse an already captured graph (used by :func:`analyze` and the compile backend)."""
     capability = capability or _cuda_capability(device)
-    ops = tuple(describe_op(n, device, low_dtype, overrides, capability) for n in op_nodes(gm))
+    ops = tuple(describe_op(n, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability)
+                for n in op_nodes(gm))
     return Analysis(ops, device, low_dtype, gm, gm.meta.get("compfx_capture_method", "symbolic"))
 
 
 def analyze(
     model: nn.Module,
     example_inputs,
+    *,
     device: torch.device | str | None = None,
     low_dtype: torch.dtype | None = None,
-    *,
     overrides: Mapping[str, str] | None = None,
     leaf_modules: Iterable[type | str] = (),
     capability: tuple[int, int] | None = None,
@@ -185,13 +182,10 @@ def analyze(
     >>> import torch, compfx
     >>> model = torch.nn.Sequential(torch.nn.Linear(16, 10), torch.nn.Softmax(-1))
     >>> a = compfx.analyze(model, torch.randn(4, 16), device="cuda", capability=(8, 0))
-    >>> [(str(op.key), op.category, op.tc_eligible) for op in a.ops]
+    >>> [(str(op.key), str(op.category), op.tc_eligible) for op in a.ops]
     [('0:linear#0', 'whitelist', False), ('1:softmax#0', 'blacklist', False)]
     """
     device = torch.device(device) if device is not None else model_device(model)
-    if low_dtype is None:
-        low_dtype = default_low_dtype(device)
-    if low_dtype not in (torch.float16, torch.bfloat16):
-        raise BadInputError(f"low_dtype={low_dtype}; compfx expected torch.float16 or torch.bfloat16.")
+    low_dtype = check_low_dtype(low_dtype if low_dtype is not None else default_low_dtype(device))
     gm = capture(model, example_inputs, leaf_modules=leaf_modules)
-    return analyze_graph(gm, device, low_dtype, overrides, capability)
+    return analyze_graph(gm, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability)

@@ -17,7 +17,7 @@ import torch.nn as nn
 
 from .analyze import Analysis, analyze
 from .errors import BadInputError
-from .passes.insert_casts import insert_casts
+from .passes import apply_precisions
 from .plan import Plan
 
 __all__ = ["apply"]
@@ -65,7 +65,7 @@ def apply(
     _check_same_parameters(source, model)
     gm = fx.GraphModule(source, copy.deepcopy(source.graph), class_name=type(model).__name__ + "Mixed")
     categories = {op.key: op.category for op in analysis.ops}
-    insert_casts(gm, plan, plan.low_dtype, categories=categories, restore_output_dtypes=restore_output_dtypes)
+    apply_precisions(gm, plan, low_dtype=plan.low_dtype, categories=categories, restore_outputs=restore_output_dtypes)
     _mirror_state(gm, model)
     gm.train(model.training)
     gm.meta.update(compfx_plan=plan, compfx_capture_method=analysis.capture_method)

@@ -12,8 +12,8 @@ For every graph dynamo hands over, the backend
    values from ``meta["example_value"]``),
 2. picks the plan: the one it was given (a :class:`~compfx.plan.Plan` or a
    path), else a plan that ``compfx.optimize()`` saved for this model in the
-   plan cache (:mod:`compfx.plan_cache`), else the default plan below,
-3. inserts the plan's casts (:func:`compfx.passes.insert_casts.insert_casts`)
+   plan cache (:mod:`compfx.cache`), else the default plan below,
+3. inserts the plan's casts (:func:`compfx.passes.apply_precisions`)
    *before* AOT autograd, so AOT derives a backward through the casts and
    training works,
 4. hands the graph to ``inner``: ``"inductor"``, ``"aot_eager"``,
@@ -69,13 +69,15 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from . import plan_cache
-from .analyze import analyze_graph, default_low_dtype
-from .capture import _named_tensors, key_dynamo_graph, op_nodes
+from . import cache
+from .analyze import analyze_graph
+from .capture import key_dynamo_graph, named_tensors, op_nodes
+from .cast_policy import compute_dtype
 from .errors import BadInputError
 from .opkey import KEY_META, OpKey, normalize_module_path
-from .passes.insert_casts import AutocastRegion, insert_casts, meta_value
+from .passes import apply_precisions
 from .plan import Plan
+from .vocabulary import Precision, check_low_dtype, default_low_dtype
 
 __all__ = ["backend", "compfx_backend", "registered_backend", "compile_with_plan", "key_backend_graph", "CompfxBackend", "GraphRecord",
            "INNER_BACKENDS"]
@@ -114,7 +116,7 @@ class _ModelNames:
 
     def __init__(self, model: nn.Module):
         self.modules = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-        self.tensors = {id(t): name for name, t in _named_tensors(model)}
+        self.tensors = {id(t): name for name, t in named_tensors(model)}
 
 
 def _frame_root_prefix(gm: fx.GraphModule, example_inputs: Sequence, names: _ModelNames) -> str:
@@ -233,41 +235,19 @@ def _load_plan(plan: PlanSource) -> Plan | None:
     )
 
 
-def _compute_dtype(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None:
-    """The dtype ``node`` computes in: its first floating-point input's (its activation), or None.
-
-    Normalisation ops keep FP32 weights whatever their precision, so the first
-    input, not all of them, says which precision the op runs at. Composite ops
-    (GRU, multi-head attention) that the pass runs under autocast compute in
-    the autocast dtype, whatever their inputs.
-    """
-    if node.op == "call_module" and isinstance(gm.get_submodule(node.target), AutocastRegion):
-        return gm.get_submodule(node.target).dtype
-    for arg in node.all_input_nodes:
-        value = meta_value(arg)
-        if isinstance(value, torch.Tensor) and value.is_floating_point():
-            return value.dtype
-    return None
-
-
 class CompfxBackend:
     """A ``torch.compile`` backend that applies one precision plan; build it with :func:`backend`.
 
     ``records`` lists a :class:`GraphRecord` per graph compiled, in order.
     """
 
-    def __init__(self, plan: PlanSource = None, inner: str | Callable = "inductor",
-                 low_dtype: torch.dtype | None = None, *, model: nn.Module | None = None,
-                 cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool = True, **options):
-        if not (callable(inner) or isinstance(inner, str)):
-            raise BadInputError(f"inner={inner!r}; expected a backend name such as {INNER_BACKENDS} or a callable.")
-        if options and inner != "inductor":
-            raise BadInputError(
-                f"options {sorted(options)} are Inductor config patches, but inner={inner!r}; "
-                "pass them only with inner='inductor'."
-            )
-        if low_dtype not in (None, torch.float16, torch.bfloat16):
-            raise BadInputError(f"low_dtype={low_dtype}; expected torch.float16, torch.bfloat16 or None.")
+    def __init__(self, plan: PlanSource = None, *, inner: str | Callable = "inductor",
+                 low_dtype: torch.dtype | None = None, model: nn.Module | None = None,
+                 cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool = True,
+                 inductor_options: Mapping[str, object] | None = None):
+        _check_inner(inner, inductor_options)
+        if low_dtype is not None:
+            check_low_dtype(low_dtype)
         self.plan = _load_plan(plan)
         if self.plan is not None and low_dtype is not None and low_dtype != self.plan.low_dtype:
             raise BadInputError(
@@ -276,7 +256,8 @@ class CompfxBackend:
             )
         self.plan_source = "" if self.plan is None else f"given plan {self.plan.fingerprint}"
         self.inner, self.low_dtype, self.model, self.cache_dir = inner, low_dtype, model, cache_dir
-        self.inductor_patches = {"emulate_precision_casts": emulate_precision_casts, **options}
+        # emulate_precision_casts first: an explicit entry in inductor_options wins
+        self.inductor_patches = {"emulate_precision_casts": emulate_precision_casts, **(inductor_options or {})}
         self.records: list[GraphRecord] = []
         self._offsets = _CallIndexOffsets()
         self._logged: set[str] = set()
@@ -291,20 +272,20 @@ class CompfxBackend:
         keys = key_backend_graph(gm, example_inputs, model=self.model, index_offsets=self._offsets.for_frame(frame))
         self._offsets.count(frame, keys)
         plan, source = self._plan_for(gm, keys, example_inputs)
-        precisions = {key: plan.get(key, "follow") for key in keys}
+        precisions = {key: plan.get(key, Precision.FOLLOW) for key in keys}
         unplanned = tuple(key for key in keys if key not in plan)
         self._log_once(f"source:{source}", "compfx backend: plan from %s", source)
         if unplanned:
             self._log_once(f"unplanned:{source}", "compfx backend: %d op(s) in a compiled graph have no entry in "
                            "the plan (%s) and run as 'follow' (e.g. %s)", len(unplanned), source,
                            ", ".join(map(str, unplanned[:3])))
-        # Every op has a precision here (unplanned ones "follow"); insert_casts raises PassError itself.
-        # It also keeps dynamo's node attributes (_dynamo_source), which AOT autograd needs.
-        gm = insert_casts(gm, precisions, plan.low_dtype)
+        # Every op has a precision here (unplanned ones "follow"); the passes raise PassError themselves.
+        # insert_casts keeps dynamo's node attributes (_dynamo_source), which AOT autograd needs.
+        gm = apply_precisions(gm, precisions, low_dtype=plan.low_dtype)
         self.records.append(GraphRecord(
             compile_id=str(gm.meta.get("dynamo_compile_id")) if "dynamo_compile_id" in gm.meta else None,
             plan_source=source, precisions=precisions, unplanned=unplanned,
-            compute_dtypes={key: _compute_dtype(gm, node) for key, node in _keyed_nodes(gm).items()},
+            compute_dtypes={key: compute_dtype(node, gm.get_submodule) for key, node in _keyed_nodes(gm).items()},
         ))
         return self._compile_inner(gm, example_inputs)
 
@@ -313,11 +294,12 @@ class CompfxBackend:
             return self.plan, self.plan_source
         device = _graph_device(example_inputs)
         low_dtype = self.low_dtype or default_low_dtype(device)
-        analysis = analyze_graph(gm, device, low_dtype)
-        cached = plan_cache.find_plan(analysis.fingerprint, low_dtype, self.cache_dir)
+        analysis = analyze_graph(gm, device=device, low_dtype=low_dtype)
+        cached = cache.find_plan(analysis.fingerprint, low_dtype=low_dtype, cache_dir=self.cache_dir)
         if cached is not None:
-            return cached, f"plan cache ({plan_cache.plan_path(cached.fingerprint, low_dtype, self.cache_dir)})"
-        covering = plan_cache.find_plan_covering(keys, low_dtype, self.cache_dir)
+            path = cache.plan_path(cached.fingerprint, low_dtype, cache_dir=self.cache_dir)
+            return cached, f"plan cache ({path})"
+        covering = cache.find_plan_covering(keys, low_dtype=low_dtype, cache_dir=self.cache_dir)
         if covering is not None:
             return covering, f"plan cache, whole-model plan {covering.fingerprint} covering this graph"
         return Plan.amp(analysis), "default AMP-equivalent plan (no plan given or cached)"
@@ -347,16 +329,19 @@ def _keyed_nodes(gm: fx.GraphModule) -> dict[OpKey, fx.Node]:
 # public entry points
 
 
-def backend(plan: PlanSource = None, inner: str | Callable = "inductor", low_dtype: torch.dtype | None = None,
-            **options) -> CompfxBackend:
+def backend(plan: PlanSource = None, *, inner: str | Callable = "inductor", low_dtype: torch.dtype | None = None,
+            model: nn.Module | None = None, cache_dir: str | os.PathLike | None = None,
+            emulate_precision_casts: bool = True, inductor_options: Mapping[str, object] | None = None) -> CompfxBackend:
     """A ``torch.compile`` backend that runs ``model`` with ``plan``'s precisions.
 
     ``plan``: a :class:`~compfx.plan.Plan`, the path of a plan file, or None
     (the plan ``compfx.optimize()`` cached for this model, else the default
-    AMP-equivalent plan). ``inner``: ``"inductor"``, ``"aot_eager"``,
-    ``"eager"``, another registered backend name, or a backend callable.
-    ``options``: ``model=`` (names for graphs that start inside a submodule),
-    ``cache_dir=``, ``emulate_precision_casts=``, and Inductor config patches.
+    AMP-equivalent plan). The backend's own options: ``inner`` (``"inductor"``,
+    ``"aot_eager"``, ``"eager"``, another registered backend name, or a
+    backend callable), ``low_dtype`` (when no plan is given), ``model`` (names
+    for graphs that start inside a submodule), ``cache_dir`` and
+    ``emulate_precision_casts``. ``inductor_options`` are Inductor config
+    patches, passed to Inductor only (``inner="inductor"``).
 
     >>> import torch, compfx
     >>> model = torch.nn.Linear(4, 4)
@@ -365,7 +350,22 @@ def backend(plan: PlanSource = None, inner: str | Callable = "inductor", low_dty
     >>> compiled(torch.randn(2, 4)).shape
     torch.Size([2, 4])
     """
-    return CompfxBackend(plan, inner, low_dtype, **options)
+    return CompfxBackend(plan, inner=inner, low_dtype=low_dtype, model=model, cache_dir=cache_dir,
+                         emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)
+
+
+def _check_inner(inner, inductor_options) -> None:
+    """Refuse an inner backend that cannot work now, not at the first call."""
+    if callable(inner):
+        pass
+    elif not isinstance(inner, str):
+        raise BadInputError(f"inner={inner!r}; expected a backend name such as {INNER_BACKENDS} or a callable.")
+    elif inner not in torch._dynamo.list_backends(exclude_tags=()):
+        raise BadInputError(f"inner={inner!r} is not a registered torch.compile backend; expected one of "
+                            f"{INNER_BACKENDS}, another name from torch._dynamo.list_backends(), or a callable.")
+    if inductor_options and inner != "inductor":
+        raise BadInputError(f"inductor_options {sorted(inductor_options)} are Inductor config patches, but "
+                            f"inner={inner!r}; pass them only with inner='inductor'.")
 
 
 _registered: CompfxBackend | None = None
@@ -393,25 +393,28 @@ def compfx_backend(gm: fx.GraphModule, example_inputs: Sequence):
     return registered_backend()(gm, example_inputs)
 
 
-def compile_with_plan(model: nn.Module, plan: PlanSource = None, inner: str | Callable = "inductor",
-                      low_dtype: torch.dtype | None = None, *, dynamic: bool | None = None,
-                      fullgraph: bool = False, **options) -> nn.Module:
+def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str | Callable = "inductor",
+                      low_dtype: torch.dtype | None = None, dynamic: bool | None = None, fullgraph: bool = False,
+                      cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool = True,
+                      inductor_options: Mapping[str, object] | None = None) -> nn.Module:
     """``torch.compile(model)`` under a compfx backend made for this model; the backend is ``.compfx_backend``.
 
-    What ``compfx.optimize(..., compile=True)`` and ``SearchConfig(measure="compiled")``
-    build on: one backend per model, with ``model=`` so graph breaks inside
-    submodules still find their plan entries.
+    One backend per model, built with ``model=`` so that graph breaks inside
+    submodules still find their plan entries; ``dynamic`` and ``fullgraph`` go
+    to ``torch.compile``, the rest to :func:`backend`.
 
     >>> import torch, compfx
     >>> from compfx.backend import compile_with_plan
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
-    >>> compiled = compile_with_plan(model, compfx.Plan.amp(compfx.analyze(model, torch.randn(2, 4))), "aot_eager")
+    >>> plan = compfx.Plan.amp(compfx.analyze(model, torch.randn(2, 4)))
+    >>> compiled = compile_with_plan(model, plan, inner="aot_eager")
     >>> compiled(torch.randn(2, 4)).dtype
     torch.float32
     >>> {str(k): d for k, d in compiled.compfx_backend.records[0].compute_dtypes.items()}
     {'0:linear#0': torch.bfloat16, '1:relu#0': torch.bfloat16}
     """
-    compfx = CompfxBackend(plan, inner, low_dtype, model=model, **options)
+    compfx = CompfxBackend(plan, inner=inner, low_dtype=low_dtype, model=model, cache_dir=cache_dir,
+                           emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)
     compiled = torch.compile(model, backend=compfx, dynamic=dynamic, fullgraph=fullgraph)
     compiled.compfx_backend = compfx
     return compiled

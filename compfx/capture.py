@@ -52,6 +52,9 @@ __all__ = [
     "is_numerical_op",
     "produces_float",
     "op_nodes",
+    "meta_value",
+    "get_attribute",
+    "named_tensors",
 ]
 
 #: Positional args and keyword args for one forward call.
@@ -79,9 +82,17 @@ def is_data_movement(kind: str) -> bool:
     return kind in DATA_MOVEMENT_KINDS
 
 
+def meta_value(node: fx.Node, default=None):
+    """The node's recorded value: ``meta["val"]`` (compfx, export) or ``meta["example_value"]`` (dynamo), else ``default``."""
+    for name in ("val", "example_value"):
+        if node.meta.get(name) is not None:
+            return node.meta[name]
+    return default
+
+
 def produces_float(node: fx.Node) -> bool:
     """True when the node's recorded value holds a floating-point tensor."""
-    value = node.meta.get("val", node.meta.get("example_value"))
+    value = meta_value(node)
     return any(
         isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in pytree.tree_leaves(value)
     )
@@ -268,7 +279,7 @@ class _SpecializingTracer(fx.Tracer):
             if kind == "placeholder":
                 return self._fake(self._inputs.get(node.name, self._inputs.get(target.lstrip("*"))))
             if kind == "get_attr":
-                return self._fake(_get_attr(self.root, target))
+                return self._fake(get_attribute(self.root, target))
             args, kwargs = pytree.tree_map(concrete, (args, kwargs))
             unknown = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, _UnknownValue)]
             if unknown:
@@ -291,7 +302,7 @@ class _SpecializingTracer(fx.Tracer):
     def _run_leaf_on_fakes(self, module: nn.Module, args, kwargs):
         # functional_call swaps fake copies in for the module's own tensors, so
         # in-place updates (BatchNorm running stats) never touch the user's model.
-        state = {name: self._fake(t) for name, t in _named_tensors(module)}
+        state = {name: self._fake(t) for name, t in named_tensors(module)}
         return torch.func.functional_call(module, state, args, kwargs, tie_weights=False)
 
     # -- torch.no_grad() blocks -------------------------------------------------
@@ -338,7 +349,8 @@ class _SpecializingTracer(fx.Tracer):
         return iter([obj[i] for i in range(len(self.value_of(obj)))])
 
 
-def _get_attr(root: nn.Module, target: str):
+def get_attribute(root: nn.Module, target: str):
+    """The object a ``get_attr`` node's dotted ``target`` names in ``root`` (a parameter, buffer or module)."""
     obj = root
     for part in target.split("."):
         obj = getattr(obj, part)
@@ -445,10 +457,10 @@ def _dynamo_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModu
     with torch._dynamo.config.patch(allow_rnn=True), buffers_restored(model):
         exported = torch._dynamo.export(model, aten_graph=False, assume_static_by_default=True)(*args, **kwargs)
     gm = exported.graph_module
-    fqn_of = {id(t): name for name, t in _named_tensors(model)}
+    fqn_of = {id(t): name for name, t in named_tensors(model)}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
-            attr = _get_attr(gm, node.target)
+            attr = get_attribute(gm, node.target)
             if id(attr) in fqn_of:
                 node.target = fqn_of[id(attr)]
     _restore_callers_grad_mode(gm.graph, torch.is_grad_enabled())
@@ -472,7 +484,8 @@ def _restore_callers_grad_mode(graph: fx.Graph, mode_at_capture: bool) -> None:
             switch.args = (saved,)
 
 
-def _named_tensors(model: nn.Module):
+def named_tensors(model: nn.Module):
+    """Every parameter and buffer of ``model`` by name, shared ones under each of their names."""
     yield from model.named_parameters(remove_duplicate=False)
     yield from model.named_buffers(remove_duplicate=False)
 

@@ -46,17 +46,18 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils import _pytree as pytree
 
-from .analyze import default_low_dtype
-from .capture import _get_attr
+from .capture import get_attribute, meta_value
+from .vocabulary import default_low_dtype
 from .errors import BadInputError, PlanFileError, SearchError
 from .files import read_json, write_json_atomic
 from .measure import synchronize
 from .opkey import KEY_META, OpKey, normalize_kind
-from .passes.insert_casts import (COMPOSITE_KINDS, DTYPES_FRESH, NORM_KINDS, AutocastRegion, insert_casts,
-                                  meta_value)
-from .plan import Plan, dtype_name
+from .cast_policy import COMPOSITE_KINDS, NORM_KINDS, AutocastRegion
+from .passes import apply_precisions
+from .plan import Plan
+from .vocabulary import dtype_name
 from .search import should_skip, skip_message  # noqa: F401  (re-exported: the skip rule is the search's)
-from .plan_cache import cache_folder
+from .cache import cache_folder
 
 __all__ = [
     "OpProfile",
@@ -195,7 +196,7 @@ class _OpBench:
 
     def _value(self, gm: fx.GraphModule, arg: fx.Node):
         if arg.op == "get_attr":  # parameters and buffers: the real thing (BN running stats may have no val)
-            return _get_attr(gm, arg.target)
+            return get_attribute(gm, arg.target)
         return arg.meta.get("val")
 
     @property
@@ -625,7 +626,7 @@ class _FakeValues(fx.Interpreter):
 
 
 def _graph_values(gm: fx.GraphModule) -> dict[fx.Node, Any]:
-    if gm.meta.get(DTYPES_FRESH):  # propagating FakeTensors again would cost more than the rest of a prediction
+    if gm.meta.get("compfx_dtypes_fresh"):  # interim, until the cost model reads meta only
         return {node: meta_value(node) for node in gm.graph.nodes}
     interpreter = _FakeValues(gm)
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
@@ -696,7 +697,9 @@ def rewrite_with_insert_casts(analysis, plan: Plan) -> fx.GraphModule:
     source = analysis.graph_module
     gm = fx.GraphModule(source, copy.deepcopy(source.graph))
     categories = {op.key: op.category for op in analysis.ops}
-    return insert_casts(gm, plan, plan.low_dtype, categories=categories)
+    gm = apply_precisions(gm, plan, low_dtype=plan.low_dtype, categories=categories)
+    gm.meta["compfx_dtypes_fresh"] = True
+    return gm
 
 
 # ---------------------------------------------------------------------------

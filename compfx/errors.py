@@ -15,7 +15,10 @@ __all__ = [
     "PlanFileError",
     "SearchError",
     "PassError",
+    "PlanFailedError",
     "NonFiniteGradientError",
+    "PlanFailedOnRankError",
+    "SearchReplayError",
 ]
 
 
@@ -47,5 +50,24 @@ class PassError(CompfxError):
     """A graph pass failed; the message names the pass."""
 
 
-class NonFiniteGradientError(CompfxError, ArithmeticError):
+class PlanFailedError(CompfxError):
+    """This plan failed; the search records it as ``error`` and tries the next one.
+
+    It is the one error a search evaluator raises for a failure that belongs to
+    the plan (a kernel without a low-precision implementation, an overflow, an
+    out-of-memory under that plan). Every other exception stops the search:
+    :class:`BadInputError` or :class:`SearchError` because the user's inputs are
+    wrong whatever the plan, anything else because compfx itself failed.
+    """
+
+
+class NonFiniteGradientError(PlanFailedError, ArithmeticError):
     """A training step under a plan produced NaN/inf gradients; the search rejects that plan."""
+
+
+class PlanFailedOnRankError(PlanFailedError):
+    """Under ``torch.distributed``: the plan failed on another rank, so every rank rejects it in step."""
+
+
+class SearchReplayError(PlanFailedError):
+    """A resumed search replays a sample that had failed: it fails again, the same way, without running."""

@@ -18,11 +18,9 @@ from __future__ import annotations
 
 from typing import Mapping
 
-from .errors import BadInputError
+from .vocabulary import Category
 
-__all__ = ["CATEGORIES", "AUTOCAST_POLICY", "classify"]
-
-CATEGORIES = ("whitelist", "blacklist", "other")
+__all__ = ["AUTOCAST_POLICY", "classify"]
 
 
 def _kinds(text: str) -> frozenset[str]:
@@ -103,27 +101,21 @@ AUTOCAST_POLICY: dict[str, tuple[frozenset[str], frozenset[str]]] = {
 }
 
 
-def classify(kind: str, device_type: str, overrides: Mapping[str, str] | None = None) -> str:
+def classify(kind: str, device_type: str, overrides: Mapping[str, Category | str] | None = None) -> Category:
     """Category of ``kind`` on ``device_type``; ``overrides`` (kind -> category) win.
 
-    >>> classify("linear", "cuda"), classify("softmax", "cuda"), classify("relu", "cuda")
-    ('whitelist', 'blacklist', 'other')
+    >>> [str(classify(kind, "cuda")) for kind in ("linear", "softmax", "relu")]
+    ['whitelist', 'blacklist', 'other']
     >>> classify("softmax", "cpu")  # CPU autocast keeps softmax in the input dtype
-    'other'
+    <Category.OTHER: 'other'>
     >>> classify("relu", "cpu", overrides={"relu": "blacklist"})
-    'blacklist'
+    <Category.BLACKLIST: 'blacklist'>
     """
     if overrides and kind in overrides:
-        category = overrides[kind]
-        if category not in CATEGORIES:
-            raise BadInputError(
-                f"overrides[{kind!r}] is {category!r}; compfx expected one of {CATEGORIES}. "
-                "Fix the overrides mapping (op kind -> category)."
-            )
-        return category
+        return Category.parse(overrides[kind], f"overrides[{kind!r}] (the category of an op kind)")
     lower, fp32 = AUTOCAST_POLICY.get(device_type, AUTOCAST_POLICY["cuda"])
     if kind in lower:
-        return "whitelist"
+        return Category.WHITELIST
     if kind in fp32:
-        return "blacklist"
-    return "other"
+        return Category.BLACKLIST
+    return Category.OTHER

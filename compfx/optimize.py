@@ -21,7 +21,8 @@ import torch.nn as nn
 
 from .analyze import analyze, model_device
 from .errors import BadInputError, SearchError
-from .plan import Plan, dtype_name
+from .plan import Plan
+from .vocabulary import dtype_name
 from .report import SearchSummary, render_report
 from .search import SearchSpace, check_stage2, run_stage1, run_stage2
 from .searchlog import Replay, ReplayedState, SampleRecord, SearchLog

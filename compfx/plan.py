@@ -1,45 +1,80 @@
-"""Stage 3 of the pipeline: a precision plan, one precision per operator.
+"""Stage 3 of the pipeline: a precision plan, one :class:`~compfx.vocabulary.Precision` per operator.
 
-A :class:`Plan` maps every :class:`~compfx.opkey.OpKey` of an analysis to
+Three forms of one plan:
 
-* ``"low"``: run in the analysis' low dtype (fp16 or bf16),
-* ``"fp32"``: run in FP32,
-* ``"follow"``: no casts of its own; the op runs on whatever dtypes reach it
-  (what autocast does for ops on neither list). Ops with one compute dtype
-  (whitelist/blacklist) are given their widest input dtype.
-
-CoMP writes a plan as a bitstring over ``analysis.ops``: ``'0'`` = low,
-``'1'`` = FP32. compfx adds ``'f'`` for follow.
+* :class:`Plan`: OpKey -> Precision, for one model (its fingerprint) and one
+  low dtype. What ``apply``, the backend and plan files take.
+* :class:`Assignment`: one Precision per op of ``analysis.ops``, by position.
+  What the search works on: its stages cut the model into segments by position.
+* the CoMP plan string, ``str(assignment)``: one character per op ('0' low,
+  '1' FP32, 'f' follow; see :attr:`Precision.code`). A view for logs and
+  reports, and :meth:`Plan.from_bitstring`.
 """
 
 from __future__ import annotations
 
 import os
 from types import MappingProxyType
-from typing import Iterator, Mapping
+from typing import Iterable, Iterator, Mapping
 
 import torch
 
 from .errors import PlanFileError, PlanMismatchError
 from .files import read_json, write_json_atomic
 from .opkey import OpKey
+from .vocabulary import Category, Precision, check_low_dtype, dtype_from_name, dtype_name
 
-__all__ = ["Plan", "PRECISIONS", "BIT_OF", "PRECISION_OF_BIT", "dtype_name"]
+__all__ = ["Plan", "Assignment", "AMP_PRECISION"]
 
-PRECISIONS = ("low", "fp32", "follow")
-BIT_OF = {"low": "0", "fp32": "1", "follow": "f"}
-PRECISION_OF_BIT = {bit: precision for precision, bit in BIT_OF.items()}
 _FORMAT = "compfx-plan"
-_DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+
+#: What ``torch.autocast`` does with each category: its lists run low or FP32, the rest follow.
+AMP_PRECISION = MappingProxyType({Category.WHITELIST: Precision.LOW, Category.BLACKLIST: Precision.FP32,
+                                  Category.OTHER: Precision.FOLLOW})
 
 
-def dtype_name(dtype: torch.dtype) -> str:
-    """``torch.bfloat16`` -> ``"bfloat16"``: the spelling plan files, caches and logs use."""
-    return str(dtype).replace("torch.", "")
+class Assignment(tuple):
+    """One :class:`Precision` per op, by position in ``analysis.ops``: the search's form of a plan.
+
+    ``str()`` is the CoMP plan string.
+
+    >>> a = Assignment.parse("0f1")
+    >>> a[0] is Precision.LOW, str(a), str(a.replaced([1], Precision.LOW))
+    (True, '0f1', '001')
+    """
+
+    __slots__ = ()
+
+    def __new__(cls, precisions: Iterable = ()):
+        return super().__new__(cls, tuple(map(Precision, precisions)))
+
+    @classmethod
+    def parse(cls, code: str) -> "Assignment":
+        """The assignment a CoMP plan string spells; :class:`PlanMismatchError` on other characters."""
+        if not isinstance(code, str):
+            raise PlanMismatchError(f"a plan string must be a str like '0f1'; got {type(code).__name__}.")
+        bad = sorted(set(code) - set(Precision.codes()))
+        if bad:
+            raise PlanMismatchError(f"plan string {code!r} contains {bad}; expected only '0' (low), '1' (fp32) or "
+                                    "'f' (follow).")
+        return cls(Precision.from_code(c) for c in code)
+
+    def replaced(self, positions: Iterable[int], precision) -> "Assignment":
+        """A copy with the ops at ``positions`` set to ``precision``."""
+        chosen = list(self)
+        for i in positions:
+            chosen[i] = precision
+        return Assignment(chosen)
+
+    def __str__(self) -> str:
+        return "".join(p.code for p in self)
+
+    def __repr__(self) -> str:
+        return f"Assignment({str(self)!r})"
 
 
-class Plan(Mapping[OpKey, str]):
-    """Immutable mapping OpKey -> ``"low" | "fp32" | "follow"`` for one model.
+class Plan(Mapping[OpKey, Precision]):
+    """Immutable mapping OpKey -> :class:`Precision` for one model (its fingerprint) and one low dtype.
 
     >>> import torch, compfx
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -52,15 +87,18 @@ class Plan(Mapping[OpKey, str]):
 
     __slots__ = ("_entries", "low_dtype", "fingerprint")
 
-    def __init__(self, entries: Mapping[OpKey, str], *, low_dtype: torch.dtype, fingerprint: str):
+    def __init__(self, entries: Mapping[OpKey, Precision | str], *, low_dtype: torch.dtype, fingerprint: str):
+        checked = {}
         for key, precision in entries.items():
             if not isinstance(key, OpKey):
                 raise PlanMismatchError(f"plan key {key!r} is not an OpKey")
-            if precision not in PRECISIONS:
-                raise PlanMismatchError(f"precision {precision!r} for {key} is unknown; expected one of {PRECISIONS}")
-        if low_dtype not in _DTYPES.values():
-            raise PlanMismatchError(f"low_dtype={low_dtype}; expected torch.float16 or torch.bfloat16")
-        object.__setattr__(self, "_entries", MappingProxyType(dict(entries)))
+            try:
+                checked[key] = Precision(precision)
+            except ValueError:
+                raise PlanMismatchError(f"precision {precision!r} for {key} is unknown; expected one of "
+                                        f"{[p.value for p in Precision]}") from None
+        check_low_dtype(low_dtype, error=PlanMismatchError)
+        object.__setattr__(self, "_entries", MappingProxyType(checked))
         object.__setattr__(self, "low_dtype", low_dtype)
         object.__setattr__(self, "fingerprint", fingerprint)
 
@@ -68,7 +106,7 @@ class Plan(Mapping[OpKey, str]):
         raise AttributeError("Plan is immutable; use plan.with_precisions(...)")
 
     # -- Mapping -------------------------------------------------------------
-    def __getitem__(self, key: OpKey) -> str:
+    def __getitem__(self, key: OpKey) -> Precision:
         return self._entries[key]
 
     def __iter__(self) -> Iterator[OpKey]:
@@ -87,13 +125,12 @@ class Plan(Mapping[OpKey, str]):
         return hash((frozenset(self._entries.items()), self.low_dtype, self.fingerprint))
 
     def __repr__(self) -> str:
-        counts = {p: sum(v == p for v in self._entries.values()) for p in PRECISIONS}
-        return (f"Plan({len(self)} ops: {counts['low']} low, {counts['fp32']} fp32, {counts['follow']} follow; "
-                f"low_dtype={dtype_name(self.low_dtype)})")
+        counts = ", ".join(f"{sum(v is p for v in self._entries.values())} {p}" for p in Precision)
+        return f"Plan({len(self)} ops: {counts}; low_dtype={dtype_name(self.low_dtype)})"
 
     # -- constructors --------------------------------------------------------
     @classmethod
-    def uniform(cls, analysis, precision: str) -> "Plan":
+    def uniform(cls, analysis, precision: Precision | str) -> "Plan":
         """Every op at one precision."""
         return cls({op.key: precision for op in analysis.ops}, low_dtype=analysis.low_dtype,
                    fingerprint=analysis.fingerprint)
@@ -101,31 +138,37 @@ class Plan(Mapping[OpKey, str]):
     @classmethod
     def fp32(cls, analysis) -> "Plan":
         """Every op in FP32: numerically the original model."""
-        return cls.uniform(analysis, "fp32")
+        return cls.uniform(analysis, Precision.FP32)
 
     @classmethod
     def amp(cls, analysis) -> "Plan":
         """What ``torch.autocast`` does: whitelist low, blacklist FP32, the rest follow."""
-        precision = {"whitelist": "low", "blacklist": "fp32", "other": "follow"}
-        return cls({op.key: precision[op.category] for op in analysis.ops}, low_dtype=analysis.low_dtype,
+        return cls({op.key: AMP_PRECISION[op.category] for op in analysis.ops}, low_dtype=analysis.low_dtype,
+                   fingerprint=analysis.fingerprint)
+
+    @classmethod
+    def from_assignment(cls, analysis, assignment: Iterable) -> "Plan":
+        """The plan that gives ``analysis.ops[i]`` the precision ``assignment[i]``."""
+        assignment = Assignment(assignment)
+        if len(assignment) != len(analysis.ops):
+            raise PlanMismatchError(
+                f"the plan has {len(assignment)} precisions, but the model has {len(analysis.ops)} ops; "
+                "expected one per op of analysis.ops."
+            )
+        return cls({op.key: p for op, p in zip(analysis.ops, assignment)}, low_dtype=analysis.low_dtype,
                    fingerprint=analysis.fingerprint)
 
     @classmethod
     def from_bitstring(cls, analysis, bits: str) -> "Plan":
         """CoMP's string form: one character per ``analysis.ops`` entry ('0' low, '1' FP32, 'f' follow)."""
-        if not isinstance(bits, str) or len(bits) != len(analysis.ops):
-            length = len(bits) if isinstance(bits, str) else type(bits).__name__
+        if isinstance(bits, str) and len(bits) != len(analysis.ops):
             raise PlanMismatchError(
-                f"bitstring has length {length}, but the model has {len(analysis.ops)} ops; "
+                f"bitstring has length {len(bits)}, but the model has {len(analysis.ops)} ops; "
                 "expected one character per op of analysis.ops."
             )
-        bad = sorted(set(bits) - set(PRECISION_OF_BIT))
-        if bad:
-            raise PlanMismatchError(f"bitstring contains {bad}; expected only '0' (low), '1' (fp32) or 'f' (follow).")
-        return cls({op.key: PRECISION_OF_BIT[b] for op, b in zip(analysis.ops, bits)},
-                   low_dtype=analysis.low_dtype, fingerprint=analysis.fingerprint)
+        return cls.from_assignment(analysis, Assignment.parse(bits))
 
-    def with_precisions(self, updates: Mapping[OpKey, str]) -> "Plan":
+    def with_precisions(self, updates: Mapping[OpKey, Precision | str]) -> "Plan":
         """A copy with some ops changed; every updated key must already be in the plan."""
         unknown = [str(k) for k in updates if k not in self._entries]
         if unknown:
@@ -133,9 +176,14 @@ class Plan(Mapping[OpKey, str]):
         return Plan({**self._entries, **updates}, low_dtype=self.low_dtype, fingerprint=self.fingerprint)
 
     # -- views ---------------------------------------------------------------
-    def bitstring(self, analysis) -> str:
+    def assignment(self, analysis) -> Assignment:
+        """This plan by position in ``analysis.ops`` (validated against the analysis first)."""
         self.validate(analysis)
-        return "".join(BIT_OF[self._entries[op.key]] for op in analysis.ops)
+        return Assignment(self._entries[op.key] for op in analysis.ops)
+
+    def bitstring(self, analysis) -> str:
+        """CoMP's string form over ``analysis.ops``."""
+        return str(self.assignment(analysis))
 
     def validate(self, analysis) -> None:
         """Raise :class:`PlanMismatchError` unless this plan covers exactly ``analysis.ops``."""
@@ -162,7 +210,7 @@ class Plan(Mapping[OpKey, str]):
             "low_dtype": dtype_name(self.low_dtype),
             "fingerprint": self.fingerprint,
             "torch_version": torch.__version__,
-            "ops": {str(k): v for k, v in self._entries.items()},
+            "ops": {str(k): str(v) for k, v in self._entries.items()},
         }
 
     @classmethod
@@ -170,7 +218,7 @@ class Plan(Mapping[OpKey, str]):
         if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
             raise PlanFileError(f"{source} is not a compfx plan (no '\"format\": \"{_FORMAT}\"' entry).")
         try:
-            low_dtype = _DTYPES[data["low_dtype"]]
+            low_dtype = dtype_from_name(data["low_dtype"])
             entries = {OpKey.parse(k): v for k, v in data["ops"].items()}
             return cls(entries, low_dtype=low_dtype, fingerprint=str(data["fingerprint"]))
         except (KeyError, TypeError, AttributeError, ValueError) as error:

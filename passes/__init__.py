@@ -1,13 +1,48 @@
-"""Graph passes: each takes a GraphModule and returns one. Importable as ``compfx.passes``.
+"""Graph passes: each takes a GraphModule and returns one (or reads it). Importable as ``compfx.passes``.
 
-* :func:`insert_casts`: give every keyed op the precision of its plan entry.
-* :func:`cast_report` / :func:`count_casts`: count the dtype conversions in a graph
-  (Campo's "casts per plan" metric); :func:`count_autocast_casts` counts the ones
-  real ``torch.autocast`` performs, for comparison.
+* :func:`insert_casts` (``insert_casts.py``): give every keyed op the precision of its plan entry.
+* :func:`restore_output_dtypes` (``restore_output_dtypes.py``): return the outputs in the model's own dtypes.
+* :func:`propagate_dtypes` (``propagate_dtypes.py``): refresh ``meta["val"]`` after dtypes changed.
+* :func:`cast_report` / :func:`casts_in` / :func:`count_casts` (``cast_report.py``): the casts in a graph
+  (Campo's "casts per plan" metric); :func:`count_autocast_casts` counts the ones real ``torch.autocast``
+  performs, for comparison.
+
+:func:`apply_precisions` runs the rewrite passes in order; :func:`compfx.apply` and the compile backend call it.
+The rules the passes apply (what a cast is, which inputs are cast) live in :mod:`compfx.cast_policy`.
 """
 
-from .cast_report import CastReport, cast_report, count_autocast_casts, count_casts, is_cast
-from .insert_casts import CAST_META, AutocastRegion, insert_casts
+from __future__ import annotations
 
-__all__ = ["insert_casts", "AutocastRegion", "CAST_META", "cast_report", "count_casts", "count_autocast_casts",
-           "CastReport", "is_cast"]
+from typing import Mapping
+
+import torch
+import torch.fx as fx
+
+from compfx.opkey import OpKey
+from compfx.vocabulary import Category, Precision
+
+from .cast_report import CastInfo, CastReport, cast_report, casts_in, count_autocast_casts, count_casts
+from .insert_casts import insert_casts
+from .propagate_dtypes import propagate_dtypes
+from .restore_output_dtypes import output_dtypes, restore_output_dtypes
+
+__all__ = ["apply_precisions", "insert_casts", "restore_output_dtypes", "output_dtypes", "propagate_dtypes",
+           "cast_report", "casts_in", "count_casts", "count_autocast_casts", "CastReport", "CastInfo"]
+
+
+def apply_precisions(gm: fx.GraphModule, precisions: Mapping[OpKey, Precision | str], *, low_dtype: torch.dtype,
+                     categories: Mapping[OpKey, Category | str] | None = None,
+                     default_precision: Precision | str | None = None,
+                     restore_outputs: bool = True) -> fx.GraphModule:
+    """:func:`insert_casts`, then (unless ``restore_outputs`` is False) :func:`restore_output_dtypes`; returns ``gm``.
+
+    >>> import torch, compfx
+    >>> from compfx.passes import apply_precisions
+    >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(2, 4))
+    >>> gm = apply_precisions(gm, {n.meta["compfx_key"]: "low" for n in compfx.op_nodes(gm)}, low_dtype=torch.bfloat16)
+    >>> gm(torch.randn(2, 4)).dtype, compfx.count_casts(gm)
+    (torch.float32, 4)
+    """
+    dtypes = output_dtypes(gm)
+    insert_casts(gm, precisions, low_dtype=low_dtype, categories=categories, default_precision=default_precision)
+    return restore_output_dtypes(gm, dtypes) if restore_outputs else gm

@@ -1,10 +1,11 @@
-"""Analysis pass: count the dtype conversions in a graph (Campo's "casts per plan" metric).
+"""Analysis pass: the dtype conversions in a graph (Campo's "casts per plan" metric).
 
-A *cast* is a node that converts a floating-point tensor to another floating
-dtype: ``x.to(dtype)``, ``x.float()`` / ``.half()`` / ``.bfloat16()``,
-``aten._to_copy`` or ``prims.convert_element_type``. Whether the dtype really
-changes is read from the metadata on both sides, so a ``.to()`` that only moves
-a tensor between devices is not counted.
+A cast is what :func:`compfx.cast_policy.is_cast` says it is: a conversion
+node (``.to``, ``.float()``, ``.type_as``, ``aten._to_copy``, ...) that changes
+the floating dtype of its input, read from the metadata on both sides.
+:func:`casts_in` lists them with their sizes (the cost model prices that
+list), :func:`cast_report` counts them, and :func:`count_autocast_casts`
+counts the casts real ``torch.autocast`` performs, for comparison.
 """
 
 from __future__ import annotations
@@ -20,38 +21,47 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compfx.analyze import model_device
-from compfx.capture import normalize_example_inputs
+from compfx.capture import meta_value, normalize_example_inputs
+from compfx.cast_policy import AutocastRegion, is_cast
+from compfx.vocabulary import dtype_name
 
-from .insert_casts import CAST_META, AutocastRegion, meta_value
+__all__ = ["CastInfo", "CastReport", "casts_in", "cast_report", "count_casts", "count_autocast_casts"]
 
-__all__ = ["CastReport", "cast_report", "count_casts", "count_autocast_casts", "is_cast"]
-
-_CAST_METHODS = frozenset({"to", "type", "float", "half", "bfloat16", "double"})
-
-
-def _cast_functions() -> frozenset:
-    ops = [torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype, torch.ops.aten.to.dtype_layout,
-           torch.ops.prims.convert_element_type.default]
-    return frozenset(ops)
+# What real autocast's casts look like when they reach the dispatcher.
+_DISPATCHED_CASTS = frozenset({torch.ops.aten._to_copy.default, torch.ops.aten.to.dtype,
+                               torch.ops.aten.to.dtype_layout, torch.ops.prims.convert_element_type.default})
 
 
-_CAST_FUNCTIONS = _cast_functions()
+@dataclass(frozen=True)
+class CastInfo:
+    """One cast of a graph (a node :func:`compfx.cast_policy.is_cast` accepts)."""
+
+    node: str
+    src: torch.dtype
+    dst: torch.dtype
+    numel: int
+    backward: bool  # its input needs a gradient, so backward casts the gradient back
+    parameter: bool  # it converts a parameter or buffer (a get_attr node, or a Parameter placeholder)
 
 
-def _dtype_of(value):
-    return value.dtype if isinstance(value, torch.Tensor) else None
+def casts_in(gm: fx.GraphModule) -> list[CastInfo]:
+    """Every cast in ``gm`` with its dtypes and size, read from the nodes' ``meta["val"]``, in graph order.
 
-
-def is_cast(node: fx.Node) -> bool:
-    """True when ``node`` converts a floating tensor to a different floating dtype."""
-    cast_like = (node.op == "call_method" and node.target in _CAST_METHODS) or (
-        node.op == "call_function" and node.target in _CAST_FUNCTIONS)
-    if not cast_like or not node.args or not isinstance(node.args[0], fx.Node):
-        return False
-    before, after = _dtype_of(meta_value(node.args[0])), _dtype_of(meta_value(node))
-    if before is None or after is None:
-        return bool(node.meta.get(CAST_META))  # untyped: trust our own marker only
-    return before.is_floating_point and after.is_floating_point and before != after
+    A cast whose dtypes the metadata does not hold (a compfx cast in an untyped
+    graph) is listed with ``numel`` 0 and ``src == dst == None``.
+    """
+    casts = []
+    for node in gm.graph.nodes:
+        if not is_cast(node):
+            continue
+        source = node.args[0]
+        before, after = meta_value(source), meta_value(node)
+        typed = isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
+        casts.append(CastInfo(
+            node.name, before.dtype if typed else None, after.dtype if typed else None,
+            after.numel() if typed else 0, bool(typed and before.requires_grad),
+            source.op == "get_attr" or isinstance(before, nn.Parameter)))
+    return casts
 
 
 @dataclass(frozen=True)
@@ -69,34 +79,20 @@ class CastReport:
                 f"{self.autocast_regions} autocast regions")
 
 
-def _short(dtype: torch.dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def cast_report(gm: fx.GraphModule) -> CastReport:
     """Count the casts in ``gm`` (inserted by compfx or already in the model).
 
     >>> import torch, compfx
-    >>> from compfx.apply import apply
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> a = compfx.analyze(model, torch.randn(3, 4))
-    >>> print(cast_report(apply(model, compfx.Plan.amp(a), analysis=a)))
+    >>> print(cast_report(compfx.apply(model, compfx.Plan.amp(a), analysis=a)))
     6 casts (bfloat16->float32: 1, float32->bfloat16: 5); 4 of parameters; 0 autocast regions
     """
-    pairs: Counter[str] = Counter()
-    total = parameter_casts = 0
-    for node in gm.graph.nodes:
-        if not is_cast(node):
-            continue
-        total += 1
-        source = node.args[0]
-        before, after = _dtype_of(meta_value(source)), _dtype_of(meta_value(node))
-        if before is not None and after is not None:
-            pairs[f"{_short(before)}->{_short(after)}"] += 1
-        parameter_casts += source.op == "get_attr" or isinstance(meta_value(source), nn.Parameter)
+    casts = casts_in(gm)
+    pairs = Counter(f"{dtype_name(c.src)}->{dtype_name(c.dst)}" for c in casts if c.src is not None)
     regions = sum(node.op == "call_module" and isinstance(gm.get_submodule(node.target), AutocastRegion)
                   for node in gm.graph.nodes)
-    return CastReport(total, dict(pairs), parameter_casts, regions)
+    return CastReport(len(casts), dict(pairs), sum(c.parameter for c in casts), regions)
 
 
 def count_casts(gm: fx.GraphModule) -> int:
@@ -113,13 +109,13 @@ class _CastCounter(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
-        if func in _CAST_FUNCTIONS and isinstance(args[0], torch.Tensor) and isinstance(result, torch.Tensor):
+        if func in _DISPATCHED_CASTS and isinstance(args[0], torch.Tensor) and isinstance(result, torch.Tensor):
             before, after = args[0].dtype, result.dtype
             self.count += before.is_floating_point and after.is_floating_point and before != after
         return result
 
 
-def count_autocast_casts(model: nn.Module, example_inputs, dtype: torch.dtype | None = None,
+def count_autocast_casts(model: nn.Module, example_inputs, *, dtype: torch.dtype | None = None,
                          device_type: str | None = None) -> int:
     """Casts that real ``torch.autocast`` performs in one forward of ``model``.
 
@@ -129,7 +125,7 @@ def count_autocast_casts(model: nn.Module, example_inputs, dtype: torch.dtype | 
     parameter used twice is cast once.
 
     >>> import torch
-    >>> count_autocast_casts(torch.nn.Linear(4, 2), torch.randn(3, 4), torch.bfloat16)
+    >>> count_autocast_casts(torch.nn.Linear(4, 2), torch.randn(3, 4), dtype=torch.bfloat16)
     3
     """
     args, kwargs = normalize_example_inputs(example_inputs)

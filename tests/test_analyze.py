@@ -175,7 +175,8 @@ def test_hf_bert_is_captured_by_dynamo_and_matches_eager(tiny_bert):
 )
 def test_hf_bert_categories_per_device(tiny_bert, device, norm_and_softmax):
     _, _, gm = tiny_bert
-    analysis = analyze_graph(gm, torch.device(device), torch.float16 if device == "cuda" else torch.bfloat16,
+    analysis = analyze_graph(gm, device=torch.device(device),
+                             low_dtype=torch.float16 if device == "cuda" else torch.bfloat16,
                              capability=(8, 0) if device == "cuda" else None)
     by_kind = {}
     for op in analysis.ops:

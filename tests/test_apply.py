@@ -82,7 +82,7 @@ def test_amp_plan_inserts_as_many_casts_as_autocast_performs(name):
     model, inputs = make(name)
     analysis = compfx.analyze(model, inputs)
     gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
-    assert count_casts(gm) == count_autocast_casts(model, inputs, torch.bfloat16)
+    assert count_casts(gm) == count_autocast_casts(model, inputs, dtype=torch.bfloat16)
 
 
 def test_outputs_come_back_in_the_models_dtype_by_default():

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 
 import compfx
-from compfx import plan_cache
+from compfx import cache
 from compfx.apply import apply
 from compfx.backend import backend, compfx_backend, compile_with_plan, registered_backend
 from compfx.errors import BadInputError, PlanFileError
@@ -35,7 +35,7 @@ def aot_tolerance(plan) -> dict:
 @pytest.fixture(autouse=True)
 def fresh_dynamo(tmp_path, monkeypatch):
     """Each test compiles from scratch and sees an empty plan cache."""
-    monkeypatch.setenv(plan_cache.CACHE_DIR_ENV, str(tmp_path / "plans"))
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "plans"))
     torch._dynamo.reset()
     yield
     torch._dynamo.reset()
@@ -88,7 +88,11 @@ def test_backend_rejects_arguments_that_do_not_fit():
     model, x = make("mlp")
     plan = compfx.Plan.amp(compfx.analyze(model, x))
     with pytest.raises(BadInputError, match="Inductor config patches"):
-        backend(plan, inner="aot_eager", max_autotune=True)
+        backend(plan, inner="aot_eager", inductor_options={"max_autotune": True})
+    with pytest.raises(TypeError):  # Inductor options are not backend options
+        backend(plan, inner="inductor", max_autotune=True)
+    with pytest.raises(BadInputError, match="not a registered torch.compile backend"):
+        backend(plan, inner="nonexistent")
     with pytest.raises(BadInputError, match="plan was made for"):
         backend(plan, low_dtype=torch.float16)
     with pytest.raises(BadInputError, match="expected a Plan"):
@@ -219,13 +223,13 @@ def test_cached_plan_is_found_by_fingerprint_and_by_cover():
     model, x = make("mlp")
     analysis = compfx.analyze(model, x)
     plan = compfx.Plan.from_bitstring(analysis, "1f1")
-    path = plan_cache.save_plan(plan)
-    assert path.parent == plan_cache.default_cache_dir() and path.is_file()
-    assert plan_cache.find_plan(analysis.fingerprint, analysis.low_dtype) == plan
-    assert plan_cache.find_plan(analysis.fingerprint) == plan
-    assert plan_cache.find_plan(analysis.fingerprint, torch.float16) is None
-    assert plan_cache.find_plan_covering(list(plan)[:2]) == plan
-    assert plan_cache.find_plan_covering([OpKey("elsewhere", "linear", 0)]) is None
+    path = cache.save_plan(plan)
+    assert path.parent == cache.default_cache_dir() and path.is_file()
+    assert cache.find_plan(analysis.fingerprint, low_dtype=analysis.low_dtype) == plan
+    assert cache.find_plan(analysis.fingerprint) == plan
+    assert cache.find_plan(analysis.fingerprint, low_dtype=torch.float16) is None
+    assert cache.find_plan_covering(list(plan)[:2]) == plan
+    assert cache.find_plan_covering([OpKey("elsewhere", "linear", 0)]) is None
     compiled_backend = backend(None, inner="aot_eager")
     torch.compile(model, backend=compiled_backend)(*x)
     (record,) = compiled_backend.records
@@ -237,11 +241,11 @@ def test_cache_dir_argument_wins_over_environment_and_damaged_files_are_skipped(
     analysis = compfx.analyze(model, x)
     plan = compfx.Plan.fp32(analysis)
     folder = tmp_path / "mine"
-    plan_cache.save_plan(plan, cache_dir=folder)
-    assert plan_cache.find_plan(analysis.fingerprint) is None  # the environment's folder is empty
-    plan_cache.plan_path(analysis.fingerprint, analysis.low_dtype, folder).write_text("{ truncated")
+    cache.save_plan(plan, cache_dir=folder)
+    assert cache.find_plan(analysis.fingerprint) is None  # the environment's folder is empty
+    cache.plan_path(analysis.fingerprint, analysis.low_dtype, cache_dir=folder).write_text("{ truncated")
     with caplog.at_level(logging.WARNING, logger="compfx"):
-        assert plan_cache.find_plan(analysis.fingerprint, analysis.low_dtype, cache_dir=folder) is None
+        assert cache.find_plan(analysis.fingerprint, low_dtype=analysis.low_dtype, cache_dir=folder) is None
     assert any("damaged cached plan" in message for message in caplog.messages)
 
 
@@ -295,7 +299,7 @@ def test_tiny_bert_trains_under_the_backend():
 def mlp_under_registered_backend(tmp_path_factory):
     """``backend="compfx"`` on the MLP with an empty plan cache: the default plan, then Inductor."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(plan_cache.CACHE_DIR_ENV, str(tmp_path_factory.mktemp("empty-cache")))
+        patch.setenv(cache.CACHE_DIR_ENV, str(tmp_path_factory.mktemp("empty-cache")))
         model, x = make("mlp")
         analysis = compfx.analyze(model, x)
         compiled = torch.compile(model, backend="compfx")

@@ -155,7 +155,7 @@ def test_cast_counter_agrees_with_the_project_counter_when_present():
     model = spec.build(config)
     batch = spec.example_batch(config, 2, torch.Generator().manual_seed(0))
     ours = count_forward_casts(model, batch[:-1], _bf16_autocast)
-    assert ours == passes.count_autocast_casts(model, batch[:-1], torch.bfloat16, "cpu") > 0
+    assert ours == passes.count_autocast_casts(model, batch[:-1], dtype=torch.bfloat16, device_type="cpu") > 0
 
 
 # -- data ----------------------------------------------------------------------------

@@ -17,8 +17,10 @@ from compfx.apply import apply
 from compfx.capture import key_dynamo_graph
 from compfx.errors import PassError
 from compfx.opkey import KEY_META
-from compfx.passes import CAST_META, AutocastRegion, cast_report, count_autocast_casts, count_casts, insert_casts
-from compfx.passes.insert_casts import meta_value
+from compfx.capture import meta_value
+from compfx.cast_policy import CAST_META, AutocastRegion
+from compfx.passes import (apply_precisions, cast_report, count_autocast_casts, count_casts, insert_casts,
+                           output_dtypes, propagate_dtypes, restore_output_dtypes)
 from zoo import ZOO, make
 
 # ---------------------------------------------------------------------------
@@ -106,7 +108,8 @@ def _all(gm, precision):
 
 def test_low_casts_activations_and_parameters_once_and_names_them():
     model, inputs = make("mlp")
-    gm = insert_casts(compfx.capture(model, inputs), _all(compfx.capture(model, inputs), "low"), torch.bfloat16)
+    gm = compfx.capture(model, inputs)
+    gm = apply_precisions(gm, _all(gm, "low"), low_dtype=torch.bfloat16)
     names = {n.name for n in _cast_nodes(gm)}
     assert {"fc1_weight_bf16", "fc1_bias_bf16", "fc2_weight_bf16", "fc2_bias_bf16", "x_bf16"} <= names
     assert "fc1_weight_bf16 = fc1_weight.to(torch.bfloat16)" in gm.code
@@ -118,7 +121,7 @@ def test_low_casts_activations_and_parameters_once_and_names_them():
 def test_inserted_casts_carry_module_stack_and_value_metadata():
     model, inputs = make("cnn")
     gm = compfx.capture(model, inputs)
-    gm = insert_casts(gm, _all(gm, "low"), torch.bfloat16)
+    gm = apply_precisions(gm, _all(gm, "low"), low_dtype=torch.bfloat16)
     conv_weight_cast = next(n for n in _cast_nodes(gm) if n.name == "conv1_weight_bf16")
     assert "nn_module_stack" in conv_weight_cast.meta
     assert list(conv_weight_cast.meta["nn_module_stack"].values())[-1][0].endswith("conv1")
@@ -129,7 +132,7 @@ def test_inserted_casts_carry_module_stack_and_value_metadata():
 def test_norm_ops_cast_only_their_activation_and_running_stats_still_update():
     model, inputs = make("cnn")
     gm = compfx.capture(model, inputs)
-    gm = insert_casts(gm, _all(gm, "low"), torch.bfloat16)
+    gm = apply_precisions(gm, _all(gm, "low"), low_dtype=torch.bfloat16)
     sources = {n.args[0].target for n in _cast_nodes(gm) if n.args[0].op == "get_attr"}
     assert not any(target.startswith(("bn1.", "bn2.")) for target in sources)
     before = model.bn1.running_mean.clone()
@@ -141,7 +144,7 @@ def test_norm_ops_cast_only_their_activation_and_running_stats_still_update():
 def test_integer_inputs_are_never_cast():
     model, inputs = make("embed_gru")
     gm = compfx.capture(model, inputs)
-    gm = insert_casts(gm, _all(gm, "low"), torch.bfloat16)
+    gm = apply_precisions(gm, _all(gm, "low"), low_dtype=torch.bfloat16)
     assert all(meta_value(n.args[0]).is_floating_point() for n in _cast_nodes(gm))
     gm(*inputs).sum().backward()
 
@@ -152,14 +155,14 @@ def test_follow_on_other_ops_inserts_no_casts_but_mixed_inputs_a_kernel_rejects_
     keys = {k.kind: k for k in _all(gm, "low")}
     # embedding low -> bf16 activations meet the GRU's FP32 weights, which torch.gru rejects.
     precisions = {keys["embedding"]: "low", keys["gru"]: "follow", keys["linear"]: "follow"}
-    gm = insert_casts(gm, precisions, torch.bfloat16)
+    gm = apply_precisions(gm, precisions, low_dtype=torch.bfloat16)
     gru = next(n for n in gm.graph.nodes if n.meta.get(KEY_META) == keys["gru"])
     assert any(a.meta.get(CAST_META) and a.args[1] == torch.float32 for a in gru.all_input_nodes)
     gm(*inputs).sum().backward()
 
     mlp, x = make("mlp")
     gm = compfx.capture(mlp, x)
-    gm = insert_casts(gm, _all(gm, "follow"), torch.bfloat16)
+    gm = apply_precisions(gm, _all(gm, "follow"), low_dtype=torch.bfloat16)
     assert count_casts(gm) == 0
 
 
@@ -170,7 +173,7 @@ def test_follow_on_a_listed_op_casts_to_the_widest_input():
 
     inputs = (torch.randn(3, 4), torch.randn(4, 2))
     gm = compfx.capture(Mixed(), inputs)
-    gm = insert_casts(gm, _all(gm, "follow"), torch.bfloat16, restore_output_dtypes=False)
+    gm = insert_casts(gm, _all(gm, "follow"), low_dtype=torch.bfloat16)
     (cast,) = _cast_nodes(gm)
     assert cast.args[1] == torch.float32 and meta_value(cast.args[0]).dtype == torch.bfloat16
     a, b = inputs
@@ -184,7 +187,7 @@ def test_user_casts_are_kept_and_fp32_plan_adds_none():
 
     inputs = (torch.randn(8) * 1e-6,)
     gm = compfx.capture(RoundTrip(), inputs)
-    gm = insert_casts(gm, _all(gm, "fp32"), torch.bfloat16)
+    gm = apply_precisions(gm, _all(gm, "fp32"), low_dtype=torch.bfloat16)
     assert count_casts(gm) == 2 and not _cast_nodes(gm)
     assert torch.equal(gm(*inputs), RoundTrip()(*inputs))
 
@@ -198,7 +201,7 @@ def test_in_place_ops_keep_their_mutated_input_uncast():
 
     inputs = (torch.randn(6),)
     gm = compfx.capture(InPlace(), inputs)
-    gm = insert_casts(gm, _all(gm, "low"), torch.bfloat16)
+    gm = apply_precisions(gm, _all(gm, "low"), low_dtype=torch.bfloat16)
     relu = next(n for n in gm.graph.nodes if n.meta.get(KEY_META) and n.meta[KEY_META].kind == "relu")
     assert not any(a.meta.get(CAST_META) for a in relu.all_input_nodes)
     torch.testing.assert_close(gm(*inputs), InPlace()(*inputs), rtol=2e-2, atol=2e-2)
@@ -220,20 +223,54 @@ def test_shared_parameter_is_cast_once_like_autocasts_weight_cache():
     gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
     weight_casts = [n for n in _cast_nodes(gm) if n.args[0].op == "get_attr" and n.args[0].target.endswith("weight")]
     assert len(weight_casts) == 1
-    assert count_casts(gm) == count_autocast_casts(model, inputs, torch.bfloat16) == 4
+    assert count_casts(gm) == count_autocast_casts(model, inputs, dtype=torch.bfloat16) == 4
 
 
-def test_restore_output_dtypes_can_be_turned_off():
+def test_insert_casts_leaves_outputs_low_and_restore_output_dtypes_casts_them_back_once():
     model, inputs = make("mlp")
     gm = compfx.capture(model, inputs)
-    gm = insert_casts(gm, _all(gm, "low"), torch.float16, restore_output_dtypes=False)
-    assert gm(*inputs).dtype == torch.float16
+    before = output_dtypes(gm)
+    gm = insert_casts(gm, _all(gm, "low"), low_dtype=torch.float16)
+    assert before == [torch.float32] and gm(*inputs).dtype == torch.float16
+    casts = count_casts(gm)
+    gm = restore_output_dtypes(gm, before)
+    assert gm(*inputs).dtype == torch.float32 and count_casts(gm) == casts + 1
+    assert count_casts(restore_output_dtypes(gm, before)) == casts + 1  # already restored: nothing to add
+    with pytest.raises(PassError, match="returns 1 nodes but 2 dtypes"):
+        restore_output_dtypes(gm, before * 2)
+
+
+def test_restore_output_dtypes_reuses_a_cast_already_in_the_graph():
+    class TwoOutputs(nn.Module):
+        def forward(self, x):
+            y = torch.relu(x.bfloat16())  # y feeds an op the plan runs in FP32, and is returned too
+            return torch.softmax(y, -1), y
+
+    gm = compfx.capture(TwoOutputs(), (torch.randn(3, 4),))
+    precisions = {key: "fp32" if key.kind == "softmax" else "follow" for key in _all(gm, "follow")}
+    gm = insert_casts(gm, precisions, low_dtype=torch.bfloat16)
+    casts = count_casts(gm)
+    gm = restore_output_dtypes(gm, [torch.float32, torch.float32])
+    assert count_casts(gm) == casts  # softmax's cast of y to FP32 is returned as the second output
+    assert [t.dtype for t in gm(torch.randn(3, 4))] == [torch.float32, torch.float32]
+
+
+def test_propagate_dtypes_refreshes_values_downstream_of_a_changed_dtype():
+    model, inputs = make("cnn")
+    gm = compfx.capture(model, inputs)
+    x = next(n for n in gm.graph.nodes if n.op == "placeholder")
+    x.meta["val"] = x.meta["val"].to(torch.bfloat16)
+    conv = next(n for n in compfx.op_nodes(gm) if n.meta[KEY_META].kind == "conv2d")
+    assert meta_value(conv).dtype == torch.float32  # stale until propagated
+    propagate_dtypes(gm)
+    assert meta_value(conv).dtype == torch.float32  # bf16 input, FP32 weight: promoted on fakes
+    assert meta_value(conv).shape == conv.meta["tensor_meta"].shape
 
 
 def test_composite_low_runs_under_autocast_and_is_reported():
     model, inputs = make("mha")
     gm = compfx.capture(model, inputs)
-    gm = insert_casts(gm, _all(gm, "low"), torch.bfloat16)
+    gm = apply_precisions(gm, _all(gm, "low"), low_dtype=torch.bfloat16)
     regions = [m for m in gm.modules() if isinstance(m, AutocastRegion)]
     assert len(regions) == 1 and regions[0].dtype == torch.bfloat16
     assert cast_report(gm).autocast_regions == 1
@@ -251,9 +288,9 @@ def test_missing_precision_raises_pass_error_and_leaves_graph_unchanged():
     code = gm.code
     partial = dict(list(_all(gm, "low").items())[:1])
     with pytest.raises(PassError, match="insert_casts: no precision for 2 op"):
-        insert_casts(gm, partial, torch.bfloat16)
+        apply_precisions(gm, partial, low_dtype=torch.bfloat16)
     assert gm.code == code
-    insert_casts(gm, partial, torch.bfloat16, default_precision="follow")  # the backend's way
+    apply_precisions(gm, partial, low_dtype=torch.bfloat16, default_precision="follow")  # the backend's way
 
 
 @pytest.mark.parametrize("precision, low_dtype, message", [
@@ -264,7 +301,7 @@ def test_bad_arguments_raise_pass_error(precision, low_dtype, message):
     model, inputs = make("mlp")
     gm = compfx.capture(model, inputs)
     with pytest.raises(PassError, match=message):
-        insert_casts(gm, _all(gm, precision), low_dtype)
+        insert_casts(gm, _all(gm, precision), low_dtype=low_dtype)
 
 
 # ---------------------------------------------------------------------------
@@ -278,7 +315,7 @@ def test_pass_works_on_dynamo_graphs_with_lifted_parameters(name):
 
     def backend(gm, example_inputs):
         keys = key_dynamo_graph(gm)
-        gm = insert_casts(gm, {k: "low" for k in keys}, torch.bfloat16)
+        gm = apply_precisions(gm, {k: "low" for k in keys}, low_dtype=torch.bfloat16)
         seen["gm"] = gm
         return gm.forward
 

@@ -1,0 +1,244 @@
+"""The cast rules, defined once: what a cast is, which inputs a plan casts, which ops run under autocast.
+
+The cast pass (:mod:`compfx.passes.insert_casts`) applies these rules to a
+graph; the profiler (:mod:`compfx.costmodel.profile`) applies them to one op
+in isolation; the predictor, the cast report and the compile backend read a
+rewritten graph with them. Keeping them here is what makes the cost model
+price the graph the pass builds, and the report count the casts the cost
+model prices.
+
+* **Which inputs are cast** (:func:`castable`): every floating input of an op
+  (activations *and* parameters), except
+
+  - an input the op writes (``x.add_(y)``, ``inplace=True``, ``out=``): a cast
+    would make the write land on a temporary copy (:func:`mutated_positions`);
+  - the weight, bias and running statistics of normalisation ops
+    (:data:`NORM_KINDS`): their kernels take FP32 parameters beside a low
+    activation, and casting a running-stat buffer would lose its in-place update;
+  - float64 tensors, which autocast leaves alone too.
+
+* **Which ops run under autocast** (:func:`runs_under_autocast`): composite ops
+  that autocast casts *inside* (:data:`COMPOSITE_KINDS`: multi-head attention,
+  RNNs) and opaque leaf modules run their "low" under ``torch.autocast``
+  (:class:`AutocastRegion`), exactly as in eager AMP, instead of having their
+  inputs cast.
+
+* **Which ops take mixed dtypes** (:func:`runs_as_is`): "follow" ops run on
+  whatever reaches them when the dtypes agree or the op type-promotes
+  (:data:`PROMOTING_KINDS`); GEMMs and RNNs reject mixed inputs.
+
+* **What a cast is** (:func:`is_cast`): a conversion node (``.to``,
+  ``.float()``, ``.type_as``, ``aten._to_copy``, ...) that changes the
+  floating dtype of its input, read from the metadata on both sides.
+
+* **What dtype an op computes in** (:func:`compute_dtype`): its autocast
+  region's, else the promoted dtype of the inputs its precision applies to.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+from typing import Any, Callable, Iterable
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from .capture import is_in_place, meta_value
+from .opkey import KEY_META, normalize_kind
+from .vocabulary import short_dtype_name
+
+__all__ = [
+    "NORM_KINDS", "COMPOSITE_KINDS", "PROMOTING_KINDS", "CAST_KINDS", "CAST_META", "AutocastRegion",
+    "mutated_positions", "castable", "castable_inputs", "runs_under_autocast", "runs_as_is", "is_cast",
+    "compute_dtype",
+]
+
+#: Ops whose weight/bias/running stats stay FP32 whatever the op's precision.
+NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "instance_norm"})
+#: Ops that autocast casts *inside*; "low" runs them under torch.autocast.
+COMPOSITE_KINDS = frozenset({"multi_head_attention", "gru", "lstm", "rnn_tanh", "rnn_relu"})
+#: "Other" ops that take mixed floating inputs and type-promote them (TensorIterator ops).
+PROMOTING_KINDS = frozenset("""
+    add sub rsub mul div where maximum minimum fmax fmin pow float_power atan2 lerp addcmul addcdiv
+    clamp clip clamp_min clamp_max hypot copysign remainder fmod floor_divide eq ne lt le gt ge
+    logaddexp logaddexp2 xlogy heaviside
+""".split())
+#: Op kinds (after :func:`compfx.opkey.normalize_kind`) that convert dtypes: method, function and aten spellings.
+CAST_KINDS = frozenset({"to", "type", "type_as", "float", "half", "bfloat16", "double", "to_copy",
+                        "convert_element_type"})
+#: ``node.meta`` flag on every cast node compfx inserts.
+CAST_META = "compfx_cast"
+
+#: Argument positions through which an op names its input (positional or keyword).
+_INPUT_POSITIONS = (0, "input", "self")
+
+
+# -- which inputs are cast ---------------------------------------------------------
+
+def mutated_positions(node: fx.Node) -> frozenset:
+    """Argument positions ``node`` writes to: ``out=``, and its input when the op is in-place.
+
+    >>> import torch, torch.fx as fx
+    >>> gm = fx.symbolic_trace(lambda x: torch.relu_(x) + torch.nn.functional.relu(x, inplace=True))
+    >>> [sorted(map(str, mutated_positions(n))) for n in gm.graph.nodes if n.op == "call_function"][:2]
+    [['0', 'input', 'out', 'self'], ['0', 'input', 'out', 'self']]
+    """
+    if is_in_place(node.target) or _passes_inplace_true(node):
+        return frozenset({"out", *_INPUT_POSITIONS})
+    return frozenset({"out"})
+
+
+def castable(kind: str, position, value, mutated: Iterable = frozenset()) -> bool:
+    """Does a plan's precision cast ``value``, passed at ``position`` (an index or keyword) to an op of ``kind``?
+
+    >>> import torch
+    >>> castable("linear", 1, torch.ones(2)), castable("layer_norm", 1, torch.ones(2))
+    (True, False)
+    >>> castable("add", 0, torch.ones(2), mutated={0}), castable("add", 1, torch.ones(2, dtype=torch.float64))
+    (False, False)
+    """
+    if position in mutated or (kind in NORM_KINDS and position not in _INPUT_POSITIONS):
+        return False
+    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
+
+
+def castable_inputs(node: fx.Node, value_of: Callable[[fx.Node], Any] = meta_value) -> list[tuple[Any, fx.Node]]:
+    """(position, input node) pairs of ``node`` whose value its precision applies to (see :func:`castable`)."""
+    kind = node.meta[KEY_META].kind
+    mutated = mutated_positions(node)
+    pairs = []
+    for position, value in [*enumerate(node.args), *node.kwargs.items()]:
+        for arg in _nodes_in(value):
+            if castable(kind, position, value_of(arg), mutated):
+                pairs.append((position, arg))
+    return pairs
+
+
+def runs_under_autocast(kind: str, *, is_module_call: bool) -> bool:
+    """True when "low" runs the op under ``torch.autocast`` rather than casting its inputs."""
+    return kind in COMPOSITE_KINDS or is_module_call
+
+
+def runs_as_is(kind: str, dtypes: Iterable[torch.dtype]) -> bool:
+    """Can an op with no casts of its own run on input ``dtypes``? When they agree, or when it type-promotes.
+
+    Fake kernels are too lax to tell (a fake ``linear`` takes bf16 x FP32), so this is a rule, not a probe.
+
+    >>> import torch
+    >>> runs_as_is("add", [torch.bfloat16, torch.float32]), runs_as_is("linear", [torch.bfloat16, torch.float32])
+    (True, False)
+    """
+    return len(set(dtypes)) <= 1 or kind in PROMOTING_KINDS
+
+
+class AutocastRegion(nn.Module):
+    """Runs one composite op under ``torch.autocast(device_type, dtype)``: how "low" runs such ops.
+
+    It holds no parameters of its own; a wrapped leaf module stays registered
+    where it was, so ``state_dict()`` does not change.
+
+    >>> import torch
+    >>> region = AutocastRegion(torch.nn.functional.linear, "cpu", torch.bfloat16)
+    >>> region(torch.randn(2, 3), torch.randn(4, 3)).dtype
+    torch.bfloat16
+    """
+
+    def __init__(self, fn: Callable, device_type: str, dtype: torch.dtype):
+        super().__init__()
+        object.__setattr__(self, "fn", fn)  # not a child module: its weights belong to their own path
+        self.device_type, self.dtype = device_type, dtype
+
+    def forward(self, *args, **kwargs):
+        with torch.autocast(self.device_type, dtype=self.dtype):
+            return self.fn(*args, **kwargs)
+
+    def extra_repr(self) -> str:
+        name = getattr(self.fn, "__name__", type(self.fn).__name__)
+        return f"{name}, device_type={self.device_type!r}, dtype={short_dtype_name(self.dtype)}"
+
+
+# -- reading a rewritten graph -------------------------------------------------------
+
+def _dtype_of(value) -> torch.dtype | None:
+    return value.dtype if isinstance(value, torch.Tensor) else None
+
+
+def is_cast(node: fx.Node, value_of: Callable[[fx.Node], Any] = meta_value) -> bool:
+    """True when ``node`` converts a floating tensor to another floating dtype (the one definition of a cast).
+
+    A ``.to()`` that only moves a tensor between devices is not a cast. A node
+    without dtype metadata counts only when compfx inserted it (``CAST_META``).
+    """
+    if node.op not in ("call_function", "call_method") or KEY_META in node.meta:
+        return False
+    if normalize_kind(node.op, node.target) not in CAST_KINDS:
+        return False
+    if not node.args or not isinstance(node.args[0], fx.Node):
+        return False
+    before, after = _dtype_of(value_of(node.args[0])), _dtype_of(value_of(node))
+    if before is None or after is None:
+        return bool(node.meta.get(CAST_META))
+    return before.is_floating_point and after.is_floating_point and before != after
+
+
+def compute_dtype(node: fx.Node, module_of: Callable[[str], nn.Module],
+                  value_of: Callable[[fx.Node], Any] = meta_value) -> torch.dtype | None:
+    """The dtype a keyed op computes in: its autocast region's, else its cast inputs' (promoted), else None.
+
+    ``module_of(target)`` looks up a ``call_module`` target (``gm.get_submodule``).
+    Normalisation ops compute in their activation's dtype, whatever their FP32 weights.
+    """
+    if node.op == "call_module":
+        region = module_of(node.target)
+        if isinstance(region, AutocastRegion):
+            return region.dtype
+    dtypes = [value_of(arg).dtype for _, arg in castable_inputs(node, value_of)]
+    if not dtypes:  # only mutated or float64 inputs: the op computes in theirs
+        dtypes = [leaf.dtype for arg in node.all_input_nodes for leaf in pytree.tree_leaves(value_of(arg))
+                  if isinstance(leaf, torch.Tensor) and leaf.is_floating_point()]
+    return functools.reduce(torch.promote_types, dtypes) if dtypes else None
+
+
+# -- helpers -------------------------------------------------------------------------
+
+def _nodes_in(value) -> list[fx.Node]:
+    found: list[fx.Node] = []
+    fx.node.map_arg(value, lambda n: found.append(n) or n)
+    return found
+
+
+def _passes_inplace_true(node: fx.Node) -> bool:
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op != "call_function":
+        return False
+    signature = _signature(node.target)
+    if signature is None:
+        return False
+    try:
+        bound = signature.bind(*node.args, **node.kwargs)
+    except TypeError:  # the call does not fit the signature
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def _signature(target) -> inspect.Signature | None:
+    """``inspect.signature(target)``, None for builtins without one; cached, as every rewrite asks again."""
+    try:
+        hash(target)
+    except TypeError:  # an unhashable callable: no cache
+        return _signature_uncached(target)
+    return _cached_signature(target)
+
+
+def _signature_uncached(target) -> inspect.Signature | None:
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):  # builtins without a signature, non-callables
+        return None
+
+
+_cached_signature = functools.lru_cache(maxsize=1024)(_signature_uncached)
