@@ -12,11 +12,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .analyze import Analysis
 from .apply import apply
 from .errors import BadInputError
 from .examples import cnn
-from .optimize import SearchConfig, optimize
+from .optimize import optimize
+from .plan import Plan
+from .search import SearchConfig, SearchResult
 
 __all__ = ["digits_batches", "run_demo"]
 
@@ -53,8 +54,8 @@ def _accuracy(module: nn.Module, batches: list) -> float:
 
 
 def run_demo(epochs: int = 3, sample_batches: int = 20, batch_size: int = 64, seed: int = 0, log=None,
-             progress: bool = True, threads: int | None = 1, print_fn: Callable[[str], None] = print) -> nn.Module:
-    """Analyse, search and post-train the digits CNN; print each step. Returns the optimized module.
+             progress: bool = True, threads: int | None = 1, print_fn: Callable[[str], None] = print) -> SearchResult:
+    """Analyse, search and post-train the digits CNN; print each step. Returns the search's result.
 
     The search samples the first ``sample_batches`` training batches (its
     "sample loader"); post-training then runs ``epochs`` full epochs with the
@@ -62,8 +63,8 @@ def run_demo(epochs: int = 3, sample_batches: int = 20, batch_size: int = 64, se
     ``threads`` sets torch's intra-op threads for the run (restored after): this
     model is so small that one thread is fastest, and steadier to time on a busy CPU.
 
-    >>> module = run_demo(epochs=1, sample_batches=4, progress=False, print_fn=lambda line: None)
-    >>> set(module.plan.values()) <= {"follow", "fp32", "low"}
+    >>> result = run_demo(epochs=1, sample_batches=4, progress=False, print_fn=lambda line: None)
+    >>> set(result.plan.values()) <= {"follow", "fp32", "low"}
     True
     """
     previous_threads = torch.get_num_threads()
@@ -75,21 +76,21 @@ def run_demo(epochs: int = 3, sample_batches: int = 20, batch_size: int = 64, se
         torch.set_num_threads(previous_threads)
 
 
-def _run(epochs, sample_batches, batch_size, seed, log, progress, print_fn) -> nn.Module:
+def _run(epochs, sample_batches, batch_size, seed, log, progress, print_fn) -> SearchResult:
     torch.manual_seed(seed)
     train, test = digits_batches(batch_size, seed)
     model = cnn()
     optimizer = torch.optim.Adam(model.parameters(), lr=2e-3)
     config = SearchConfig(seed=seed, progress=progress)
-    fast = optimize(model, train[:sample_batches], loss_fn=_nll, optimizer=optimizer, config=config, log=log)
-    analysis: Analysis = fast.plan_analysis
-    print_fn(analysis.table())
-    print_fn(analysis.summary())
+    result = optimize(model, train[:sample_batches], loss_fn=_nll, optimizer=optimizer, config=config, log=log)
+    fast = result.module
+    print_fn(result.analysis.table())
+    print_fn(result.analysis.summary())
     print_fn("")
-    print_fn(fast.report())
+    print_fn(result.report())
     print_fn("")
     print_fn(f"post-training with the chosen plan ({epochs} epochs of {len(train)} batches):")
-    evaluator = _evaluator(model, fast, test)
+    evaluator = _evaluator(model, result.plan, test)
     for epoch in range(1, epochs + 1):
         losses = []
         for x, y in train:
@@ -100,10 +101,10 @@ def _run(epochs, sample_batches, batch_size, seed, log, progress, print_fn) -> n
             losses.append(loss.item())
         print_fn(f"  epoch {epoch}: train loss {sum(losses) / len(losses):.4f}, "
                  f"test accuracy {_accuracy(evaluator, test):.3f}")
-    return fast
+    return result
 
 
-def _evaluator(model: nn.Module, fast: nn.Module, test: list) -> nn.Module:
+def _evaluator(model: nn.Module, plan: Plan, test: list) -> nn.Module:
     """The chosen plan applied to the model in eval mode (BatchNorm running statistics).
 
     Built once: it shares the model's parameters and buffers, so it reads the
@@ -111,6 +112,6 @@ def _evaluator(model: nn.Module, fast: nn.Module, test: list) -> nn.Module:
     """
     model.eval()
     try:
-        return apply(model, fast.plan, test[0][:1])
+        return apply(model, plan, test[0][:1])
     finally:
         model.train()

@@ -1,48 +1,20 @@
 """The search report: which precision each op got, what the search cost, what the plan gains.
 
-:class:`SearchSummary` is what :func:`compfx.optimize` learned; :func:`render_report`
-turns it into text (``model.report()`` on the module ``optimize`` returns).
+:func:`render_report` turns the :class:`~compfx.search.SearchResult` that
+:func:`compfx.optimize` returns into text (``result.report()``).
 """
 
 from __future__ import annotations
 
 import statistics
-from dataclasses import dataclass, field
 
 from tabulate import tabulate
 
-from .search import STOPPED_EARLY
-from .search_predictor import MEASURED_STEP as _MEASURED, PREDICTED_STEP as _PREDICTED, STALE_PROFILES as _STALE
-from .searchlog import SearchLog
+from .costmodel.predictor import MEASURED_STEP as _MEASURED, PREDICTED_STEP as _PREDICTED, STALE_PROFILES as _STALE
+from .search.log import STOPPED_EARLY, SearchLog
+from .vocabulary import SampleStatus, Stage, dtype_name
 
-__all__ = ["SearchSummary", "render_report", "op_table", "prediction_table", "prediction_error", "predicted_records"]
-
-
-@dataclass
-class SearchSummary:
-    """Everything the report shows; filled in by :func:`compfx.optimize`."""
-
-    analysis: object  # compfx.Analysis
-    plan: object  # compfx.Plan: the chosen plan
-    stage1_plan: object  # compfx.Plan: the Stage-1 winner
-    log: SearchLog
-    stage1_mode: str
-    loss0: float
-    fp32_epoch_seconds: float  # wall time of the FP32 baseline epoch
-    search_seconds: float  # wall time of the whole search
-    step_seconds: dict[str, float] = field(default_factory=dict)  # "fp32" / "amp" / "chosen" -> median step
-
-    @property
-    def samples_run(self) -> int:
-        return len([r for r in self.log.samples() if r.stage in ("stage1", "stage2")])
-
-    @property
-    def samples_pruned(self) -> int:
-        return len([r for r in self.log.samples() if r.status == "pruned"])
-
-    @property
-    def samples_skipped(self) -> int:
-        return len([r for r in self.log.samples() if r.status == "skipped"])
+__all__ = ["render_report", "op_table", "prediction_table", "prediction_error", "predicted_records"]
 
 
 def predicted_records(log: SearchLog) -> list:
@@ -54,10 +26,11 @@ def predicted_records(log: SearchLog) -> list:
 def prediction_error(log: SearchLog) -> float | None:
     """Median absolute percentage error of predicted against measured step time (None: nothing to compare).
 
-    >>> from compfx.searchlog import SampleRecord
+    >>> from compfx.search.log import SampleRecord
     >>> log = SearchLog()
     >>> for p in (1.1, 0.9, 2.0):
-    ...     log.append(SampleRecord("stage1", "0", "accepted", extra={_PREDICTED: p, _MEASURED: 1.0 if p < 2 else 2.0}))
+    ...     log.append(SampleRecord(Stage.STAGE1, "0", SampleStatus.ACCEPTED,
+    ...                             extra={_PREDICTED: p, _MEASURED: 1.0 if p < 2 else 2.0}))
     >>> round(prediction_error(log), 6)
     10.0
     """
@@ -70,7 +43,7 @@ def prediction_error(log: SearchLog) -> float | None:
 
 def prediction_table(log: SearchLog, tablefmt: str = "simple") -> str:
     """Predicted against measured step time for every measured candidate (Stage 1 per batch, Stage 2 median)."""
-    rows = [[r.stage, r.bitstring, r.status, _ms(r.extra[_PREDICTED]), _ms(r.extra[_MEASURED]),
+    rows = [[r.stage, r.plan, r.status, _ms(r.extra[_PREDICTED]), _ms(r.extra[_MEASURED]),
              f"{(r.extra[_PREDICTED] / r.extra[_MEASURED] - 1) * 100:+.1f}%"] for r in predicted_records(log)]
     return tabulate(rows, headers=["stage", "plan", "status", "predicted step", "measured step", "error"],
                     tablefmt=tablefmt)
@@ -112,26 +85,25 @@ def _stopped_early(records) -> str:
     return f" ({n} stopped early on pace)" if n else ""
 
 
-def render_report(summary: SearchSummary, tablefmt: str = "simple") -> str:
-    """The report as text: the per-op table, then the search and the timing summary."""
+def render_report(summary, tablefmt: str = "simple") -> str:
+    """The report of a :class:`~compfx.search.SearchResult`: the per-op table, the search, the timing summary."""
     a, log = summary.analysis, summary.log
-    by_stage = {s: log.samples(s) for s in ("stage1", "stage2", "check")}
-    counts = {s: sum(r.status == s for r in by_stage["stage1"])
-              for s in ("accepted", "rejected", "pruned", "error", "skipped")}
+    by_stage = {stage: log.samples(stage) for stage in (Stage.STAGE1, Stage.STAGE2, Stage.CHECK)}
+    counts = {status: sum(r.status is status for r in by_stage[Stage.STAGE1]) for status in SampleStatus}
     steps = summary.step_seconds
     chosen = steps.get("chosen")
     share = summary.search_seconds / summary.fp32_epoch_seconds if summary.fp32_epoch_seconds else float("nan")
     lines = [
         op_table(a, summary.plan, summary.stage1_plan, tablefmt),
         "",
-        f"chosen plan    {summary.plan.bitstring(a)}   ('0' {str(a.low_dtype).replace('torch.', '')}, "
-        "'1' fp32, 'f' follow)",
-        f"stage 1        {len(by_stage['stage1'])} samples ({summary.stage1_mode}): {counts['accepted']} accepted, "
-        f"{counts['rejected']} rejected, {counts['pruned']} pruned{_stopped_early(by_stage['stage1'])}, "
-        f"{counts['skipped']} skipped, {counts['error']} failed; "
+        f"chosen plan    {summary.plan.bitstring(a)}   ('0' {dtype_name(a.low_dtype)}, '1' fp32, 'f' follow)",
+        f"stage 1        {len(by_stage[Stage.STAGE1])} samples ({summary.stage1_mode}): "
+        f"{counts[SampleStatus.ACCEPTED]} accepted, {counts[SampleStatus.REJECTED]} rejected, "
+        f"{counts[SampleStatus.PRUNED]} pruned{_stopped_early(by_stage[Stage.STAGE1])}, "
+        f"{counts[SampleStatus.SKIPPED]} skipped, {counts[SampleStatus.ERROR]} failed; "
         f"loss_0 {summary.loss0:.4g}; winner {summary.stage1_plan.bitstring(a)}",
-        f"stage 2        {len(by_stage['stage2'])} candidates timed"
-        + (f"; loss check {by_stage['check'][-1].status}" if by_stage["check"] else ""),
+        f"stage 2        {len(by_stage[Stage.STAGE2])} candidates timed"
+        + (f"; loss check {by_stage[Stage.CHECK][-1].status}" if by_stage[Stage.CHECK] else ""),
         f"search time    {summary.search_seconds:.2f} s = {share:.1f} FP32 epochs of the sample loader "
         f"({summary.samples_run} samples: {summary.samples_pruned} pruned, {summary.samples_skipped} skipped "
         "on prediction)",

@@ -1,18 +1,22 @@
 """The search log: one JSON object per line, one line per sample, flushed as it is written.
 
 A log survives a crash or Ctrl-C up to the last finished sample, and
-``SearchLog.read(path)`` turns it back into records. Lines with
-``"status": "note"`` are not samples: they say why the search did what it did
-(the Stage-1 space was reduced, the Stage-2 check fell back, ...).
+``SearchLog.read(path)`` turns it back into records. Each record names its
+:class:`~compfx.vocabulary.Stage`, the plan it sampled (the CoMP string of an
+:class:`~compfx.plan.Assignment`) and its :class:`~compfx.vocabulary.SampleStatus`.
+Records with status ``note`` are not samples: they say why the search did what
+it did (the Stage-1 space was reduced, the Stage-2 check fell back, ...).
 
 Resume: the first line of a log written by :func:`compfx.optimize` carries, in
-``extra["search"]``, the model's fingerprint and the settings that decide the
-search. ``SearchLog.open(path, header, resume=True)`` reads an existing
-log, refuses one written for another model or other settings, drops a last line
-cut short by a crash, and keeps appending to it. :class:`Replay` then serves the
-outcome of every sample already logged -- Stage-1 epochs batch by batch (loss
-and seconds), Stage-2 timings, the Stage-2 check -- instead of running it again,
-so a resumed search makes the same decisions as one that was never interrupted.
+``extra["search"]``, the model's fingerprint and every setting that can change
+a decision (:func:`compfx.search.config.decision_settings`).
+``SearchLog.open(path, header, resume=True)`` reads an existing log, refuses
+one written for another model or other settings, drops a last line cut short
+by a crash, and keeps appending to it. :class:`Replay` then serves the outcome
+of every sample already logged -- Stage-1 epochs batch by batch (loss and
+seconds), Stage-2 timings, the Stage-2 check -- instead of running it again
+(:class:`compfx.search.evaluator.ReplayingEvaluator`), so a resumed search makes
+the same decisions as one that was never interrupted.
 """
 
 from __future__ import annotations
@@ -24,27 +28,27 @@ from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from .errors import PlanFileError, PlanMismatchError, SearchError
+from ..errors import PlanFileError, PlanMismatchError, SearchError, SearchReplayError
+from ..plan import Assignment
+from ..vocabulary import SampleStatus, Stage
 
-__all__ = ["SampleRecord", "SearchLog", "Replay", "ReplayedState", "STATUSES", "HEADER"]
+__all__ = ["SampleRecord", "SearchLog", "Replay", "ReplayedState", "HEADER", "BATCHES", "STOPPED_EARLY"]
 
 #: key, in the ``extra`` of a log's first line, of what the search was run on (fingerprint and settings)
 HEADER = "search"
-
-#: accepted: a valid plan (it may still lose to a cheaper one); rejected: it ran
-#: to the end but failed the loss guard; pruned: stopped early because it could
-#: no longer win or be accepted; error: the model raised under the plan;
-#: skipped: not run, the cost model predicted it could not win (see SearchConfig.predictor).
-STATUSES = ("accepted", "rejected", "pruned", "error", "note", "skipped")
+#: key of a live Stage-1 record's ``extra``: [loss, seconds] per batch, which a resumed search replays
+BATCHES = "batches"
+#: key of a Stage-1 record's ``extra`` on a sample stopped early on pace (see SearchConfig.early_stop)
+STOPPED_EARLY = "stopped_early"
 
 
 @dataclass(frozen=True)
 class SampleRecord:
-    """One line of the log."""
+    """One line of the log: ``plan`` is the sampled plan's CoMP string ("" for notes)."""
 
-    stage: str  # "stage1" | "stage2" | "check" | "compare" | "search"
-    bitstring: str
-    status: str
+    stage: Stage
+    plan: str
+    status: SampleStatus
     loss: float | None = None
     cost: float | None = None
     seconds: float | None = None  # measured step time: epoch sum (stage 1) or median step (stage 2)
@@ -54,12 +58,13 @@ class SampleRecord:
     extra: dict = field(default_factory=dict)
 
     def __post_init__(self):
-        if self.status not in STATUSES:
-            raise ValueError(f"status {self.status!r} is not one of {STATUSES}")
+        # ValueError (a damaged log line) on a stage or status compfx does not write
+        object.__setattr__(self, "stage", Stage(self.stage))
+        object.__setattr__(self, "status", SampleStatus(self.status))
 
     @property
     def is_sample(self) -> bool:
-        return self.status != "note"
+        return self.status is not SampleStatus.NOTE
 
     def to_json(self) -> str:
         # NaN/inf are not JSON: write them as strings so every line stays parseable.
@@ -69,6 +74,10 @@ class SampleRecord:
     @classmethod
     def from_json(cls, line: str) -> "SampleRecord":
         data = json.loads(line)
+        if not isinstance(data, dict):
+            raise ValueError(f"a log line is a JSON object; got a {type(data).__name__}")
+        if "bitstring" in data:  # logs written before the plan field had its name
+            data["plan"] = data.pop("bitstring")
         for name in ("loss", "cost", "seconds"):
             if isinstance(data.get(name), str):
                 data[name] = float(data[name])
@@ -78,10 +87,9 @@ class SampleRecord:
 class SearchLog:
     """Records of one search, kept in memory and, given a path, appended to a JSON Lines file.
 
-    >>> from compfx.searchlog import SearchLog, SampleRecord
     >>> log = SearchLog()
-    >>> log.append(SampleRecord("stage1", "11", "accepted", loss=0.5, cost=1.0))
-    >>> [r.bitstring for r in log.samples()]
+    >>> log.append(SampleRecord(Stage.STAGE1, "11", SampleStatus.ACCEPTED, loss=0.5, cost=1.0))
+    >>> [r.plan for r in log.samples()]
     ['11']
     """
 
@@ -119,7 +127,7 @@ class SearchLog:
             file.truncate(good_bytes)
         opened = cls(path, append=True)
         opened.records = previous.records
-        opened.note("search", "resumed", samples_in_log=len(previous.samples()))
+        opened.note(Stage.SEARCH, "resumed", samples_in_log=len(previous.samples()))
         return opened
 
     def append(self, record: SampleRecord) -> None:
@@ -132,15 +140,15 @@ class SearchLog:
             self._file.flush()  # one line per finished sample survives a crash
             os.fsync(self._file.fileno())
 
-    def note(self, stage: str, message: str, **extra) -> None:
-        self.append(SampleRecord(stage, "", "note", reason=message, extra=extra))
+    def note(self, stage: Stage, message: str, **extra) -> None:
+        self.append(SampleRecord(stage, "", SampleStatus.NOTE, reason=message, extra=extra))
 
     def close(self) -> None:
         if self._file is not None:
             self._file.close()
             self._file = None
 
-    def samples(self, stage: str | None = None) -> list[SampleRecord]:
+    def samples(self, stage: Stage | str | None = None) -> list[SampleRecord]:
         return [r for r in self.records if r.is_sample and (stage is None or r.stage == stage)]
 
     def notes(self) -> list[SampleRecord]:
@@ -219,63 +227,67 @@ def _check_header(path: Path, log: SearchLog, header: dict) -> None:
 class ReplayedState:
     """Stands in for the trained state of a Stage-1 epoch served from the log (it was not kept)."""
 
-    bits: str
+    plan: Assignment
+
+
+_REPLAYED_STAGES = (Stage.STAGE1, Stage.STAGE2, Stage.CHECK)
 
 
 class Replay:
-    """Outcomes of logged samples, keyed by stage and bitstring, handed back instead of re-running them.
+    """Outcomes of logged samples, keyed by stage and plan, handed back instead of re-running them.
 
     It also records, per Stage-1 epoch that runs live, each batch's loss and
     seconds, which :meth:`annotate` adds to the log line so that a later resume
     can replay the epoch batch by batch (pruning decisions depend on them).
 
     >>> log = SearchLog()
-    >>> log.append(SampleRecord("stage2", "10", "accepted", seconds=0.5, cost=0.5))
-    >>> Replay(log.records).time_step("10")
+    >>> log.append(SampleRecord(Stage.STAGE2, "10", SampleStatus.ACCEPTED, seconds=0.5, cost=0.5))
+    >>> Replay(log.records).time_step(Assignment.parse("10"))
     0.5
     """
 
     def __init__(self, records=()):
-        self.logged: dict[tuple[str, str], SampleRecord] = {}
-        self.skipped: set[tuple[str, str]] = set()  # never run (the cost model skipped them): nothing to replay
+        self.logged: dict[tuple[Stage, str], SampleRecord] = {}
+        self.skipped: set[tuple[Stage, str]] = set()  # never run (the cost model skipped them): nothing to replay
         for record in records:
-            key = (record.stage, record.bitstring)
-            if record.status == "skipped":
+            key = (record.stage, record.plan)
+            if record.status is SampleStatus.SKIPPED:
                 self.skipped.add(key)
-            elif record.is_sample and record.stage in ("stage1", "stage2", "check"):
+            elif record.is_sample and record.stage in _REPLAYED_STAGES:
                 self.logged[key] = record
-        self.replayed: set[tuple[str, str]] = set()
+        self.replayed: set[tuple[Stage, str]] = set()
         self._batches: dict[str, list[list[float]]] = {}
 
-    def has(self, stage: str, bits: str) -> bool:
-        return (stage, bits) in self.logged
+    def has(self, stage: Stage, plan: Assignment) -> bool:
+        return (stage, str(plan)) in self.logged
 
-    def _take(self, stage: str, bits: str) -> SampleRecord:
-        self.replayed.add((stage, bits))
-        record = self.logged[(stage, bits)]
-        if record.status == "error":
+    def _take(self, stage: Stage, plan: Assignment) -> SampleRecord:
+        key = (stage, str(plan))
+        self.replayed.add(key)
+        record = self.logged[key]
+        if record.status is SampleStatus.ERROR:
             raise SearchReplayError(f"(replayed from the log) {record.reason}")
         return record
 
-    def epoch(self, bits: str, run_live: Callable[[], Iterator]) -> Iterator:
+    def epoch(self, plan: Assignment, run_live: Callable[[], Iterator]) -> Iterator:
         """A Stage-1 epoch: the logged batches replayed, or the live epoch with its batches recorded."""
-        if self.has("stage1", bits):
-            return self._replay_epoch(bits)
-        return self._record_epoch(bits, run_live())
+        if self.has(Stage.STAGE1, plan):
+            return self._replay_epoch(plan)
+        return self._record_epoch(plan, run_live())
 
-    def _replay_epoch(self, bits: str):
-        record = self._take("stage1", bits)
-        batches = record.extra.get("batches")
+    def _replay_epoch(self, plan: Assignment):
+        record = self._take(Stage.STAGE1, plan)
+        batches = record.extra.get(BATCHES)
         if batches is None:
-            raise SearchError(f"the logged Stage-1 sample {bits} has no per-batch losses, so it cannot be "
+            raise SearchError(f"the logged Stage-1 sample {plan} has no per-batch losses, so it cannot be "
                               "replayed; expected a log written by this compfx version. Search again without "
                               "resume=True.")
         for loss, seconds in batches:
             yield float(loss), float(seconds)
-        return ReplayedState(bits)
+        return ReplayedState(plan)
 
-    def _record_epoch(self, bits: str, epoch):
-        batches = self._batches[bits] = []
+    def _record_epoch(self, plan: Assignment, epoch):
+        batches = self._batches[str(plan)] = []
         try:
             while True:
                 loss, seconds = next(epoch)
@@ -286,22 +298,18 @@ class Replay:
         finally:
             epoch.close()  # pruning closes this wrapper: let the live epoch restore the state
 
-    def time_step(self, bits: str) -> float:
-        return float(self._take("stage2", bits).seconds)
+    def time_step(self, plan: Assignment) -> float:
+        return float(self._take(Stage.STAGE2, plan).seconds)
 
-    def check_loss(self, bits: str) -> float:
-        return float(self._take("check", bits).loss)
+    def check_loss(self, plan: Assignment) -> float:
+        return float(self._take(Stage.CHECK, plan).loss)
 
     def annotate(self, record: SampleRecord) -> SampleRecord | None:
         """The record to log: None when it was replayed (already in the log), with per-batch data for Stage 1."""
-        key = (record.stage, record.bitstring)
-        if key in self.replayed or (record.status == "skipped" and key in self.skipped):
+        key = (record.stage, record.plan)
+        if key in self.replayed or (record.status is SampleStatus.SKIPPED and key in self.skipped):
             return None
-        if record.stage == "stage1" and record.bitstring in self._batches:
-            batches = self._batches.pop(record.bitstring)
-            return replace(record, extra={**record.extra, "batches": batches})
+        if record.stage is Stage.STAGE1 and record.plan in self._batches:
+            batches = self._batches.pop(record.plan)
+            return replace(record, extra={**record.extra, BATCHES: batches})
         return record
-
-
-class SearchReplayError(RuntimeError):
-    """A logged sample had failed; replaying it fails the same way (the search records it as ``error``)."""

@@ -41,8 +41,8 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .errors import BadInputError, CompfxError, NonFiniteGradientError
-from .measure import Timing, time_repeats, timed
+from ..errors import BadInputError, CompfxError, NonFiniteGradientError
+from ..measure import Timing, time_repeats, timed
 
 __all__ = ["split_batch", "move_batch", "model_loss", "check_loss", "check_first_batch", "cuda_devices", "StateSnapshot",
            "snapshot_state", "restore_state", "FairSampler"]
@@ -359,7 +359,7 @@ class FairSampler:
         with self.fresh_start(module):
             scaler = self._scaler()
             for batch in self.loader:  # iterated after seeding: a shuffling loader repeats its order
-                loss, seconds = timed(lambda: self.step(module, batch, scaler), self.device)
+                loss, seconds = timed(lambda: self.step(module, batch, scaler), device=self.device)
                 yield loss, seconds
             return snapshot_state(self.model, self.optimizer)
 

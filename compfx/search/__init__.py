@@ -1,0 +1,45 @@
+"""Stage 5 of the pipeline: CoMP's convergence-aware search, as pure logic over an evaluator.
+
+Nothing in the stages touches a model: plans are :class:`~compfx.plan.Assignment` s
+over a :class:`SearchSpace`, and every measurement comes from an
+:class:`~compfx.search.evaluator.Evaluator`, so the search is exactly testable
+with fake evaluators.
+
+==================  ==============================================================
+``space``           what the search knows of each op (category, TC, group)
+``stage1``          Algorithm 1: one epoch per plan, the loss guard, exact-safe pruning
+``stage2``          Algorithm 2: timed steps for the "other" ops between Stage-1 ops
+``convergence``     the guard (loss within ``threshold`` x FP32's) and the final loss check
+``allocation``      QSync's per-device allocator (one plan per rank)
+``evaluator``       the Evaluator interface; the local, replaying and function evaluators
+``sampling``        fair training samples: same state, same RNG, same batches, restored in place
+``driver``          runs the stages and the check, then a strategy's decision; the recorder
+``config``          :class:`SearchConfig` and the settings that decide (for resume)
+``log``             the JSON Lines search log and its replay
+``outcome``         what one sample gave
+``result``          :class:`SearchResult`, what :func:`compfx.optimize` returns
+==================  ==============================================================
+"""
+
+from .allocation import Allocation, allocate_per_device, allocation_starts, recovery_order
+from .config import DECIDES, SearchConfig, decision_settings
+from .convergence import check_plan, check_winner, is_accepted, loss_limit
+from .driver import SINGLE_PROCESS, Decision, Recorder, SingleProcess, Strategy, compare_step_times, run_search
+from .evaluator import Evaluator, FunctionEvaluator, LocalEvaluator, ReplayingEvaluator, measured_time
+from .log import Replay, SampleRecord, SearchLog
+from .outcome import Outcome
+from .result import SearchResult
+from .space import SearchSpace
+from .stage1 import Stage1Result, run_stage1, should_skip, skip_message, stage1_candidates, stage1_plan_space
+from .stage2 import Segment, Stage2Result, algorithm2_candidates, run_stage2, stage2_segments
+
+__all__ = [
+    "SearchSpace", "SearchConfig", "DECIDES", "decision_settings", "SearchResult",
+    "Evaluator", "FunctionEvaluator", "LocalEvaluator", "ReplayingEvaluator", "measured_time",
+    "run_search", "Decision", "Strategy", "SingleProcess", "SINGLE_PROCESS", "Recorder", "compare_step_times",
+    "run_stage1", "Stage1Result", "stage1_candidates", "stage1_plan_space", "should_skip", "skip_message",
+    "run_stage2", "Stage2Result", "Segment", "stage2_segments", "algorithm2_candidates",
+    "loss_limit", "is_accepted", "check_plan", "check_winner",
+    "Allocation", "allocate_per_device", "allocation_starts", "recovery_order",
+    "SearchLog", "SampleRecord", "Replay", "Outcome",
+]

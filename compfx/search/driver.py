@@ -1,0 +1,150 @@
+"""The driver: runs Stage 1, Stage 2 and the loss check on one evaluator, then lets a strategy decide.
+
+:func:`run_search` is the whole CoMP search over an
+:class:`~compfx.search.evaluator.Evaluator`. What happens after the check is a
+:class:`Strategy`: in one process the checked plan stands
+(:data:`SINGLE_PROCESS`); under ``torch.distributed`` the ranks agree on one
+plan, or each gets its own (:mod:`compfx.integrations.distributed`).
+
+:class:`Recorder` is the ``report`` callable the stages write to: it drops
+records a resumed log already holds, adds the cost model's predictions, appends
+to the log and moves the progress bar.
+
+>>> from compfx.search.evaluator import FunctionEvaluator
+>>> from compfx.search.config import SearchConfig
+>>> from compfx.vocabulary import Category as C
+>>> space = SearchSpace((C.WHITELIST, C.OTHER, C.BLACKLIST), (False,) * 3, ("a", "b", "c"))
+>>> def run_epoch(plan):  # low precision is faster and never hurts the loss
+...     for _ in range(2):
+...         yield 1.0, 1.0 - 0.25 * str(plan).count("0")
+>>> fake = FunctionEvaluator(run_epoch=run_epoch, time_step=lambda plan: 1.0 - 0.25 * str(plan).count("0"),
+...                          check_loss=lambda plan, batches: 1.0)
+>>> str(run_search(space, fake, SearchConfig(progress=False)).plan)
+'000'
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass, replace
+from typing import Mapping, Protocol
+
+from ..errors import PlanFailedError
+from ..plan import Assignment
+from ..vocabulary import SampleStatus, Stage
+from .config import SearchConfig
+from .convergence import check_winner
+from .log import Replay, SampleRecord, SearchLog
+from .outcome import Reporter, failure_reason
+from .space import SearchSpace
+from .stage1 import Stage1Result, run_stage1
+from .stage2 import Stage2Result, run_stage2
+
+__all__ = ["Strategy", "SingleProcess", "SINGLE_PROCESS", "Decision", "Recorder", "run_search",
+           "compare_step_times"]
+
+
+class Strategy(Protocol):
+    """The step after the loss check: which plan this process runs (agreement, per-device allocation)."""
+
+    def decide(self, checked: Assignment, *, stage1: Stage1Result, evaluator, report: Reporter) -> Assignment:
+        """This process's plan, from the plan that passed the check on this process."""
+
+    def finish(self) -> None:
+        """After the search has put the model in its final state (e.g. give every rank the same state)."""
+
+
+class SingleProcess:
+    """One process: the checked plan stands."""
+
+    def decide(self, checked: Assignment, *, stage1: Stage1Result, evaluator, report: Reporter) -> Assignment:
+        return checked
+
+    def finish(self) -> None:
+        pass
+
+
+SINGLE_PROCESS = SingleProcess()
+
+
+@dataclass
+class Decision:
+    """What :func:`run_search` found: the plan to run, and what the stages saw."""
+
+    plan: Assignment
+    stage1: Stage1Result
+    stage2: Stage2Result
+
+
+def run_search(space: SearchSpace, evaluator, config: SearchConfig, *, report: Reporter | None = None,
+               predictor=None, strategy: Strategy = SINGLE_PROCESS) -> Decision:
+    """CoMP's two stages and the loss check on ``evaluator``, then ``strategy``'s decision.
+
+    ``predictor`` (a :class:`compfx.costmodel.SearchPredictor`, or None for the
+    exact search) orders and skips Stage-1 candidates and enables
+    ``config.early_stop``.
+    """
+    guided = predictor is not None
+    stage1 = run_stage1(space, evaluator, threshold=config.threshold, budget=config.stage1_budget,
+                        prune=config.prune, report=report,
+                        predict=predictor.epoch_seconds if guided else None,
+                        bound=predictor.lower_bound_seconds if guided else None,
+                        margin=config.predictor_margin, early_stop=config.early_stop if guided else None)
+    stage2 = run_stage2(space, stage1.best.plan, evaluator, budget=config.stage2_budget, report=report)
+    checked = check_winner(evaluator, stage2.best.plan, stage1.best.plan, stage1.baseline,
+                           batches=config.stage2_check_batches, threshold=config.threshold, report=report)
+    chosen = strategy.decide(checked, stage1=stage1, evaluator=evaluator, report=report or (lambda record: None))
+    return Decision(chosen, stage1, stage2)
+
+
+class Recorder:
+    """The ``report`` callable of a search: replayed records dropped, predictions added, the log written.
+
+    ``replay`` knows which records a resumed log already holds; ``predictor``
+    (optional) calibrates on the FP32 baseline and annotates measured samples;
+    ``progress`` is a tqdm bar (or None).
+    """
+
+    def __init__(self, log: SearchLog, *, replay: Replay | None = None, predictor=None, progress=None):
+        self.log, self.replay, self.predictor, self.progress = log, replay, predictor, progress
+
+    def __call__(self, record: SampleRecord) -> None:
+        fresh = self.replay.annotate(record) if self.replay is not None else record  # None: already logged
+        record = fresh or record
+        if self.predictor is not None and record.is_sample and record.plan:
+            extra = self.predictor.observe(record.stage, Assignment.parse(record.plan), record.status,
+                                           record.seconds, record.batches)
+            if extra:
+                record = replace(record, extra={**record.extra, **extra})
+        if fresh is not None:
+            self.log.append(record)
+        if record.is_sample and self.progress is not None:
+            self.progress.update(1)
+            self.progress.set_postfix_str(f"{record.stage} {record.status}", refresh=False)
+
+
+def compare_step_times(time_step, plans: Mapping[str, Assignment], log: SearchLog, *,
+                       rounds: int = 3) -> dict[str, float]:
+    """Step time of each named plan on the same batches, for the report; logged as ``compare`` records.
+
+    The plans take turns, round after round, and each reports the median of
+    its round medians: drift on a busy machine then hits all of them alike. A
+    plan equal to another is timed once; one that fails is logged and left out
+    (the comparison is informative only, never a reason to fail the search).
+    """
+    medians: dict[Assignment, list[float]] = {plan: [] for plan in plans.values()}
+    failed: set[Assignment] = set()
+    for _ in range(rounds):
+        for plan in medians:
+            if plan in failed:
+                continue
+            try:
+                medians[plan].append(float(time_step(plan)))
+            except PlanFailedError as error:
+                failed.add(plan)
+                log.append(SampleRecord(Stage.COMPARE, str(plan), SampleStatus.ERROR, reason=failure_reason(error)))
+    steps = {name: statistics.median(medians[plan]) for name, plan in plans.items() if medians[plan]}
+    for name, seconds in steps.items():
+        log.append(SampleRecord(Stage.COMPARE, str(plans[name]), SampleStatus.ACCEPTED, seconds=seconds,
+                                reason=name, extra={"round_medians": medians[plans[name]]}))
+    return steps

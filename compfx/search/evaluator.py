@@ -1,0 +1,235 @@
+"""Evaluators: how the search measures a plan. The stages see only this interface.
+
+An :class:`Evaluator` answers four questions about a plan (an
+:class:`~compfx.plan.Assignment`) and names what it runs:
+
+* ``run_epoch(plan)``: a generator that trains one epoch under ``plan`` and
+  yields ``(batch_loss, batch_seconds)`` per batch; its ``return`` value is an
+  opaque artifact (the trained state) that the search keeps for the winner.
+  Closing it early must restore whatever it changed.
+* ``time_step(plan)``: seconds of one training step (Stage 2).
+* ``check_loss(plan, batches)``: mean training loss over the first ``batches``
+  batches, from the initial state (the loss check).
+* ``cost(plan, seconds)``: what the search minimises.
+* ``program(plan)``: a hashable name of what ``plan`` runs; plans with equal
+  programs measure the same, so only the first is run.
+
+A failure that belongs to the plan is raised as
+:class:`~compfx.errors.PlanFailedError`: the search records the plan as
+``error`` and goes on. Anything else stops the search.
+
+Implementations here: :class:`LocalEvaluator` trains the real model in this
+process (:mod:`compfx.search.sampling`); :class:`ReplayingEvaluator` wraps
+another and serves samples a resumed log already holds;
+:class:`FunctionEvaluator` adapts plain functions (tests, custom measurement).
+Under ``torch.distributed``, :class:`compfx.integrations.distributed.SyncedEvaluator`
+wraps one so that every rank sees the same numbers.
+"""
+
+from __future__ import annotations
+
+import functools
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any, Callable, Generator, Hashable, Iterator, Protocol, runtime_checkable
+
+import torch.nn as nn
+
+from ..errors import BadInputError, PlanFailedError, SearchError
+from ..plan import Assignment, Plan
+from ..vocabulary import Stage
+from .log import Replay, ReplayedState
+from .sampling import FairSampler, restore_state
+
+__all__ = ["Evaluator", "Epoch", "FunctionEvaluator", "ReplayingEvaluator", "LocalEvaluator", "plan_failures",
+           "measured_time"]
+
+#: A Stage-1 epoch: yields (loss, seconds) per batch, returns the trained state.
+Epoch = Generator[tuple[float, float], None, Any]
+
+
+@runtime_checkable
+class Evaluator(Protocol):
+    """What the search asks of a plan (see the module docstring)."""
+
+    def run_epoch(self, plan: Assignment) -> Epoch: ...
+
+    def time_step(self, plan: Assignment) -> float: ...
+
+    def check_loss(self, plan: Assignment, batches: int) -> float: ...
+
+    def cost(self, plan: Assignment, seconds: float) -> float: ...
+
+    def program(self, plan: Assignment) -> Hashable: ...
+
+
+def measured_time(plan, seconds: float) -> float:
+    """The default cost: the measured seconds themselves."""
+    return seconds
+
+
+@dataclass
+class FunctionEvaluator:
+    """An :class:`Evaluator` made of plain functions; the ones not given refuse to be called.
+
+    ``cost`` defaults to the measured seconds and ``program`` to the plan
+    itself (every plan runs a program of its own).
+
+    >>> timer = FunctionEvaluator(time_step=lambda plan: 0.5 * str(plan).count("1"))
+    >>> timer.time_step(Assignment.parse("11")), timer.cost(Assignment.parse("11"), 1.0)
+    (1.0, 1.0)
+    """
+
+    run_epoch: Callable[[Assignment], Epoch] | None = None
+    time_step: Callable[[Assignment], float] | None = None
+    check_loss: Callable[[Assignment, int], float] | None = None
+    cost: Callable[[Assignment, float], float] = measured_time
+    program: Callable[[Assignment], Hashable] = lambda plan: plan  # noqa: E731
+
+    def __post_init__(self):
+        for name in ("run_epoch", "time_step", "check_loss"):
+            if getattr(self, name) is None:
+                setattr(self, name, functools.partial(_not_given, name))
+
+
+def _not_given(name: str, *args):
+    raise SearchError(f"this FunctionEvaluator has no {name}; pass {name}=... to measure it")
+
+
+@contextmanager
+def plan_failures():
+    """Turn what goes wrong while a plan runs into :class:`PlanFailedError` (the search tries the next plan).
+
+    Bad input and search errors are not the plan's: they stop the search, as
+    does anything that is not an ``Exception`` (Ctrl-C).
+    """
+    try:
+        yield
+    except (PlanFailedError, BadInputError, SearchError):
+        raise
+    except Exception as error:
+        raise PlanFailedError(f"{type(error).__name__}: {error}") from error
+
+
+class ReplayingEvaluator:
+    """Serves the samples a resumed search log already holds; runs the others on ``inner``.
+
+    Stage-1 epochs that run live have their batches recorded, so the log line
+    written for them can be replayed by a later resume (see :class:`Replay`).
+    """
+
+    def __init__(self, inner: Evaluator, replay: Replay):
+        self.inner, self.replay = inner, replay
+
+    def run_epoch(self, plan: Assignment) -> Epoch:
+        return self.replay.epoch(plan, lambda: self.inner.run_epoch(plan))
+
+    def time_step(self, plan: Assignment) -> float:
+        if self.replay.has(Stage.STAGE2, plan):
+            return self.replay.time_step(plan)
+        return self.inner.time_step(plan)
+
+    def check_loss(self, plan: Assignment, batches: int) -> float:
+        if self.replay.has(Stage.CHECK, plan):
+            return self.replay.check_loss(plan)
+        return self.inner.check_loss(plan, batches)
+
+    def cost(self, plan: Assignment, seconds: float) -> float:
+        return self.inner.cost(plan, seconds)
+
+    def program(self, plan: Assignment) -> Hashable:
+        return self.inner.program(plan)
+
+
+class LocalEvaluator:
+    """Trains the real model in this process: each plan applied to it, each sample from the same state.
+
+    ``cost_fn(plan, seconds)`` takes the :class:`~compfx.plan.Plan`;
+    ``warmup`` untimed steps precede every timed sample and ``repeats`` timed
+    steps make a Stage-2 timing (their median counts).
+    """
+
+    def __init__(self, model: nn.Module, analysis, sampler: FairSampler, *, warmup: int, repeats: int,
+                 cost_fn: Callable[[Plan, float], float] = measured_time):
+        self.model, self.analysis, self.sampler = model, analysis, sampler
+        self.warmup, self.repeats, self.cost_fn = warmup, repeats, cost_fn
+        self._plans: dict[Assignment, Plan] = {}
+        self._modules: dict[Assignment, nn.Module] = {}
+
+    # -- plans and the modules that run them -------------------------------------------
+    def plan(self, plan: Assignment) -> Plan:
+        """The :class:`Plan` of an assignment (built once: ``cost_fn`` sees it once per batch)."""
+        if plan not in self._plans:
+            self._plans[plan] = Plan.from_assignment(self.analysis, plan)
+        return self._plans[plan]
+
+    def module(self, plan: Assignment) -> nn.Module:
+        """The model rewritten to run ``plan`` (built once per plan; it shares the model's Parameters)."""
+        if plan not in self._modules:
+            from ..apply import apply  # the apply stage imports the passes: load it when first needed
+
+            self._modules[plan] = apply(self.model, self.plan(plan), analysis=self.analysis)
+        return self._modules[plan]
+
+    def module_of(self, plan: Plan) -> nn.Module:
+        """:meth:`module` for a :class:`Plan` (the cost model prices plans)."""
+        return self.module(plan.assignment(self.analysis))
+
+    # -- the Evaluator interface --------------------------------------------------------
+    def run_epoch(self, plan: Assignment) -> Epoch:
+        with plan_failures():
+            epoch = self.sampler.epoch(self.module(plan), warmup=self.warmup)
+        return _failures_as_plan_failures(epoch)
+
+    def time_step(self, plan: Assignment) -> float:
+        with plan_failures():
+            return self.sampler.step_time(self.module(plan), warmup=self.warmup, repeats=self.repeats).median
+
+    def check_loss(self, plan: Assignment, batches: int) -> float:
+        with plan_failures():
+            return self.sampler.mean_loss(self.module(plan), batches)
+
+    def cost(self, plan: Assignment, seconds: float) -> float:
+        return float(self.cost_fn(self.plan(plan), seconds))
+
+    def program(self, plan: Assignment) -> Hashable:
+        """The rewritten module's structure and code: equal text, equal program."""
+        with plan_failures():
+            return str(self.module(plan))
+
+    # -- after the search ---------------------------------------------------------------
+    def leave_state(self, winner, *, keep_training: bool) -> None:
+        """Leave the model as the Stage-1 epoch of ``winner`` (an Outcome) trained it, or as it started.
+
+        A winner served from a resumed log has no state of its own: its epoch is trained again.
+        """
+        artifact = winner.artifact if keep_training else None
+        if isinstance(artifact, ReplayedState):
+            artifact = self._retrained(artifact.plan)
+        if artifact is None:
+            self.sampler.restore()
+        else:
+            restore_state(artifact)
+
+    def _retrained(self, plan: Assignment):
+        """Train the Stage-1 epoch of ``plan`` again (same seed, same start) and return its final state."""
+        epoch = self.sampler.epoch(self.module(plan), warmup=self.warmup)
+        while True:
+            try:
+                next(epoch)
+            except StopIteration as stop:
+                return stop.value
+
+
+def _failures_as_plan_failures(epoch: Iterator) -> Epoch:
+    """``epoch``, with each batch's failure raised as :class:`PlanFailedError`; closing it closes ``epoch``."""
+    try:
+        while True:
+            with plan_failures():
+                try:
+                    item = next(epoch)
+                except StopIteration as stop:
+                    return stop.value
+            yield item
+    finally:
+        epoch.close()

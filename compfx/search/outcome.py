@@ -1,0 +1,77 @@
+"""What one search sample gave (:class:`Outcome`), and the bookkeeping both stages share.
+
+A sample ends as one :class:`~compfx.vocabulary.SampleStatus`. The stages
+report every outcome, and notes on why they did what they did, as
+:class:`~compfx.search.log.SampleRecord` s through a ``report`` callable.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable
+
+from ..errors import PlanFailedError
+from ..plan import Assignment
+from ..vocabulary import SampleStatus, Stage
+from .log import SampleRecord
+
+__all__ = ["Outcome", "Reporter", "note", "failure_reason", "ProgramIndex"]
+
+Reporter = Callable[[SampleRecord], None]
+
+
+@dataclass
+class Outcome:
+    """What one sample gave."""
+
+    plan: Assignment
+    status: SampleStatus
+    loss: float | None = None
+    seconds: float = 0.0
+    cost: float = math.inf
+    batches: int = 0
+    reason: str = ""
+    duration: float = 0.0
+    batch_losses: list[float] = field(default_factory=list)
+    batch_seconds: list[float] = field(default_factory=list)
+    artifact: Any = field(default=None, repr=False)  # the evaluator's trained state (Stage 1), kept for the winner
+    extra: dict = field(default_factory=dict)  # e.g. the predicted cost, for the report
+
+    def record(self, stage: Stage) -> SampleRecord:
+        return SampleRecord(stage, str(self.plan), self.status, loss=self.loss,
+                            cost=None if math.isinf(self.cost) else self.cost, seconds=self.seconds,
+                            batches=self.batches, reason=self.reason, duration=self.duration,
+                            extra=dict(self.extra))
+
+
+def note(report: Reporter | None, stage: Stage, message: str, **extra) -> None:
+    """Report a note (not a sample): why the search did what it did."""
+    if report is not None:
+        report(SampleRecord(stage, "", SampleStatus.NOTE, reason=message, extra=extra))
+
+
+def failure_reason(error: PlanFailedError) -> str:
+    """The reason logged for a failed plan: the failure as the user's code raised it.
+
+    A plain :class:`PlanFailedError` wraps the original error and its message
+    already names it ("RuntimeError: ..."); a subclass names itself.
+    """
+    return str(error) if type(error) is PlanFailedError else f"{type(error).__name__}: {error}"
+
+
+class ProgramIndex:
+    """The first plan seen for each program, so that a plan whose program was already sampled is not run again.
+
+    ``program(plan)`` names what a plan runs (e.g. the rewritten graph's code);
+    two plans with equal programs measure the same.
+    """
+
+    def __init__(self, program: Callable[[Assignment], Hashable]):
+        self.program = program
+        self._first: dict[Hashable, Assignment] = {}
+
+    def earlier_twin(self, plan: Assignment) -> Assignment | None:
+        """The plan first recorded with ``plan``'s program, unless that is ``plan`` itself (then it is recorded)."""
+        first = self._first.setdefault(self.program(plan), plan)
+        return None if first == plan else first
