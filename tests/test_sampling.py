@@ -1,4 +1,4 @@
-"""Fair sampling (compfx.training): same start, same RNG, same batches, state restored in place."""
+"""Fair sampling (compfx.search.sampling): same start, same RNG, same batches, state restored in place."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from compfx.errors import BadInputError
 from compfx.measure import Timing, time_repeats, timed
-from compfx.training import FairSampler, model_loss, restore_state, snapshot_state, split_batch
+from compfx.search.sampling import FairSampler, model_loss, restore_state, snapshot_state, split_batch
 from tests.helpers import ce
 
 
