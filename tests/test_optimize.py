@@ -11,10 +11,10 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
+from compfx import SearchConfig, SearchResult, optimize
 from compfx.apply import apply
 from compfx.errors import BadInputError
-from compfx.optimize import SearchConfig, optimize
-from compfx.training import FairSampler, restore_state, snapshot_state
+from compfx.search.sampling import FairSampler, restore_state, snapshot_state
 from tests.helpers import batches, ce, fp32_op_count
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
@@ -42,13 +42,13 @@ def test_guard_keeps_the_overflowing_op_fp32_and_everything_else_low():
     g = torch.Generator().manual_seed(0)
     loader = [{"x": torch.randn(8, 4, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(3)]
     config = SearchConfig(cost_fn=fp32_op_count, grad_scaler=False, predictor="off", **FAST)
-    fast = optimize(model, loader, optimizer=opt, low_dtype=torch.float16, config=config)
-    chosen = {str(k): p for k, p in fast.plan.items()}
+    result = optimize(model, loader, optimizer=opt, low_dtype=torch.float16, config=config)
+    chosen = {str(k): p for k, p in result.plan.items()}
     assert chosen == {"fc1:linear#0": "low", ":relu#0": "follow", "fc2:linear#0": "low", ":mul#0": "follow",
                       ":mse_loss#0": "fp32"}
-    overflowed = [r for r in fast.log.samples("stage1") if r.bitstring.endswith("0")]
+    overflowed = [r for r in result.log.samples("stage1") if r.plan.endswith("0")]
     assert overflowed and all(r.status == "pruned" and "inf" in r.reason for r in overflowed)
-    assert torch.isfinite(fast(**loader[0])["loss"])
+    assert torch.isfinite(result.module(**loader[0])["loss"])
 
 
 class Inverting(nn.Module):
@@ -79,10 +79,10 @@ def test_failing_plans_are_rejected_and_state_comes_back_bitwise(tmp_path):
     moments = [opt.state[p]["exp_avg"] for p in model.parameters()]
     rng = torch.get_rng_state()
     config = SearchConfig(cost_fn=fp32_op_count, keep_search_training=False, **FAST)
-    fast = optimize(model, loader, loss_fn=ce, optimizer=opt, config=config, log=tmp_path / "search.jsonl")
-    failed = [r for r in fast.log.samples("stage1") if r.status == "error"]
+    result = optimize(model, loader, loss_fn=ce, optimizer=opt, config=config, log=tmp_path / "search.jsonl")
+    failed = [r for r in result.log.samples("stage1") if r.status == "error"]
     assert failed and all("Low precision" in r.reason for r in failed)
-    assert fast.plan[compfx.OpKey("", "linalg_inv", 0)] == "fp32"
+    assert result.plan[compfx.OpKey("", "linalg_inv", 0)] == "fp32"
     assert before.matches()  # parameters, BatchNorm buffers, gradients, Adam state: bitwise
     assert all(opt.state[p]["exp_avg"] is m for p, m in zip(model.parameters(), moments))
     assert torch.equal(torch.get_rng_state(), rng)  # the user's RNG stream is untouched
@@ -96,11 +96,11 @@ def test_keep_search_training_leaves_the_chosen_stage1_epoch_state():
     twin_opt = torch.optim.Adam(twin.parameters(), lr=0.01)
     twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
     config = SearchConfig(cost_fn=fp32_op_count, **FAST)
-    fast = optimize(model, loader, loss_fn=ce, optimizer=opt, config=config)
+    result = optimize(model, loader, loss_fn=ce, optimizer=opt, config=config)
     # replay the Stage-1 winner's epoch on the twin: the model must hold exactly that state
     twin_analysis = compfx.analyze(twin, loader[0][:1])
-    bits = fast.search_summary.stage1_plan.bitstring(fast.plan_analysis)
-    replay = apply(twin, compfx.Plan.from_bitstring(twin_analysis, bits), analysis=twin_analysis)
+    winner = result.stage1_plan.assignment(result.analysis)
+    replay = apply(twin, compfx.Plan.from_assignment(twin_analysis, winner), analysis=twin_analysis)
     sampler = FairSampler(twin, twin_opt, loader, ce, device="cpu", seed=config.seed)
     epoch = sampler.epoch(replay, warmup=config.warmup)
     with pytest.raises(StopIteration) as stop:
@@ -110,10 +110,10 @@ def test_keep_search_training_leaves_the_chosen_stage1_epoch_state():
     for mine, theirs in zip((*model.parameters(), *model.buffers()), (*twin.parameters(), *twin.buffers())):
         assert torch.equal(mine, theirs)
     # the user's optimizer keeps training the returned module: it shares the Parameters
-    assert all(any(p is q for q in fast.parameters()) for p in model.parameters())
+    assert all(any(p is q for q in result.module.parameters()) for p in model.parameters())
     weight = model.head.weight.detach().clone()
     opt.zero_grad()
-    ce(fast(loader[0][0]), loader[0]).backward()
+    ce(result.module(loader[0][0]), loader[0]).backward()
     opt.step()
     assert not torch.equal(weight, model.head.weight)
 
@@ -147,12 +147,13 @@ def test_bert_from_config_end_to_end():
     g = torch.Generator().manual_seed(0)
     loader = [{"input_ids": torch.randint(0, 40, (4, 8), generator=g),
                "labels": torch.randint(0, 2, (4,), generator=g)} for _ in range(2)]
-    fast = optimize(model, loader, optimizer=opt, config=SearchConfig(stage1_budget=4, stage2_budget=3, predictor="off", **FAST))
-    assert set(fast.plan) == set(fast.plan_analysis.keys)
-    assert torch.isfinite(fast(**loader[0]).loss)
-    report = fast.report()
+    result = optimize(model, loader, optimizer=opt,
+                      config=SearchConfig(stage1_budget=4, stage2_budget=3, predictor="off", **FAST))
+    assert set(result.plan) == set(result.analysis.keys)
+    assert torch.isfinite(result.module(**loader[0]).loss)
+    report = result.report()
     assert "chosen plan" in report and "greedy" in report  # 10 adjustable ops: the space was reduced, and said so
-    assert len(fast.log.samples("stage1")) == 5  # the FP32 baseline + stage1_budget
+    assert len(result.log.samples("stage1")) == 5  # the FP32 baseline + stage1_budget
 
 
 @pytest.mark.parametrize("field, value", [("threshold", 0.9), ("threshold", float("nan")), ("stage1_budget", 0),
@@ -179,25 +180,27 @@ def test_report_lists_every_op_and_the_search_figures():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    fast = optimize(model, batches(3, (8, 4)), loss_fn=ce, optimizer=opt, config=SearchConfig(**FAST))
-    report = fast.report()
+    result = optimize(model, batches(3, (8, 4)), loss_fn=ce, optimizer=opt, config=SearchConfig(**FAST))
+    assert isinstance(result, SearchResult) and "SearchResult(plan=" in repr(result)
+    report = result.report()
     for key in ("0:linear#0", "1:relu#0", "2:linear#0"):
         assert key in report
     for figure in ("stage 1", "stage 2", "FP32 epochs", "pruned", "AMP"):
         assert figure in report
-    summary = fast.search_summary
-    assert summary.samples_run == len(fast.log.samples("stage1")) + len(fast.log.samples("stage2"))
-    assert set(summary.step_seconds) == {"fp32", "amp", "chosen"}
+    assert result.samples_run == len(result.log.samples("stage1")) + len(result.log.samples("stage2"))
+    assert set(result.step_seconds) == {"fp32", "amp", "chosen"}
+    assert result.plan.bitstring(result.analysis) in report
+    assert result.stage1_plan.bitstring(result.analysis) in report
 
 
 def test_demo_runs_the_search_and_post_training():
     from compfx.demo import run_demo
 
     lines = []
-    module = run_demo(epochs=1, sample_batches=3, progress=False, print_fn=lines.append)
+    result = run_demo(epochs=1, sample_batches=3, progress=False, print_fn=lines.append)
     text = "\n".join(lines)
     assert "chosen plan" in text and "epoch 1: train loss" in text and "test accuracy" in text
-    assert set(module.plan) == set(module.plan_analysis.keys)
+    assert set(result.plan) == set(result.analysis.keys)
 
 
 def test_empty_loader_is_a_bad_input():
