@@ -1,0 +1,35 @@
+"""The README's Python examples run, in order, as a reader would paste them (in an empty folder)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
+
+
+def python_blocks(text: str) -> list[str]:
+    return re.findall(r"^```python\n(.*?)^```", text, flags=re.DOTALL | re.MULTILINE)
+
+
+def test_the_readme_has_exactly_two_setup_commands():
+    text = README.read_text()
+    for marker in ("demo-command", "test-command"):
+        assert text.count(f"<!-- {marker} -->") == 1 and text.count(f"<!-- /{marker} -->") == 1
+
+
+def test_every_python_example_in_the_readme_runs(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the examples write search.jsonl and plan.json
+    blocks = python_blocks(README.read_text())
+    assert len(blocks) >= 2
+    namespace: dict = {}
+    for number, block in enumerate(blocks, 1):
+        try:
+            exec(compile(block, f"README.md python block {number}", "exec"), namespace)
+        except Exception as error:  # pragma: no cover - the message says which block
+            pytest.fail(f"README python block {number} failed: {type(error).__name__}: {error}\n{block}")
+    assert (tmp_path / "search.jsonl").exists() and (tmp_path / "plan.json").exists()
