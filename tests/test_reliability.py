@@ -20,8 +20,8 @@ from compfx.capture import capture
 from compfx.errors import (BadInputError, CompfxError, NonFiniteGradientError, PlanFileError,
                            PlanMismatchError)
 from compfx.optimize import SearchConfig, optimize
-from compfx.searchlog import SearchLog
-from compfx.training import snapshot_state
+from compfx.search.log import SearchLog
+from compfx.search.sampling import snapshot_state
 from tests.helpers import EXACT, fp32_op_count, nll
 
 BATCHES = 2
@@ -85,6 +85,8 @@ def injecting(at: int, fault: str):
             raise RuntimeError("injected op failure")
         if fault == "oom":
             raise torch.cuda.OutOfMemoryError("injected: CUDA out of memory")
+        if fault == "not_scalar":
+            return loss.expand(2)
         raise KeyboardInterrupt
 
     return loss_fn
@@ -112,20 +114,20 @@ def test_a_fault_in_one_sample_rejects_that_plan_and_nothing_leaks(tmp_path, mon
     model, opt, loader = setup()
     before, rng = snapshot_state(model, opt), torch.get_rng_state()
     path = tmp_path / "search.jsonl"
-    fast = optimize(model, loader, loss_fn=injecting(1 + SAMPLE * BATCHES, fault), optimizer=opt,
-                    config=SearchConfig(cost_fn=fp32_op_count, **CONFIG), log=path)
-    stage1 = fast.log.samples("stage1")
+    result = optimize(model, loader, loss_fn=injecting(1 + SAMPLE * BATCHES, fault), optimizer=opt,
+                      config=SearchConfig(cost_fn=fp32_op_count, **CONFIG), log=path)
+    stage1 = result.log.samples("stage1")
     faulty = stage1[SAMPLE]
     assert faulty.status == status and reason in faulty.reason.lower() + faulty.reason + str(faulty.loss)
-    assert fast.plan.bitstring(fast.plan_analysis) != faulty.bitstring
+    assert result.plan.bitstring(result.analysis) != faulty.plan
     assert_untouched(model, before)
     assert torch.equal(torch.get_rng_state(), rng)
     logged = [json.loads(line) for line in path.read_text().splitlines()]
-    assert [r["bitstring"] for r in logged if r["stage"] == "stage1" and r["status"] != "note"] == [
-        r.bitstring for r in stage1]
+    assert [r["plan"] for r in logged if r["stage"] == "stage1" and r["status"] != "note"] == [
+        r.plan for r in stage1]
     # FP32 baseline + every combination of the adjustable ops' two groups but the all-FP32 one (the baseline's
     # program, noted and not run again), none lost
-    assert len(stage1) == 4 and any("same program" in note.reason for note in fast.log.notes())
+    assert len(stage1) == 4 and any("same program" in note.reason for note in result.log.notes())
     assert (fault == "oom") == bool(emptied)
 
 
@@ -136,6 +138,19 @@ def test_nan_gradient_in_the_fp32_baseline_stops_the_search_with_a_clear_error()
         optimize(model, loader, loss_fn=injecting(1, "nan_grad"), optimizer=opt, config=SearchConfig(**CONFIG))
     assert "NonFiniteGradientError" in str(error.value)
     assert_untouched(model, before)
+
+
+def test_an_error_that_is_not_the_plans_stops_the_search_and_restores_the_state(tmp_path):
+    # a loss that is not a scalar is the user's mistake whatever the plan: no further plan is tried
+    model, opt, loader = setup()
+    before, rng = snapshot_state(model, opt), torch.get_rng_state()
+    path = tmp_path / "search.jsonl"
+    with pytest.raises(BadInputError, match="scalar"):
+        optimize(model, loader, loss_fn=injecting(1 + SAMPLE * BATCHES, "not_scalar"), optimizer=opt,
+                 config=SearchConfig(cost_fn=fp32_op_count, **CONFIG), log=path)
+    assert_untouched(model, before)
+    assert torch.equal(torch.get_rng_state(), rng)
+    assert len(SearchLog.read(path).samples("stage1")) == SAMPLE  # the samples before it, none after
 
 
 @pytest.mark.parametrize("sample", [0, 1, 3])
@@ -213,7 +228,6 @@ BAD_INPUTS = {  # name -> (call(model, opt, loader, inputs, tmp_path), error cla
     "optimizer not an optimizer": (lambda m, o, l, x, t: _optimize(m, "adam", l), BadInputError, "Optimizer",
                                    False),
     "one-shot iterator": (lambda m, o, l, x, t: _optimize(m, o, iter(l)), BadInputError, "iterator", False),
-    "device mismatch": (lambda m, o, l, x, t: _optimize(m, o, l, device="cuda"), BadInputError, "device", False),
     "model on two devices": (lambda m, o, l, x, t: _optimize(_spread(m), torch.optim.SGD(m.parameters(), 0.1), l),
                              BadInputError, "spread", False),
     "config threshold": (lambda m, o, l, x, t: SearchConfig(threshold=0.5), BadInputError, "threshold", False),
