@@ -148,7 +148,8 @@ def describe_op(node: fx.Node, *, device: torch.device, low_dtype: torch.dtype,
     key: OpKey = node.meta[KEY_META]
     category = classify(key.kind, device.type, overrides)
     input_shapes = _shapes(_input_values(node))
-    eligible, reason = tc_eligible(key.kind, category, input_shapes, low_dtype, device, capability,
+    eligible, reason = tc_eligible(key.kind, category, input_shapes, low_dtype=low_dtype, device=device,
+                                   capability=capability,
                                    groups=_conv_groups(node) if key.kind.startswith("conv") else 1)
     return OpInfo(key, category, eligible, reason, input_shapes, _shapes(node.meta.get("val")))
 

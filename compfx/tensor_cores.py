@@ -19,6 +19,8 @@ from typing import Sequence
 
 import torch
 
+from .vocabulary import LOW_DTYPES, Category
+
 __all__ = [
     "tc_eligible",
     "device_tensor_core_reason",
@@ -47,7 +49,8 @@ _NOT_LOW_PRECISION = {
 }
 
 
-def device_tensor_core_reason(device: torch.device, low_dtype: torch.dtype, capability: tuple[int, int] | None) -> str | None:
+def device_tensor_core_reason(*, device: torch.device, low_dtype: torch.dtype,
+                              capability: tuple[int, int] | None) -> str | None:
     """Why ``device`` cannot run ``low_dtype`` on Tensor Cores, or None if it can.
 
     Tensor Cores arrived with Volta (compute capability 7.0) for fp16 and with
@@ -55,7 +58,7 @@ def device_tensor_core_reason(device: torch.device, low_dtype: torch.dtype, capa
     """
     if device.type != "cuda":
         return f"{device.type} has no tensor cores"
-    if low_dtype not in (torch.float16, torch.bfloat16):
+    if low_dtype not in LOW_DTYPES:
         return f"{low_dtype} is not a tensor core dtype"
     if capability is None:
         return "cuda capability unknown"
@@ -124,8 +127,9 @@ def conv_reason(kind: str, input_shapes: Sequence[Shape], groups: int = 1) -> st
 
 def tc_eligible(
     kind: str,
-    category: str,
+    category: Category | str,
     input_shapes: Sequence[Shape],
+    *,
     low_dtype: torch.dtype,
     device: torch.device,
     capability: tuple[int, int] | None = None,
@@ -134,14 +138,15 @@ def tc_eligible(
     """``(eligible, reason)`` for one op.
 
     >>> import torch
-    >>> tc_eligible("linear", "whitelist", [(32, 64), (100, 64)], torch.float16, torch.device("cuda"), (8, 0))
+    >>> tc_eligible("linear", "whitelist", [(32, 64), (100, 64)], low_dtype=torch.float16,
+    ...             device=torch.device("cuda"), capability=(8, 0))
     (False, 'out_features=100 is not a multiple of 8')
-    >>> tc_eligible("linear", "whitelist", [(32, 64), (128, 64)], torch.bfloat16, torch.device("cpu"))
+    >>> tc_eligible("linear", "whitelist", [(32, 64), (128, 64)], low_dtype=torch.bfloat16, device=torch.device("cpu"))
     (False, 'cpu has no tensor cores')
     """
-    if category != "whitelist":
+    if category != Category.WHITELIST:
         return False, _NOT_LOW_PRECISION.get(category, f"{category} op")
-    reason = device_tensor_core_reason(device, low_dtype, capability)
+    reason = device_tensor_core_reason(device=device, low_dtype=low_dtype, capability=capability)
     if reason:
         return False, reason
     if kind not in GEMM_KINDS and kind not in CONV_KINDS:

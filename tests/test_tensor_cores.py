@@ -32,13 +32,15 @@ CPU = torch.device("cpu")
 )
 def test_tc_rule_cases(kind, shapes, dtype, device, capability, expected):
     category = "blacklist" if kind == "softmax" else "whitelist"
-    assert tc_eligible(kind, category, shapes, dtype, device, capability) == expected
+    assert tc_eligible(kind, category, shapes, low_dtype=dtype, device=device, capability=capability) == expected
 
 
 def test_grouped_conv_counts_all_input_channels():
     # weight (out=16, in/groups=4): 4 groups of 4 input channels = 16 input channels
-    assert tc_eligible("conv2d", "whitelist", [(2, 16, 8, 8), (16, 4, 3, 3)], torch.float16, CUDA, (8, 0), groups=4)[0]
-    assert not tc_eligible("conv2d", "whitelist", [(2, 16, 8, 8), (16, 4, 3, 3)], torch.float16, CUDA, (8, 0))[0]
+    assert tc_eligible("conv2d", "whitelist", [(2, 16, 8, 8), (16, 4, 3, 3)], low_dtype=torch.float16, device=CUDA,
+                       capability=(8, 0), groups=4)[0]
+    assert not tc_eligible("conv2d", "whitelist", [(2, 16, 8, 8), (16, 4, 3, 3)], low_dtype=torch.float16, device=CUDA,
+                           capability=(8, 0))[0]
 
 
 # ---------------------------------------------------------------------------
@@ -94,7 +96,7 @@ def gemm_case(draw):
 @given(gemm_case())
 def test_tc_rule_matches_oracle(case):
     kind, operands, dtype, device, capability = case
-    eligible, reason = tc_eligible(kind, "whitelist", operands, dtype, device, capability)
+    eligible, reason = tc_eligible(kind, "whitelist", operands, low_dtype=dtype, device=device, capability=capability)
     assert eligible == _oracle(kind, operands, dtype, device, capability), reason
     assert (reason == "dims are multiples of 8") == eligible
 
@@ -103,5 +105,5 @@ def test_tc_rule_matches_oracle(case):
 @given(gemm_case(), st.sampled_from(["blacklist", "other"]))
 def test_only_whitelisted_ops_are_eligible(case, category):
     kind, operands, dtype, device, capability = case
-    assert tc_eligible(kind, category, operands, dtype, device, capability)[0] is False
+    assert tc_eligible(kind, category, operands, low_dtype=dtype, device=device, capability=capability)[0] is False
 
