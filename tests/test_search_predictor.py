@@ -5,16 +5,16 @@ from __future__ import annotations
 import json
 import math
 import re
-import sys
 
 import pytest
 import torch
 import torch.nn as nn
 
+import compfx.search.driver
+from compfx import SearchConfig, optimize
+from compfx.costmodel.predictor import STALE_PROFILE_RATIO, STALE_PROFILES
 from compfx.errors import BadInputError
-from compfx.optimize import SearchConfig, optimize
-from compfx.search import SearchSpace, run_stage1, skip_message
-from compfx.search_predictor import STALE_PROFILE_RATIO, STALE_PROFILES
+from compfx.search import FunctionEvaluator, SearchSpace, run_stage1, skip_message
 from tests.helpers import ce
 
 FAST = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=0)
@@ -25,19 +25,24 @@ def space(k: int = 2) -> SearchSpace:
     return SearchSpace(("whitelist",) * k, (False,) * k, tuple(range(k)))
 
 
-def fake_epoch(seconds_of, calls):
-    def run_epoch(bits):
-        calls.append(bits)
+def epochs(seconds_of, calls) -> FunctionEvaluator:
+    """Fake two-batch epochs of ``seconds_of(plan string)`` seconds; each plan run is appended to ``calls``."""
+    def run_epoch(plan):
+        calls.append(str(plan))
         for _ in range(2):
-            yield 1.0, seconds_of(bits) / 2
-    return run_epoch
+            yield 1.0, seconds_of(str(plan)) / 2
+    return FunctionEvaluator(run_epoch=run_epoch)
+
+
+def by_code(table):
+    """``table[plan string]`` as a function of the plan: a fake prediction."""
+    return lambda plan: table[str(plan)]
 
 
 def test_candidates_run_in_order_of_predicted_cost():
     predicted = {"11": 2.0, "00": 4.0, "01": 1.0, "10": 3.0}  # measured times equal: nothing gets pruned or skipped
     calls = []
-    run_stage1(space(), fake_epoch(lambda bits: 1.0, calls), lambda bits, s: s, prune=False,
-               predict=predicted.__getitem__, margin=math.inf)
+    run_stage1(space(), epochs(lambda code: 1.0, calls), prune=False, predict=by_code(predicted), margin=math.inf)
     assert calls == ["11", "01", "10", "00"]  # FP32 baseline first, then cheapest predicted first
 
 
@@ -45,30 +50,30 @@ def test_plan_predicted_over_the_margin_is_skipped_and_logged():
     measured = {"11": 1.0, "01": 0.5, "10": 0.8, "00": 0.4}
     predicted = {"11": 1.0, "01": 0.5, "10": 0.8, "00": 0.7}  # 0.7 > 1.25 * 0.5: "00" cannot win by prediction
     calls, records = [], []
-    result = run_stage1(space(), fake_epoch(measured.__getitem__, calls), lambda bits, s: s,
-                        predict=predicted.__getitem__, report=records.append)
+    result = run_stage1(space(), epochs(measured.__getitem__, calls), predict=by_code(predicted),
+                        report=records.append)
     skipped = [r for r in records if r.status == "skipped"]
-    assert [r.bitstring for r in skipped] == ["00", "10"] and calls == ["11", "01"]
+    assert [r.plan for r in skipped] == ["00", "10"] and calls == ["11", "01"]
     assert skipped[0].reason == "skipped (predicted 0.7 s vs best 0.5 s)" == skip_message(0.7, 0.5)
     assert all(SKIP.fullmatch(r.reason) for r in skipped)
-    assert result.best.bits == "01"  # the measured winner; a skipped plan never wins
+    assert skipped[0].extra["predicted_cost"] == 0.7
+    assert str(result.best.plan) == "01"  # the measured winner; a skipped plan never wins
 
 
 def test_margin_infinity_and_no_predictor_choose_the_same_plan():
     measured = {"11": 1.0, "01": 0.6, "10": 0.8, "00": 0.5}
     wrong = {"11": 0.0, "01": 0.1, "10": 0.2, "00": 9.0}  # a bad prediction may reorder but must not change the winner
-    exact = run_stage1(space(), fake_epoch(measured.__getitem__, []), lambda bits, s: s)
-    guided = run_stage1(space(), fake_epoch(measured.__getitem__, []), lambda bits, s: s,
-                        predict=wrong.__getitem__, margin=math.inf)
-    assert exact.best.bits == guided.best.bits == "00"
+    exact = run_stage1(space(), epochs(measured.__getitem__, []))
+    guided = run_stage1(space(), epochs(measured.__getitem__, []), predict=by_code(wrong), margin=math.inf)
+    assert str(exact.best.plan) == str(guided.best.plan) == "00"
 
 
 def test_unpriceable_plan_runs_last_and_is_never_skipped():
     predicted = {"11": 1.0, "00": math.nan, "01": 1.0, "10": 1.0}
     calls, records = [], []
-    run_stage1(space(), fake_epoch(lambda bits: 1.0, calls), lambda bits, s: s, predict=predicted.__getitem__,
-               margin=1.0, prune=False, report=records.append)
-    assert calls[-1] == "00" and not any(r.status == "skipped" and r.bitstring == "00" for r in records)
+    run_stage1(space(), epochs(lambda code: 1.0, calls), predict=by_code(predicted), margin=1.0, prune=False,
+               report=records.append)
+    assert calls[-1] == "00" and not any(r.status == "skipped" and r.plan == "00" for r in records)
 
 
 def mlp_setup(seed: int = 0):
@@ -109,8 +114,8 @@ def test_second_search_reuses_the_profile_cache(cache):
     first = search(None)
     files = sorted(p.name for p in (cache / "profiles").rglob("*") if p.is_file())
     second = search(None)
-    stats = [next(r.extra for r in fast.log.samples("stage1") if r.extra.get("calibration"))
-             for fast in (first, second)]
+    stats = [next(r.extra for r in result.log.samples("stage1") if r.extra.get("calibration"))
+             for result in (first, second)]
     assert stats[0]["profiles_measured"] > 0 and stats[1]["profiles_measured"] == 0
     assert stats[1]["profiles_reused"] == stats[0]["profiles_measured"]
     assert files and sorted(p.name for p in (cache / "profiles").rglob("*") if p.is_file()) == files
@@ -138,8 +143,7 @@ def test_profiles_cached_under_other_conditions_are_measured_again(cache):
 
 
 def test_report_shows_predicted_against_measured(cache):
-    fast = search(None, predictor_margin=math.inf)
-    text = fast.report()
+    text = search(None, predictor_margin=math.inf).report()
     assert "median absolute error" in text and "predicted step" in text and "measured step" in text
 
 
@@ -158,9 +162,9 @@ def test_config_refuses_a_bad_early_stop(value):
 
 def test_early_stop_is_part_of_the_guided_search_only(cache, monkeypatch):
     seen = []
-    module = sys.modules["compfx.optimize"]  # the module; compfx.optimize is the function
-    real = module.run_stage1
-    monkeypatch.setattr(module, "run_stage1", lambda *a, **kw: seen.append(kw["early_stop"]) or real(*a, **kw))
+    real = compfx.search.driver.run_stage1
+    monkeypatch.setattr(compfx.search.driver, "run_stage1",
+                        lambda *a, **kw: seen.append(kw["early_stop"]) or real(*a, **kw))
     search(None, predictor="on", early_stop=0.2)
     search(None, predictor="off", early_stop=0.2)
     assert seen == [0.2, None]
@@ -171,8 +175,9 @@ def test_lower_bound_orders_and_skips_without_the_full_prediction():
     bound = {"11": 1.0, "01": 0.4, "10": 0.9, "00": 0.6}
     full = {"01": 0.5, "00": 0.6}  # "10" must never be priced in full: its bound is already over 1.25 x 0.5
     calls, records = [], []
-    run_stage1(space(), fake_epoch(measured.__getitem__, calls), lambda bits, s: s, predict=full.__getitem__,
-               bound=bound.__getitem__, report=records.append)
+    run_stage1(space(), epochs(measured.__getitem__, calls), predict=by_code(full), bound=by_code(bound),
+               report=records.append)
     assert calls == ["11", "01", "00"]  # ordered by the bound; "00" passes the bound and its full prediction
     skipped = [r for r in records if r.status == "skipped"]
     assert [r.reason for r in skipped] == ["skipped (predicted 0.9 s vs best 0.5 s)"]
+    assert skipped[0].extra == {"predicted_cost_lower_bound": 0.9}  # the figure logged is the bound's

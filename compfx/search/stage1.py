@@ -258,7 +258,8 @@ class _Stage1:
         """
         if self.predict is None or self.best is None:
             return False
-        predicted, name = self.bound_cost(plan), "predicted_cost_lower_bound"
+        predicted = self.bound_cost(plan)
+        name = "predicted_cost" if self.bound is None else "predicted_cost_lower_bound"  # which figure was over
         if not should_skip(predicted, self.best.cost, self.margin):
             predicted, name = self.predicted_cost(plan), "predicted_cost"
             if not should_skip(predicted, self.best.cost, self.margin):
