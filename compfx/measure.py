@@ -1,22 +1,42 @@
-"""How compfx times a training step: wall clock around a device-synchronised call.
+"""How compfx times things, and what it records about the machine a time was taken on.
 
 CUDA kernels run asynchronously, so a timer read without
 ``torch.cuda.synchronize`` measures only the launch. Every timing here
-synchronises the step's device before starting and before stopping the clock.
-A batch of repeats reports the median: robust to the odd slow step
-(allocator growth, a background process) that a mean would absorb.
+synchronises the device before starting and before stopping the clock.
+
+Two ways to time, for two jobs:
+
+* a training step (the search, the benchmarks): :func:`timed` once, or
+  :func:`time_repeats` after warm-up, reporting the median, robust to the odd
+  slow step (allocator growth, a background process) that a mean would absorb;
+* one op or one cast in isolation (the cost model): :func:`time_fastest`,
+  blocks of :func:`time_calls` reporting the minimum, the least disturbed
+  sample, since other processes only ever add time.
+
+Any of these reads one of :data:`CLOCKS`. A cached timing is only valid on the
+machine it was taken on: :func:`device_name` and :func:`environment_key` say
+which, and cache keys include them.
+
+>>> seconds = time_fastest(lambda: sum(range(100)), device="cpu", repeats=2)
+>>> seconds > 0, environment_key(device="cpu", clock="wall")["clock"]
+(True, 'wall')
 """
 
 from __future__ import annotations
 
+import platform
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, TypeVar
 
 import torch
 
-__all__ = ["synchronize", "timed", "Timing", "time_repeats"]
+from .errors import BadInputError
+
+__all__ = ["synchronize", "timed", "Timing", "time_repeats", "CLOCKS", "check_clock", "time_calls", "time_fastest",
+           "device_name", "environment_key"]
 
 T = TypeVar("T")
 
@@ -73,3 +93,116 @@ def time_repeats(step: Callable[[int], object], *, warmup: int, repeats: int,
         step(i)
     samples = tuple(timed(lambda i=i: step(warmup + i), device)[1] for i in range(repeats))
     return Timing(samples)
+
+
+# -- one op in isolation ---------------------------------------------------------------
+
+#: Clocks a timing can read. "cpu" (process CPU time) ignores time the process
+#: spends preempted, which makes timings on a busy machine usable; it equals
+#: wall time only for one CPU thread (torch.set_num_threads(1)).
+CLOCKS: dict[str, Callable[[], float]] = {"wall": time.perf_counter, "cpu": time.process_time}
+
+
+def check_clock(clock: str, *, device: torch.device | str) -> Callable[[], float]:
+    """The reader of ``clock`` (a name in :data:`CLOCKS`), refused when it cannot time work on ``device``.
+
+    >>> check_clock("wall", device="cpu") is CLOCKS["wall"]
+    True
+    >>> check_clock("sundial", device="cpu")
+    Traceback (most recent call last):
+    ...
+    compfx.errors.BadInputError: clock='sundial'; expected one of ['cpu', 'wall'].
+    """
+    if clock not in CLOCKS:
+        raise BadInputError(f"clock={clock!r}; expected one of {sorted(CLOCKS)}.")
+    device = torch.device(device)
+    if clock == "cpu" and (device.type != "cpu" or torch.get_num_threads() != 1):
+        raise BadInputError(f"clock='cpu' measures one CPU thread; this run has device {device} and "
+                            f"{torch.get_num_threads()} threads. Use clock='wall', or torch.set_num_threads(1) on CPU.")
+    return CLOCKS[clock]
+
+
+def time_calls(step: Callable[[], object], number: int = 1, *, device: torch.device | str,
+               clock: str = "wall") -> float:
+    """Mean seconds of ``number`` back-to-back calls of ``step()``, synchronising ``device`` on both sides.
+
+    Not ``torch.utils.benchmark.Timer.timeit``: it runs hidden warm-up calls
+    first, which triples the cost of timing an op that takes tens of milliseconds.
+
+    >>> time_calls(lambda: None, 10, device="cpu") >= 0
+    True
+    """
+    read_clock = check_clock(clock, device=device)
+    if number < 1:
+        raise BadInputError(f"number={number}; expected at least 1 call to time.")
+    synchronize(device)
+    start = read_clock()
+    for _ in range(number):
+        step()
+    synchronize(device)
+    return (read_clock() - start) / number
+
+
+def time_fastest(step: Callable[[], object], *, device: torch.device | str, repeats: int = 3, warmup: int = 1,
+                 block_s: float = 5e-4, budget_s: float = 5e-3, clock: str = "wall") -> float:
+    """Seconds of one call of ``step()``: timed warm-up calls, then up to ``repeats`` timed blocks; the fastest wins.
+
+    A block repeats the call until it lasts about ``block_s``, so calls far
+    shorter than the clock's resolution still time well. A call slower than
+    ``budget_s`` (low precision on a CPU) gets one more call after its warm-up:
+    at that length, one-off setup is a small share of the first call, and more
+    calls would cost more than the search they save. The minimum is the least
+    disturbed sample: other processes only ever add time.
+
+    >>> time_fastest(lambda: sum(range(100)), device="cpu", repeats=2, block_s=1e-4) > 0
+    True
+    """
+    if repeats < 1 or warmup < 0:
+        raise BadInputError(f"repeats={repeats}, warmup={warmup}; expected repeats >= 1 and warmup >= 0.")
+    check_clock(clock, device=device)
+    last = 0.0
+    for _ in range(max(warmup, 1)):  # the first call pays one-off setup (kernel selection, allocation)
+        last = time_calls(step, device=device, clock=clock)
+    if last >= budget_s:
+        return min(last, time_calls(step, device=device, clock=clock))
+    number = max(1, int(block_s / max(last, 1e-9)))
+    samples, spent = [], 0.0
+    while len(samples) < repeats and (spent < budget_s or not samples):
+        samples.append(time_calls(step, number, device=device, clock=clock))
+        spent += samples[-1] * number
+    return min(samples)
+
+
+# -- what a timing was taken on --------------------------------------------------------
+
+def device_name(device: torch.device | str) -> str:
+    """Name of the hardware a timing was taken on: the GPU model, or the CPU model, architecture and thread count.
+
+    CPU timings depend on the thread count, so it is part of the name.
+
+    >>> device_name("cpu").startswith("cpu:")
+    True
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return f"cuda:{torch.cuda.get_device_name(device)}"
+    return f"cpu:{_cpu_model()}:{platform.machine()}:threads={torch.get_num_threads()}"
+
+
+def environment_key(*, device: torch.device | str, clock: str) -> dict:
+    """What makes a cached timing stale besides what was timed: the clock, the device and the torch version.
+
+    >>> sorted(environment_key(device="cpu", clock="wall"))
+    ['clock', 'device', 'torch']
+    """
+    return {"clock": clock, "device": device_name(device), "torch": torch.__version__}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown"
