@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 
 from compfx.vocabulary import default_low_dtype as _auto_low_dtype
-from compfx.costmodel import CLOCKS
+from compfx.measure import CLOCKS
 from compfx.measure import synchronize
 
 from .casts import count_forward_casts, count_graph_casts

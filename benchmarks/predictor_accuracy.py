@@ -33,7 +33,6 @@ import random
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import torch
@@ -44,9 +43,12 @@ from tabulate import tabulate
 import compfx
 from compfx import examples
 from compfx.apply import apply
-from compfx.costmodel import Predictor, device_name, median_abs_percentage_error
+from compfx.costmodel import Predictor
 from compfx.files import write_json_atomic
+from compfx.measure import CLOCKS, device_name, timed
 from compfx.passes import count_casts
+
+from .metrics import median_abs_percentage_error
 
 RESULTS = Path(__file__).parent / "results" / "cpu" / "predictor_accuracy.json"
 
@@ -136,14 +138,14 @@ def measure_steps(model, graphs, batch, loss_fn, *, rounds: int, steps: int,
         for _ in range(warmup):
             _train_step(gm, optimizer, batch, loss_fn)
         runners[name] = (gm, optimizer)
-    samples: dict[str, dict[str, list[float]]] = {name: {"wall": [], "cpu": []} for name in graphs}
+    samples: dict[str, dict[str, list[float]]] = {name: {clock: [] for clock in CLOCKS} for name in graphs}
     for _ in range(rounds):
         for name, (gm, optimizer) in runners.items():
-            wall, cpu = time.perf_counter(), time.process_time()
+            start = {clock: read() for clock, read in CLOCKS.items()}  # both clocks around the same steps
             for _ in range(steps):
                 _train_step(gm, optimizer, batch, loss_fn)
-            samples[name]["wall"].append((time.perf_counter() - wall) / steps)
-            samples[name]["cpu"].append((time.process_time() - cpu) / steps)
+            for clock, read in CLOCKS.items():
+                samples[name][clock].append((read() - start[clock]) / steps)
     return {name: {clock: min(times) for clock, times in by_clock.items()} for name, by_clock in samples.items()}
 
 
@@ -152,9 +154,7 @@ def run_model(name: str, args) -> dict:
     model, batch, loss_fn = MODELS[name]()
     analysis = compfx.analyze(model, tuple(batch[:-1]))
     with tempfile.TemporaryDirectory() as cache:  # fresh cache: the profiling cost is paid here
-        start = time.perf_counter()
-        predictor = Predictor.build(analysis, cache_dir=cache, clock=args.clock)
-        profiling_s = time.perf_counter() - start
+        predictor, profiling_s = timed(lambda: Predictor.build(analysis, cache_dir=cache, clock=args.clock), "cpu")
     plans = candidate_plans(analysis, args.random_plans, args.seed)
     graphs = {plan_name: apply(model, plan, analysis=analysis) for plan_name, plan in plans.items()}
     measured = measure_steps(model, graphs, batch, loss_fn, rounds=args.rounds, steps=args.steps, warmup=2)
