@@ -1,12 +1,14 @@
 """Cost model: per-op profiles, the profile cache, the cast-cost fit and the predictor arithmetic.
 
 No test asserts on timings (machines are noisy): the profiler is checked for
-coverage and cache behaviour, and the predictor on hand-made profiles whose
-sums are known exactly.
+coverage, cache behaviour and agreement with the cast policy, and the predictor
+on hand-made profiles whose sums are known exactly. The search's side of the
+predictor (:class:`~compfx.costmodel.SearchPredictor`) is in test_predictor.py.
 """
 
 from __future__ import annotations
 
+import copy
 import functools
 import json
 
@@ -19,10 +21,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.costmodel import (CastCost, OpProfile, OpProfiles, Predictor, _fit_line, _OpBench, find_casts,
-                              fit_cast_cost, median_abs_percentage_error, profile_cache_dir, profile_ops,
-                              rank_by_prediction, rewrite_with_insert_casts, should_skip, skip_message)
+from compfx.apply import apply
+from compfx.cache import profile_folder
+from compfx.cast_policy import castable_inputs
+from compfx.costmodel import CastCost, OpProfile, OpProfiles, Predictor, fit_cast_cost, profile_ops
+from compfx.costmodel.cast_cost import _fit_line
+from compfx.costmodel.profile import _OpBench
 from compfx.opkey import KEY_META
+from compfx.passes import cast_report, casts_in, count_casts, propagate_dtypes
+from compfx.passes.propagate_dtypes import DtypePropagator
+from compfx.plan import Assignment
 from tests.zoo import make
 
 FAST = dict(repeats=1, warmup=0, block_s=1e-4, budget_s=1e-3)
@@ -46,7 +54,9 @@ def rewrite_for_test(analysis, plan) -> fx.GraphModule:
     """A stand-in for the cast pass: cast every floating input of a low/fp32 op to its dtype.
 
     Norm ops cast only their activation. Casts whose input already has the
-    dtype are no-ops, and the cost model must not count them.
+    dtype are no-ops, and the cost model must not count them. The cost model
+    reads dtypes from metadata, so the hand-made graph is run through the
+    dtype propagation pass, as any graph rewritten outside the passes must be.
     """
     graph = fx.Graph()
     graph.output(graph.graph_copy(analysis.graph_module.graph, {}))
@@ -62,7 +72,7 @@ def rewrite_for_test(analysis, plan) -> fx.GraphModule:
             value = arg.meta.get("val")
             if arg.op == "get_attr" or (isinstance(value, torch.Tensor) and value.is_floating_point()):
                 _cast_to(graph, node, arg, dtype)
-    return fx.GraphModule(analysis.graph_module, graph)
+    return propagate_dtypes(fx.GraphModule(analysis.graph_module, graph))
 
 
 _NORMS = {"batch_norm", "layer_norm", "group_norm"}
@@ -100,7 +110,7 @@ def test_profiles_cover_every_op_at_both_dtypes(name, tmp_path):
 def test_second_profiling_measures_nothing_and_leaves_the_cache_as_it_was(tmp_path):
     a = _analysis("cnn")
     first = profile_ops(a, cache_dir=tmp_path, **FAST)
-    files = {p.name: p.read_text() for p in profile_cache_dir(tmp_path).iterdir()}
+    files = {p.name: p.read_text() for p in profile_folder(tmp_path).iterdir()}
     # fp32 and low entry per op signature; the two relu (and pool) calls differ in shape, so no sharing
     assert len(files) == 2 * len(a.ops)
     assert all(json.loads(text)["format"] == "compfx-op-profile" for text in files.values())
@@ -108,7 +118,7 @@ def test_second_profiling_measures_nothing_and_leaves_the_cache_as_it_was(tmp_pa
     model, inputs = make("cnn")
     second = profile_ops(compfx.analyze(model, inputs, low_dtype=LOW), cache_dir=tmp_path, **FAST)  # a new capture
     assert (second.measured, second.reused) == (0, 2 * len(a.ops))
-    assert {p.name: p.read_text() for p in profile_cache_dir(tmp_path).iterdir()} == files
+    assert {p.name: p.read_text() for p in profile_folder(tmp_path).iterdir()} == files
     assert dict(second) == dict(first)
 
 
@@ -119,13 +129,13 @@ def test_cache_is_keyed_by_shape(tmp_path):
     bigger = compfx.analyze(model, torch.randn(32, 16), low_dtype=LOW)
     again = profile_ops(bigger, cache_dir=tmp_path, **FAST)
     assert again.measured == 2 * len(bigger.ops)
-    assert len(list(profile_cache_dir(tmp_path).iterdir())) == 4 * len(a.ops)
+    assert len(list(profile_folder(tmp_path).iterdir())) == 4 * len(a.ops)
 
 
 def test_damaged_cache_entry_is_measured_again(tmp_path):
     a = _analysis("mlp")
     profile_ops(a, cache_dir=tmp_path, **FAST)
-    victim = sorted(profile_cache_dir(tmp_path).iterdir())[0]
+    victim = sorted(profile_folder(tmp_path).iterdir())[0]
     victim.write_text('{"format": "compfx-op-pro')  # truncated write
     again = profile_ops(a, cache_dir=tmp_path, **FAST)
     assert (again.measured, again.reused) == (1, 2 * len(a.ops) - 1)
@@ -168,8 +178,31 @@ def test_in_place_ops_and_leaf_modules_are_profiled(tmp_path):
     profiles = profile_ops(a, cache_dir=tmp_path, **FAST)
     assert profiles.skipped == {}
     assert {k.kind for k in profiles} == {"linear", "relu"} and len(profiles) == 3
-    modes = {json.loads(f.read_text())["key"]["signature"]["low_mode"] for f in profile_cache_dir(tmp_path).iterdir()}
+    modes = {json.loads(f.read_text())["key"]["signature"]["low_mode"] for f in profile_folder(tmp_path).iterdir()}
     assert modes == {"cast", "autocast"}  # the leaf module's low variant runs under torch.autocast
+
+
+class _WritesAndDoubles(nn.Module):
+    """In-place ops and a float64 buffer: the inputs the cast pass leaves alone."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+        self.register_buffer("scale", torch.ones(8, dtype=torch.float64))
+
+    def forward(self, x):
+        h = self.fc(x)
+        h = h.add_(x)  # h is written: only x is cast (its result used, as the cast pass drops an unused add_)
+        return F.relu(h, inplace=True) * self.scale  # relu writes its only input; the float64 scale stays
+
+
+@functools.lru_cache(maxsize=None)
+def _writes_and_doubles():
+    return compfx.analyze(_WritesAndDoubles(), torch.randn(4, 8), low_dtype=LOW)
+
+
+def _analysis_or_special(name: str):
+    return _writes_and_doubles() if name == "writes_and_doubles" else _analysis(name)
 
 
 @pytest.mark.parametrize("name, kind, casts", [
@@ -177,11 +210,35 @@ def test_in_place_ops_and_leaf_modules_are_profiled(tmp_path):
     ("encoder_matmul", "layer_norm", {0}),
     ("cnn", "conv2d", {0, 1, 2}),          # input, weight, bias
     ("embed_gru", "embedding", {1}),       # ids are integers: only the weight is cast
+    ("writes_and_doubles", "add", {1}),    # add_ writes its first input
+    ("writes_and_doubles", "relu", set()),  # relu(inplace=True) writes its only input
+    ("writes_and_doubles", "mul", {0}),    # the float64 buffer is not cast
 ])
 def test_low_profile_casts_what_the_rewriter_casts(name, kind, casts):
-    a = _analysis(name)
+    a = _analysis_or_special(name)
     node = next(n for n in compfx.op_nodes(a.graph_module) if n.meta[KEY_META].kind == kind)
     assert _OpBench(a.graph_module, node, a.device).cast_positions() == casts
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "encoder_matmul", "encoder_sdpa", "mha", "embed_gru",
+                                  "writes_and_doubles"])
+def test_low_profile_casts_exactly_the_inputs_the_cast_policy_names(name):
+    a = _analysis_or_special(name)
+    for node in compfx.op_nodes(a.graph_module):
+        bench = _OpBench(a.graph_module, node, a.device)
+        leaves = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
+        cast_nodes = {leaves[i] for i in bench.cast_positions()}
+        expected = set() if bench.low_under_autocast else {arg for _, arg in castable_inputs(node)}
+        assert cast_nodes == expected, node.format_node()
+
+
+def test_written_and_float64_inputs_are_profiled_uncast(tmp_path):
+    a = _writes_and_doubles()
+    profiles = profile_ops(a, cache_dir=tmp_path, **FAST)
+    assert profiles.skipped == {} and set(profiles) == set(a.keys)
+    entries = [json.loads(f.read_text())["key"] for f in profile_folder(tmp_path).iterdir()]
+    low_casts = {e["signature"]["kind"]: e["cast_inputs"] for e in entries if e["dtype"] == "bfloat16"}
+    assert low_casts == {"linear": [0, 1, 2], "add": [1], "relu": [], "mul": [0]}
 
 
 # -- cast cost -----------------------------------------------------------------
@@ -197,12 +254,19 @@ def test_line_fit_recovers_exact_coefficients(alpha, beta, sizes):
 
 def test_cast_cost_fit_is_cached_and_round_trips(tmp_path):
     pairs = ((torch.float32, LOW), (LOW, torch.float32))
-    cost = fit_cast_cost("cpu", pairs, sizes=(256, 4096, 65536), cache_dir=tmp_path)
+    cost = fit_cast_cost(device="cpu", pairs=pairs, sizes=(256, 4096, 65536), cache_dir=tmp_path)
     assert set(cost.coefficients) == set(pairs)
     assert all(alpha >= 0 and beta >= 0 for alpha, beta in cost.coefficients.values())
-    assert len(list(profile_cache_dir(tmp_path).iterdir())) == 2
-    assert fit_cast_cost("cpu", pairs, sizes=(256, 4096, 65536), cache_dir=tmp_path) == cost
+    assert len(list(profile_folder(tmp_path).iterdir())) == 2
+    assert fit_cast_cost(device="cpu", pairs=pairs, sizes=(256, 4096, 65536), cache_dir=tmp_path) == cost
     assert CastCost.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
+
+
+def test_cast_cost_fit_takes_the_device_by_keyword_and_refuses_one_size():
+    with pytest.raises(TypeError):
+        fit_cast_cost("cpu")
+    with pytest.raises(compfx.BadInputError, match="two"):
+        fit_cast_cost(device="cpu", sizes=(256, 256), use_cache=False)
 
 
 def test_cast_cost_refuses_an_unfitted_pair():
@@ -247,29 +311,36 @@ def test_prediction_sums_op_costs_and_the_graphs_casts(name, data):
     assert result.seconds == pytest.approx(result.compute_s + result.cast_s)
 
 
-@pytest.mark.parametrize("name", ["cnn", "encoder_sdpa", "mha", "embed_gru"])
+@pytest.mark.parametrize("name", ["cnn", "encoder_sdpa", "mha", "embed_gru", "writes_and_doubles"])
 @settings(max_examples=10, deadline=None)
 @given(data=st.data())
 def test_cast_pass_metadata_prices_a_plan_as_propagating_fake_tensors_does(name, data):
-    a = _analysis(name)
+    a = _analysis_or_special(name)
     bits = "".join(data.draw(st.sampled_from("01f" if op.category == "other" else "01")) for op in a.ops)
     plan = compfx.Plan.from_bitstring(a, bits)
     predictor = _fake_predictor(a)
-    from_meta = predictor.breakdown(rewrite_with_insert_casts(a, plan))  # trusts the pass's meta["val"]
-    unflagged = rewrite_with_insert_casts(a, plan)
-    unflagged.meta.clear()  # what any other graph gets: dtypes recomputed on FakeTensors
-    propagated = predictor.breakdown(unflagged)
+    applied = apply(a.graph_module, plan, analysis=a)
+    from_meta = predictor.breakdown(applied)  # the pass's incremental meta["val"]
+    repropagated = propagate_dtypes(fx.GraphModule(applied, copy.deepcopy(applied.graph)))  # every node again
+    propagated = predictor.breakdown(repropagated)
     assert from_meta.casts == propagated.casts and from_meta.low_ops == propagated.low_ops
     assert from_meta.seconds == propagated.seconds
 
 
 def test_cast_pass_graph_is_priced_without_propagating_fake_tensors_again(monkeypatch):
-    import compfx.costmodel as costmodel
-
     a = _analysis("cnn")
-    gm = rewrite_with_insert_casts(a, compfx.Plan.from_bitstring(a, "0" * len(a.ops)))
-    monkeypatch.setattr(costmodel._FakeValues, "run", lambda *args, **kwargs: pytest.fail("propagated again"))
+    gm = apply(a.graph_module, compfx.Plan.from_bitstring(a, "0" * len(a.ops)), analysis=a)
+    monkeypatch.setattr(DtypePropagator, "update", lambda *args, **kwargs: pytest.fail("propagated again"))
     assert _fake_predictor(a).breakdown(gm).casts
+
+
+def test_a_graph_without_dtype_metadata_is_refused_with_what_to_do():
+    a = _analysis("mlp")
+    gm = fx.GraphModule(a.graph_module, copy.deepcopy(a.graph_module.graph))
+    for node in gm.graph.nodes:
+        node.meta.pop("val", None)
+    with pytest.raises(compfx.SearchError, match="propagate_dtypes"):
+        _fake_predictor(a).breakdown(gm)
 
 
 def test_input_cast_has_no_backward_cast_but_weight_casts_do():
@@ -292,7 +363,16 @@ def test_follow_ops_are_priced_at_the_dtype_that_reaches_them():
     a = _analysis("mlp")  # fc1, relu, fc2
     predictor = _fake_predictor(a)
     assert set(predictor.breakdown("0f1").low_ops) == {a.ops[0].key, a.ops[1].key}
-    assert set(predictor.breakdown("1f0").low_ops) == {a.ops[2].key}
+    assert set(predictor.breakdown(Assignment.parse("1f0")).low_ops) == {a.ops[2].key}
+
+
+def test_an_op_whose_only_input_is_written_runs_in_the_dtype_that_reaches_it():
+    a = _writes_and_doubles()  # linear, add_, relu_, mul
+    fake = _fake_predictor(a)
+    predictor = Predictor(fake.profiles, fake.cast_cost, analysis=a)  # default rewrite: the cast pass
+    relu = next(op.key for op in a.ops if op.kind == "relu")
+    assert relu not in predictor.breakdown("1101").low_ops  # "low", but nothing reaching it is low
+    assert relu in predictor.breakdown("0011").low_ops     # "fp32", but add_ hands it a low tensor it cannot cast
 
 
 def test_calibration_makes_fp32_exact_and_shifts_every_plan_equally():
@@ -315,6 +395,8 @@ def test_predictor_errors_say_what_to_do():
         bare.calibrate(1.0)
     with pytest.raises(compfx.BadInputError, match="positive"):
         _fake_predictor(a).calibrate(0.0)
+    with pytest.raises(compfx.BadInputError, match="Plan, an Assignment"):
+        _fake_predictor(a).predict(3)
 
 
 def test_real_profiles_predict_a_graph():
@@ -325,47 +407,19 @@ def test_real_profiles_predict_a_graph():
     assert predictor.breakdown("000").cast_s > 0
 
 
-def test_find_casts_ignores_same_dtype_conversions():
+def test_same_dtype_conversions_are_not_casts():
     a = _analysis("mlp")
     fp32_rewrite = rewrite_for_test(a, compfx.Plan.fp32(a))  # inserts .to(float32) on fp32 tensors
     assert sum(n.target == "to" for n in fp32_rewrite.graph.nodes) > 0
     assert _fake_predictor(a).breakdown(fp32_rewrite).casts == ()
-    assert find_casts(fp32_rewrite) == []
-
-
-# -- search hook -------------------------------------------------------------------
-
-def test_ranking_and_skipping_follow_the_prediction():
-    a = _analysis("mlp")
-    ranked = rank_by_prediction(_fake_predictor(a), ["000", "111", "011", "110"])
-    assert [bits for bits, _ in ranked][0] == "111" and [bits for bits, _ in ranked][-1] == "000"
-    assert [s for _, s in ranked] == sorted(s for _, s in ranked)
-    assert should_skip(1.26, 1.0) and not should_skip(1.25, 1.0) and not should_skip(5.0, None)
-    assert should_skip(1.6, 1.0, margin=1.5) and not should_skip(1.4, 1.0, margin=1.5)
-    with pytest.raises(compfx.BadInputError):
-        should_skip(1.0, 1.0, margin=0.5)
-    assert skip_message(0.5, 0.25) == "skipped (predicted 0.5 s vs best 0.25 s)"
-
-
-@settings(max_examples=20, deadline=None)
-@given(st.lists(st.tuples(st.floats(0.01, 10), st.floats(0.01, 10)), min_size=1, max_size=9))
-def test_median_abs_percentage_error_matches_its_definition(pairs):
-    predicted, measured = zip(*pairs)
-    errors = sorted(abs(p - m) / m * 100 for p, m in pairs)
-    middle = len(errors) // 2
-    expected = errors[middle] if len(errors) % 2 else (errors[middle - 1] + errors[middle]) / 2
-    assert median_abs_percentage_error(predicted, measured) == pytest.approx(expected, rel=1e-6)
+    assert casts_in(fp32_rewrite) == []
 
 
 # -- with the real cast pass -----------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["mlp", "cnn", "encoder_sdpa"])
+@pytest.mark.parametrize("name", ["mlp", "cnn", "encoder_sdpa", "writes_and_doubles"])
 def test_default_rewrite_is_the_cast_pass_and_casts_match_its_report(name):
-    from compfx.apply import apply
-    from compfx.passes import count_casts
-
-    a = _analysis(name)
-    model, _ = make(name)
+    a = _analysis_or_special(name)
     fake = _fake_predictor(a)
     predictor = Predictor(fake.profiles, fake.cast_cost, analysis=a)  # default rewrite: the cast pass
     for plan in (compfx.Plan.amp(a), compfx.Plan.uniform(a, "low"), compfx.Plan.fp32(a)):
@@ -382,3 +436,33 @@ def test_ops_run_under_autocast_are_priced_low():
     assert mha.kind == "multi_head_attention"
     assert mha in predictor.breakdown("00").low_ops
     assert mha not in predictor.breakdown("11").low_ops
+
+
+# -- acceptance: the report and the cost model see the same casts ------------------------
+
+class _ChainedCasts(nn.Module):
+    def forward(self, x, y):
+        return y.bfloat16().type_as(x) + y.half().float()
+
+
+ALL_PAIRS = [(s, d) for s in (torch.float32, torch.bfloat16, torch.float16)
+             for d in (torch.float32, torch.bfloat16, torch.float16) if s != d]
+
+
+def test_cast_report_and_cost_model_count_the_same_chained_casts():
+    a = compfx.analyze(_ChainedCasts(), (torch.randn(3, 4), torch.randn(3, 4)), low_dtype=LOW)
+    predictor = Predictor(OpProfiles({op.key: OpProfile(op.key, 1.0, 2.0) for op in a.ops}, LOW, a.device),
+                          CastCost({pair: (ALPHA, BETA) for pair in ALL_PAIRS}), analysis=a)
+    own = predictor.breakdown(a.graph_module)
+    assert cast_report(a.graph_module).total == own.n_casts == 4  # y->bf16, bf16->fp32 (type_as), y->fp16, fp16->fp32
+    assert [c.node for c in own.casts] == [c.node for c in casts_in(a.graph_module)]
+    for plan in (compfx.Plan.fp32(a), compfx.Plan.amp(a), compfx.Plan.uniform(a, "low")):
+        gm = apply(a.graph_module, plan, analysis=a)
+        assert cast_report(gm).total == predictor.breakdown(gm).n_casts == predictor.breakdown(plan).n_casts
+
+
+def test_a_model_with_its_own_casts_is_priced_by_a_built_predictor():
+    a = compfx.analyze(_ChainedCasts(), (torch.randn(3, 4), torch.randn(3, 4)), low_dtype=LOW)
+    predictor = Predictor.build(a, use_cache=False, **FAST)  # fits fp16 pairs too: the model casts to fp16
+    assert {torch.float16, torch.bfloat16, torch.float32} == {s for s, _ in predictor.cast_cost.coefficients}
+    assert predictor.breakdown(a.graph_module).n_casts == 4 and predictor.predict("0") > 0

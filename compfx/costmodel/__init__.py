@@ -1,0 +1,49 @@
+"""The cost model: which plans are worth measuring, predicted from per-op profiles and a cast-cost fit.
+
+CoMP measures every candidate plan. On a device where the low dtype is slow
+(bf16 matmul on most CPUs), each low-precision candidate costs tens of FP32
+batches before exact pruning can stop it. Following Campo and QSync, compfx
+profiles each op once, in isolation, at its real input shapes, and predicts a
+plan's step time as
+
+    sum of per-op forward+backward times at the dtype each op computes in
+  + the casts the plan's rewritten graph contains (alpha*numel + beta,
+    forward cast plus the reverse cast of the gradient)
+  + a fixed per-step overhead calibrated on the measured FP32 step.
+
+The prediction only decides what is worth measuring (the "should we" side, as
+in Inductor's ``pad_mm``); measurement still makes the final decision.
+
+One module per job:
+
+* :mod:`~compfx.costmodel.profile`: :func:`profile_ops` times each op at FP32
+  and at the low dtype, as the cast pass would run it (the rules are
+  :mod:`compfx.cast_policy`'s), cached through :mod:`compfx.cache`;
+* :mod:`~compfx.costmodel.cast_cost`: :func:`fit_cast_cost` fits the cost of a cast;
+* :mod:`~compfx.costmodel.predictor`: :class:`Predictor` prices a rewritten
+  graph from its metadata (the dtypes :mod:`compfx.passes` wrote, the casts
+  :func:`compfx.passes.casts_in` lists); :class:`SearchPredictor` calibrates
+  it on the search's FP32 baseline and predicts Stage-1 epochs.
+
+All timing goes through :mod:`compfx.measure`.
+
+>>> import torch, compfx
+>>> from compfx.costmodel import Predictor
+>>> model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 4))
+>>> a = compfx.analyze(model, torch.randn(8, 16))
+>>> predictor = Predictor.build(a, repeats=2, use_cache=False)
+>>> predictor.predict(compfx.Plan.amp(a)) > 0
+True
+"""
+
+from .cast_cost import CastCost, fit_cast_cost
+from .predictor import (MEASURED_STEP, PREDICTED_STEP, STALE_PROFILE_RATIO, STALE_PROFILES, Prediction, Predictor,
+                        SearchPredictor)
+from .profile import OpProfile, OpProfiles, profile_ops
+
+__all__ = [
+    "OpProfile", "OpProfiles", "profile_ops",
+    "CastCost", "fit_cast_cost",
+    "Prediction", "Predictor", "SearchPredictor",
+    "PREDICTED_STEP", "MEASURED_STEP", "STALE_PROFILES", "STALE_PROFILE_RATIO",
+]

@@ -1,0 +1,404 @@
+"""The predictor: a plan's step time from op profiles, the cast-cost fit and the plan's rewritten graph.
+
+:class:`Predictor` reads a rewritten graph as the passes left it:
+
+* the dtype every op computes in is :func:`compfx.cast_policy.compute_dtype`
+  of its ``node.meta["val"]`` inputs, and an op is priced at its low profile
+  when that is the plan's low dtype, at FP32 otherwise;
+* its casts are :func:`compfx.passes.casts_in` (the list the cast report
+  counts), each priced forward, and backward too when its input needs a gradient.
+
+It does no dtype propagation of its own: graphs made by :func:`compfx.apply`
+or :func:`compfx.passes.apply_precisions` carry fresh metadata; any other
+graph is the caller's to run through :func:`compfx.passes.propagate_dtypes` first.
+
+:class:`SearchPredictor` is the predictor as the search uses it: it calibrates
+itself on the FP32 baseline epoch, predicts epochs of
+:class:`~compfx.plan.Assignment` s, and says what to add to a log record.
+It knows nothing of the search or its log; the search sees only its methods.
+
+>>> import torch, compfx
+>>> from compfx.plan import Assignment
+>>> from compfx.vocabulary import SampleStatus, Stage
+>>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(8, 8)), torch.randn(4, 8))
+>>> p = SearchPredictor.build(a, repeats=1, use_cache=False)
+>>> fp32 = Assignment.parse("1")
+>>> extra = p.observe(Stage.STAGE1, fp32, SampleStatus.ACCEPTED, seconds=0.4, batches=4)  # the FP32 baseline
+>>> extra["calibration"], round(extra[MEASURED_STEP], 6), round(p.epoch_seconds(fp32), 6)
+(True, 0.1, 0.4)
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import os
+import time
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from ..apply import apply
+from ..capture import meta_value
+from ..cast_policy import castable_inputs, compute_dtype, runs_under_autocast
+from ..errors import BadInputError, SearchError
+from ..opkey import KEY_META, OpKey
+from ..passes import CastInfo, casts_in
+from ..plan import Assignment, Plan
+from ..vocabulary import Precision, SampleStatus, Stage
+from .cast_cost import CastCost, fit_cast_cost
+from .profile import OpProfiles, profile_ops
+
+__all__ = ["Prediction", "Predictor", "SearchPredictor", "PREDICTED_STEP", "MEASURED_STEP", "STALE_PROFILES",
+           "STALE_PROFILE_RATIO"]
+
+#: keys of a log record's ``extra`` that the report compares: predicted and measured seconds of one step
+PREDICTED_STEP, MEASURED_STEP = "predicted_step_seconds", "measured_step_seconds"
+#: key of the calibration record's ``extra``: the ratio that made cached profiles be measured again
+STALE_PROFILES = "stale_profile_ratio"
+#: The profiled ops are part of the FP32 step, so their profiles cannot sum to
+#: much more than it: fresh profiles of the CPU benchmark models sum to 0.65-1.4x
+#: the measured step (isolated ops pay their own dispatch). Cached profiles over
+#: this multiple were taken under other conditions (a loaded shared machine,
+#: another clock) and are measured again. Far below is normal where the loss,
+#: the optimizer and Python dominate a small model's step.
+STALE_PROFILE_RATIO = 2.0
+
+
+@dataclass(frozen=True)
+class Prediction:
+    """A predicted step time and where it comes from: ops' compute, casts and the calibrated overhead."""
+
+    seconds: float
+    compute_s: float
+    cast_s: float
+    overhead_s: float
+    low_ops: tuple[OpKey, ...] = ()
+    casts: tuple[CastInfo, ...] = field(default=(), repr=False)
+
+    @property
+    def n_casts(self) -> int:
+        return len(self.casts)
+
+
+class Predictor:
+    """Predicts the seconds of one training step of a plan from profiles and the plan's rewritten graph.
+
+    ``predict`` takes a rewritten ``GraphModule`` (with fresh ``meta["val"]``),
+    a :class:`~compfx.plan.Plan`, an :class:`~compfx.plan.Assignment` or a CoMP
+    bitstring; the last three need ``analysis`` and are turned into a graph by
+    ``rewrite(plan) -> GraphModule`` (default: :func:`compfx.apply` on
+    ``analysis.graph_module``, which leaves it unchanged). :meth:`calibrate`
+    sets ``overhead`` from one measured FP32 step, so the FP32 plan is
+    predicted exactly.
+
+    >>> import torch, compfx
+    >>> from compfx.costmodel import Predictor, profile_ops, CastCost
+    >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(8, 8)), torch.randn(4, 8))
+    >>> p = Predictor(profile_ops(a, repeats=1, use_cache=False), CastCost({}), analysis=a)
+    >>> p.calibrate(1.0).predict(a.graph_module)
+    1.0
+    """
+
+    def __init__(self, profiles: OpProfiles, cast_cost: CastCost, overhead: float = 0.0, *,
+                 analysis=None, rewrite: Callable[[Plan], fx.GraphModule] | None = None):
+        self.profiles = profiles
+        self.cast_cost = cast_cost
+        self.overhead = float(overhead)
+        self.analysis = analysis
+        self._fp32_compute: float | None = None  # see fp32_compute_seconds
+        if rewrite is None and analysis is not None:
+            rewrite = functools.partial(_applied, analysis)
+        self.rewrite = rewrite
+
+    @classmethod
+    def build(cls, analysis, *, rewrite: Callable[[Plan], fx.GraphModule] | None = None,
+              cache_dir: str | os.PathLike | None = None, use_cache: bool = True, refresh: bool = False,
+              **profile_kwargs) -> "Predictor":
+        """Profile ``analysis`` (through the cache; ``refresh`` measures again) and fit its device's cast costs.
+
+        ``profile_kwargs`` go to :func:`~compfx.costmodel.profile_ops`; its
+        ``clock`` times the casts too. Casts are fitted between FP32, the low
+        dtype and every other floating dtype the model's graph already holds.
+        """
+        profiles = profile_ops(analysis, cache_dir=cache_dir, use_cache=use_cache, refresh=refresh, **profile_kwargs)
+        cast_cost = fit_cast_cost(device=analysis.device, pairs=_cast_pairs(analysis.graph_module, profiles.low_dtype),
+                                  clock=profile_kwargs.get("clock", "wall"), cache_dir=cache_dir,
+                                  use_cache=use_cache, refresh=refresh)
+        return cls(profiles, cast_cost, analysis=analysis, rewrite=rewrite)
+
+    def calibrate(self, measured_fp32_step_seconds: float) -> "Predictor":
+        """Set the per-step overhead to measured FP32 step minus predicted FP32 compute; returns self.
+
+        The overhead holds what profiles do not see: loss, optimizer step, data
+        movement, Python dispatch. It can be negative when isolated ops run slower
+        than in the model.
+        """
+        if not (measured_fp32_step_seconds > 0 and math.isfinite(measured_fp32_step_seconds)):
+            raise BadInputError(f"Predictor.calibrate({measured_fp32_step_seconds!r}); expected the positive seconds "
+                                "of one measured FP32 training step.")
+        self.overhead = measured_fp32_step_seconds - self.fp32_compute_seconds()
+        return self
+
+    def fp32_compute_seconds(self) -> float:
+        """The profiles' FP32 step: every op at FP32, no casts, no overhead (priced once: profiles are fixed)."""
+        if self._fp32_compute is None:
+            if self.analysis is None:
+                raise SearchError("pricing the FP32 step (calibrate) needs the FP32 graph; build the Predictor "
+                                  "with analysis=...")
+            self._fp32_compute = self._breakdown_graph(self.analysis.graph_module, overhead=0.0).seconds
+        return self._fp32_compute
+
+    def predict(self, plan_or_graph) -> float:
+        """Predicted seconds of one training step (forward, backward, optimizer)."""
+        return self.breakdown(plan_or_graph).seconds
+
+    def breakdown(self, plan_or_graph) -> Prediction:
+        """The prediction split into compute, casts and overhead."""
+        return self._breakdown_graph(self._graph_of(plan_or_graph), self.overhead)
+
+    def _graph_of(self, plan_or_graph) -> fx.GraphModule:
+        if isinstance(plan_or_graph, fx.GraphModule):
+            return plan_or_graph
+        if self.rewrite is None or self.analysis is None:
+            raise SearchError("Predictor.predict() got a plan but has no analysis or rewrite function; build it with "
+                              "analysis=... and rewrite=<plan -> rewritten GraphModule>, or pass the rewritten graph.")
+        return self.rewrite(_as_plan(self.analysis, plan_or_graph))
+
+    def _breakdown_graph(self, gm: fx.GraphModule, overhead: float) -> Prediction:
+        compute, low_ops = 0.0, []
+        for node in gm.graph.nodes:
+            key = node.meta.get(KEY_META)
+            if key is None or key not in self.profiles:
+                continue
+            low = _computes_in(gm, node) == self.profiles.low_dtype
+            compute += self.profiles[key].seconds(low)
+            if low:
+                low_ops.append(key)
+        casts = tuple(cast for cast in casts_in(gm) if cast.src is not None)  # untyped: nothing to price
+        cast_s = sum(self._cast_seconds(cast) for cast in casts)
+        return Prediction(compute + cast_s + overhead, compute, cast_s, overhead, tuple(low_ops), casts)
+
+    def _cast_seconds(self, cast: CastInfo) -> float:
+        forward = self.cast_cost.seconds(cast.src, cast.dst, cast.numel)
+        backward = self.cast_cost.seconds(cast.dst, cast.src, cast.numel) if cast.backward else 0.0
+        return forward + backward
+
+
+def _computes_in(gm: fx.GraphModule, node: fx.Node) -> torch.dtype | None:
+    if meta_value(node) is None:
+        raise SearchError(f"op {node.meta[KEY_META]} (node {node.name}) has no dtype metadata (meta['val']); the "
+                          "cost model reads dtypes from it. Run compfx.passes.propagate_dtypes(gm) on a graph you "
+                          "rewrote by hand, or predict the plan instead of the graph.")
+    return compute_dtype(node, gm.get_submodule)
+
+
+def _as_plan(analysis, plan) -> Plan:
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, Assignment):
+        return Plan.from_assignment(analysis, plan)
+    if isinstance(plan, str):
+        return Plan.from_bitstring(analysis, plan)
+    raise BadInputError(f"the cost model prices a Plan, an Assignment, a plan string or a rewritten GraphModule; "
+                        f"got {type(plan).__name__}.")
+
+
+def _applied(analysis, plan: Plan) -> fx.GraphModule:
+    """What :func:`compfx.apply` makes of ``plan`` (on a copy of the analysis graph, which stays unchanged)."""
+    return apply(analysis.graph_module, plan, analysis=analysis)
+
+
+def _cast_pairs(gm: fx.GraphModule, low_dtype: torch.dtype) -> list[tuple[torch.dtype, torch.dtype]]:
+    """Both directions between FP32, ``low_dtype`` and every other floating dtype the graph holds.
+
+    A plan's graph keeps the model's own casts (``x.double()``), and the
+    cast pass may cast their results; without their pairs no plan of such a
+    model could be priced.
+    """
+    dtypes = [torch.float32, low_dtype]
+    for node in gm.graph.nodes:
+        for leaf in pytree.tree_leaves(meta_value(node)):
+            if isinstance(leaf, torch.Tensor) and leaf.is_floating_point() and leaf.dtype not in dtypes:
+                dtypes.append(leaf.dtype)
+    return [(src, dst) for src in dtypes for dst in dtypes if src != dst]
+
+
+# -- what the search needs -------------------------------------------------------------
+
+class SearchPredictor:
+    """A :class:`Predictor` that calibrates itself on the FP32 baseline and prices Stage-1 epochs of assignments.
+
+    Build it with :meth:`build`, feed it every sample the search records
+    (:meth:`observe`), and ask :meth:`epoch_seconds` and
+    :meth:`lower_bound_seconds` once it is calibrated.
+    """
+
+    def __init__(self, predictor: Predictor, build_seconds: float = 0.0,
+                 remeasure: Callable[[], Predictor] | None = None):
+        self.predictor = predictor
+        self.build_seconds = build_seconds
+        self.remeasure = remeasure  # builds the predictor again from fresh profiles (None: never)
+        self.stale_ratio: float | None = None  # set when cached profiles were measured again
+        self.batches: int | None = None  # batches per Stage-1 epoch, known once the baseline ran
+        self._steps: dict[Assignment, float] = {}
+        self._dtype_decided: dict[tuple[OpKey, Precision], bool] | None = None  # see _bound_seconds
+
+    @classmethod
+    def build(cls, analysis, *, rewrite: Callable[[Plan], fx.GraphModule] | None = None,
+              cache_dir: str | os.PathLike | None = None, **profile_kwargs) -> "SearchPredictor":
+        """Profile ``analysis`` and fit cast costs (:meth:`Predictor.build`), timing what that costs.
+
+        ``rewrite(plan)`` makes the graph a plan runs as (the search passes the
+        modules it trains, so each plan is rewritten once); ``profile_kwargs``
+        go to :func:`~compfx.costmodel.profile_ops` (``use_cache`` and
+        ``refresh`` to the caches too).
+        """
+        refresh = profile_kwargs.pop("refresh", False)  # the re-measure of stale profiles always refreshes
+        start = time.perf_counter()
+        predictor = Predictor.build(analysis, rewrite=rewrite, cache_dir=cache_dir, refresh=refresh, **profile_kwargs)
+        remeasure = functools.partial(Predictor.build, analysis, rewrite=rewrite, cache_dir=cache_dir, refresh=True,
+                                      **profile_kwargs)
+        return cls(predictor, time.perf_counter() - start, remeasure)
+
+    @property
+    def profiles(self) -> OpProfiles:
+        return self.predictor.profiles
+
+    @property
+    def calibrated(self) -> bool:
+        return self.batches is not None
+
+    # -- predictions ---------------------------------------------------------------------
+    def step_seconds(self, plan: Assignment) -> float:
+        """Predicted seconds of one step; NaN when the plan's graph cannot be priced (it is then measured)."""
+        plan = _assignment(plan)
+        if plan not in self._steps:  # each prediction rewrites the graph: do it once per plan
+            try:
+                self._steps[plan] = self.predictor.predict(plan)
+            except Exception:  # noqa: BLE001 - e.g. an op with no low-precision kernel: the measurement will say so
+                self._steps[plan] = math.nan
+        return self._steps[plan]
+
+    def epoch_seconds(self, plan: Assignment) -> float:
+        """Predicted seconds of one Stage-1 epoch under ``plan`` (step time x the baseline's batches); NaN: unknown."""
+        return self.step_seconds(plan) * self._batches()
+
+    def lower_bound_seconds(self, plan: Assignment) -> float:
+        """A cheap lower bound of :meth:`epoch_seconds`: no graph rewrite, no casts.
+
+        An op costs its profile at the dtype its precision gives it where that
+        precision alone decides the dtype (it has castable inputs, or runs
+        under autocast), otherwise the cheaper of its two profiles ("follow"
+        ops, ops whose only inputs are written in place). Casts cost nothing.
+        So the bound never exceeds the full prediction while every fitted cast
+        cost is non-negative; otherwise the full prediction is returned.
+        """
+        plan, batches = _assignment(plan), self._batches()
+        if not self._casts_non_negative():
+            return self.epoch_seconds(plan)
+        total = self.predictor.overhead
+        for op, precision in zip(self.predictor.analysis.ops, plan, strict=True):
+            profile = self.profiles.get(op.key)
+            if profile is None:
+                continue
+            if self._dtype_decided_by(op.key, precision):
+                total += profile.seconds(precision is Precision.LOW)
+            else:
+                total += min(profile.fp32_s, profile.low_s)
+        return total * batches
+
+    def _batches(self) -> int:
+        if not self.calibrated:
+            raise SearchError("SearchPredictor predicts epochs only after observe() saw the accepted FP32 baseline "
+                              "(the first accepted Stage-1 sample); observe it first.")
+        return self.batches
+
+    def _casts_non_negative(self) -> bool:
+        return all(alpha >= 0 and beta >= 0 for alpha, beta in self.predictor.cast_cost.coefficients.values())
+
+    def _dtype_decided_by(self, key: OpKey, precision: Precision) -> bool:
+        """Does ``precision`` alone decide the dtype the op computes in (whatever dtypes reach it)?"""
+        if self._dtype_decided is None:
+            self._dtype_decided = {}
+            for node in self.predictor.analysis.graph_module.graph.nodes:
+                if KEY_META not in node.meta:
+                    continue
+                cast = bool(castable_inputs(node))  # castable-ness is the same in every plan's graph
+                autocast = node.op != "call_method" and runs_under_autocast(
+                    node.meta[KEY_META].kind, is_module_call=node.op == "call_module")
+                self._dtype_decided[(node.meta[KEY_META], Precision.LOW)] = cast or autocast
+                self._dtype_decided[(node.meta[KEY_META], Precision.FP32)] = cast
+        return self._dtype_decided.get((key, precision), False)
+
+    # -- the search's samples --------------------------------------------------------------
+    def observe(self, stage: Stage | str, plan: Assignment, status: SampleStatus | str, seconds: float | None,
+                batches: int) -> dict:
+        """Calibrate on the first accepted Stage-1 sample (the FP32 baseline); say what to add to its record.
+
+        Returns the entries for the sample's ``extra``: predicted and measured
+        step seconds (:data:`PREDICTED_STEP`, :data:`MEASURED_STEP`) for a
+        sample the predictor can price, plus ``calibration`` and the profiling
+        counts on the baseline; ``{}`` when there is nothing to add. Before
+        calibrating, cached profiles far above the measured FP32 step are
+        measured again (:data:`STALE_PROFILE_RATIO`, :data:`STALE_PROFILES`).
+        """
+        stage, status, plan = Stage(stage), SampleStatus(status), _assignment(plan)
+        if not self.calibrated:
+            if stage is not Stage.STAGE1 or status is not SampleStatus.ACCEPTED or not batches:
+                return {}
+            measured = (seconds or 0.0) / batches
+            self._remeasure_if_stale(measured)
+            self.predictor.calibrate(measured)
+            self.batches = batches
+            self._steps.clear()
+            return self._annotation(plan, measured, calibration=True)
+        measured = _measured_step(stage, status, seconds, batches)
+        if measured is None or not math.isfinite(self.step_seconds(plan)):
+            return {}
+        return self._annotation(plan, measured)
+
+    def _remeasure_if_stale(self, measured_step: float) -> None:
+        """Profile again when cached profiles do not match the FP32 step this machine just measured."""
+        if self.remeasure is None or not self.profiles.reused or not measured_step > 0:
+            return
+        ratio = self.predictor.fp32_compute_seconds() / measured_step
+        if ratio <= STALE_PROFILE_RATIO:
+            return
+        start = time.perf_counter()
+        self.predictor = self.remeasure()  # overwrites the stale cache entries
+        self.build_seconds += time.perf_counter() - start
+        self.stale_ratio = ratio
+
+    def _annotation(self, plan: Assignment, measured: float, calibration: bool = False) -> dict[str, Any]:
+        extra: dict[str, Any] = {PREDICTED_STEP: self.step_seconds(plan), MEASURED_STEP: measured}
+        if calibration:
+            extra["calibration"] = True  # predicted exactly by construction: not an accuracy figure
+            extra.update(profiles_measured=self.profiles.measured, profiles_reused=self.profiles.reused,
+                         predictor_build_seconds=self.build_seconds)
+            if self.stale_ratio is not None:
+                extra[STALE_PROFILES] = self.stale_ratio
+        return extra
+
+
+def _assignment(plan) -> Assignment:
+    if isinstance(plan, Assignment):
+        return plan
+    if isinstance(plan, str):
+        raise BadInputError(f"the search predictor takes an Assignment, not the plan string {plan!r}; pass "
+                            "Assignment.parse(...).")
+    return Assignment(plan)
+
+
+def _measured_step(stage: Stage, status: SampleStatus, seconds: float | None, batches: int) -> float | None:
+    """A measured per-step time: Stage-1 epoch seconds / batches run (pruned ones too), Stage-2 median step."""
+    if status in (SampleStatus.NOTE, SampleStatus.SKIPPED, SampleStatus.ERROR) or not seconds:
+        return None
+    if stage is Stage.STAGE1 and batches:
+        return seconds / batches
+    if stage is Stage.STAGE2:
+        return seconds
+    return None

@@ -1,0 +1,320 @@
+"""Op profiles: each op's forward+backward seconds, in isolation, at FP32 and at the low dtype.
+
+Each op runs on real tensors made from its recorded input metadata, the way
+the cast pass would run it: which inputs its low variant casts, and whether it
+runs under ``torch.autocast`` instead, is :mod:`compfx.cast_policy`'s to say
+(:func:`~compfx.cast_policy.castable`, :func:`~compfx.cast_policy.mutated_positions`,
+:func:`~compfx.cast_policy.runs_under_autocast`), so a profile times the op the
+pass builds. Timing goes through :func:`compfx.measure.time_fastest`.
+
+Profiles are cached through :mod:`compfx.cache`, one small JSON entry per
+(op signature, dtype, cast inputs, device, clock, torch version), so a second
+search on the same model measures nothing.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterable, Iterator, Mapping
+
+import torch
+import torch.fx as fx
+from torch.utils import _pytree as pytree
+
+from ..cache import entry_path, profile_folder, read_entry, write_entry
+from ..capture import get_attribute
+from ..cast_policy import AutocastRegion, castable, mutated_positions, runs_under_autocast
+from ..errors import BadInputError, SearchError
+from ..measure import check_clock, environment_key, time_fastest
+from ..opkey import KEY_META, OpKey
+from ..vocabulary import check_low_dtype, dtype_name
+
+__all__ = ["OpProfile", "OpProfiles", "profile_ops", "OP_PROFILE_FORMAT"]
+
+#: ``format`` of an op-profile cache entry.
+OP_PROFILE_FORMAT = "compfx-op-profile"
+#: Version written into every entry and part of its key. Version 1 entries stay valid: an op whose cast inputs
+#: changed with the move to compfx.cast_policy (in-place and float64 inputs) gets a new key through ``cast_inputs``.
+CACHE_VERSION = 1
+
+
+@dataclass(frozen=True)
+class OpProfile:
+    """Forward+backward seconds of one op at FP32 and at the low dtype.
+
+    ``skipped`` says why the op could not be run in isolation; its times are
+    then 0 and its cost ends up in the predictor's calibrated per-step overhead.
+
+    >>> from compfx.opkey import OpKey
+    >>> OpProfile(OpKey.parse("0:linear#0"), fp32_s=2e-3, low_s=5e-3).seconds(low=True)
+    0.005
+    """
+
+    key: OpKey
+    fp32_s: float
+    low_s: float
+    skipped: str = ""
+
+    def seconds(self, low: bool) -> float:
+        return self.low_s if low else self.fp32_s
+
+
+@dataclass(frozen=True, eq=False)
+class OpProfiles(Mapping[OpKey, OpProfile]):
+    """Profiles of the ops of one analysis, plus what taking them cost.
+
+    ``measured`` counts (op, dtype) timings taken by this call, ``reused`` those
+    read from the cache, ``seconds`` the wall time the call spent.
+    """
+
+    ops: Mapping[OpKey, OpProfile]
+    low_dtype: torch.dtype
+    device: torch.device
+    measured: int = 0
+    reused: int = 0
+    seconds: float = 0.0
+
+    def __getitem__(self, key: OpKey) -> OpProfile:
+        return self.ops[key]
+
+    def __iter__(self) -> Iterator[OpKey]:
+        return iter(self.ops)
+
+    def __len__(self) -> int:
+        return len(self.ops)
+
+    @property
+    def skipped(self) -> dict[OpKey, str]:
+        return {k: p.skipped for k, p in self.ops.items() if p.skipped}
+
+
+def profile_ops(
+    analysis,
+    *,
+    low_dtype: torch.dtype | None = None,
+    repeats: int = 3,
+    warmup: int = 1,
+    block_s: float = 5e-4,
+    budget_s: float = 5e-3,
+    clock: str = "wall",
+    cache_dir: str | os.PathLike | None = None,
+    use_cache: bool = True,
+    refresh: bool = False,
+    keys: Iterable[OpKey] | None = None,
+) -> OpProfiles:
+    """Time every op of ``analysis`` forward+backward, in isolation, at FP32 and at the low dtype.
+
+    Each op runs on real tensors made from its recorded input metadata
+    (floating inputs random, integer inputs zero, parameters and buffers the
+    model's own), with ``requires_grad`` where the model has it, and a ones
+    gradient into its floating outputs. At the low dtype the op runs as the
+    cast pass runs it under a "low" plan (:mod:`compfx.cast_policy`): its
+    castable inputs cast, or the whole op under ``torch.autocast``. Ops that
+    cannot run in isolation get time 0 and a ``skipped`` reason. ``keys``
+    limits profiling to some ops (default: all of ``analysis.ops``).
+    ``refresh=True`` measures every op again and overwrites its cache entries;
+    ``use_cache=False`` neither reads nor writes them. ``repeats``, ``warmup``,
+    ``block_s``, ``budget_s`` and ``clock`` go to :func:`compfx.measure.time_fastest`
+    (``clock="cpu"``, on one CPU thread, is immune to other processes).
+
+    >>> import torch, compfx
+    >>> from compfx.costmodel import profile_ops
+    >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.ReLU()), torch.randn(4, 8))
+    >>> p = profile_ops(a, repeats=2, use_cache=False)
+    >>> sorted(str(k) for k in p), p.measured
+    (['0:linear#0', '1:relu#0'], 4)
+    """
+    if repeats < 1 or warmup < 0:
+        raise BadInputError(f"profile_ops(repeats={repeats}, warmup={warmup}); expected repeats >= 1 and "
+                            "warmup >= 0.")
+    low_dtype = check_low_dtype(low_dtype or analysis.low_dtype, "profile_ops: low_dtype")
+    device = torch.device(analysis.device)
+    check_clock(clock, device=device)  # refuse a clock that cannot time this device before measuring anything
+    timing = dict(repeats=repeats, warmup=warmup, block_s=block_s, budget_s=budget_s, clock=clock)
+    cache = _EntryCache(profile_folder(cache_dir) if use_cache else None, refresh)
+    wanted = set(keys) if keys is not None else None
+    nodes = {n.meta[KEY_META]: n for n in analysis.graph_module.graph.nodes if KEY_META in n.meta}
+    start = time.perf_counter()
+    profiles = {op.key: _profile_one(analysis.graph_module, nodes[op.key], device, low_dtype, cache, timing)
+                for op in analysis.ops if wanted is None or op.key in wanted}
+    return OpProfiles(profiles, low_dtype, device, cache.measured, cache.reused, time.perf_counter() - start)
+
+
+# -- one op, in isolation ------------------------------------------------------------
+
+class _OpBench:
+    """Real tensors for one node, built from its recorded metadata, and a forward+backward closure."""
+
+    def __init__(self, gm: fx.GraphModule, node: fx.Node, device: torch.device):
+        self.node = node
+        self.kind = node.meta[KEY_META].kind
+        self.device = device
+        self.module = gm.get_submodule(node.target) if node.op == "call_module" else None
+        self.values = pytree.tree_map(lambda a: self._value(gm, a) if isinstance(a, fx.Node) else a,
+                                      (node.args, node.kwargs))
+        # The pass wraps call_function and call_module ops in an autocast region; a call_method op has no
+        # function to wrap, so the pass casts its inputs instead (insert_casts._run_under_autocast).
+        self.low_under_autocast = node.op != "call_method" and runs_under_autocast(
+            self.kind, is_module_call=node.op == "call_module")
+
+    @staticmethod
+    def _value(gm: fx.GraphModule, arg: fx.Node):
+        if arg.op == "get_attr":  # parameters and buffers: the real thing (BN running stats may have no val)
+            return get_attribute(gm, arg.target)
+        return arg.meta.get("val")
+
+    def signature(self) -> dict:
+        """JSON-able description of the call: kind, target, tensor metadata and the other arguments."""
+        def describe(value):
+            if isinstance(value, torch.Tensor):
+                return {"shape": list(value.shape), "stride": list(value.stride()),
+                        "dtype": dtype_name(value.dtype), "grad": bool(value.requires_grad)}
+            return repr(value)
+
+        args, kwargs = pytree.tree_map(describe, self.values)
+        target = repr(self.module) if self.module is not None else _target_name(self.node.target)
+        return {"kind": self.kind, "op": self.node.op, "target": target, "args": args, "kwargs": kwargs,
+                "low_mode": "autocast" if self.low_under_autocast else "cast"}
+
+    def cast_positions(self) -> set[int]:
+        """Indices (into the flattened arguments) of the tensors the low variant casts: the cast pass's choice."""
+        if self.low_under_autocast:
+            return set()
+        args, kwargs = self.values
+        # the argument position (index or keyword) of every leaf, in the order pytree flattens self.values
+        tagged = (tuple(pytree.tree_map(lambda _, i=i: i, value) for i, value in enumerate(args)),
+                  {name: pytree.tree_map(lambda _, n=name: n, value) for name, value in kwargs.items()})
+        positions = pytree.tree_leaves(tagged)
+        mutated = mutated_positions(self.node)
+        return {i for i, (position, value) in enumerate(zip(positions, pytree.tree_leaves(self.values), strict=True))
+                if castable(self.kind, position, value, mutated)}
+
+    def make_step(self, dtype: torch.dtype, *, clone_first: bool = False) -> Callable[[], None]:
+        """A closure running the op forward and backward at ``dtype`` (FP32 = no casts).
+
+        ``clone_first`` feeds the op a copy of its first input made inside the
+        step: an in-place op cannot write into a leaf that requires grad.
+        """
+        leaves, spec = pytree.tree_flatten(self.values)
+        casts = self.cast_positions() if dtype != torch.float32 else set()
+        real = [self._real(v, dtype if i in casts else None) if isinstance(v, torch.Tensor) else v
+                for i, v in enumerate(leaves)]
+        grad_inputs = [t for t in real if isinstance(t, torch.Tensor) and t.requires_grad]
+        if self.module is not None:
+            grad_inputs += [p for p in self.module.parameters() if p.requires_grad]
+        call = self._callable(autocast_dtype=dtype if dtype != torch.float32 and self.low_under_autocast else None)
+        grads: list[torch.Tensor] = []  # ones into the outputs that carry gradients, made on the first call
+
+        def forward():
+            inputs = list(real)
+            if clone_first:
+                inputs[0] = inputs[0].clone()
+            args, kwargs = pytree.tree_unflatten(inputs, spec)
+            out = call(*args, **kwargs)
+            return [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
+
+        def step():
+            outs = forward()
+            if outs and grad_inputs:
+                if not grads:
+                    grads.extend(torch.ones_like(o) for o in outs)
+                torch.autograd.grad(outs, grad_inputs, grads, allow_unused=True)
+
+        return step
+
+    def _real(self, value: torch.Tensor, cast_to: torch.dtype | None) -> torch.Tensor:
+        requires_grad = bool(value.requires_grad) and value.is_floating_point()
+        if isinstance(value, torch._subclasses.FakeTensor):
+            real = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=self.device)
+            if real.is_floating_point():
+                real.normal_()
+            else:  # ids, indices, masks: zeros are always in range
+                real.zero_()
+        else:
+            real = value.detach().clone().to(self.device)
+        if cast_to is not None:
+            real = real.to(cast_to)
+        return real.requires_grad_(requires_grad)
+
+    def _callable(self, autocast_dtype: torch.dtype | None) -> Callable:
+        node = self.node
+        if self.module is not None:
+            function = self.module
+        elif node.op == "call_function":
+            function = node.target
+        elif node.op == "call_method":
+            function = lambda self_, *a, **k: getattr(self_, node.target)(*a, **k)  # noqa: E731
+        else:
+            raise SearchError(f"{node.op} nodes are not ops; only keyed call nodes are profiled")
+        if autocast_dtype is None:
+            return function
+        return AutocastRegion(function, self.device.type, autocast_dtype).forward
+
+
+def _target_name(target) -> str:
+    if isinstance(target, str):
+        return target
+    module = getattr(target, "__module__", None) or ""
+    name = getattr(target, "__qualname__", None) or getattr(target, "__name__", None) or type(target).__name__
+    return f"{module}.{name}" if module else name
+
+
+def _profile_one(gm, node, device, low_dtype, cache: "_EntryCache", timing: Mapping) -> OpProfile:
+    key: OpKey = node.meta[KEY_META]
+    try:
+        bench = _OpBench(gm, node, device)
+        signature = bench.signature()
+        casts = bench.cast_positions()
+    except Exception as error:  # noqa: BLE001 - an op we cannot describe is simply not predicted
+        return OpProfile(key, 0.0, 0.0, f"could not build inputs: {type(error).__name__}: {error}")
+    seconds, reasons = {}, []
+    for dtype in (torch.float32, low_dtype):
+        entry_key = _op_entry_key(signature, dtype, casts if dtype != torch.float32 else (), device, timing["clock"])
+        seconds[dtype], reason = cache.seconds(entry_key, lambda dtype=dtype: _measure(bench, dtype, timing))
+        if reason:
+            reasons.append(f"{dtype_name(dtype)}: {reason}")
+    if reasons:  # half a profile would mislead the predictor; treat the op as unknown
+        return OpProfile(key, 0.0, 0.0, "; ".join(reasons))
+    return OpProfile(key, seconds[torch.float32], seconds[low_dtype])
+
+
+def _op_entry_key(signature: Mapping, dtype: torch.dtype, casts: Iterable[int], device: torch.device,
+                  clock: str) -> dict:
+    return {"signature": signature, "dtype": dtype_name(dtype), "cast_inputs": sorted(casts),
+            **environment_key(device=device, clock=clock), "version": CACHE_VERSION}
+
+
+def _measure(bench: _OpBench, dtype: torch.dtype, timing: Mapping) -> float:
+    try:
+        return time_fastest(bench.make_step(dtype), device=bench.device, **timing)
+    except RuntimeError as error:
+        if "in-place" not in str(error):
+            raise
+        # x.relu_() on a leaf that requires grad: time it on a copy made inside the step
+        return time_fastest(bench.make_step(dtype, clone_first=True), device=bench.device, **timing)
+
+
+class _EntryCache:
+    """Profile entries read from, or measured into, one cache folder (None: no cache), with the counts."""
+
+    def __init__(self, folder: os.PathLike | None, refresh: bool):
+        self.folder, self.refresh = folder, refresh
+        self.measured = self.reused = 0
+
+    def seconds(self, key: Mapping, measure: Callable[[], float]) -> tuple[float, str]:
+        """(seconds, why it could not be timed or ""): the cached entry for ``key``, else ``measure()``."""
+        path = entry_path(self.folder, key) if self.folder is not None else None
+        cached = read_entry(path, key, OP_PROFILE_FORMAT) if path is not None and not self.refresh else None
+        if cached is not None:
+            self.reused += 1
+            return float(cached["seconds"]), str(cached.get("skipped") or "")
+        self.measured += 1
+        try:
+            seconds, reason = measure(), ""
+        except Exception as error:  # noqa: BLE001 - e.g. an op without a kernel for this dtype
+            seconds, reason = 0.0, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+        if path is not None:
+            write_entry(path, key, OP_PROFILE_FORMAT, CACHE_VERSION, {"seconds": seconds, "skipped": reason or None})
+        return seconds, reason

@@ -1,0 +1,188 @@
+"""SearchPredictor: the cost model as the search calls it (calibration, epochs, bounds, log annotations).
+
+Hand-made profiles and cast costs keep every sum exact; no test asserts on timings.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+import compfx
+from compfx.apply import apply
+from compfx.costmodel import (MEASURED_STEP, PREDICTED_STEP, STALE_PROFILE_RATIO, STALE_PROFILES, CastCost, OpProfile,
+                              OpProfiles, Predictor, SearchPredictor)
+from compfx.plan import Assignment
+from compfx.vocabulary import Precision, SampleStatus, Stage
+from tests.zoo import make
+
+LOW = torch.bfloat16
+ACCEPTED, PRUNED = SampleStatus.ACCEPTED, SampleStatus.PRUNED
+FAST = dict(repeats=1, warmup=0, block_s=1e-4, budget_s=1e-3)
+
+
+class _Writes(nn.Module):
+    """An in-place op whose only input is written: its precision does not decide its dtype."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.fc2 = nn.Linear(8, 8), nn.Linear(8, 4)
+
+    def forward(self, x):
+        return self.fc2(F.relu(self.fc1(x), inplace=True))
+
+
+@functools.lru_cache(maxsize=None)
+def _analysis(name: str):
+    model, inputs = (_Writes(), (torch.randn(4, 8),)) if name == "writes" else make(name)
+    return compfx.analyze(model, inputs, low_dtype=LOW)
+
+
+def _predictor(a, fp32=None, low=None, reused: int = 0, alpha=1e-6, beta=1e-3, rewrites=None) -> Predictor:
+    """Op i costs fp32[i] (default i+1) at FP32 and low[i] (default 100*(i+1)) low; the cast pass rewrites."""
+    fp32 = fp32 or [float(i + 1) for i in range(len(a.ops))]
+    low = low or [100.0 * (i + 1) for i in range(len(a.ops))]
+    ops = {op.key: OpProfile(op.key, f, lo) for op, f, lo in zip(a.ops, fp32, low)}
+    cost = CastCost({(torch.float32, LOW): (alpha, beta), (LOW, torch.float32): (alpha, beta)})
+
+    def rewrite(plan):
+        if rewrites is not None:
+            rewrites.append(plan)
+        return apply(a.graph_module, plan, analysis=a)
+
+    return Predictor(OpProfiles(ops, LOW, a.device, reused=reused), cost, analysis=a, rewrite=rewrite)
+
+
+def _fp32(a) -> Assignment:
+    return Assignment([Precision.FP32] * len(a.ops))
+
+
+def _calibrated(a, step=1000.0, batches=4, **kw) -> SearchPredictor:
+    p = SearchPredictor(_predictor(a, **kw))
+    p.observe(Stage.STAGE1, _fp32(a), ACCEPTED, step * batches, batches)
+    return p
+
+
+def test_calibrates_on_the_first_accepted_stage1_sample_and_predicts_it_exactly():
+    a = _analysis("mlp")
+    p = SearchPredictor(_predictor(a))
+    fp32, low = _fp32(a), Assignment.parse("000")
+    with pytest.raises(compfx.SearchError, match="baseline"):
+        p.epoch_seconds(fp32)
+    with pytest.raises(compfx.SearchError, match="baseline"):
+        p.lower_bound_seconds(fp32)
+    # nothing before the baseline calibrates: other stages, notes, rejected samples, no batches
+    assert p.observe(Stage.STAGE2, fp32, ACCEPTED, 1.0, 4) == {}
+    assert p.observe(Stage.SEARCH, fp32, SampleStatus.NOTE, None, 0) == {}
+    assert p.observe(Stage.STAGE1, fp32, SampleStatus.REJECTED, 1.0, 4) == {}
+    assert p.observe(Stage.STAGE1, fp32, ACCEPTED, 1.0, 0) == {}
+    assert not p.calibrated
+
+    extra = p.observe(Stage.STAGE1, fp32, ACCEPTED, 4000.0, 4)
+    assert p.calibrated and p.batches == 4
+    assert extra["calibration"] is True
+    assert extra[MEASURED_STEP] == pytest.approx(1000.0) and extra[PREDICTED_STEP] == pytest.approx(1000.0)
+    assert {"profiles_measured", "profiles_reused", "predictor_build_seconds"} <= set(extra)
+    assert STALE_PROFILES not in extra
+    assert p.epoch_seconds(fp32) == pytest.approx(4000.0)
+    assert p.epoch_seconds(low) - p.epoch_seconds(fp32) == pytest.approx(4 * (p.step_seconds(low) - 1000.0))
+
+
+def test_later_samples_are_annotated_with_their_measured_step():
+    a = _analysis("mlp")
+    p = _calibrated(a)
+    low = Assignment.parse("000")
+    pruned = p.observe(Stage.STAGE1, low, PRUNED, 30.0, 2)  # pruned after 2 batches: seconds per batch run
+    assert pruned == {PREDICTED_STEP: p.step_seconds(low), MEASURED_STEP: 15.0}
+    assert p.observe(Stage.STAGE2, low, ACCEPTED, 0.5, 10) == {PREDICTED_STEP: p.step_seconds(low), MEASURED_STEP: 0.5}
+    for status in (SampleStatus.SKIPPED, SampleStatus.ERROR, SampleStatus.NOTE):
+        assert p.observe(Stage.STAGE1, low, status, 1.0, 2) == {}
+    assert p.observe(Stage.CHECK, low, ACCEPTED, 1.0, 2) == {}
+    assert p.observe("stage1", low, "accepted", 8.0, 4)[MEASURED_STEP] == 2.0  # the enums' strings work too
+
+
+def test_predictions_are_keyed_by_assignment_and_rewrite_each_plan_once():
+    a = _analysis("mlp")
+    rewrites = []
+    p = _calibrated(a, rewrites=rewrites)
+    plan = Assignment.parse("0f1")
+    first = p.epoch_seconds(plan)
+    assert p.epoch_seconds(Assignment.parse("0f1")) == first and p.step_seconds(plan) * 4 == first
+    assert [r.bitstring(a) for r in rewrites] == ["111", "0f1"]  # the baseline's annotation, then 0f1 once
+    with pytest.raises(compfx.BadInputError, match="Assignment.parse"):
+        p.epoch_seconds("0f1")
+
+
+def test_an_unpriceable_plan_is_nan_and_not_annotated():
+    a = _analysis("mlp")
+    p = SearchPredictor(Predictor(_predictor(a).profiles, CastCost({}), analysis=a))  # no cast cost: casts fail
+    p.observe(Stage.STAGE1, _fp32(a), ACCEPTED, 4.0, 4)  # the FP32 graph has no casts: calibration works
+    low = Assignment.parse("000")
+    assert math.isnan(p.epoch_seconds(low))
+    assert p.observe(Stage.STAGE1, low, ACCEPTED, 4.0, 4) == {}
+
+
+def test_cached_profiles_far_over_the_fp32_step_are_measured_again():
+    a = _analysis("mlp")  # cached FP32 profiles sum to 6 s: 6x a measured 1 s step
+    fresh = _predictor(a, fp32=[0.1, 0.1, 0.1], low=[0.2, 0.2, 0.2])
+    p = SearchPredictor(_predictor(a, reused=6), remeasure=lambda: fresh)
+    extra = p.observe(Stage.STAGE1, _fp32(a), ACCEPTED, 4.0, 4)
+    assert p.predictor is fresh and extra[STALE_PROFILES] == pytest.approx(6.0) and 6.0 > STALE_PROFILE_RATIO
+    assert p.epoch_seconds(_fp32(a)) == pytest.approx(4.0)  # calibrated on the fresh profiles
+
+
+@pytest.mark.parametrize("reused, step", [(0, 1.0), (6, 3.0)])  # measured now, or within the ratio
+def test_profiles_are_trusted_when_measured_now_or_close_to_the_step(reused, step):
+    a = _analysis("mlp")
+    p = SearchPredictor(_predictor(a, reused=reused), remeasure=lambda: pytest.fail("measured again"))
+    assert STALE_PROFILES not in p.observe(Stage.STAGE1, _fp32(a), ACCEPTED, step * 4, 4)
+
+
+@pytest.mark.parametrize("name", ["mlp", "cnn", "mha", "embed_gru", "writes"])
+@settings(max_examples=15, deadline=None)
+@given(data=st.data())
+def test_lower_bound_never_exceeds_the_prediction(name, data):
+    a = _analysis(name)
+    n = len(a.ops)
+    times = st.lists(st.floats(0.0, 10.0), min_size=n, max_size=n)
+    p = _calibrated(a, step=data.draw(st.floats(0.1, 100.0)), fp32=data.draw(times), low=data.draw(times))
+    plan = Assignment(data.draw(st.sampled_from(list(Precision))) for _ in a.ops)
+    assert p.lower_bound_seconds(plan) <= p.epoch_seconds(plan) * (1 + 1e-9) + 1e-9
+
+
+def test_lower_bound_prices_ops_at_their_precision_and_follow_ops_at_the_cheaper_profile():
+    a = _analysis("mlp")  # fc1, relu, fc2; overhead 1000 - (1+2+3) = 994 per step
+    p = _calibrated(a)
+    assert p.lower_bound_seconds(Assignment.parse("0f1")) == pytest.approx(4 * (994 + 100 + 2 + 3))
+
+
+def test_lower_bound_is_the_prediction_when_a_cast_cost_is_negative():
+    a = _analysis("mlp")
+    p = _calibrated(a, alpha=-1e-6)
+    plan = Assignment.parse("000")
+    assert p.lower_bound_seconds(plan) == p.epoch_seconds(plan)
+
+
+def test_build_profiles_and_prices_through_the_given_rewrite(tmp_path):
+    a = _analysis("mlp")
+    rewritten = []
+
+    def rewrite(plan):
+        rewritten.append(plan)
+        return apply(a.graph_module, plan, analysis=a)
+
+    p = SearchPredictor.build(a, rewrite=rewrite, cache_dir=tmp_path, **FAST)
+    assert p.build_seconds > 0 and p.profiles.measured == 2 * len(a.ops)
+    extra = p.observe(Stage.STAGE1, _fp32(a), ACCEPTED, 0.4, 4)
+    assert extra["profiles_measured"] == 2 * len(a.ops) and extra["profiles_reused"] == 0
+    assert p.epoch_seconds(Assignment.parse("000")) > 0 and [r.bitstring(a) for r in rewritten] == ["111", "000"]
+    assert SearchPredictor.build(a, rewrite=rewrite, cache_dir=tmp_path, **FAST).profiles.reused == 2 * len(a.ops)
+    refreshed = SearchPredictor.build(a, rewrite=rewrite, cache_dir=tmp_path, refresh=True, **FAST)
+    assert (refreshed.profiles.measured, refreshed.profiles.reused) == (2 * len(a.ops), 0)
