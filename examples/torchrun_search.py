@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader, TensorDataset
 from torch.utils.data.distributed import DistributedSampler
 
-from compfx.optimize import SearchConfig, optimize
+from compfx import SearchConfig, optimize
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -90,15 +90,16 @@ def main(argv=None) -> dict:
                               memory_budget=args.memory_budget if limited else None,
                               stage1_budget=16, stage2_budget=8, repeats=3)
         log = os.path.join(args.log_dir, f"search.rank{rank}.jsonl") if args.log_dir else None
-        fast = optimize(model, search_batches, loss_fn=cross_entropy, optimizer=optimizer, config=config, log=log)
-        bits = fast.plan.bitstring(fast.plan_analysis)
-        print(f"[rank {rank}] plan {bits}")
+        result = optimize(model, search_batches, loss_fn=cross_entropy, optimizer=optimizer, config=config, log=log)
+        plan = result.plan.bitstring(result.analysis)
+        print(f"[rank {rank}] plan {plan}")
         if rank == 0:
-            print(fast.report())
-        trained = DistributedDataParallel(fast) if dist.is_initialized() else fast
+            print(result.report())
+        # result.module runs the plan and shares the model's Parameters: the optimizer keeps training it
+        trained = DistributedDataParallel(result.module) if dist.is_initialized() else result.module
         loss = train(trained, optimizer, loader, sampler, args.epochs, device)
         print(f"[rank {rank}] final training loss {loss:.4f}")
-        return {"rank": rank, "bits": bits, "loss": loss}
+        return {"rank": rank, "plan": plan, "loss": loss}
     finally:
         if started_here:
             dist.destroy_process_group()
