@@ -23,6 +23,7 @@ Graphs that ``torch.compile`` hands a backend are keyed the same way with
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import operator
 import os
@@ -49,6 +50,8 @@ __all__ = [
     "DATA_MOVEMENT_KINDS",
     "is_data_movement",
     "is_in_place",
+    "writes_input",
+    "has_side_effects",
     "is_numerical_op",
     "produces_float",
     "op_nodes",
@@ -396,7 +399,7 @@ def _symbolic_capture(model: nn.Module, args: tuple, kwargs: dict, leaf_modules)
             node.meta["val"] = value
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__ + "Captured")
     # Dead code here is shape arithmetic that only fed Python control flow.
-    gm.graph.eliminate_dead_code(is_impure_node=_keep_even_if_unused)
+    gm.graph.eliminate_dead_code(is_impure_node=has_side_effects)
     gm.recompile()
     unknown = [
         f"{node.format_node()} ({_first_line(tracer.values[node].error)})"
@@ -408,11 +411,55 @@ def _symbolic_capture(model: nn.Module, args: tuple, kwargs: dict, leaf_modules)
     return gm
 
 
-def _keep_even_if_unused(node: fx.Node) -> bool:
-    """Impure nodes, in-place updates (BatchNorm's num_batches_tracked.add_(1)) and leaf modules."""
+def has_side_effects(node: fx.Node) -> bool:
+    """Keep this node even when nothing reads its result: impure calls, leaf modules, and calls that write
+    an input (BatchNorm's ``num_batches_tracked.add_(1)``, ``relu(x, inplace=True)``, ``out=``).
+
+    Every dead-code elimination in compfx passes this, since FX's own purity test takes a
+    ``call_method`` such as ``h.add_(x)`` for pure and would drop the write.
+    """
     if node.op == "call_module" or node.is_impure():
         return True
-    return node.op in ("call_function", "call_method") and is_in_place(node.target)
+    return node.op in ("call_function", "call_method") and (writes_input(node) or "out" in node.kwargs)
+
+
+def writes_input(node: fx.Node) -> bool:
+    """True when the call writes its first argument: an in-place name (``add_``, ``operator.iadd``) or ``inplace=True``."""
+    return is_in_place(node.target) or _passes_inplace_true(node)
+
+
+def _passes_inplace_true(node: fx.Node) -> bool:
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op != "call_function":
+        return False
+    signature = _signature(node.target)
+    if signature is None:
+        return False
+    try:
+        bound = signature.bind(*node.args, **node.kwargs)
+    except TypeError:  # the call does not fit the signature
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def _signature(target) -> inspect.Signature | None:
+    """``inspect.signature(target)``, None for builtins without one; cached, as every rewrite asks again."""
+    try:
+        hash(target)
+    except TypeError:  # an unhashable callable: no cache
+        return _signature_uncached(target)
+    return _cached_signature(target)
+
+
+def _signature_uncached(target) -> inspect.Signature | None:
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):  # builtins without a signature, non-callables
+        return None
+
+
+_cached_signature = functools.lru_cache(maxsize=1024)(_signature_uncached)
 
 
 _IN_PLACE_OPERATORS = frozenset(

@@ -38,7 +38,6 @@ model prices.
 from __future__ import annotations
 
 import functools
-import inspect
 from typing import Any, Callable, Iterable
 
 import torch
@@ -46,7 +45,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .capture import is_in_place, meta_value
+from .capture import meta_value, writes_input
 from .opkey import KEY_META, normalize_kind
 from .vocabulary import short_dtype_name
 
@@ -86,7 +85,7 @@ def mutated_positions(node: fx.Node) -> frozenset:
     >>> [sorted(map(str, mutated_positions(n))) for n in gm.graph.nodes if n.op == "call_function"][:2]
     [['0', 'input', 'out', 'self'], ['0', 'input', 'out', 'self']]
     """
-    if is_in_place(node.target) or _passes_inplace_true(node):
+    if writes_input(node):
         return frozenset({"out", *_INPUT_POSITIONS})
     return frozenset({"out"})
 
@@ -210,35 +209,3 @@ def _nodes_in(value) -> list[fx.Node]:
     return found
 
 
-def _passes_inplace_true(node: fx.Node) -> bool:
-    if node.kwargs.get("inplace") is True:
-        return True
-    if node.op != "call_function":
-        return False
-    signature = _signature(node.target)
-    if signature is None:
-        return False
-    try:
-        bound = signature.bind(*node.args, **node.kwargs)
-    except TypeError:  # the call does not fit the signature
-        return False
-    return bound.arguments.get("inplace") is True
-
-
-def _signature(target) -> inspect.Signature | None:
-    """``inspect.signature(target)``, None for builtins without one; cached, as every rewrite asks again."""
-    try:
-        hash(target)
-    except TypeError:  # an unhashable callable: no cache
-        return _signature_uncached(target)
-    return _cached_signature(target)
-
-
-def _signature_uncached(target) -> inspect.Signature | None:
-    try:
-        return inspect.signature(target)
-    except (TypeError, ValueError):  # builtins without a signature, non-callables
-        return None
-
-
-_cached_signature = functools.lru_cache(maxsize=1024)(_signature_uncached)

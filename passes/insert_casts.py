@@ -31,7 +31,7 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
-from compfx.capture import get_attribute
+from compfx.capture import get_attribute, has_side_effects
 from compfx.cast_policy import CAST_META, AutocastRegion, castable_inputs, runs_as_is, runs_under_autocast
 from compfx.errors import PassError
 from compfx.opkey import KEY_META, OpKey
@@ -78,7 +78,7 @@ def insert_casts(
     inserter = _CastInserter(gm, graph, precisions, low_dtype, categories, default_precision)
     try:
         inserter.run()
-        graph.eliminate_dead_code()
+        graph.eliminate_dead_code(is_impure_node=has_side_effects)
         graph.lint()
     except Exception as error:
         for name in inserter.regions:

@@ -207,6 +207,26 @@ def test_in_place_ops_keep_their_mutated_input_uncast():
     torch.testing.assert_close(gm(*inputs), InPlace()(*inputs), rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("precision", ["fp32", "low", "follow"])
+def test_an_in_place_method_whose_result_is_unused_survives_the_rewrite(precision):
+    class AddInPlace(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(4, 4)
+
+        def forward(self, x):
+            h = self.fc(x)
+            h.add_(x)  # FX takes call_method add_ for pure: dead-code elimination would drop the write
+            return h * 2
+
+    model, inputs = AddInPlace(), (torch.randn(3, 4),)
+    gm = compfx.capture(model, inputs)
+    gm = apply_precisions(gm, _all(gm, precision), low_dtype=torch.bfloat16)
+    assert any(n.target == "add_" for n in gm.graph.nodes)
+    tolerance = 0 if precision != "low" else 5e-2
+    torch.testing.assert_close(gm(*inputs), model(*inputs), rtol=tolerance, atol=tolerance)
+
+
 def test_shared_parameter_is_cast_once_like_autocasts_weight_cache():
     class Tied(nn.Module):
         def __init__(self):

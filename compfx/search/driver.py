@@ -19,8 +19,8 @@ to the log and moves the progress bar.
 ...         yield 1.0, 1.0 - 0.25 * str(plan).count("0")
 >>> fake = FunctionEvaluator(run_epoch=run_epoch, time_step=lambda plan: 1.0 - 0.25 * str(plan).count("0"),
 ...                          check_loss=lambda plan, batches: 1.0)
->>> str(run_search(space, fake, SearchConfig(progress=False)).plan)
-'000'
+>>> str(run_search(space, fake, SearchConfig(progress=False)).plan)  # no segment for Stage 2 to time
+'0f0'
 """
 
 from __future__ import annotations
