@@ -12,12 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import re
 from pathlib import Path
 
 import torch
 from tabulate import tabulate
+
+from compfx.measure import hardware_name
 
 from .models import get_spec
 from .paper_figures import paper_figures
@@ -32,22 +33,9 @@ def slug(name: str) -> str:
     return re.sub(r"[^a-z0-9]+", "-", name.lower()).strip("-") or "unknown-device"
 
 
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as cpuinfo:
-            for line in cpuinfo:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine() or "cpu"
-
-
 def device_name(device: torch.device) -> str:
-    """Human name of the device the rows were measured on."""
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return _cpu_model()
+    """Human name of the device the rows were measured on (:func:`compfx.measure.hardware_name`)."""
+    return hardware_name(device)
 
 
 def attach_paper_figures(row: dict) -> dict:

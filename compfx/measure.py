@@ -36,7 +36,7 @@ import torch
 from .errors import BadInputError
 
 __all__ = ["synchronize", "timed", "Timing", "time_repeats", "CLOCKS", "check_clock", "time_calls", "time_fastest",
-           "device_name", "environment_key"]
+           "device_name", "hardware_name", "environment_key"]
 
 T = TypeVar("T")
 
@@ -185,8 +185,20 @@ def device_name(device: torch.device | str) -> str:
     """
     device = torch.device(device)
     if device.type == "cuda":
-        return f"cuda:{torch.cuda.get_device_name(device)}"
-    return f"cpu:{_cpu_model()}:{platform.machine()}:threads={torch.get_num_threads()}"
+        return f"cuda:{hardware_name(device)}"
+    return f"cpu:{hardware_name(device)}:{platform.machine()}:threads={torch.get_num_threads()}"
+
+
+def hardware_name(device: torch.device | str) -> str:
+    """The GPU's name, or the CPU's model (from /proc/cpuinfo, else ``platform``): for reports and folder names.
+
+    >>> isinstance(hardware_name("cpu"), str)
+    True
+    """
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return _cpu_model()
 
 
 def environment_key(*, device: torch.device | str, clock: str) -> dict:
