@@ -130,35 +130,30 @@ def _search(spec, nets, optimizers, batches, device, low_dtype, overrides: Mappi
     read_clock = CLOCKS[clock]
     synchronize(device)
     start = read_clock()
-    for target in spec.search_targets(spec, nets, optimizers, batches):
-        searched = optimize(nets[target.net], target.batches, loss_fn=target.loss_fn,
-                            optimizer=optimizers[target.optimizer], device=device, low_dtype=low_dtype,
-                            config=config)
-        nets[target.net] = searched
-        plans[target.net] = _plan_summary(getattr(searched, "plan", None))
-        figures[target.net] = _search_figures(searched)
+    for target in spec.search_targets(spec, nets, optimizers, batches):  # the nets are on ``device`` already
+        result = optimize(nets[target.net], target.batches, loss_fn=target.loss_fn,
+                          optimizer=optimizers[target.optimizer], low_dtype=low_dtype, config=config)
+        nets[target.net] = result.module
+        plans[target.net] = _plan_summary(result.plan)
+        figures[target.net] = _search_figures(result)
     synchronize(device)
     return read_clock() - start, plans, figures
 
 
-def _search_figures(searched) -> dict:
+def _search_figures(result) -> dict:
     """What the search cost (in FP32 epochs of its loader) and how well the cost model predicted what it measured."""
-    summary = getattr(searched, "search_summary", None)
-    if summary is None:
-        return {}
     from compfx.report import predicted_records, prediction_error
 
-    return {"search_fp32_epochs": summary.search_seconds / summary.fp32_epoch_seconds,
-            "predictor_error_pct": prediction_error(searched.log),
-            "predictor_candidates": len(predicted_records(searched.log))}
+    return {"search_fp32_epochs": result.search_seconds / result.fp32_epoch_seconds,
+            "predictor_error_pct": prediction_error(result.log),
+            "predictor_candidates": len(predicted_records(result.log))}
 
 
 def _plan_summary(plan) -> dict:
-    if plan is None:
-        return {}
+    """How many ops the plan runs at each precision, e.g. ``{"low": 3, "fp32": 1, "follow": 4}``."""
     counts = {"low": 0, "fp32": 0, "follow": 0}
     for precision in plan.values():
-        counts[precision] = counts.get(precision, 0) + 1
+        counts[str(precision)] += 1  # plain text keys: the row is written as JSON
     return counts
 
 

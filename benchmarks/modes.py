@@ -59,15 +59,13 @@ def precision_for(mode: str, device: torch.device, low_dtype: torch.dtype) -> Pr
 
 
 def load_compfx():
-    """``(optimize, SearchConfig)`` from compfx; raises ImportError/AttributeError while they do not exist."""
+    """``(optimize, SearchConfig)`` from compfx; ImportError or AttributeError when this checkout lacks them.
+
+    ``optimize`` returns a :class:`compfx.SearchResult`; its ``module`` runs the chosen plan.
+    """
     import compfx
 
-    optimize = getattr(compfx, "optimize", None)
-    config = getattr(compfx, "SearchConfig", None)
-    if optimize is None or config is None:
-        from compfx.optimize import SearchConfig, optimize  # not exported yet: take it from its module
-        return optimize, SearchConfig
-    return optimize, config
+    return compfx.optimize, compfx.SearchConfig
 
 
 def compfx_status() -> str:

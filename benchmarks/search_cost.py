@@ -41,12 +41,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-import compfx
 import compfx.report
-from compfx.files import write_json_atomic
-from compfx.optimize import SearchConfig, optimize
+from compfx import SearchConfig, SearchResult, optimize
 from compfx.cache import CACHE_DIR_ENV
-from compfx.search import STOPPED_EARLY
+from compfx.files import write_json_atomic
+from compfx.search.log import STOPPED_EARLY, SearchLog
 
 __all__ = ["SixOpCNN", "sample_loader", "exhaustive_estimate", "step_time_ratio", "run"]
 
@@ -83,7 +82,7 @@ def _ce(output, batch):
     return F.cross_entropy(output, batch[-1])
 
 
-def exhaustive_estimate(log: compfx.searchlog.SearchLog, batches_per_epoch: int) -> dict:
+def exhaustive_estimate(log: SearchLog, batches_per_epoch: int) -> dict:
     """Wall seconds of the search's samples as run, and as exhaustive CoMP would have run them."""
     ran = exhaustive = 0.0
     for record in log.samples():
@@ -97,13 +96,13 @@ def exhaustive_estimate(log: compfx.searchlog.SearchLog, batches_per_epoch: int)
     return {"sampling_seconds": ran, "exhaustive_sampling_seconds": exhaustive}
 
 
-def _search(loader, config: SearchConfig, seed: int):
+def _search(loader, config: SearchConfig, seed: int) -> tuple[SearchResult, torch.optim.Optimizer, float]:
     torch.manual_seed(seed)
     model = SixOpCNN()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     start = time.perf_counter()
-    fast = optimize(model, loader, loss_fn=_ce, optimizer=optimizer, config=config)
-    return fast, optimizer, time.perf_counter() - start
+    result = optimize(model, loader, loss_fn=_ce, optimizer=optimizer, config=config)
+    return result, optimizer, time.perf_counter() - start
 
 
 def _train_step(module, optimizer, batch) -> None:
@@ -130,34 +129,33 @@ def step_time_ratio(first, second, loader, rounds: int = 5, steps: int = 10) -> 
     return {"first_step_seconds": a, "second_step_seconds": b, "ratio": a / b}
 
 
-def _figures(fast, wall: float, batches: int) -> dict:
+def _figures(result: SearchResult, wall: float, batches: int) -> dict:
     """What one search cost and chose."""
-    summary = fast.search_summary
-    cost = exhaustive_estimate(fast.log, batches)
-    fp32_epoch = summary.fp32_epoch_seconds
-    steps = summary.step_seconds
-    stage1 = fast.log.samples("stage1")
+    cost = exhaustive_estimate(result.log, batches)
+    fp32_epoch = result.fp32_epoch_seconds
+    steps = result.step_seconds
+    stage1 = result.log.samples("stage1")
     baseline = stage1[0].extra
     return {
-        "stage1_mode": summary.stage1_mode,
+        "stage1_mode": result.stage1_mode,
         "stage1_samples": len(stage1),
         "stage1_pruned": sum(r.status == "pruned" for r in stage1),
         "stage1_skipped": sum(r.status == "skipped" for r in stage1),
         "profiles_measured": baseline.get("profiles_measured"),
         "profiles_reused": baseline.get("profiles_reused"),
         "predictor_build_seconds": baseline.get("predictor_build_seconds"),
-        "predictor_median_abs_error_pct": compfx.report.prediction_error(fast.log),
+        "predictor_median_abs_error_pct": compfx.report.prediction_error(result.log),
         # over the few candidates this search measured, many stopped after 3 batches: a noisy figure;
         # benchmarks/predictor_accuracy.py measures the predictor's accuracy properly
-        "predictor_error_candidates": len(compfx.report.predicted_records(fast.log)),
+        "predictor_error_candidates": len(compfx.report.predicted_records(result.log)),
         "stage1_stopped_early": sum(bool(r.extra.get(STOPPED_EARLY)) for r in stage1),
-        "same_program_notes": sum("same_as" in r.extra for r in fast.log.notes()),
-        "stage2_candidates": len(fast.log.samples("stage2")),
-        "chosen_plan": fast.plan.bitstring(summary.analysis),
+        "same_program_notes": sum("same_as" in r.extra for r in result.log.notes()),
+        "stage2_candidates": len(result.log.samples("stage2")),
+        "chosen_plan": result.plan.bitstring(result.analysis),
         "fp32_epoch_seconds": fp32_epoch,
-        "search_seconds": summary.search_seconds,
+        "search_seconds": result.search_seconds,
         "optimize_wall_seconds": wall,  # + capture and analysis
-        "search_cost_fp32_epochs": summary.search_seconds / fp32_epoch,
+        "search_cost_fp32_epochs": result.search_seconds / fp32_epoch,
         "sampling_seconds": cost["sampling_seconds"],
         "exhaustive_sampling_seconds_estimated": cost["exhaustive_sampling_seconds"],
         "fraction_of_exhaustive_estimated": cost["sampling_seconds"] / cost["exhaustive_sampling_seconds"],
@@ -179,8 +177,8 @@ def run(batches: int = 20, seed: int = 0, threads: int | None = 1, validate: boo
     with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, {CACHE_DIR_ENV: cache}):
         guided, guided_opt, guided_wall = _search(loader, guided_config, seed)
         warm, _, warm_wall = _search(loader, guided_config, seed)
-    analysis = exact.search_summary.analysis
-    steps = step_time_ratio((guided, guided_opt), (exact, exact_opt), loader)
+    analysis = exact.analysis
+    steps = step_time_ratio((guided.module, guided_opt), (exact.module, exact_opt), loader)
     same_plan = guided.plan == exact.plan  # then the timing below only measures the machine's noise
     cold = _figures(guided, guided_wall, batches)
     result = {
@@ -207,7 +205,7 @@ def run(batches: int = 20, seed: int = 0, threads: int | None = 1, validate: boo
         result["exhaustive_sampling_seconds_measured"] = measured
         result["fraction_of_exhaustive_measured"] = (
             result["predictor_off"]["sampling_seconds"] / measured)
-        result["unpruned_chosen_plan"] = unpruned.plan.bitstring(unpruned.search_summary.analysis)
+        result["unpruned_chosen_plan"] = unpruned.plan.bitstring(unpruned.analysis)
     return result
 
 

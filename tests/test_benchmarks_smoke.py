@@ -80,6 +80,7 @@ def test_small_config_runs_in_compfx_mode(name):
     _check_row(row)
     assert 0 < row["search_share"] < 1
     assert sum(sum(counts.values()) for counts in row["plan"].values()) > 0
+    assert all(set(counts) == {"low", "fp32", "follow"} for counts in row["plan"].values())
     assert row["search"].keys() == row["plan"].keys()
     assert all(figures["search_fp32_epochs"] > 1 for figures in row["search"].values())  # the FP32 epoch, at least
     assert row["casts_graph"] >= 0 and row["casts_graph_counter"]
