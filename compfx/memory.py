@@ -9,7 +9,7 @@ saved during one forward pass, leaving out the module's own parameters and
 buffers (they are resident whatever the plan).
 
 The benchmarks (``benchmarks/harness.py``) record a whole training step with
-:func:`saved_storages`; the per-device allocator (:mod:`compfx.distributed`)
+:func:`saved_storages`; the per-device allocator (:mod:`compfx.search.allocation`)
 checks a rank's memory budget with :func:`saved_activation_bytes`.
 """
 
