@@ -23,9 +23,9 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
+from compfx.measure import CLOCKS, synchronize
 from compfx.vocabulary import default_low_dtype as _auto_low_dtype
-from compfx.measure import CLOCKS
-from compfx.measure import synchronize
+from compfx.vocabulary import dtype_name
 
 from .casts import count_forward_casts, count_graph_casts
 from .memory import peak_memory_bytes, reset_peak_memory, saved_storages
@@ -218,7 +218,7 @@ def run_benchmark(spec: ModelSpec, config_name: str, mode: str, options: RunOpti
         torch.set_num_threads(options.threads)
     row = {"model": spec.name, "config": config_name, "mode": mode, "compiled": options.compile,
            "data": options.data if options.data == "synthetic" else f"real: {spec.real_data}",
-           "device": str(device), "low_dtype": str(low_dtype).replace("torch.", ""), "epochs": options.epochs}
+           "device": str(device), "low_dtype": dtype_name(low_dtype), "epochs": options.epochs}
     if mode == "compfx":
         status = compfx_status()
         if status != "available":

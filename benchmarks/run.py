@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from compfx.vocabulary import dtype_name
+
 from .harness import RunOptions, default_low_dtype, options_dict, resolve_device, run_benchmark
 from .models import MODELS, get_spec
 from .modes import MODES, compfx_status
@@ -93,7 +95,7 @@ def main(argv=None) -> int:
     meta = {
         "device": str(device), "device_name": device_name(device), "torch": torch.__version__,
         "config": args.config, "data": args.data, "epochs": args.epochs, "batches": args.batches,
-        "low_dtype": str(default_low_dtype(device, args.low_dtype)).replace("torch.", ""),
+        "low_dtype": dtype_name(default_low_dtype(device, args.low_dtype)),
         "compfx": compfx_status(), "argv": sys.argv[1:] if argv is None else list(argv),
         "options": options_dict(_options(args, args.compile)),
         "threads": torch.get_num_threads(),

@@ -44,8 +44,8 @@ CONV_KINDS = frozenset(
 Shape = Sequence[int]
 
 _NOT_LOW_PRECISION = {
-    "blacklist": "blacklist op: autocast runs it in fp32",
-    "other": "other op: runs in its input's dtype, no GEMM",
+    Category.BLACKLIST: "blacklist op: autocast runs it in fp32",
+    Category.OTHER: "other op: runs in its input's dtype, no GEMM",
 }
 
 
