@@ -13,6 +13,9 @@ __all__ = [
     "BadInputError",
     "PlanMismatchError",
     "PlanFileError",
+    "FileWriteError",
+    "LogIntegrityError",
+    "CacheKeyError",
     "SearchError",
     "PassError",
     "PlanFailedError",
@@ -39,7 +42,22 @@ class PlanMismatchError(CompfxError, ValueError):
 
 
 class PlanFileError(CompfxError):
-    """A plan or log file is missing, corrupt or truncated."""
+    """A plan, log or cache file is missing, corrupt, truncated, too large, or not one compfx wrote."""
+
+
+class FileWriteError(PlanFileError):
+    """compfx could not write a plan, log or cache file (a folder in the way, no permission, disk full)."""
+
+
+class LogIntegrityError(PlanFileError):
+    """A search log's records do not match their chained digests: a line was changed, added, removed or
+    reordered after compfx wrote it, or the log predates digests. A resumed search replays logged results
+    as measured, so it refuses such a log; the message names the first line that does not match."""
+
+
+class CacheKeyError(BadInputError):
+    """A cache key (a plan's fingerprint, a low dtype) is not one compfx makes, so it could name a path
+    outside the cache folder; refused before any file is touched."""
 
 
 class SearchError(CompfxError):
