@@ -16,9 +16,10 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .analyze import Analysis, analyze
-from .errors import BadInputError
+from .errors import BadInputError, PlanMismatchError
 from .passes import apply_precisions
 from .plan import Plan
+from .vocabulary import dtype_name
 
 __all__ = ["apply"]
 
@@ -36,7 +37,8 @@ def apply(
 
     Give either ``example_inputs`` (the model is captured and analysed) or the
     ``analysis`` the plan was made from (its graph is copied, never changed).
-    The plan is validated first, so a plan for another model raises
+    The plan is validated first, so a plan for another model (other keys, another
+    fingerprint or another low dtype than the analysis) raises
     :class:`~compfx.errors.PlanMismatchError` and nothing is applied. Outputs
     come back in the dtypes the model returns unless ``restore_output_dtypes``
     is False. Like the capture, the graph is specialised to the model's
@@ -61,6 +63,12 @@ def apply(
                                 "the plan was made from>.")
         analysis = analyze(model, example_inputs, low_dtype=plan.low_dtype, leaf_modules=leaf_modules)
     plan.validate(analysis)
+    if plan.low_dtype != analysis.low_dtype:
+        raise PlanMismatchError(
+            f"the plan runs 'low' ops in {dtype_name(plan.low_dtype)}, but the analysis was made for "
+            f"{dtype_name(analysis.low_dtype)} (its Tensor Core eligibility depends on it); expected the same low "
+            f"dtype. Analyse the model with low_dtype=torch.{dtype_name(plan.low_dtype)}, or search again for "
+            f"{dtype_name(analysis.low_dtype)}.")
     source = analysis.graph_module
     _check_same_parameters(source, model)
     gm = fx.GraphModule(source, copy.deepcopy(source.graph), class_name=type(model).__name__ + "Mixed")

@@ -22,11 +22,15 @@ import torch
 from .errors import PlanFileError, PlanMismatchError
 from .files import read_json, write_json_atomic
 from .opkey import OpKey
-from .vocabulary import Category, Precision, check_low_dtype, dtype_from_name, dtype_name
+from .vocabulary import LOW_DTYPES, Category, Precision, check_low_dtype, dtype_from_name, dtype_name
 
-__all__ = ["Plan", "Assignment", "AMP_PRECISION"]
+__all__ = ["Plan", "Assignment", "AMP_PRECISION", "PLAN_VERSION", "MAX_PLAN_BYTES"]
 
 _FORMAT = "compfx-plan"
+#: The plan-file version this compfx writes; it reads no other (a newer file may mean something else).
+PLAN_VERSION = 1
+#: A plan file is about 40 bytes per op; anything larger than this is not a plan compfx wrote.
+MAX_PLAN_BYTES = 32 << 20
 
 #: What ``torch.autocast`` does with each category: its lists run low or FP32, the rest follow.
 AMP_PRECISION = MappingProxyType({Category.WHITELIST: Precision.LOW, Category.BLACKLIST: Precision.FP32,
@@ -98,6 +102,9 @@ class Plan(Mapping[OpKey, Precision]):
                 raise PlanMismatchError(f"precision {precision!r} for {key} is unknown; expected one of "
                                         f"{[p.value for p in Precision]}") from None
         check_low_dtype(low_dtype, error=PlanMismatchError)
+        if not isinstance(fingerprint, str) or not fingerprint:
+            raise PlanMismatchError(f"plan fingerprint {fingerprint!r} is not a non-empty str; expected the "
+                                    "fingerprint of the model's analysis (analysis.fingerprint).")
         object.__setattr__(self, "_entries", MappingProxyType(checked))
         object.__setattr__(self, "low_dtype", low_dtype)
         object.__setattr__(self, "fingerprint", fingerprint)
@@ -186,7 +193,12 @@ class Plan(Mapping[OpKey, Precision]):
         return str(self.assignment(analysis))
 
     def validate(self, analysis) -> None:
-        """Raise :class:`PlanMismatchError` unless this plan covers exactly ``analysis.ops``."""
+        """Raise :class:`PlanMismatchError` unless this plan covers exactly ``analysis.ops``.
+
+        The fingerprint must be the analysis's too: a plan whose keys match
+        but whose fingerprint does not was edited or built for another model.
+        (:func:`compfx.apply` also checks the low dtype.)
+        """
         expected = set(analysis.keys)
         missing = [str(k) for k in analysis.keys if k not in self._entries]
         unknown = [str(k) for k in self._entries if k not in expected]
@@ -201,12 +213,18 @@ class Plan(Mapping[OpKey, Precision]):
                 f"another model (plan fingerprint {self.fingerprint}, model {analysis.fingerprint}); "
                 "run the search again or build the plan from this model's analysis."
             )
+        if self.fingerprint != analysis.fingerprint:
+            raise PlanMismatchError(
+                f"this plan's fingerprint {self.fingerprint!r} is not the model's ({analysis.fingerprint!r}), although "
+                "its op keys match: it was edited, or made for another model. Build the plan from this model's "
+                "analysis (Plan.from_bitstring(analysis, ...)), or search again."
+            )
 
     # -- files ---------------------------------------------------------------
     def to_dict(self) -> dict:
         return {
             "format": _FORMAT,
-            "version": 1,
+            "version": PLAN_VERSION,
             "low_dtype": dtype_name(self.low_dtype),
             "fingerprint": self.fingerprint,
             "torch_version": torch.__version__,
@@ -215,22 +233,49 @@ class Plan(Mapping[OpKey, Precision]):
 
     @classmethod
     def from_dict(cls, data: Mapping, source: str = "plan") -> "Plan":
+        """The plan a :meth:`to_dict` mapping describes; anything else is a :class:`PlanFileError` naming ``source``.
+
+        Checked before use: the format and ``version``, ``low_dtype`` among
+        :data:`~compfx.vocabulary.LOW_DTYPES`' names, ``fingerprint`` a string,
+        ``ops`` a mapping of op keys to precisions.
+        """
         if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
             raise PlanFileError(f"{source} is not a compfx plan (no '\"format\": \"{_FORMAT}\"' entry).")
+        version = data.get("version")
+        if type(version) is not int or version != PLAN_VERSION:
+            raise PlanFileError(f"{source} has version {version!r}; this compfx reads plan version {PLAN_VERSION}. "
+                                "Search again with this compfx (or use the compfx that wrote it).")
+        low = data.get("low_dtype")
+        names = [dtype_name(d) for d in LOW_DTYPES]
+        if not isinstance(low, str) or low not in names:
+            raise PlanFileError(f"{source} has low_dtype {low!r}; expected one of {names}. Fix the file or search "
+                                "again.")
+        fingerprint = data.get("fingerprint")
+        if not isinstance(fingerprint, str) or not fingerprint:
+            raise PlanFileError(f"{source} has fingerprint {fingerprint!r}; expected the model's fingerprint, a "
+                                "non-empty string (analysis.fingerprint). Fix the file or search again.")
+        ops = data.get("ops")
+        if not isinstance(ops, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ops.items()):
+            raise PlanFileError(f"{source} has no 'ops' mapping of op keys to precisions (strings); it is damaged. "
+                                "Search again.")
         try:
-            low_dtype = dtype_from_name(data["low_dtype"])
-            entries = {OpKey.parse(k): v for k, v in data["ops"].items()}
-            return cls(entries, low_dtype=low_dtype, fingerprint=str(data["fingerprint"]))
+            entries = {OpKey.parse(k): v for k, v in ops.items()}
+            return cls(entries, low_dtype=dtype_from_name(low), fingerprint=fingerprint)
         except (KeyError, TypeError, AttributeError, ValueError) as error:
             if isinstance(error, PlanMismatchError):
                 raise PlanFileError(f"{source} holds an invalid plan: {error}") from error
             raise PlanFileError(f"{source} is a damaged compfx plan ({type(error).__name__}: {error}).") from error
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the plan as JSON, atomically."""
-        write_json_atomic(path, self.to_dict())
+        """Write the plan as JSON, atomically; :class:`~compfx.errors.FileWriteError` when it cannot be written."""
+        write_json_atomic(path, self.to_dict(), "plan file")
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
-        """Read a plan written by :meth:`save`; a corrupt file raises :class:`PlanFileError`."""
-        return cls.from_dict(read_json(path, "plan file"), source=f"plan file {os.fspath(path)}")
+        """Read a plan written by :meth:`save`.
+
+        A missing, oversized (over :data:`MAX_PLAN_BYTES`, checked before
+        reading), binary, corrupt or invalid file raises :class:`PlanFileError`.
+        """
+        data = read_json(path, "plan file", max_bytes=MAX_PLAN_BYTES)
+        return cls.from_dict(data, source=f"plan file {os.fspath(path)}")
