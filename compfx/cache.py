@@ -1,24 +1,42 @@
 """compfx's cache folder: plans the search saved, and op profiles the cost model measured.
 
-Plans, found again by op-key fingerprint: the compile backend calls
-:func:`find_plan` (and, for graphs that dynamo split at a graph break,
-:func:`find_plan_covering`) when it is given no plan. One file per
-``(fingerprint, low dtype)``: ``<fingerprint>-<dtype>.json``.
+Plans, found again by op-key fingerprint: :func:`compfx.optimize` saves the
+plan it chose (:func:`save_plan`, unless ``SearchConfig(cache_plan=False)``),
+and the compile backend calls :func:`find_plan` (and, for graphs that dynamo
+split at a graph break, :func:`find_plan_covering`) when it is given no plan.
+One file per ``(fingerprint, low dtype)``: ``<fingerprint>-<dtype>.json``.
 
 Profiles (:mod:`compfx.costmodel`), under ``profiles/``: one small JSON file
 per key (op signature, dtype, device, torch version, ...), named by a hash of
 the key and holding the key itself, so a file written for another key is never
 read as this one's (:func:`read_entry`, :func:`write_entry`).
 
-Every file is written atomically. Where the folder is, first match wins:
+Where the folder is, first match wins:
 
 1. the ``cache_dir`` argument,
 2. the ``COMPFX_CACHE_DIR`` environment variable,
 3. ``$XDG_CACHE_HOME/compfx/plans``, else ``~/.cache/compfx/plans``
    (``%LOCALAPPDATA%\\compfx\\plans`` on Windows).
 
-The cache is a convenience, never the source of truth: a damaged file is
-logged and skipped (a damaged profile is measured again), not raised.
+What the cache guarantees:
+
+* **Keys are checked, paths stay inside.** A fingerprint is a hash, 16 hex
+  digits (:data:`FINGERPRINT_PATTERN`), and a low dtype one of
+  :data:`~compfx.vocabulary.LOW_DTYPES`; anything else
+  (``"../outside/pwned"``, an absolute path) is a
+  :class:`~compfx.errors.CacheKeyError` before a file is touched, and every
+  path is resolved and must lie inside the cache folder (a symlink pointing
+  out is refused too).
+* **Atomic files, bounded reads.** Every file is written atomically and read
+  only up to :data:`MAX_ENTRY_BYTES` / :data:`~compfx.plan.MAX_PLAN_BYTES`.
+* **The cache is a convenience, never the source of truth.** A damaged file
+  (binary, not JSON, too large, nested too deep, another key's, a plan whose
+  content contradicts its file name) is skipped with one warning per file and
+  version of it, and rewritten when measured (or searched) again. A file
+  deleted by another process between listing and reading is skipped silently.
+* **Leftovers are cleaned.** Temp files of writers killed mid-write
+  (``.<name>.<random>.tmp`` beside a cache file's name) older than
+  :data:`TEMP_MAX_AGE_S` are removed the first time a process writes to the folder.
 
 >>> import tempfile, torch, compfx
 >>> from compfx import cache
@@ -28,6 +46,10 @@ logged and skipped (a damaged profile is measured again), not raised.
 >>> _ = cache.save_plan(compfx.Plan.amp(a), cache_dir=folder)
 >>> cache.find_plan(a.fingerprint, low_dtype=a.low_dtype, cache_dir=folder) == compfx.Plan.amp(a)
 True
+>>> cache.plan_path("../outside/pwned", torch.bfloat16, cache_dir=folder)
+Traceback (most recent call last):
+...
+compfx.errors.CacheKeyError: plan fingerprint '../outside/pwned' is not a fingerprint compfx makes ...
 """
 
 from __future__ import annotations
@@ -36,23 +58,38 @@ import hashlib
 import json
 import logging
 import os
+import re
 import sys
+import time
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
 
-from .errors import PlanFileError
-from .files import read_json, write_json_atomic
+from .errors import CacheKeyError, FileWriteError, PlanFileError
+from .files import TEMP_SUFFIX, read_json, write_json_atomic
 from .opkey import OpKey
-from .plan import Plan
-from .vocabulary import dtype_name
+from .plan import MAX_PLAN_BYTES, Plan
+from .vocabulary import LOW_DTYPES, dtype_name
 
-__all__ = ["CACHE_DIR_ENV", "default_cache_dir", "cache_folder", "plan_path", "save_plan", "find_plan",
-           "find_plan_covering", "profile_folder", "entry_path", "read_entry", "write_entry"]
+__all__ = ["CACHE_DIR_ENV", "FINGERPRINT_PATTERN", "MAX_ENTRY_BYTES", "TEMP_MAX_AGE_S", "default_cache_dir",
+           "cache_folder", "check_fingerprint", "plan_path", "save_plan", "find_plan", "find_plan_covering",
+           "profile_folder", "entry_path", "read_entry", "write_entry", "discard_entry", "remove_abandoned_temp_files"]
 
 #: Environment variable that moves the plan cache.
 CACHE_DIR_ENV = "COMPFX_CACHE_DIR"
+#: What a fingerprint is (:attr:`compfx.analyze.Analysis.fingerprint`): 16 lowercase hex digits of a sha256.
+FINGERPRINT_PATTERN = re.compile(r"[0-9a-f]{16}")
+#: A profile or cast-cost entry is a few hundred bytes; a larger file is not one compfx wrote.
+MAX_ENTRY_BYTES = 1 << 20
+#: A temp file this old is a leftover of a killed writer (a live one renames its file within seconds).
+TEMP_MAX_AGE_S = 3600.0
+
+_PLAN_NAME = re.compile(r"(?P<fingerprint>[0-9a-f]{16})-(?P<dtype>%s)\.json" % "|".join(dtype_name(d) for d in LOW_DTYPES))
+_ENTRY_NAME = re.compile(r"[0-9a-f]{32}\.json")
+# write_json_atomic's temp files for the two names above: ".<name>.<8 random chars>.tmp"
+_TEMP_NAME = re.compile(r"\.(?:%s|%s)\.[a-z0-9_]{8}%s" % (_PLAN_NAME.pattern, _ENTRY_NAME.pattern,
+                                                          re.escape(TEMP_SUFFIX)))
 
 log = logging.getLogger("compfx")
 
@@ -70,39 +107,107 @@ def default_cache_dir() -> Path:
 
 def cache_folder(cache_dir: str | os.PathLike | None = None) -> Path:
     """``cache_dir`` (``~`` expanded), or the default cache folder when it is None."""
+    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+        raise CacheKeyError(f"cache_dir={cache_dir!r}; expected a folder path (str or os.PathLike) or None for "
+                            f"the default (${CACHE_DIR_ENV}, else ~/.cache/compfx/plans).")
     return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
 
 
+def check_fingerprint(fingerprint) -> str:
+    """``fingerprint`` when it is one compfx makes (:data:`FINGERPRINT_PATTERN`); else :class:`CacheKeyError`.
+
+    >>> check_fingerprint("0123456789abcdef")
+    '0123456789abcdef'
+    """
+    if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
+        raise CacheKeyError(
+            f"plan fingerprint {fingerprint!r} is not a fingerprint compfx makes (16 hex digits, "
+            "analysis.fingerprint), so it cannot name a file in the plan cache. Use a plan built from the "
+            "model's analysis, or fix the plan file's 'fingerprint'.")
+    return fingerprint
+
+
+def _inside(folder: Path, path: Path) -> Path:
+    """``path`` when it resolves (symlinks followed) inside ``folder``; else :class:`CacheKeyError`."""
+    root, resolved = folder.resolve(), path.resolve()
+    if resolved != root and root not in resolved.parents:
+        raise CacheKeyError(f"cache file {path} resolves to {resolved}, outside the cache folder {root}; compfx "
+                            "only reads and writes inside it. Remove the link, or pick another cache_dir.")
+    return path
+
+
 def plan_path(fingerprint: str, low_dtype: torch.dtype, *, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Where the plan for ``(fingerprint, low_dtype)`` lives in the cache."""
-    return cache_folder(cache_dir) / f"{fingerprint}-{dtype_name(low_dtype)}.json"
+    """Where the plan for ``(fingerprint, low_dtype)`` lives in the cache (both checked: see the module doc)."""
+    check_fingerprint(fingerprint)
+    if low_dtype not in LOW_DTYPES:
+        raise CacheKeyError(f"low_dtype={low_dtype!r}; the plan cache holds plans for "
+                            f"{[dtype_name(d) for d in LOW_DTYPES]} only.")
+    folder = cache_folder(cache_dir)
+    return _inside(folder, folder / f"{fingerprint}-{dtype_name(low_dtype)}.json")
 
 
 def save_plan(plan: Plan, *, cache_dir: str | os.PathLike | None = None) -> Path:
-    """Store ``plan`` under its fingerprint and low dtype (replacing an older one); returns the file."""
+    """Store ``plan`` under its fingerprint and low dtype (replacing an older one); returns the file.
+
+    A fingerprint that is not a hash is refused (:class:`CacheKeyError`); a
+    folder that cannot be written is a :class:`~compfx.errors.FileWriteError`.
+    """
+    if not isinstance(plan, Plan):
+        raise CacheKeyError(f"save_plan() takes a compfx.Plan; got {type(plan).__name__}.")
     path = plan_path(plan.fingerprint, plan.low_dtype, cache_dir=cache_dir)
-    plan.save(path)
+    remove_abandoned_temp_files(path.parent)
+    write_json_atomic(path, plan.to_dict(), "cached plan")
     log.info("compfx: saved plan %s to %s", plan.fingerprint, path)
     return path
 
 
-def _load_or_skip(path: Path) -> Plan | None:
+# -- reading, whatever another process or a damaged file does ------------------------------
+
+_warned: set[tuple[str, int, int]] = set()  # (path, mtime_ns, size): one warning per version of a damaged file
+
+
+def _warn_once(path: Path, what: str, reason: str) -> None:
     try:
-        return Plan.load(path)
+        stat = path.stat()
+        version = (str(path), stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        version = (str(path), 0, 0)
+    if version not in _warned:
+        _warned.add(version)
+        log.warning("compfx: ignoring damaged %s %s (%s); it is rewritten when measured or searched again, or "
+                    "delete it.", what, path, reason)
+
+
+def _load_or_skip(path: Path, fingerprint: str | None = None, low_dtype: torch.dtype | None = None) -> Plan | None:
+    """The plan in ``path``; None (one warning) when it is damaged or contradicts its name; None when it vanished."""
+    try:
+        plan = Plan.from_dict(read_json(path, "cached plan", max_bytes=MAX_PLAN_BYTES),
+                              source=f"cached plan {path}")
     except PlanFileError as error:
-        log.warning("compfx: ignoring damaged cached plan %s (%s); delete it to silence this.", path, error)
+        if isinstance(error.__cause__, FileNotFoundError):
+            return None  # deleted by another process since it was listed: not damage
+        _warn_once(path, "cached plan", str(error))
         return None
+    named = _PLAN_NAME.fullmatch(path.name)
+    if named is None or plan.fingerprint != named["fingerprint"] or dtype_name(plan.low_dtype) != named["dtype"] \
+            or (fingerprint is not None and plan.fingerprint != fingerprint) \
+            or (low_dtype is not None and plan.low_dtype != low_dtype):
+        _warn_once(path, "cached plan", f"it holds the plan of {plan.fingerprint}-{dtype_name(plan.low_dtype)}, "
+                   "not of its file name")
+        return None
+    return plan
 
 
 def find_plan(fingerprint: str, *, low_dtype: torch.dtype | None = None,
               cache_dir: str | os.PathLike | None = None) -> Plan | None:
     """The cached plan for ``fingerprint`` (any low dtype when ``low_dtype`` is None, newest first), or None."""
+    check_fingerprint(fingerprint)
     folder = cache_folder(cache_dir)
     if low_dtype is not None:
         path = plan_path(fingerprint, low_dtype, cache_dir=folder)
-        return _load_or_skip(path) if path.is_file() else None
-    for path in _newest_first(folder.glob(f"{fingerprint}-*.json")):
-        plan = _load_or_skip(path)
+        return _load_or_skip(path, fingerprint, low_dtype)
+    for path in _newest_first(_plan_files(folder, fingerprint)):
+        plan = _load_or_skip(path, fingerprint)
         if plan is not None:
             return plan
     return None
@@ -119,15 +224,90 @@ def find_plan_covering(keys: Iterable[OpKey], *, low_dtype: torch.dtype | None =
     wanted = set(keys)
     if not wanted:
         return None
-    for path in _newest_first(cache_folder(cache_dir).glob("*.json")):
-        plan = _load_or_skip(path)
-        if plan is not None and (low_dtype is None or plan.low_dtype == low_dtype) and wanted <= set(plan):
+    for path in _newest_first(_plan_files(cache_folder(cache_dir))):
+        plan = _load_or_skip(path, low_dtype=low_dtype)
+        if plan is not None and wanted <= set(plan):
             return plan
     return None
 
 
+def _plan_files(folder: Path, fingerprint: str | None = None) -> list[Path]:
+    """The files in ``folder`` named as plans (of ``fingerprint``), inside it; none when the folder is missing."""
+    try:
+        names = os.listdir(folder)
+    except (FileNotFoundError, NotADirectoryError):
+        return []
+    except OSError as error:
+        log.warning("compfx: cannot list the plan cache %s (%s); no cached plan is used.", folder, error)
+        return []
+    paths = []
+    for name in names:
+        match = _PLAN_NAME.fullmatch(name)
+        if match and (fingerprint is None or match["fingerprint"] == fingerprint):
+            try:
+                paths.append(_inside(folder, folder / name))
+            except CacheKeyError as error:
+                _warn_once(folder / name, "cached plan", str(error))
+    return paths
+
+
 def _newest_first(paths: Iterable[Path]) -> list[Path]:
-    return sorted(paths, key=lambda p: p.stat().st_mtime, reverse=True)
+    """Newest first; a file deleted meanwhile (another process) is left out."""
+    stamped = []
+    for path in paths:
+        try:
+            stamped.append((path.stat().st_mtime, path))
+        except OSError:
+            continue
+    return [path for _, path in sorted(stamped, key=lambda item: item[0], reverse=True)]
+
+
+# -- leftovers ---------------------------------------------------------------------
+
+_cleaned: set[Path] = set()  # folders cleaned by this process
+
+
+def remove_abandoned_temp_files(folder: str | os.PathLike, *, min_age_s: float = TEMP_MAX_AGE_S,
+                                 force: bool = False) -> list[Path]:
+    """Remove temp files that writers killed mid-write left in ``folder``; returns what was removed.
+
+    Only compfx's own temp names for cache files (``.<fingerprint>-<dtype>.json.<random>.tmp``,
+    ``.<entry hash>.json.<random>.tmp``), only files older than ``min_age_s``
+    (a writer that is alive renames its temp file within seconds), and once per
+    folder and process unless ``force``.
+
+    >>> import tempfile, pathlib, os
+    >>> folder = pathlib.Path(tempfile.mkdtemp())
+    >>> old = folder / ".0123456789abcdef-bfloat16.json.abcd1234.tmp"
+    >>> _ = old.write_text("{"); os.utime(old, (0, 0))
+    >>> (folder / "notes.tmp").write_text("mine") and None
+    >>> [p.name for p in remove_abandoned_temp_files(folder)], sorted(p.name for p in folder.iterdir())
+    (['.0123456789abcdef-bfloat16.json.abcd1234.tmp'], ['notes.tmp'])
+    """
+    folder = Path(folder)
+    if folder in _cleaned and not force:
+        return []
+    _cleaned.add(folder)
+    removed = []
+    try:
+        names = os.listdir(folder)
+    except OSError:
+        return removed
+    now = time.time()
+    for name in names:
+        if not _TEMP_NAME.fullmatch(name):
+            continue
+        path = folder / name
+        try:
+            if path.is_symlink() or not path.is_file() or now - path.stat().st_mtime < min_age_s:
+                continue
+            path.unlink()
+            removed.append(path)
+        except OSError:
+            continue  # another process removed or renamed it meanwhile
+    if removed:
+        log.info("compfx: removed %d temp file(s) left by interrupted writers in %s", len(removed), folder)
+    return removed
 
 
 # -- profiles --------------------------------------------------------------------
@@ -148,18 +328,44 @@ def entry_path(folder: Path, key: Mapping[str, Any]) -> Path:
 
 
 def read_entry(path: Path, key: Mapping[str, Any], fmt: str) -> Mapping | None:
-    """The entry at ``path`` when it holds ``key`` in format ``fmt``; None when missing, damaged or another key's."""
-    if not path.exists():
-        return None
+    """The entry at ``path`` when it holds ``key`` in format ``fmt``; None when missing, damaged or another key's.
+
+    A damaged entry (binary, not JSON, too large, not a mapping) is warned
+    about once; the caller measures again and overwrites it.
+    """
     try:
-        data = read_json(path, "cache entry")
-    except PlanFileError:
-        return None  # a damaged entry is measured again and overwritten
-    if not isinstance(data, Mapping) or data.get("format") != fmt or data.get("key") != json.loads(json.dumps(key)):
+        data = read_json(_inside(path.parent, path), "cache entry", max_bytes=MAX_ENTRY_BYTES)
+    except CacheKeyError as error:
+        _warn_once(path, "cache entry", str(error))
         return None
+    except PlanFileError as error:
+        if not isinstance(error.__cause__, FileNotFoundError):
+            _warn_once(path, "cache entry", str(error))
+        return None  # measured again and overwritten
+    if not isinstance(data, Mapping):
+        _warn_once(path, "cache entry", f"a JSON {type(data).__name__}, not an entry")
+        return None
+    if data.get("format") != fmt or data.get("key") != json.loads(json.dumps(key)):
+        return None  # another key's entry (a hash collision) or another format: not damage
     return data
 
 
-def write_entry(path: Path, key: Mapping[str, Any], fmt: str, version: int, result: Mapping[str, Any]) -> None:
-    """Write the entry for ``key`` (atomically): its format, version, the key itself and ``result``."""
-    write_json_atomic(path, {"format": fmt, "version": version, "key": key, **result})
+def discard_entry(path: Path, reason: str) -> None:
+    """Say (once) that the entry at ``path`` cannot be used (``reason``); the caller measures it again."""
+    _warn_once(path, "cache entry", reason)
+
+
+def write_entry(path: Path, key: Mapping[str, Any], fmt: str, version: int, result: Mapping[str, Any]) -> bool:
+    """Write the entry for ``key`` (atomically): its format, version, the key itself and ``result``.
+
+    Returns False (and warns) when the cache cannot be written: the
+    measurement is still used, it is only not kept.
+    """
+    try:
+        remove_abandoned_temp_files(path.parent)
+        write_json_atomic(_inside(path.parent, path), {"format": fmt, "version": version, "key": key, **result},
+                          "cache entry")
+        return True
+    except (FileWriteError, CacheKeyError) as error:
+        _warn_once(path, "cache entry", f"not written: {error}")
+        return False
