@@ -15,7 +15,12 @@ Two ways to time, for two jobs:
 
 Any of these reads one of :data:`CLOCKS`. A cached timing is only valid on the
 machine it was taken on: :func:`device_name` and :func:`environment_key` say
-which, and cache keys include them.
+which, and cache keys include them. It is also only valid under the
+conditions it was taken in: a timing taken while other jobs loaded the machine
+is too high for a later, quiet run (and the reverse). :func:`measure_conditions`
+times a small reference kernel (:func:`reference_seconds`) next to each batch
+of cached timings; :meth:`Conditions.differ` compares that record with the
+reference timed now, and the cost model measures again when they disagree.
 
 >>> seconds = time_fastest(lambda: sum(range(100)), device="cpu", repeats=2)
 >>> seconds > 0, environment_key(device="cpu", clock="wall")["clock"]
@@ -24,19 +29,22 @@ which, and cache keys include them.
 
 from __future__ import annotations
 
+import math
+import os
 import platform
 import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, TypeVar
+from typing import Callable, Mapping, TypeVar
 
 import torch
 
 from .errors import BadInputError
 
 __all__ = ["synchronize", "timed", "Timing", "time_repeats", "CLOCKS", "check_clock", "time_calls", "time_fastest",
-           "device_name", "hardware_name", "environment_key"]
+           "device_name", "hardware_name", "environment_key", "Conditions", "measure_conditions", "reference_seconds",
+           "REFERENCE_TOLERANCE"]
 
 T = TypeVar("T")
 
@@ -208,6 +216,106 @@ def environment_key(*, device: torch.device | str, clock: str) -> dict:
     ['clock', 'device', 'torch']
     """
     return {"clock": clock, "device": device_name(device), "torch": torch.__version__}
+
+
+# -- the conditions a timing was taken under ---------------------------------------------
+
+#: Cached timings are measured again when the reference kernel, timed now, is more than this factor faster or
+#: slower than when they were taken. Wide enough for the noise of a shared machine (the same kernel times
+#: within about 1.3x of itself here), narrow enough for what load does: profiles cached on a loaded 2-core
+#: machine were 10-35x too high, and their reference kernel with them.
+REFERENCE_TOLERANCE = 2.0
+#: Side of the square FP32 matrices of the reference kernel, ``relu(a @ b + c)``: a GEMM (compute) and two
+#: pointwise ops (memory), as in the ops the cost model profiles; about 1 ms on one CPU thread.
+REFERENCE_SIZE = 192
+
+
+def reference_seconds(*, device: torch.device | str, clock: str = "wall", repeats: int = 7) -> float:
+    """Seconds of the reference kernel (``relu(a @ b + c)``, FP32, :data:`REFERENCE_SIZE` square) on ``device``.
+
+    Timed like the cost model's profiles (:func:`time_fastest`, same clock), so
+    whatever inflates their timings -- other jobs, a throttled clock, fewer
+    threads -- inflates it alike. Its inputs come from a private generator:
+    the caller's RNG is untouched.
+
+    >>> reference_seconds(device="cpu", repeats=1) > 0
+    True
+    """
+    device = torch.device(device)
+    generator = torch.Generator().manual_seed(0)
+    a, b, c = (torch.randn(REFERENCE_SIZE, REFERENCE_SIZE, generator=generator).to(device) for _ in range(3))
+
+    def kernel():
+        return torch.relu(torch.addmm(c, a, b))
+
+    # the first calls in a process run about 1.5x slow (lazy initialisation, cold caches): not a condition
+    time_calls(kernel, 8, device=device, clock=clock)
+    return time_fastest(kernel, device=device, repeats=repeats, warmup=1, block_s=1e-3, budget_s=1e-2, clock=clock)
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """What the machine was like when timings were taken: the reference kernel's seconds, the load.
+
+    ``reference_s`` decides (:meth:`differ`); ``load`` (the 1-minute load
+    average per CPU, None where the OS has none) and ``taken_at`` (Unix time)
+    are recorded to explain a decision.
+
+    >>> quiet, busy = Conditions(1e-3, load=0.1), Conditions(2.5e-2, load=3.0)
+    >>> quiet.differ(quiet) is None, busy.differ(quiet)
+    (True, 'the reference kernel took 25x its time now when these timings were taken (load 3.00 per CPU then, 0.10 now)')
+    """
+
+    reference_s: float
+    load: float | None = None
+    taken_at: float = 0.0
+
+    def differ(self, now: "Conditions", tolerance: float = REFERENCE_TOLERANCE) -> str | None:
+        """Why timings taken under these conditions do not hold ``now`` (None: they hold)."""
+        ratio = self.reference_s / now.reference_s
+        if 1.0 / tolerance <= ratio <= tolerance:
+            return None
+        loads = ""
+        if self.load is not None and now.load is not None:
+            loads = f" (load {self.load:.2f} per CPU then, {now.load:.2f} now)"
+        return f"the reference kernel took {ratio:.3g}x its time now when these timings were taken{loads}"
+
+    def to_dict(self) -> dict:
+        return {"reference_s": self.reference_s, "load": self.load, "taken_at": self.taken_at}
+
+    @classmethod
+    def from_dict(cls, data) -> "Conditions | None":
+        """The conditions a cache entry recorded; None when it recorded none (or damaged ones)."""
+        if not isinstance(data, Mapping):
+            return None
+        reference, load, taken_at = data.get("reference_s"), data.get("load"), data.get("taken_at", 0.0)
+        if not _positive_finite(reference) or not (load is None or _finite(load)) or not _finite(taken_at):
+            return None
+        return cls(float(reference), None if load is None else float(load), float(taken_at))
+
+
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
+def _positive_finite(value) -> bool:
+    return _finite(value) and value > 0
+
+
+def measure_conditions(*, device: torch.device | str, clock: str = "wall") -> Conditions:
+    """The conditions now: the reference kernel timed on ``device`` with ``clock``, and the load average.
+
+    >>> measure_conditions(device="cpu").reference_s > 0
+    True
+    """
+    return Conditions(reference_seconds(device=device, clock=clock), _load_per_cpu(), time.time())
+
+
+def _load_per_cpu() -> float | None:
+    try:
+        return os.getloadavg()[0] / (os.cpu_count() or 1)
+    except (AttributeError, OSError):  # not on Windows
+        return None
 
 
 def _cpu_model() -> str:

@@ -11,6 +11,7 @@ import statistics
 from tabulate import tabulate
 
 from .costmodel.predictor import MEASURED_STEP as _MEASURED, PREDICTED_STEP as _PREDICTED, STALE_PROFILES as _STALE
+from .costmodel.predictor import STALE_CONDITIONS as _STALE_N, STALE_CONDITIONS_REASON as _STALE_WHY
 from .search.log import STOPPED_EARLY, SearchLog
 from .vocabulary import SampleStatus, Stage, dtype_name
 
@@ -75,8 +76,11 @@ def _ratio(chosen: float | None, other: float | None) -> str:
 def _stale_profiles(log: SearchLog) -> str:
     """A sentence when cached profiles disagreed with the measured FP32 step and were measured again."""
     ratio = next((r.extra[_STALE] for r in log.samples() if _STALE in r.extra), None)
-    return "" if ratio is None else (f"; the cached profiles summed to {ratio:.2f}x the measured FP32 step, "
-                                     "so they were measured again")
+    stale = next((r.extra for r in log.samples() if _STALE_N in r.extra), None)
+    text = "" if stale is None else (f"; {stale[_STALE_N]} cached profiles were measured again: "
+                                     f"{stale.get(_STALE_WHY, 'other conditions')}")
+    return text + ("" if ratio is None else (f"; the cached profiles summed to {ratio:.2f}x the measured FP32 step, "
+                                             "so they were measured again"))
 
 
 def _stopped_early(records) -> str:

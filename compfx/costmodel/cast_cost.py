@@ -2,20 +2,23 @@
 
 Casts are timed with :func:`compfx.measure.time_fastest` at a few sizes and a
 line is fitted to them; the fit is cached through :mod:`compfx.cache` beside
-the op profiles, keyed by the dtype pair, the sizes and the machine.
+the op profiles, keyed by the dtype pair, the sizes and the machine, and
+trusted under the same rule as the profiles: a fit measured under other
+conditions (:class:`~compfx.measure.Conditions`), or a damaged one, is fitted again.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass
 from typing import Mapping, Sequence
 
 import torch
 
-from ..cache import entry_path, profile_folder, read_entry, write_entry
+from ..cache import discard_entry, entry_path, profile_folder, read_entry, write_entry
 from ..errors import BadInputError, SearchError
-from ..measure import check_clock, device_name, environment_key, time_fastest
+from ..measure import Conditions, check_clock, device_name, environment_key, measure_conditions, time_fastest
 from ..vocabulary import default_low_dtype, dtype_from_name, dtype_name
 
 __all__ = ["CastCost", "fit_cast_cost", "DEFAULT_CAST_SIZES", "CAST_COST_FORMAT"]
@@ -71,6 +74,7 @@ def fit_cast_cost(
     cache_dir: str | os.PathLike | None = None,
     use_cache: bool = True,
     refresh: bool = False,
+    conditions: Conditions | None = None,
 ) -> CastCost:
     """Fit ``alpha * numel + beta`` to measured cast times for each (src, dst) pair on ``device``.
 
@@ -78,7 +82,8 @@ def fit_cast_cost(
     bf16 elsewhere). The fit is least squares on relative error (rows weighted
     by 1/time), because small tensors, where ``beta`` dominates, are most of the
     casts in a model. Coefficients are clamped at 0. ``refresh=True`` measures
-    again and overwrites the cached fit.
+    again and overwrites the cached fit, as does a cached fit taken under other
+    ``conditions`` than now's (default: :func:`~compfx.measure.measure_conditions`).
 
     >>> cost = fit_cast_cost(device="cpu", sizes=(256, 4096, 65536), use_cache=False)
     >>> cost.seconds(torch.float32, torch.bfloat16, 65536) > cost.seconds(torch.float32, torch.bfloat16, 256)
@@ -93,6 +98,8 @@ def fit_cast_cost(
                             "distinct sizes.")
     check_clock(clock, device=device)
     folder = profile_folder(cache_dir) if use_cache else None
+    if folder is not None and conditions is None:
+        conditions = measure_conditions(device=device, clock=clock)
     sizes = sorted(set(sizes))
     coefficients = {}
     for src, dst in pairs:
@@ -100,15 +107,30 @@ def fit_cast_cost(
                **environment_key(device=device, clock=clock), "version": CACHE_VERSION}
         path = entry_path(folder, key) if folder is not None else None
         cached = read_entry(path, key, CAST_COST_FORMAT) if path is not None and not refresh else None
-        if cached is None:
+        fit = _usable_fit(path, cached, conditions) if cached is not None else None
+        if fit is None:
             times = [_time_cast(src, dst, n, device, repeats, clock) for n in sizes]
-            alpha, beta = _fit_line(sizes, times)
+            fit = _fit_line(sizes, times)
             if path is not None:
-                write_entry(path, key, CAST_COST_FORMAT, CACHE_VERSION, {"alpha": alpha, "beta": beta, "times": times})
-        else:
-            alpha, beta = float(cached["alpha"]), float(cached["beta"])
-        coefficients[(src, dst)] = (alpha, beta)
+                write_entry(path, key, CAST_COST_FORMAT, CACHE_VERSION,
+                            {"alpha": fit[0], "beta": fit[1], "times": times,
+                             "conditions": conditions.to_dict() if conditions is not None else None})
+        coefficients[(src, dst)] = fit
     return CastCost(coefficients, device_name(device))
+
+
+def _usable_fit(path, cached, conditions: Conditions | None) -> tuple[float, float] | None:
+    """A cached fit's (alpha, beta) when it is well formed and measured under conditions like now's."""
+    alpha, beta = cached.get("alpha"), cached.get("beta")
+    if not all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) and v >= 0
+               for v in (alpha, beta)):
+        discard_entry(path, f"its alpha {alpha!r} / beta {beta!r} are not what compfx writes")
+        return None
+    if conditions is not None:
+        recorded = Conditions.from_dict(cached.get("conditions"))
+        if recorded is None or recorded.differ(conditions) is not None:
+            return None
+    return float(alpha), float(beta)
 
 
 def _time_cast(src: torch.dtype, dst: torch.dtype, numel: int, device: torch.device, repeats: int,

@@ -53,12 +53,15 @@ from .cast_cost import CastCost, fit_cast_cost
 from .profile import OpProfiles, profile_ops
 
 __all__ = ["Prediction", "Predictor", "SearchPredictor", "PREDICTED_STEP", "MEASURED_STEP", "STALE_PROFILES",
-           "STALE_PROFILE_RATIO"]
+           "STALE_PROFILE_RATIO", "STALE_CONDITIONS", "STALE_CONDITIONS_REASON"]
 
 #: keys of a log record's ``extra`` that the report compares: predicted and measured seconds of one step
 PREDICTED_STEP, MEASURED_STEP = "predicted_step_seconds", "measured_step_seconds"
 #: key of the calibration record's ``extra``: the ratio that made cached profiles be measured again
 STALE_PROFILES = "stale_profile_ratio"
+#: keys of the calibration record's ``extra``: how many cached profiles were measured again because their
+#: recorded conditions differ from now's (:class:`compfx.measure.Conditions`), and why the first one was
+STALE_CONDITIONS, STALE_CONDITIONS_REASON = "profiles_stale", "profiles_stale_reason"
 #: The profiled ops are part of the FP32 step, so their profiles cannot sum to
 #: much more than it: fresh profiles of the CPU benchmark models sum to 0.65-1.4x
 #: the measured step (isolated ops pay their own dispatch). Cached profiles over
@@ -125,9 +128,10 @@ class Predictor:
         dtype and every other floating dtype the model's graph already holds.
         """
         profiles = profile_ops(analysis, cache_dir=cache_dir, use_cache=use_cache, refresh=refresh, **profile_kwargs)
+        # the conditions profile_ops measured (or was given) judge the cached cast fits too
         cast_cost = fit_cast_cost(device=analysis.device, pairs=_cast_pairs(analysis.graph_module, profiles.low_dtype),
                                   clock=profile_kwargs.get("clock", "wall"), cache_dir=cache_dir,
-                                  use_cache=use_cache, refresh=refresh)
+                                  use_cache=use_cache, refresh=refresh, conditions=profiles.conditions)
         return cls(profiles, cast_cost, analysis=analysis, rewrite=rewrite)
 
     def calibrate(self, measured_fp32_step_seconds: float) -> "Predictor":
@@ -243,6 +247,8 @@ class SearchPredictor:
         self.build_seconds = build_seconds
         self.remeasure = remeasure  # builds the predictor again from fresh profiles (None: never)
         self.stale_ratio: float | None = None  # set when cached profiles were measured again
+        profiles = predictor.profiles  # entries measured again at build time: taken under other conditions
+        self.stale_conditions = (profiles.stale, profiles.stale_reason) if profiles.stale else None
         self.batches: int | None = None  # batches per Stage-1 epoch, known once the baseline ran
         self._steps: dict[Assignment, float] = {}
         self._dtype_decided: dict[tuple[OpKey, Precision], bool] | None = None  # see _bound_seconds
@@ -381,6 +387,8 @@ class SearchPredictor:
                          predictor_build_seconds=self.build_seconds)
             if self.stale_ratio is not None:
                 extra[STALE_PROFILES] = self.stale_ratio
+            if self.stale_conditions:
+                extra[STALE_CONDITIONS], extra[STALE_CONDITIONS_REASON] = self.stale_conditions
         return extra
 
 

@@ -9,11 +9,18 @@ pass builds. Timing goes through :func:`compfx.measure.time_fastest`.
 
 Profiles are cached through :mod:`compfx.cache`, one small JSON entry per
 (op signature, dtype, cast inputs, device, clock, torch version), so a second
-search on the same model measures nothing.
+search on the same model measures nothing -- as long as the machine is as fast
+as it was. Each entry records the :class:`~compfx.measure.Conditions` it was
+measured under (a reference kernel timed with the batch, the load); a later
+call times the reference kernel again, and an entry whose reference differs by
+more than :data:`~compfx.measure.REFERENCE_TOLERANCE` (profiles taken on a
+loaded machine, or on a quiet one and read under load) is measured again and
+overwritten, as is an entry that records no conditions or is damaged.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from dataclasses import dataclass
@@ -23,11 +30,11 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..cache import entry_path, profile_folder, read_entry, write_entry
+from ..cache import discard_entry, entry_path, profile_folder, read_entry, write_entry
 from ..capture import get_attribute
 from ..cast_policy import AutocastRegion, castable, mutated_positions, runs_under_autocast
 from ..errors import BadInputError, SearchError
-from ..measure import check_clock, environment_key, time_fastest
+from ..measure import Conditions, check_clock, environment_key, measure_conditions, time_fastest
 from ..opkey import KEY_META, OpKey
 from ..vocabulary import check_low_dtype, dtype_name
 
@@ -66,7 +73,10 @@ class OpProfiles(Mapping[OpKey, OpProfile]):
     """Profiles of the ops of one analysis, plus what taking them cost.
 
     ``measured`` counts (op, dtype) timings taken by this call, ``reused`` those
-    read from the cache, ``seconds`` the wall time the call spent.
+    read from the cache, ``stale`` those measured again because their cache
+    entry was taken under other conditions (or records none), ``seconds`` the
+    wall time the call spent; ``conditions`` are the conditions now (None
+    without a cache), ``stale_reason`` why the first stale entry was not trusted.
     """
 
     ops: Mapping[OpKey, OpProfile]
@@ -75,6 +85,9 @@ class OpProfiles(Mapping[OpKey, OpProfile]):
     measured: int = 0
     reused: int = 0
     seconds: float = 0.0
+    stale: int = 0
+    conditions: Conditions | None = None
+    stale_reason: str = ""
 
     def __getitem__(self, key: OpKey) -> OpProfile:
         return self.ops[key]
@@ -103,6 +116,7 @@ def profile_ops(
     use_cache: bool = True,
     refresh: bool = False,
     keys: Iterable[OpKey] | None = None,
+    conditions: Conditions | None = None,
 ) -> OpProfiles:
     """Time every op of ``analysis`` forward+backward, in isolation, at FP32 and at the low dtype.
 
@@ -115,7 +129,11 @@ def profile_ops(
     cannot run in isolation get time 0 and a ``skipped`` reason. ``keys``
     limits profiling to some ops (default: all of ``analysis.ops``).
     ``refresh=True`` measures every op again and overwrites its cache entries;
-    ``use_cache=False`` neither reads nor writes them. ``repeats``, ``warmup``,
+    ``use_cache=False`` neither reads nor writes them. ``conditions`` are the
+    machine's conditions now (default: :func:`~compfx.measure.measure_conditions`,
+    timed once per call when the cache is used): written into new entries, and
+    compared with those a cached entry recorded (see the module docstring).
+    ``repeats``, ``warmup``,
     ``block_s``, ``budget_s`` and ``clock`` go to :func:`compfx.measure.time_fastest`
     (``clock="cpu"``, on one CPU thread, is immune to other processes).
 
@@ -133,13 +151,16 @@ def profile_ops(
     device = torch.device(analysis.device)
     check_clock(clock, device=device)  # refuse a clock that cannot time this device before measuring anything
     timing = dict(repeats=repeats, warmup=warmup, block_s=block_s, budget_s=budget_s, clock=clock)
-    cache = _EntryCache(profile_folder(cache_dir) if use_cache else None, refresh)
+    start = time.perf_counter()
+    if use_cache and conditions is None:
+        conditions = measure_conditions(device=device, clock=clock)
+    cache = _EntryCache(profile_folder(cache_dir) if use_cache else None, refresh, conditions)
     wanted = set(keys) if keys is not None else None
     nodes = {n.meta[KEY_META]: n for n in analysis.graph_module.graph.nodes if KEY_META in n.meta}
-    start = time.perf_counter()
     profiles = {op.key: _profile_one(analysis.graph_module, nodes[op.key], device, low_dtype, cache, timing)
                 for op in analysis.ops if wanted is None or op.key in wanted}
-    return OpProfiles(profiles, low_dtype, device, cache.measured, cache.reused, time.perf_counter() - start)
+    return OpProfiles(profiles, low_dtype, device, cache.measured, cache.reused, time.perf_counter() - start,
+                      cache.stale, conditions, cache.stale_reason)
 
 
 # -- one op, in isolation ------------------------------------------------------------
@@ -297,24 +318,51 @@ def _measure(bench: _OpBench, dtype: torch.dtype, timing: Mapping) -> float:
 
 
 class _EntryCache:
-    """Profile entries read from, or measured into, one cache folder (None: no cache), with the counts."""
+    """Profile entries read from, or measured into, one cache folder (None: no cache), with the counts.
 
-    def __init__(self, folder: os.PathLike | None, refresh: bool):
-        self.folder, self.refresh = folder, refresh
-        self.measured = self.reused = 0
+    An entry is used only when it is well formed and was measured under
+    conditions close to ``conditions`` (:meth:`Conditions.differ`); otherwise
+    it is measured again and overwritten.
+    """
+
+    def __init__(self, folder: os.PathLike | None, refresh: bool, conditions: Conditions | None = None):
+        self.folder, self.refresh, self.conditions = folder, refresh, conditions
+        self.measured = self.reused = self.stale = 0
+        self.stale_reason = ""
 
     def seconds(self, key: Mapping, measure: Callable[[], float]) -> tuple[float, str]:
         """(seconds, why it could not be timed or ""): the cached entry for ``key``, else ``measure()``."""
         path = entry_path(self.folder, key) if self.folder is not None else None
         cached = read_entry(path, key, OP_PROFILE_FORMAT) if path is not None and not self.refresh else None
         if cached is not None:
-            self.reused += 1
-            return float(cached["seconds"]), str(cached.get("skipped") or "")
+            usable = self._usable(path, cached)
+            if usable is not None:
+                self.reused += 1
+                return usable
         self.measured += 1
         try:
             seconds, reason = measure(), ""
         except Exception as error:  # noqa: BLE001 - e.g. an op without a kernel for this dtype
             seconds, reason = 0.0, f"{type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
         if path is not None:
-            write_entry(path, key, OP_PROFILE_FORMAT, CACHE_VERSION, {"seconds": seconds, "skipped": reason or None})
+            write_entry(path, key, OP_PROFILE_FORMAT, CACHE_VERSION,
+                        {"seconds": seconds, "skipped": reason or None,
+                         "conditions": self.conditions.to_dict() if self.conditions is not None else None})
         return seconds, reason
+
+    def _usable(self, path, cached: Mapping) -> tuple[float, str] | None:
+        """The entry's (seconds, skipped reason) when it can be trusted now; None to measure it again."""
+        seconds, skipped = cached.get("seconds"), cached.get("skipped")
+        if not (isinstance(seconds, (int, float)) and not isinstance(seconds, bool) and math.isfinite(seconds)
+                and seconds >= 0 and (skipped is None or isinstance(skipped, str))):
+            discard_entry(path, f"its seconds {seconds!r} / skipped {skipped!r} are not what compfx writes")
+            return None
+        if self.conditions is not None:
+            recorded = Conditions.from_dict(cached.get("conditions"))
+            why = ("it records no measuring conditions (written before compfx checked them)" if recorded is None
+                   else recorded.differ(self.conditions))
+            if why is not None:
+                self.stale += 1
+                self.stale_reason = self.stale_reason or why
+                return None
+        return float(seconds), str(skipped or "")
