@@ -12,6 +12,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import numbers
+import os
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -26,6 +28,12 @@ CostFn = Callable[[Plan, float], float]
 
 #: Field metadata key: False on a field that cannot change which plan the search picks.
 DECIDES = "decides"
+#: The seeds ``torch.manual_seed`` accepts.
+_SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
+
+
+def _refuse(name: str, value, expected: str):
+    raise BadInputError(f"SearchConfig({name}={value!r}); expected {expected}, not a {type(value).__name__}.")
 
 
 @dataclass(frozen=True)
@@ -66,6 +74,18 @@ class SearchConfig:
       pace, batch for batch against the best plan's, projects its epoch cost
       more than this fraction over the best accepted cost (None: never; with
       ``predictor="off"`` only exact pruning stops samples).
+    * ``cache_plan``: save the chosen plan to the plan cache (:mod:`compfx.cache`),
+      so that ``torch.compile(model, backend="compfx")`` runs it; ``cache_dir``:
+      the cache folder for that plan and for the cost model's profiles (None:
+      ``$COMPFX_CACHE_DIR``, else ``~/.cache/compfx/plans``). Neither changes the decision.
+
+    Every field's type is checked strictly: a bool is ``True`` or ``False`` (not
+    ``"no"``), a number is a real int or float (not a bool), finite and in range.
+
+    >>> SearchConfig(prune="no")
+    Traceback (most recent call last):
+    ...
+    compfx.errors.BadInputError: SearchConfig(prune='no'); expected True or False, not a str.
     """
 
     threshold: float = 1.01
@@ -85,40 +105,56 @@ class SearchConfig:
     predictor: str = "on"
     predictor_margin: float = 1.25
     early_stop: float | None = 0.05
+    cache_plan: bool = field(default=True, metadata={DECIDES: False})
+    cache_dir: str | os.PathLike | None = field(default=None, metadata={DECIDES: False})
 
     def __post_init__(self):
-        if not (isinstance(self.threshold, (int, float)) and math.isfinite(self.threshold) and self.threshold >= 1):
-            raise BadInputError(f"SearchConfig(threshold={self.threshold!r}); expected a finite number >= 1, "
-                                "e.g. 1.01 (accept plans whose loss is within 1% of FP32's).")
+        self._real("threshold", low=1, example="1.01 (accept plans whose loss is within 1% of FP32's)")
         for name, low in (("stage1_budget", 1), ("stage2_budget", 1), ("warmup", 0), ("repeats", 1),
                           ("stage2_check_batches", 0)):
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < low:
-                raise BadInputError(f"SearchConfig({name}={value!r}); expected an int >= {low}.")
-        if not isinstance(self.seed, int):
-            raise BadInputError(f"SearchConfig(seed={self.seed!r}); expected an int.")
+            self._int(name, low)
+        self._int("seed", _SEED_MIN, _SEED_MAX, "what torch.manual_seed accepts")
+        for name in ("progress", "keep_search_training", "prune", "per_device", "cache_plan"):
+            if not isinstance(getattr(self, name), bool):
+                _refuse(name, getattr(self, name), "True or False")
+        if self.grad_scaler is not None and not isinstance(self.grad_scaler, bool):
+            _refuse("grad_scaler", self.grad_scaler, "None, True or False")
         if self.cost_fn is not None and not callable(self.cost_fn):
             raise BadInputError(f"SearchConfig(cost_fn={self.cost_fn!r}); expected a callable (plan, seconds) -> float.")
-        if self.predictor not in ("on", "off"):
+        if not isinstance(self.predictor, str) or self.predictor not in ("on", "off"):
             raise BadInputError(f"SearchConfig(predictor={self.predictor!r}); expected \"on\" or \"off\".")
-        if not (isinstance(self.predictor_margin, (int, float)) and not isinstance(self.predictor_margin, bool)
-                and self.predictor_margin >= 1):
-            raise BadInputError(f"SearchConfig(predictor_margin={self.predictor_margin!r}); expected a number >= 1, "
-                                "e.g. 1.25 (skip plans predicted 25% costlier than the best measured); "
-                                "math.inf only reorders.")
-        if self.early_stop is not None and not (isinstance(self.early_stop, (int, float))
-                                                and not isinstance(self.early_stop, bool) and self.early_stop >= 0):
-            raise BadInputError(f"SearchConfig(early_stop={self.early_stop!r}); expected a fraction >= 0, e.g. 0.05 "
-                                "(stop a sample projected 5% over the best plan), or None.")
-        if self.grad_scaler not in (None, True, False):
-            raise BadInputError(f"SearchConfig(grad_scaler={self.grad_scaler!r}); expected None, True or False.")
-        budget = self.memory_budget
-        if budget is not None and (not isinstance(budget, int) or isinstance(budget, bool) or budget <= 0):
-            raise BadInputError(f"SearchConfig(memory_budget={budget!r}); expected a positive int (bytes of "
-                                "activations saved for backward per step on this rank) or None.")
-        if budget is not None and not self.per_device:
+        self._real("predictor_margin", low=1, allow_inf=True,
+                   example="1.25 (skip plans predicted 25% costlier than the best measured); math.inf only reorders")
+        if self.early_stop is not None:
+            self._real("early_stop", low=0, example="0.05 (stop a sample projected 5% over the best plan), or None")
+        if self.memory_budget is not None:
+            self._int("memory_budget", 1, what="bytes of activations saved for backward per step on this rank, "
+                      "or None")
+        if self.memory_budget is not None and not self.per_device:
             raise BadInputError("SearchConfig(memory_budget=...) is a per-rank limit used by the per-device "
                                 "allocator; set per_device=True as well, or leave memory_budget=None.")
+        if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
+            _refuse("cache_dir", self.cache_dir, "a folder path (str or os.PathLike) or None")
+
+    def _int(self, name: str, low: int, high: int | None = None, what: str = "") -> None:
+        """An integral field (not a bool) in [low, high], stored as a plain int."""
+        value = getattr(self, name)
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < low \
+                or (high is not None and value > high):
+            bound = f"an int in [{low}, {high}]" if high is not None else f"an int >= {low}"
+            raise BadInputError(f"SearchConfig({name}={value!r}); expected {bound}" + (f" ({what})" if what else "")
+                                + ".")
+        object.__setattr__(self, name, int(value))
+
+    def _real(self, name: str, *, low: float, example: str, allow_inf: bool = False) -> None:
+        """A real field (not a bool), finite (or +inf where allowed) and >= low, stored as a float."""
+        value = getattr(self, name)
+        ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value) \
+            and (math.isfinite(value) or (allow_inf and value > 0)) and value >= low
+        if not ok:
+            finite = "a number" if allow_inf else "a finite number"
+            raise BadInputError(f"SearchConfig({name}={value!r}); expected {finite} >= {low:g}, e.g. {example}.")
+        object.__setattr__(self, name, float(value))
 
     def scaler_on(self, low_dtype: torch.dtype) -> bool:
         return self.grad_scaler if self.grad_scaler is not None else low_dtype == torch.float16
