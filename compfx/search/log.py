@@ -17,22 +17,41 @@ of every sample already logged -- Stage-1 epochs batch by batch (loss and
 seconds), Stage-2 timings, the Stage-2 check -- instead of running it again
 (:class:`compfx.search.evaluator.ReplayingEvaluator`), so a resumed search makes
 the same decisions as one that was never interrupted.
+
+Tamper evidence: every line written to a file carries a ``digest``, the
+SHA-256 of the previous line's digest and of this line's record as canonical
+JSON (sorted keys, no spaces), so each digest depends on every record before
+it. Reading a log recomputes the chain: a record changed after it was written
+(a scaled loss, an edited plan), a line inserted, removed or moved, is refused
+with a :class:`~compfx.errors.LogIntegrityError` that names the first line that
+does not match. Cutting lines off the end is not detectable by a chain, but it
+is harmless: it is what a crash does, and a resume runs those samples again.
+The chain detects changes; it is not a signature (whoever can write the file
+can recompute it).
+
+Logs written before digests cannot be checked: ``SearchLog.read`` reads them
+with a warning (for reports), and a resume refuses them, because it would
+replay their records as measurements.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import os
+import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
-from ..errors import PlanFileError, PlanMismatchError, SearchError, SearchReplayError
+from ..errors import FileWriteError, LogIntegrityError, PlanFileError, PlanMismatchError, SearchError, SearchReplayError
+from ..files import read_bounded
 from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
 
-__all__ = ["SampleRecord", "SearchLog", "Replay", "ReplayedState", "HEADER", "BATCHES", "STOPPED_EARLY"]
+__all__ = ["SampleRecord", "SearchLog", "Replay", "ReplayedState", "HEADER", "BATCHES", "STOPPED_EARLY", "DIGEST",
+           "record_digest", "MAX_LOG_BYTES"]
 
 #: key, in the ``extra`` of a log's first line, of what the search was run on (fingerprint and settings)
 HEADER = "search"
@@ -40,6 +59,21 @@ HEADER = "search"
 BATCHES = "batches"
 #: key of a Stage-1 record's ``extra`` on a sample stopped early on pace (see SearchConfig.early_stop)
 STOPPED_EARLY = "stopped_early"
+#: key, in each line of a log file, of the chained digest of that line's record (see the module docstring)
+DIGEST = "digest"
+#: A log holds a few numbers per batch and sample; a larger file is not one compfx wrote.
+MAX_LOG_BYTES = 256 << 20
+
+
+def record_digest(previous: str, data: dict) -> str:
+    """The digest of a log line: SHA-256 over the previous line's digest ("" first) and ``data`` as canonical JSON.
+
+    >>> first = record_digest("", {"stage": "search", "plan": ""})
+    >>> len(first), record_digest(first, {"plan": "", "stage": "search"}) == record_digest(first, {"stage": "search", "plan": ""})
+    (64, True)
+    """
+    canonical = json.dumps(data, sort_keys=True, separators=(",", ":"), ensure_ascii=True)
+    return hashlib.sha256(f"{previous}\n{canonical}".encode()).hexdigest()
 
 
 @dataclass(frozen=True)
@@ -66,22 +100,47 @@ class SampleRecord:
     def is_sample(self) -> bool:
         return self.status is not SampleStatus.NOTE
 
+    def to_dict(self) -> dict:
+        """The record as the JSON object of its log line (NaN/inf as strings: they are not JSON)."""
+        return json.loads(json.dumps({k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v)
+                                      for k, v in asdict(self).items()}))
+
     def to_json(self) -> str:
-        # NaN/inf are not JSON: write them as strings so every line stays parseable.
-        data = {k: (repr(v) if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(self).items()}
-        return json.dumps(data, sort_keys=False)
+        return json.dumps(self.to_dict(), sort_keys=False)
 
     @classmethod
-    def from_json(cls, line: str) -> "SampleRecord":
-        data = json.loads(line)
+    def from_dict(cls, data: dict) -> "SampleRecord":
+        """The record a log line's JSON object holds; ValueError/TypeError when it is not one compfx writes."""
         if not isinstance(data, dict):
             raise ValueError(f"a log line is a JSON object; got a {type(data).__name__}")
+        data = dict(data)
         if "bitstring" in data:  # logs written before the plan field had its name
             data["plan"] = data.pop("bitstring")
         for name in ("loss", "cost", "seconds"):
             if isinstance(data.get(name), str):
                 data[name] = float(data[name])
-        return cls(**data)
+        record = cls(**data)
+        _check_types(record)
+        return record
+
+    @classmethod
+    def from_json(cls, line: str) -> "SampleRecord":
+        return cls.from_dict(json.loads(line))
+
+
+def _check_types(record: SampleRecord) -> None:
+    """A parsed record's fields have the types compfx writes (TypeError naming the field otherwise)."""
+    def number(value):
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+    checks = {"plan": isinstance(record.plan, str), "reason": isinstance(record.reason, str),
+              "extra": isinstance(record.extra, dict), "duration": number(record.duration),
+              "batches": isinstance(record.batches, int) and not isinstance(record.batches, bool),
+              **{name: getattr(record, name) is None or number(getattr(record, name))
+                 for name in ("loss", "cost", "seconds")}}
+    wrong = [name for name, ok in checks.items() if not ok]
+    if wrong:
+        raise TypeError(f"field {wrong[0]!r} is a {type(getattr(record, wrong[0])).__name__}, not what compfx writes")
 
 
 class SearchLog:
@@ -94,13 +153,26 @@ class SearchLog:
     """
 
     def __init__(self, path: str | os.PathLike | None = None, *, append: bool = False):
+        if path is not None and not isinstance(path, (str, os.PathLike)):
+            raise PlanFileError(f"log={path!r}; expected the path of a JSON Lines file (str or os.PathLike), a "
+                                "SearchLog, or None.")
         self.path = Path(path) if path is not None else None
         self.records: list[SampleRecord] = []
         self._file = None
         self._header: dict | None = None  # goes into the first line written
+        self._digest = ""  # the digest of the last line written (see record_digest)
+        self.verified = True  # False: read from a log without digests (see the module docstring)
         if self.path is not None:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            self._file = open(self.path, "a" if append else "w")
+            try:
+                if self.path.is_dir():
+                    raise IsADirectoryError(21, "Is a directory", str(self.path))
+                self.path.parent.mkdir(parents=True, exist_ok=True)
+                self._file = open(self.path, "a" if append else "w")
+            except OSError as error:
+                raise FileWriteError(
+                    f"could not open the search log {self.path} for writing: {error.strerror or error}; expected "
+                    "the path of a file (not a folder) in a folder this process can write. Pass another log=."
+                ) from error
 
     @classmethod
     def open(cls, log: "str | os.PathLike | SearchLog | None", header: dict, *, resume: bool = False) -> "SearchLog":
@@ -122,11 +194,21 @@ class SearchLog:
 
     @classmethod
     def _reopen(cls, path: Path, header: dict, previous: "SearchLog", good_bytes: int) -> "SearchLog":
+        if not previous.verified:
+            raise LogIntegrityError(
+                f"search log {path} has no digests (a compfx from before tamper-evident logs wrote it), so its "
+                "records cannot be checked, and a resumed search would replay them as measured. Search again "
+                "without resume=True (its samples are run again), or resume with a log this compfx wrote.")
         _check_header(path, previous, header)
-        with open(path, "r+b") as file:  # drop a last line cut short by a crash before appending
-            file.truncate(good_bytes)
+        try:
+            with open(path, "r+b") as file:  # drop a last line cut short by a crash before appending
+                file.truncate(good_bytes)
+        except OSError as error:
+            raise FileWriteError(f"could not reopen the search log {path} to resume: {error.strerror or error}; "
+                                 "expected a file this process can write. Check its permissions.") from error
         opened = cls(path, append=True)
         opened.records = previous.records
+        opened._digest = previous._digest
         opened.note(Stage.SEARCH, "resumed", samples_in_log=len(previous.samples()))
         return opened
 
@@ -136,7 +218,9 @@ class SearchLog:
             self._header = None
         self.records.append(record)
         if self._file is not None:
-            self._file.write(record.to_json() + "\n")
+            data = record.to_dict()
+            self._digest = record_digest(self._digest, data)
+            self._file.write(json.dumps({**data, DIGEST: self._digest}) + "\n")
             self._file.flush()  # one line per finished sample survives a crash
             os.fsync(self._file.fileno())
 
@@ -168,33 +252,69 @@ class SearchLog:
     def read(cls, path: str | os.PathLike) -> "SearchLog":
         """Load a log written by a search; a damaged line raises :class:`PlanFileError`.
 
-        (Resuming is more lenient: it drops a last line cut short by a crash.)
+        Digests are checked: a changed, inserted, removed or moved line raises
+        :class:`~compfx.errors.LogIntegrityError`; a log written before digests
+        is read with a warning (``log.verified`` is False). (Resuming is more
+        lenient about a last line cut short by a crash, which it drops, and
+        stricter about old logs, which it refuses.)
         """
-        return cls._read(Path(path), strict=True)[0]
+        log = cls._read(Path(path), strict=True)[0]
+        if not log.verified and log.records:
+            warnings.warn(f"search log {path} has no digests (written before tamper-evident logs); its records "
+                          "were read unchecked.", stacklevel=2)
+        return log
 
     @classmethod
     def _read(cls, path: Path, strict: bool = False) -> tuple["SearchLog", int]:
         """The log and the number of bytes that hold complete lines; ``strict`` parses an unfinished last line too."""
         log = cls()
-        try:
-            text = path.read_bytes().decode("utf-8", errors="replace")
-        except OSError as error:
-            raise PlanFileError(f"could not read search log {path}: {error}; expected a JSON Lines file written "
-                                "by compfx.optimize(log=...). Check the path.") from error
+        text = read_bounded(path, "search log", MAX_LOG_BYTES).decode("utf-8", errors="replace")
         lines = text.split("\n")
         complete, tail = lines[:-1], lines[-1]  # ``tail`` is "" when the file ends with a newline
         if strict and tail.strip():
             complete, tail = lines, ""
+        chained: bool | None = None  # whether the lines carry digests, decided by the first line
         for number, line in enumerate(complete, 1):
-            if line.strip():
-                log.records.append(_parse_line(path, number, line))
+            if not line.strip():
+                continue
+            data = _parse_line(path, number, line)
+            digest = data.pop(DIGEST, None)
+            if chained is None:
+                chained = digest is not None
+            if chained != (digest is not None):
+                raise LogIntegrityError(
+                    f"search log {path} line {number} {'has no' if chained else 'has a'} digest, unlike line 1: "
+                    "lines were added to or changed in it after compfx wrote it. A resumed search replays logged "
+                    "results as measured, so it cannot use this log; delete it and search again without resume=True.")
+            if digest is not None and digest != record_digest(log._digest, data):
+                raise LogIntegrityError(
+                    f"search log {path} line {number} does not match its digest: that line, or the order of the lines "
+                    "before it, was changed after compfx wrote it. A resumed search replays logged results as "
+                    "measured, so it refuses a changed log; delete it (or restore the original) and search again "
+                    "without resume=True.")
+            log._digest = digest or ""
+            log.records.append(_record(path, number, data))
+        log.verified = chained is not False
         good_bytes = len(text.encode("utf-8")) - len(tail.encode("utf-8"))
         return log, good_bytes
 
 
-def _parse_line(path: Path, number: int, line: str) -> SampleRecord:
+def _parse_line(path: Path, number: int, line: str) -> dict:
     try:
-        return SampleRecord.from_json(line)
+        data = json.loads(line)
+    except (ValueError, RecursionError) as error:
+        raise PlanFileError(f"search log {path} line {number} is damaged ({type(error).__name__}: {error}); "
+                            "expected one JSON object per line as compfx writes them. Delete the file (or that "
+                            "line) and search again.") from error
+    if not isinstance(data, dict):
+        raise PlanFileError(f"search log {path} line {number} is damaged (a JSON {type(data).__name__}); expected "
+                            "one JSON object per line as compfx writes them. Delete the file and search again.")
+    return data
+
+
+def _record(path: Path, number: int, data: dict) -> SampleRecord:
+    try:
+        return SampleRecord.from_dict(data)
     except (ValueError, TypeError) as error:
         raise PlanFileError(f"search log {path} line {number} is damaged ({type(error).__name__}: {error}); "
                             "expected one JSON object per line as compfx writes them. Delete the file (or that "
