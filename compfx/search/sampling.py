@@ -38,14 +38,15 @@ from itertools import islice
 from typing import Any, Callable, Generator, Iterable, Mapping
 
 import torch
+import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError, CompfxError, NonFiniteGradientError
 from ..measure import Timing, time_repeats, timed
 
-__all__ = ["split_batch", "move_batch", "model_loss", "check_loss", "check_first_batch", "cuda_devices", "StateSnapshot",
-           "snapshot_state", "restore_state", "FairSampler"]
+__all__ = ["split_batch", "move_batch", "model_loss", "check_loss", "check_first_batch", "cuda_devices", "seed_device",
+           "call_quietly", "StateSnapshot", "snapshot_state", "restore_state", "FairSampler"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -102,6 +103,40 @@ def cuda_devices(device: torch.device) -> list[int]:
     if device.type != "cuda" or not torch.cuda.is_available():
         return []
     return [device.index if device.index is not None else torch.cuda.current_device()]
+
+
+def seed_device(seed: int, device: torch.device) -> None:
+    """Seed the generators work on ``device`` draws from: the CPU's, and ``device``'s own when it is a GPU.
+
+    Not ``torch.manual_seed``: it seeds every CUDA device, and, before CUDA is
+    initialised, queues that seed for later, where ``torch.random.fork_rng``
+    cannot undo it; a search on the CPU would then change the caller's CUDA RNG.
+
+    >>> import torch
+    >>> seed_device(3, torch.device("cpu")); a = torch.rand(1)
+    >>> seed_device(3, torch.device("cpu")); torch.equal(a, torch.rand(1))
+    True
+    """
+    torch.random.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        torch.cuda.default_generators[index].manual_seed(seed)
+    elif device.type != "cpu":
+        torch.manual_seed(seed)  # other accelerators (mps, xpu): their own seeding
+
+
+def call_quietly(module: nn.Module, args: tuple, kwargs: dict):
+    """``module(*args, **kwargs)``; for a GraphModule, without torch.fx printing a traceback to stderr on failure.
+
+    torch.fx's ``GraphModule.__call__`` prints the generated code around a
+    failing line before it re-raises. In the search a failure belongs to the
+    plan and is logged as its reason, so calling ``nn.Module.__call__`` (the
+    same hooks and forward, without that wrapper) keeps stderr quiet; the
+    exception and its traceback are unchanged.
+    """
+    if isinstance(module, fx.GraphModule):
+        return nn.Module.__call__(module, *args, **kwargs)
+    return module(*args, **kwargs)
 
 
 def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: torch.device) -> tuple[tuple, dict]:
@@ -293,7 +328,7 @@ class FairSampler:
     @contextmanager
     def fresh_start(self, module: nn.Module):
         """Seed the RNG and switch to training mode; restore the initial state on the way out, whatever happens."""
-        torch.manual_seed(self.seed)  # seeds every CUDA device too
+        seed_device(self.seed, self.device)
         module.train()
         try:
             yield
@@ -313,7 +348,7 @@ class FairSampler:
         batch = move_batch(batch, self.device)
         args, kwargs = split_batch(batch)
         self.optimizer.zero_grad(set_to_none=True)
-        loss = check_loss(self.loss_fn(module(*args, **kwargs), batch))
+        loss = check_loss(self.loss_fn(call_quietly(module, args, kwargs), batch))
         value = float(loss.detach().float())
         if not math.isfinite(value):
             return value  # this sample is over: the search stops it; do not push NaN into the weights
