@@ -148,6 +148,10 @@ class SyncedEvaluator:
     def __init__(self, inner: Evaluator, ctx: RankContext):
         self.inner, self.ctx = inner, ctx
 
+    @property
+    def cost_unit(self) -> str:
+        return getattr(self.inner, "cost_unit", "s")
+
     def run_epoch(self, plan: Assignment) -> Epoch:
         local = None
         try:

@@ -10,7 +10,9 @@ An :class:`Evaluator` answers four questions about a plan (an
 * ``time_step(plan)``: seconds of one training step (Stage 2).
 * ``check_loss(plan, batches)``: mean training loss over the first ``batches``
   batches, from the initial state (the loss check).
-* ``cost(plan, seconds)``: what the search minimises.
+* ``cost(plan, seconds)``: what the search minimises (``cost_unit``, an
+  optional attribute: ``"s"`` when costs are seconds, ``""`` when they are in a
+  cost function's own units; logs and reports print them so).
 * ``program(plan)``: a hashable name of what ``plan`` runs; plans with equal
   programs measure the same, so only the first is run.
 
@@ -91,6 +93,10 @@ class FunctionEvaluator:
             if getattr(self, name) is None:
                 setattr(self, name, functools.partial(_not_given, name))
 
+    @property
+    def cost_unit(self) -> str:
+        return "s" if self.cost is measured_time else ""
+
 
 def _not_given(name: str, *args):
     raise SearchError(f"this FunctionEvaluator has no {name}; pass {name}=... to measure it")
@@ -136,6 +142,10 @@ class ReplayingEvaluator:
 
     def cost(self, plan: Assignment, seconds: float) -> float:
         return self.inner.cost(plan, seconds)
+
+    @property
+    def cost_unit(self) -> str:
+        return getattr(self.inner, "cost_unit", "s")
 
     def program(self, plan: Assignment) -> Hashable:
         return self.inner.program(plan)
@@ -190,7 +200,11 @@ class LocalEvaluator:
             return self.sampler.mean_loss(self.module(plan), batches)
 
     def cost(self, plan: Assignment, seconds: float) -> float:
-        return float(self.cost_fn(self.plan(plan), seconds))
+        return self.cost_fn(self.plan(plan), seconds)  # the stages check it (outcome.checked_cost)
+
+    @property
+    def cost_unit(self) -> str:
+        return "s" if self.cost_fn is measured_time else ""
 
     def program(self, plan: Assignment) -> Hashable:
         """The rewritten module's structure and code: equal text, equal program."""

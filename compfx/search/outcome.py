@@ -11,12 +11,12 @@ import math
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable
 
-from ..errors import PlanFailedError
+from ..errors import BadInputError, PlanFailedError
 from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
 from .log import SampleRecord
 
-__all__ = ["Outcome", "Reporter", "note", "failure_reason", "ProgramIndex"]
+__all__ = ["Outcome", "Reporter", "note", "failure_reason", "ProgramIndex", "checked_cost", "cost_unit"]
 
 Reporter = Callable[[SampleRecord], None]
 
@@ -43,6 +43,37 @@ class Outcome:
                             cost=None if math.isinf(self.cost) else self.cost, seconds=self.seconds,
                             batches=self.batches, reason=self.reason, duration=self.duration,
                             extra=dict(self.extra))
+
+
+def checked_cost(evaluator, plan: Assignment, seconds: float) -> float:
+    """``evaluator.cost(plan, seconds)`` as a float; :class:`BadInputError` when it is not a finite number.
+
+    The search ranks plans by this number: a NaN would silently lose (or win)
+    every comparison, so it stops the search instead (the cost function is
+    wrong whatever the plan).
+
+    >>> from compfx.search.evaluator import FunctionEvaluator
+    >>> checked_cost(FunctionEvaluator(cost=lambda plan, s: float("nan")), Assignment.parse("1"), 0.5)
+    Traceback (most recent call last):
+    ...
+    compfx.errors.BadInputError: the cost function (SearchConfig.cost_fn) returned nan for plan 1 at 0.5 s; ...
+    """
+    value = evaluator.cost(plan, seconds)
+    try:
+        cost = float(value)
+    except (TypeError, ValueError):
+        cost = math.nan
+    if isinstance(value, bool) or not math.isfinite(cost):
+        raise BadInputError(
+            f"the cost function (SearchConfig.cost_fn) returned {value!r} for plan {plan} at {seconds:.6g} s; the "
+            "search ranks plans by it, so expected a finite number. Fix cost_fn (e.g. guard a division by zero), "
+            "or leave cost_fn=None to rank by the measured seconds.")
+    return cost
+
+
+def cost_unit(evaluator) -> str:
+    """``"s"`` when ``evaluator``'s costs are seconds, ``""`` when they are in a cost function's own units."""
+    return getattr(evaluator, "cost_unit", "s")
 
 
 def note(report: Reporter | None, stage: Stage, message: str, **extra) -> None:

@@ -38,7 +38,7 @@ from ..plan import AMP_PRECISION, Assignment
 from ..vocabulary import Category, Precision, SampleStatus, Stage
 from .convergence import is_accepted, loss_limit
 from .log import STOPPED_EARLY
-from .outcome import Outcome, ProgramIndex, Reporter, failure_reason, note
+from .outcome import Outcome, ProgramIndex, Reporter, checked_cost, cost_unit, failure_reason, note
 from .space import SearchSpace
 
 __all__ = [
@@ -123,13 +123,17 @@ def should_skip(predicted: float, best: float | None, margin: float = 1.25) -> b
     return best is not None and predicted > margin * best
 
 
-def skip_message(predicted: float, best: float) -> str:
-    """The reason logged for a candidate the predictor skipped.
+def skip_message(predicted: float, best: float, unit: str = "s") -> str:
+    """The reason logged for a candidate the predictor skipped, in the costs' ``unit`` ("" for a cost function's).
 
     >>> skip_message(0.0123, 0.0045)
     'skipped (predicted 0.0123 s vs best 0.0045 s)'
+    >>> skip_message(3.0, 1.0, unit="")
+    "skipped (predicted cost 3 vs best 1, in cost_fn's units)"
     """
-    return f"skipped (predicted {predicted:.3g} s vs best {best:.3g} s)"
+    if unit:
+        return f"skipped (predicted {predicted:.3g} {unit} vs best {best:.3g} {unit})"
+    return f"skipped (predicted cost {predicted:.3g} vs best {best:.3g}, in cost_fn's units)"
 
 
 # -- sampling ----------------------------------------------------------------------
@@ -158,7 +162,7 @@ class _Stage1:
         self.loss0: float | None = None
 
     def cost(self, plan: Assignment, seconds: float) -> float:
-        return float(self.evaluator.cost(plan, seconds))
+        return checked_cost(self.evaluator, plan, seconds)
 
     def sample(self, plan: Assignment) -> Outcome:
         """Run one epoch under ``plan``, stopping early when pruning allows it."""
@@ -264,7 +268,7 @@ class _Stage1:
             predicted, name = self.predicted_cost(plan), "predicted_cost"
             if not should_skip(predicted, self.best.cost, self.margin):
                 return False
-        outcome = Outcome(plan, SampleStatus.SKIPPED, reason=skip_message(predicted, self.best.cost),
+        outcome = Outcome(plan, SampleStatus.SKIPPED, reason=skip_message(predicted, self.best.cost, cost_unit(self.evaluator)),
                           extra={name: predicted})
         self.report(outcome.record(Stage.STAGE1))
         return True

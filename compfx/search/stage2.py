@@ -18,7 +18,7 @@ from typing import Sequence
 from ..errors import PlanFailedError, SearchError
 from ..plan import Assignment
 from ..vocabulary import Precision, SampleStatus, Stage
-from .outcome import Outcome, ProgramIndex, Reporter, failure_reason, note
+from .outcome import Outcome, ProgramIndex, Reporter, checked_cost, failure_reason, note
 from .space import SearchSpace
 
 __all__ = ["Segment", "Stage2Result", "stage2_segments", "algorithm2_candidates", "run_stage2"]
@@ -104,7 +104,7 @@ class _Stage2:
         outcome = Outcome(plan, SampleStatus.ACCEPTED, reason=reason)
         try:
             outcome.seconds = float(self.evaluator.time_step(plan))
-            outcome.cost = float(self.evaluator.cost(plan, outcome.seconds))
+            outcome.cost = checked_cost(self.evaluator, plan, outcome.seconds)
         except PlanFailedError as error:
             outcome.status, outcome.reason = SampleStatus.ERROR, failure_reason(error)
         outcome.duration = time.perf_counter() - start
