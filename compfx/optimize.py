@@ -11,14 +11,17 @@ model and optimizer are left as ``SearchConfig.keep_search_training`` says.
 from __future__ import annotations
 
 import contextlib
+import logging
 import time
+from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 import torch.nn as nn
 
+from . import cache
 from .analyze import analyze, model_device
-from .errors import BadInputError
+from .errors import BadInputError, CompfxError
 from .memory import saved_activation_bytes
 from .search import (SINGLE_PROCESS, LocalEvaluator, Recorder, Replay, ReplayingEvaluator, SearchConfig,
                      SearchLog, SearchResult, SearchSpace, compare_step_times, decision_settings, measured_time,
@@ -49,8 +52,13 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
     one): samples already logged are replayed from it, not run again, so it
     reaches the decision an uninterrupted run would have, given the same costs.
     A log of another model, or one written with any other setting that can
-    change the decision, is refused (:class:`~compfx.errors.PlanMismatchError`).
-    The returned module is specialised to training mode.
+    change the decision, is refused (:class:`~compfx.errors.PlanMismatchError`),
+    as is a log whose records were changed (:class:`~compfx.errors.LogIntegrityError`).
+    The returned module is specialised to training mode. The chosen plan is
+    saved to the plan cache (``result.plan_path``), so that
+    ``torch.compile(model, backend="compfx")`` runs it; ``SearchConfig(cache_plan=False)``
+    opts out. The caller's RNG (CPU and CUDA) is the same afterwards, whether
+    the search finished, failed, resumed or was interrupted.
 
     >>> import torch, compfx
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -66,11 +74,11 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
     >>> result.module(torch.randn(2, 8)).shape
     torch.Size([2, 3])
     """
-    _check_arguments(model, sample_loader, optimizer, config)
+    _check_arguments(model, sample_loader, optimizer, config, loss_fn, resume)
     device = model_device(model)
     with _train_mode(model):  # the search trains; the captured graph is specialised to this mode
-        first = next(iter(sample_loader), None)
-        if first is None:
+        first = next(iter(sample_loader), _NO_BATCH)
+        if first is _NO_BATCH:
             raise BadInputError("sample_loader yielded no batches; the search trains on it, so give it some "
                                 "(CoMP's Stage 1 uses one epoch of it).")
         inputs = check_first_batch(model, first, loss_fn, device)  # bad inputs fail here, before any work
@@ -82,9 +90,22 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         return _Search(model, optimizer, analysis, sampler, config, search_log, inputs).run()
 
 
-def _check_arguments(model, loader, optimizer, config) -> None:
+_NO_BATCH = object()  # what an empty loader yields first (None is a batch, and a bad one)
+
+log = logging.getLogger("compfx")
+
+
+def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
     if not isinstance(model, nn.Module):
         raise BadInputError(f"optimize() takes an nn.Module; got {type(model).__name__}.")
+    if loss_fn is not None and not callable(loss_fn):
+        raise BadInputError(f"loss_fn={loss_fn!r}; expected a callable (output, batch) -> scalar tensor, or None "
+                            "for the model's own output.loss.")
+    if not isinstance(resume, bool):
+        raise BadInputError(f"resume={resume!r}; expected True or False.")
+    if not isinstance(loader, Iterable):
+        raise BadInputError(f"sample_loader is a {type(loader).__name__}, not iterable; pass a list of batches or "
+                            "a DataLoader.")
     if not isinstance(optimizer, torch.optim.Optimizer):
         raise BadInputError(f"optimizer={type(optimizer).__name__}; expected a torch.optim.Optimizer built on "
                             "model.parameters(), e.g. torch.optim.AdamW(model.parameters()).")
@@ -132,6 +153,8 @@ class _Search:
         self.space = SearchSpace.from_analysis(analysis)
         self.local = LocalEvaluator(model, analysis, sampler, warmup=config.warmup, repeats=config.repeats,
                                     cost_fn=config.cost_fn or measured_time)
+        self.plan_path: Path | None = None
+        self.plan_cache = ""  # what became of the chosen plan in the plan cache, for the report
         self.replay = Replay(log.records)  # samples a resumed log already holds are not run again
         self.evaluator = ReplayingEvaluator(self.local, self.replay)
         self.strategy = SINGLE_PROCESS
@@ -166,7 +189,7 @@ class _Search:
         from .costmodel import SearchPredictor
 
         try:  # predictions price the very modules the samples run
-            return SearchPredictor.build(self.analysis, rewrite=self.local.module_of)
+            return SearchPredictor.build(self.analysis, rewrite=self.local.module_of, cache_dir=self.config.cache_dir)
         except Exception as error:  # the predictor only orders and skips: never fail the search for it
             self.log.note(Stage.SEARCH, f"cost model unavailable ({type(error).__name__}: {error}); measuring every "
                           "candidate")
@@ -186,6 +209,7 @@ class _Search:
                                                                   "amp": self.space.amp_plan,
                                                                   "chosen": decision.plan}, self.log)
                 self.local.leave_state(decision.stage1.best, keep_training=config.keep_search_training)
+            self._save_plan(self.local.plan(decision.plan))
         except KeyboardInterrupt:
             self.sampler.restore()
             self.log.note(Stage.SEARCH, "interrupted: the model and optimizer were restored to their state before "
@@ -202,7 +226,30 @@ class _Search:
             module=self.local.module(decision.plan), plan=self.local.plan(decision.plan),
             stage1_plan=self.local.plan(decision.stage1.best.plan), analysis=self.analysis, log=self.log,
             stage1_mode=decision.stage1.mode, loss0=decision.stage1.loss0,
-            fp32_epoch_seconds=decision.stage1.baseline.duration, search_seconds=search_seconds, step_seconds=steps)
+            fp32_epoch_seconds=decision.stage1.baseline.duration, search_seconds=search_seconds, step_seconds=steps,
+            plan_path=self.plan_path, plan_cache=self.plan_cache)
+
+    def _save_plan(self, plan) -> None:
+        """Put the chosen plan in the plan cache (where ``backend="compfx"`` looks), and say so in the log.
+
+        A cache that cannot be written costs the search nothing: the plan is
+        in the result; the log and a warning say why it was not saved.
+        """
+        if not self.config.cache_plan:
+            self.plan_cache = "not saved (SearchConfig(cache_plan=False))"
+        elif self.config.per_device:
+            self.plan_cache = "not saved: per-device plans differ by rank, and the cache holds one plan per model"
+        elif _distributed() and torch.distributed.get_rank() != 0:
+            self.plan_cache = "saved by rank 0"
+        else:
+            try:
+                self.plan_path = cache.save_plan(plan, cache_dir=self.config.cache_dir)
+                self.plan_cache = (f"saved to {self.plan_path}; torch.compile(model, backend=\"compfx\") runs this "
+                                   "plan")
+            except CompfxError as error:
+                self.plan_cache = f"not saved: {error}"
+                log.warning("compfx: the chosen plan was not saved to the plan cache: %s", error)
+        self.log.note(Stage.SEARCH, f"plan cache: {self.plan_cache}", plan_path=str(self.plan_path or ""))
 
 
 def _progress_bar(enabled: bool):

@@ -114,13 +114,15 @@ def render_report(summary, tablefmt: str = "simple") -> str:
         f"step time      chosen {_ms(chosen)}; FP32 {_ms(steps.get('fp32'))} ({_ratio(chosen, steps.get('fp32'))}); "
         f"AMP {_ms(steps.get('amp'))} ({_ratio(chosen, steps.get('amp'))})  [median, same batches]",
     ]
+    if getattr(summary, "plan_cache", ""):
+        lines.append(f"plan cache     {summary.plan_cache}")
     error = prediction_error(log)
     if error is not None:
         lines += ["", f"cost model     {summary.samples_skipped} Stage-1 plans skipped on prediction; median absolute "
                   f"error {error:.1f}% over {len(predicted_records(log))} measured candidates "
                   "(FP32 baseline excluded: it calibrates the model)" + _stale_profiles(log),
                   prediction_table(log, tablefmt)]
-    notes = [r.reason for r in log.notes()]
+    notes = [r.reason for r in log.notes() if not r.reason.startswith("plan cache: ")]  # a line of its own above
     if notes:
         lines += ["", "notes:", *(f"  - {n}" for n in notes)]
     return "\n".join(lines)

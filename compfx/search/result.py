@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch.nn as nn
 
@@ -25,6 +26,9 @@ class SearchResult:
     * ``stage1_mode``, ``loss0`` (the FP32 epoch's loss), ``fp32_epoch_seconds``,
       ``search_seconds`` (wall time of the search), ``step_seconds`` (median step
       of ``"fp32"``, ``"amp"`` and ``"chosen"`` on the same batches).
+    * ``plan_path``: the plan-cache file the plan was saved to (None when it was
+      not: ``SearchConfig(cache_plan=False)``, per-device plans, an unwritable
+      cache); ``plan_cache`` says which, in words.
 
     ``report()`` renders it as text.
     """
@@ -39,6 +43,8 @@ class SearchResult:
     fp32_epoch_seconds: float
     search_seconds: float
     step_seconds: dict[str, float] = field(default_factory=dict)
+    plan_path: Path | None = None
+    plan_cache: str = ""
 
     def report(self, tablefmt: str = "simple") -> str:
         """The per-op table, then the search and the timing summary (see :mod:`compfx.report`)."""

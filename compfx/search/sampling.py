@@ -157,6 +157,10 @@ def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: t
     if len(devices) > 1:
         raise BadInputError(f"the model's parameters and buffers are spread over {sorted(map(str, devices))}; "
                             "compfx expected one device. Move the whole model there with model.to(device).")
+    if any(d.type == "meta" for d in devices):
+        raise BadInputError("the model's parameters or buffers are on the meta device (shapes, no values), but the "
+                            "search trains it; materialise it first, e.g. model.to_empty(device='cpu') and load its "
+                            "weights, then build the optimizer on model.parameters().")
     batch = move_batch(batch, device)
     args, kwargs = split_batch(batch)
     snapshot = snapshot_state(model)
