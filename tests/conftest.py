@@ -11,3 +11,14 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def session_cache_dir(tmp_path_factory):
+    """Plans that optimize() saves and the cost model's profiles go to a folder of this test session, never to
+    the user's ~/.cache; profiles stay warm across tests. Tests that need an empty cache set their own."""
+    from compfx.cache import CACHE_DIR_ENV
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(CACHE_DIR_ENV, str(tmp_path_factory.mktemp("compfx-cache")))
+        yield
