@@ -19,6 +19,14 @@ For every graph dynamo hands over, the backend
 4. hands the graph to ``inner``: ``"inductor"``, ``"aot_eager"``,
    ``"eager"``, any registered backend name, or a backend callable.
 
+**Which plan ran** is recorded per graph (:class:`GraphRecord`: ``origin``
+``"given"``, ``"cache"``, ``"cache-covering"`` or ``"default"``, the plan's
+fingerprint and file) and logged once per plan at INFO on the ``compfx``
+logger; :meth:`CompfxBackend.report` prints the records. An explicit plan
+whose keys match none of the ops of the first graphs compiled was made for
+another model and is refused (:class:`~compfx.errors.PlanMismatchError`, which dynamo wraps in its
+``BackendCompilerFailed``).
+
 **Default plan** (no plan given or cached): ``Plan.amp`` of the graph, i.e.
 whitelist -> low, blacklist -> fp32, other -> follow. Whitelisted ops that are
 not Tensor Core eligible stay low, as autocast does: on a CPU no op is
@@ -73,7 +81,7 @@ from . import cache
 from .analyze import analyze_graph
 from .capture import key_dynamo_graph, named_tensors, op_nodes
 from .cast_policy import compute_dtype
-from .errors import BadInputError
+from .errors import BadInputError, PlanMismatchError
 from .opkey import KEY_META, OpKey, normalize_module_path
 from .passes import apply_precisions
 from .plan import Plan
@@ -98,6 +106,11 @@ class GraphRecord:
     (``"follow"`` for ops the plan does not name, which are also listed in
     ``unplanned``); ``compute_dtypes`` is the dtype of each op's first
     floating-point input in the rewritten graph, i.e. what the casts achieved.
+    Which plan it was: ``origin`` (``"given"``, ``"cache"`` for the cached plan
+    of this graph's fingerprint, ``"cache-covering"`` for a cached whole-model
+    plan that covers a graph split off at a graph break, ``"default"`` for
+    ``Plan.amp`` of the graph), ``plan_fingerprint``, ``plan_path`` (the file it
+    was read from, or None), and ``plan_source``, the same in words.
     """
 
     compile_id: str | None
@@ -105,6 +118,9 @@ class GraphRecord:
     precisions: Mapping[OpKey, str]
     compute_dtypes: Mapping[OpKey, torch.dtype | None]
     unplanned: tuple[OpKey, ...]
+    origin: str = ""
+    plan_fingerprint: str = ""
+    plan_path: str | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -255,12 +271,15 @@ class CompfxBackend:
                 "leave low_dtype=None to use the plan's, or search again for the other dtype."
             )
         self.plan_source = "" if self.plan is None else f"given plan {self.plan.fingerprint}"
+        if self.plan is not None and model is not None:
+            _check_plan_of(self.plan, model)
         self.inner, self.low_dtype, self.model, self.cache_dir = inner, low_dtype, model, cache_dir
         # emulate_precision_casts first: an explicit entry in inductor_options wins
         self.inductor_patches = {"emulate_precision_casts": emulate_precision_casts, **(inductor_options or {})}
         self.records: list[GraphRecord] = []
         self._offsets = _CallIndexOffsets()
         self._logged: set[str] = set()
+        self._matched = False  # has any compiled graph had an op the given plan names?
 
     def __repr__(self) -> str:
         inner = self.inner if isinstance(self.inner, str) else getattr(self.inner, "__name__", "callable")
@@ -269,12 +288,16 @@ class CompfxBackend:
     # -- dynamo calls this once per graph -------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence):
         frame = _frame_id(gm)
-        keys = key_backend_graph(gm, example_inputs, model=self.model, index_offsets=self._offsets.for_frame(frame))
+        offsets = self._offsets.for_frame(frame)
+        keys = key_backend_graph(gm, example_inputs, model=self.model, index_offsets=offsets)
+        choice = self._plan_for(gm, keys, example_inputs, offsets)
+        keys = choice.keys
         self._offsets.count(frame, keys)
-        plan, source = self._plan_for(gm, keys, example_inputs)
+        plan, source = choice.plan, choice.source
         precisions = {key: plan.get(key, Precision.FOLLOW) for key in keys}
         unplanned = tuple(key for key in keys if key not in plan)
-        self._log_once(f"source:{source}", "compfx backend: plan from %s", source)
+        self._log_once(f"source:{source}", "compfx backend: graph %s runs plan %s from %s",
+                       gm.meta.get("dynamo_compile_id", "?"), plan.fingerprint, source)
         if unplanned:
             self._log_once(f"unplanned:{source}", "compfx backend: %d op(s) in a compiled graph have no entry in "
                            "the plan (%s) and run as 'follow' (e.g. %s)", len(unplanned), source,
@@ -286,23 +309,82 @@ class CompfxBackend:
             compile_id=str(gm.meta.get("dynamo_compile_id")) if "dynamo_compile_id" in gm.meta else None,
             plan_source=source, precisions=precisions, unplanned=unplanned,
             compute_dtypes={key: compute_dtype(node, gm.get_submodule) for key, node in _keyed_nodes(gm).items()},
+            origin=choice.origin, plan_fingerprint=plan.fingerprint,
+            plan_path=str(choice.path) if choice.path is not None else None,
         ))
         return self._compile_inner(gm, example_inputs)
 
-    def _plan_for(self, gm: fx.GraphModule, keys, example_inputs) -> tuple[Plan, str]:
+    def _plan_for(self, gm: fx.GraphModule, keys, example_inputs, offsets) -> "_Choice":
         if self.plan is not None:
-            return self.plan, self.plan_source
+            self._check_plan_matches(keys)
+            return _Choice(self.plan, "given", self.plan_source, keys)
         device = _graph_device(example_inputs)
         low_dtype = self.low_dtype or default_low_dtype(device)
-        analysis = analyze_graph(gm, device=device, low_dtype=low_dtype)
-        cached = cache.find_plan(analysis.fingerprint, low_dtype=low_dtype, cache_dir=self.cache_dir)
-        if cached is not None:
-            path = cache.plan_path(cached.fingerprint, low_dtype, cache_dir=self.cache_dir)
-            return cached, f"plan cache ({path})"
+        if any(offsets.values()):
+            # Call indices continued from earlier graphs (a graph break) -- or from another model compiled
+            # through this same backend object (backend="compfx" serves them all). A graph that is a whole
+            # model, keyed from index 0, finds the plan optimize() saved for that model.
+            whole = key_backend_graph(gm, example_inputs, model=self.model)
+            found = self._cached(gm, whole, device, low_dtype)
+            if found is not None:
+                return found
+            keys = key_backend_graph(gm, example_inputs, model=self.model, index_offsets=offsets)
+        found = self._cached(gm, keys, device, low_dtype)
+        if found is not None:
+            return found
         covering = cache.find_plan_covering(keys, low_dtype=low_dtype, cache_dir=self.cache_dir)
         if covering is not None:
-            return covering, f"plan cache, whole-model plan {covering.fingerprint} covering this graph"
-        return Plan.amp(analysis), "default AMP-equivalent plan (no plan given or cached)"
+            path = cache.plan_path(covering.fingerprint, covering.low_dtype, cache_dir=self.cache_dir)
+            return _Choice(covering, "cache-covering",
+                           f"plan cache, whole-model plan {covering.fingerprint} covering this graph ({path})", keys,
+                           path)
+        analysis = analyze_graph(gm, device=device, low_dtype=low_dtype)
+        return _Choice(Plan.amp(analysis), "default", "default AMP-equivalent plan (no plan given or cached)", keys)
+
+    def _cached(self, gm, keys, device, low_dtype) -> "_Choice | None":
+        """The cached plan of this graph's fingerprint (keyed as ``keys``), or None."""
+        analysis = analyze_graph(gm, device=device, low_dtype=low_dtype)
+        cached = cache.find_plan(analysis.fingerprint, low_dtype=low_dtype, cache_dir=self.cache_dir)
+        if cached is None:
+            return None
+        path = cache.plan_path(cached.fingerprint, low_dtype, cache_dir=self.cache_dir)
+        return _Choice(cached, "cache", f"plan cache ({path})", tuple(keys), path)
+
+    def _check_plan_matches(self, keys) -> None:
+        """Refuse an explicit plan that names none of the ops compiled so far: it was made for another model.
+
+        Once a graph matched, later graphs without a match are graph-break
+        pieces keyed differently (a frame inside a submodule, without
+        ``model=``): their ops follow, as the module docstring says.
+        """
+        if not keys or self._matched or any(key in self.plan for key in keys):
+            self._matched = self._matched or any(key in self.plan for key in keys)
+            return
+        raise PlanMismatchError(
+            f"the plan given to compfx.backend (fingerprint {self.plan.fingerprint}, {len(self.plan)} ops) has no "
+            f"entry for any of this graph's {len(keys)} ops (e.g. {', '.join(map(str, list(keys)[:3]))}); it was "
+            "made for another model. Pass this model's plan (compfx.optimize(...).plan, or Plan.load of its file), "
+            "plan=None to use the plan cache, or, if the graph starts inside a submodule (a graph break), "
+            "model=<the model> so the backend can name its ops as the plan does.")
+
+    def report(self) -> str:
+        """One line per compiled graph: which plan ran (origin, fingerprint, file) and its precisions.
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+        >>> compiled_backend = compfx.backend(compfx.Plan.fp32(compfx.analyze(model, torch.randn(2, 4))), inner="eager")
+        >>> _ = torch.compile(model, backend=compiled_backend)(torch.randn(2, 4))
+        >>> print(compiled_backend.report())  # doctest: +ELLIPSIS
+        graph ...: given plan ... (2 ops: 0 low, 2 fp32, 0 follow; 0 without an entry)
+        """
+        lines = []
+        for record in self.records:
+            counts = Counter(str(p) for p in record.precisions.values())
+            lines.append(f"graph {record.compile_id or '?'}: {record.origin} plan {record.plan_fingerprint}"
+                         + (f" from {record.plan_path}" if record.plan_path else "")
+                         + f" ({len(record.precisions)} ops: {counts['low']} low, {counts['fp32']} fp32, "
+                         f"{counts['follow']} follow; {len(record.unplanned)} without an entry)")
+        return "\n".join(lines) if lines else "no graph compiled yet"
 
     def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence):
         if callable(self.inner):
@@ -319,6 +401,17 @@ class CompfxBackend:
         if topic not in self._logged:
             self._logged.add(topic)
             log.info(message, *args)
+
+
+@dataclass(frozen=True)
+class _Choice:
+    """The plan a graph runs, where it came from, and the keys its ops carry for it."""
+
+    plan: Plan
+    origin: str
+    source: str
+    keys: Sequence[OpKey]
+    path: object = None
 
 
 def _keyed_nodes(gm: fx.GraphModule) -> dict[OpKey, fx.Node]:
@@ -352,6 +445,18 @@ def backend(plan: PlanSource = None, *, inner: str | Callable = "inductor", low_
     """
     return CompfxBackend(plan, inner=inner, low_dtype=low_dtype, model=model, cache_dir=cache_dir,
                          emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)
+
+
+def _check_plan_of(plan: Plan, model: nn.Module) -> None:
+    """Refuse, before any compile, a plan none of whose ops lies in a module of ``model``."""
+    if not isinstance(model, nn.Module):
+        raise BadInputError(f"model={type(model).__name__}; expected the nn.Module being compiled, or None.")
+    modules = {name for name, _ in model.named_modules(remove_duplicate=False)}
+    if plan and not any(key.module in modules for key in plan):
+        raise PlanMismatchError(
+            f"the plan (fingerprint {plan.fingerprint}) names ops in modules {sorted({k.module for k in plan})[:3]}, "
+            f"none of which {type(model).__name__} has; it was made for another model. Pass this model's plan, or "
+            "plan=None to use the plan cache.")
 
 
 def _check_inner(inner, inductor_options) -> None:
