@@ -18,12 +18,14 @@ from tabulate import tabulate
 from torch.utils import _pytree as pytree
 
 from .capture import capture, op_nodes
+from .errors import BadInputError
 from .opkey import KEY_META, OpKey
 from .oplists import classify
 from .tensor_cores import tc_eligible
 from .vocabulary import Category, check_low_dtype, default_low_dtype, dtype_name
 
-__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "describe_op", "model_device"]
+__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "describe_op", "model_device", "check_device",
+           "check_capability"]
 
 Shape = tuple[int, ...]
 
@@ -118,6 +120,40 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def check_device(device) -> torch.device:
+    """``device`` as a ``torch.device``; :class:`BadInputError` for a string torch does not know.
+
+    >>> check_device("cuda:1")
+    device(type='cuda', index=1)
+    >>> check_device("tpu9")
+    Traceback (most recent call last):
+    ...
+    compfx.errors.BadInputError: device='tpu9' is not a device torch knows (...); expected e.g. 'cpu', 'cuda' or 'cuda:0'.
+    """
+    if isinstance(device, torch.device):
+        return device
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as error:
+        raise BadInputError(f"device={device!r} is not a device torch knows ({(str(error).splitlines() or [''])[0]}); "
+                            "expected e.g. 'cpu', 'cuda' or 'cuda:0'.") from None
+
+
+def check_capability(capability) -> tuple[int, int] | None:
+    """``capability`` as ``(major, minor)`` ints, or None; :class:`BadInputError` for anything else.
+
+    >>> check_capability([8, 0]), check_capability(None)
+    ((8, 0), None)
+    """
+    if capability is None:
+        return None
+    if (not isinstance(capability, (tuple, list)) or len(capability) != 2
+            or not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in capability)):
+        raise BadInputError(f"capability={capability!r}; expected the CUDA compute capability as two ints "
+                            "(major, minor), e.g. (8, 0) for an A100.")
+    return (capability[0], capability[1])
+
+
 def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
@@ -186,7 +222,11 @@ def analyze(
     >>> [(str(op.key), str(op.category), op.tc_eligible) for op in a.ops]
     [('0:linear#0', 'whitelist', False), ('1:softmax#0', 'blacklist', False)]
     """
-    device = torch.device(device) if device is not None else model_device(model)
+    if not isinstance(model, nn.Module):
+        raise BadInputError(f"analyze() takes an nn.Module; got {type(model).__name__}. Pass the model object "
+                            "itself (e.g. the result of its factory), not its name.")
+    device = check_device(device) if device is not None else model_device(model)
     low_dtype = check_low_dtype(low_dtype if low_dtype is not None else default_low_dtype(device))
+    capability = check_capability(capability)
     gm = capture(model, example_inputs, leaf_modules=leaf_modules)
     return analyze_graph(gm, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import logging
 import operator
 import os
 import traceback
@@ -622,7 +623,7 @@ def capture(
     if method not in ("auto", "symbolic", "dynamo"):
         raise BadInputError(f"method={method!r}; expected 'auto', 'symbolic' or 'dynamo'.")
     args, kwargs = normalize_example_inputs(example_inputs)
-    with _modes_restored(model):
+    with _modes_restored(model), _fake_tensor_failures_quiet():
         gm = _capture_with(model, args, kwargs, leaf_modules, method)
     missing = _complete_metadata(gm)
     if missing:
@@ -659,6 +660,7 @@ def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
             # Dynamo cannot make one graph of it either; our message names the line.
             raise CaptureError(str(error)) from error.__cause__
         except CaptureError as error:
+            _check_runs_eagerly(model, args, kwargs, error)  # wrong example inputs: say so, skip dynamo
             if method == "symbolic":
                 raise CaptureError(_capture_advice(model, [str(error)])) from error
             failures.append(str(error))
@@ -675,6 +677,45 @@ def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
         raise CaptureError(_capture_advice(model, failures)) from error
     gm.meta["compfx_capture_method"] = "dynamo"
     return gm
+
+
+class _DropFailedMetaTracebacks(logging.Filter):
+    """Drops FakeTensor's "failed while attempting to run meta for ..." records, each a full traceback."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not str(record.msg).startswith("failed while attempting to run meta")
+
+
+@contextlib.contextmanager
+def _fake_tensor_failures_quiet():
+    """While capturing, an op whose shapes do not fit makes FakeTensor log its traceback to stderr
+    (dozens of ``fake_tensor.py`` lines); compfx reports that failure itself, once, in its error."""
+    logger = logging.getLogger("torch._subclasses.fake_tensor")
+    dropper = _DropFailedMetaTracebacks()
+    logger.addFilter(dropper)
+    try:
+        yield
+    finally:
+        logger.removeFilter(dropper)
+
+
+def _check_runs_eagerly(model: nn.Module, args: tuple, kwargs: dict, capture_error: Exception) -> None:
+    """After a capture failure: if ``model`` fails on the example inputs in plain eager mode too, the inputs are
+    wrong (shape, dtype, device), not the tracing; raise :class:`BadInputError` saying so. Changes nothing."""
+    try:
+        cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *pytree.tree_leaves((args, kwargs)))
+                       if isinstance(t, torch.Tensor) and t.is_cuda})
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda), buffers_restored(model), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            model(*args, **kwargs)
+    except Exception as error:  # noqa: BLE001 - any failure here is the inputs' (or the model's own)
+        described = ", ".join(f"{type(v).__name__}{tuple(v.shape)}:{v.dtype}:{v.device}" if isinstance(v, torch.Tensor)
+                              else type(v).__name__ for v in pytree.tree_leaves((args, kwargs)))[:300]
+        raise BadInputError(
+            f"{type(model).__name__} fails on the example inputs even without compfx ({_first_line(error)}); they "
+            f"were {described}. Give example inputs that forward() accepts (the shapes, dtypes and device of a real "
+            "batch).") from capture_error
+    return None
 
 
 def _capture_advice(model: nn.Module, failures: list[str]) -> str:
