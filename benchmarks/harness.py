@@ -1,10 +1,11 @@
 """Train one benchmark model in one mode and measure it: the body of the runner.
 
 A run is: build the model (seeded), load the batches onto the device, for
-compfx search a plan with ``compfx.optimize`` (timed: search overhead), wrap in
-``torch.compile`` if asked, one measured step (saved-for-backward bytes, also
-the warm-up), then ``epochs`` timed epochs, then evaluation. The result is one
-row (a dict) for the report.
+compfx search a plan with ``compfx.optimize`` (timed: search overhead) or take
+the plan it is given, wrap in ``torch.compile`` if asked (compfx through
+``compfx.compile_with_plan``, so the plan's casts go in before AOT autograd), one
+measured step (saved-for-backward bytes, also the warm-up), then ``epochs`` timed
+epochs, then evaluation. The result is one row (a dict) for the report.
 
 >>> from benchmarks.models import get_spec
 >>> row = run_benchmark(get_spec("gcn"), "small", "fp32", RunOptions(epochs=1, batches=1, count_casts=False))
@@ -23,7 +24,7 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-from compfx.measure import CLOCKS, synchronize
+from compfx.measure import CLOCKS, synchronize, timed
 from compfx.vocabulary import default_low_dtype as _auto_low_dtype
 from compfx.vocabulary import dtype_name
 
@@ -53,6 +54,9 @@ class RunOptions:
     # step's cost only on one CPU thread, so it needs device "cpu" and threads=1
     clock: str = "wall"
     threads: int | None = None  # torch intra-op threads (None: torch's default)
+    compile_backend: str = "inductor"  # torch.compile's backend; compfx rows: compile_with_plan's inner backend
+    # compfx mode: a plan per searched network (Plan.to_dict(), e.g. a row's "plans") to run instead of searching
+    plans: Mapping = field(default_factory=dict)
 
     def __post_init__(self):
         if self.data not in ("real", "synthetic"):
@@ -122,7 +126,7 @@ def _search(spec, nets, optimizers, batches, device, low_dtype, overrides: Mappi
             clock: str = "wall") -> tuple[float, dict, dict]:
     """Run compfx.optimize on each search target; swap the searched networks in.
 
-    Returns (seconds, plan summary per network, search figures per network).
+    Returns (seconds, the chosen Plan per network, search figures per network).
     """
     optimize, config_class = load_compfx()
     config = search_config(config_class, **{"progress": False, **overrides})
@@ -134,10 +138,43 @@ def _search(spec, nets, optimizers, batches, device, low_dtype, overrides: Mappi
         result = optimize(nets[target.net], target.batches, loss_fn=target.loss_fn,
                           optimizer=optimizers[target.optimizer], low_dtype=low_dtype, config=config)
         nets[target.net] = result.module
-        plans[target.net] = _plan_summary(result.plan)
+        plans[target.net] = result.plan
         figures[target.net] = _search_figures(result)
     synchronize(device)
     return read_clock() - start, plans, figures
+
+
+def _given_plans(spec, nets, optimizers, batches, plans: Mapping) -> dict:
+    """Apply the given plans (``Plan.to_dict()`` per network) instead of searching; the Plans by network."""
+    import compfx
+
+    applied = {}
+    for target in spec.search_targets(spec, nets, optimizers, batches):
+        if target.net not in plans:
+            raise KeyError(f"no plan given for network {target.net!r}; plans are given for {sorted(plans)}")
+        plan = compfx.Plan.from_dict(plans[target.net], source=f"the plan given for {target.net!r}")
+        inputs = tuple(target.batches[0][:-1])
+        nets[target.net] = compfx.apply(nets[target.net], plan, inputs)
+        applied[target.net] = plan
+    return applied
+
+
+def _compiled(nets: dict, originals: dict, plans: Mapping, backend: str) -> dict:
+    """Every network under ``torch.compile``; a planned one through ``compfx.compile_with_plan`` on the original
+    module, so its casts go in before AOT autograd and Inductor keeps them."""
+    from compfx.backend import compile_with_plan
+
+    return {name: compile_with_plan(originals[name], plans[name], inner=backend) if name in plans
+            else torch.compile(net, backend=backend) for name, net in nets.items()}
+
+
+def _backend_records(nets: dict) -> dict:
+    """What compfx's compile backend did (graphs compiled, ops its plan did not name); {} without that backend."""
+    records = [record for net in nets.values() for record in getattr(getattr(net, "compfx_backend", None),
+                                                                        "records", ())]
+    if not records:
+        return {}
+    return {"compiled_graphs": len(records), "compiled_unplanned_ops": sum(len(r.unplanned) for r in records)}
 
 
 def _search_figures(result) -> dict:
@@ -167,13 +204,14 @@ def _cast_counts(spec, nets, batch, precision: Precision, mode: str) -> dict:
     return counts
 
 
-def _measured_step(spec, nets, optimizers, batch, precision, model) -> dict:
-    """One training step with saved-tensor hooks on (also the warm-up step before timing)."""
+def _measured_step(spec, nets, optimizers, batch, precision, model, device) -> dict:
+    """One training step with saved-tensor hooks on (also the warm-up step before timing, and the step that
+    compiles under ``torch.compile``: its seconds are ``first_step_s``)."""
     owned = [*model.parameters(), *model.buffers()]
     with saved_storages(owned) as saved:
-        spec.train_step(spec, nets, optimizers, batch, precision)
+        _, seconds = timed(lambda: spec.train_step(spec, nets, optimizers, batch, precision), device)
     return {"saved_bytes": saved.total_bytes, "saved_parameter_bytes": saved.resident_bytes,
-            "saved_activation_bytes": saved.activation_bytes}
+            "saved_activation_bytes": saved.activation_bytes, "first_step_s": seconds}
 
 
 def _train_and_measure(spec, config_name, mode, options, device, low_dtype) -> dict:
@@ -184,15 +222,21 @@ def _train_and_measure(spec, config_name, mode, options, device, low_dtype) -> d
     train, held_out = (load_batches(spec, config, options, split, device) for split in ("train", "eval"))
     precision = precision_for(mode, device, low_dtype)
     row: dict = {"batches_per_epoch": len(train)}
-    search_seconds = 0.0
-    if mode == "compfx":
-        search_seconds, row["plan"], row["search"] = _search(spec, nets, optimizers, train, device, low_dtype,
-                                                             options.search, options.clock)
+    search_seconds, originals, plans = 0.0, dict(nets), {}
+    if mode == "compfx" and options.plans:
+        plans = _given_plans(spec, nets, optimizers, train, options.plans)
+    elif mode == "compfx":
+        search_seconds, plans, row["search"] = _search(spec, nets, optimizers, train, device, low_dtype,
+                                                       options.search, options.clock)
+    if plans:
+        row["plan"] = {net: _plan_summary(plan) for net, plan in plans.items()}
+        row["plans"] = {net: plan.to_dict() for net, plan in plans.items()}
     if options.count_casts:
         row.update(_cast_counts(spec, nets, train[0], precision, mode))
     if options.compile:
-        nets = {name: torch.compile(net) for name, net in nets.items()}
-    row.update(_measured_step(spec, nets, optimizers, train[0], precision, model))
+        nets = _compiled(nets, originals, plans, options.compile_backend)
+    row.update(_measured_step(spec, nets, optimizers, train[0], precision, model, device))
+    row.update(_backend_records(nets))
     reset_peak_memory(device)
     epochs = [_run_epoch(spec, nets, optimizers, train, precision, device, options.clock)
               for _ in range(options.epochs)]
@@ -205,7 +249,7 @@ def _train_and_measure(spec, config_name, mode, options, device, low_dtype) -> d
         final_train_loss=epochs[-1][1], peak_memory_bytes=peak_memory_bytes(device),
         metric_name=spec.metric_name, metric=evaluate(spec, model, held_out),
     )
-    if mode == "compfx":
+    if "search" in row:
         row.update(search_s=search_seconds, search_share=search_seconds / (search_seconds + training_seconds))
     return row
 
