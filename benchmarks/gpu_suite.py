@@ -1,0 +1,275 @@
+"""One command for a GPU: the environment, the CUDA tests and the paper-scale benchmarks, as JSON and markdown.
+
+::
+
+    python -m benchmarks.gpu_suite [--smoke] [--out ROOT] [--budget-min 8.5] [--parts env,cuda-tests,bench]
+                                   [--merge-from ROOT] [--models ...] [--modes ...] [--no-compile] [--retry-failed]
+
+Parts, in this order, each time-boxed in its own subprocess (:mod:`benchmarks.timebox`), so a hung kernel or a
+slow compile cannot eat the rest:
+
+1. ``env`` (always runs: it names the device folder and gives the roofline): GPU name, capability, memory,
+   torch / CUDA / cuDNN / driver versions, and bf16, fp16 and FP32 matmul TFLOP/s (:mod:`benchmarks.gpu_env`).
+2. ``cuda-tests``: ``pytest -m cuda tests`` (``tests/test_cuda.py``: ``Plan.amp`` against CUDA autocast, Tensor
+   Core eligibility on the real capability, fp16 sampling with a GradScaler, ``backend="compfx"`` with Inductor,
+   a world-size-1 NCCL DDP search, the CUDA RNG left alone); pass / fail counts and the failures.
+3. ``bench``: VGG16-CIFAR, AlexNet-CIFAR, a ResNet-18, BERT-base and a GPT-2-small-shaped decoder in FP32, AMP
+   fp16 + GradScaler, AMP bf16 and compfx (searched), eager and under ``torch.compile``: steps/s, peak memory,
+   MFU against the probe, the search's cost and share of a 100-epoch run, the plan's casts
+   (:mod:`benchmarks.gpu_bench`). Rows are measured model by model, each group in one worker process, and only
+   while the budget lasts; a later call with ``--merge-from`` measures the rows still missing.
+4. FP8 (bf16 AMP against torchao float8 against compfx FP8 plans on the GPT-shaped model) belongs here once
+   issue 16 has landed; until then the results say it was not measured.
+
+Results go to ``ROOT/<gpu-slug>/`` (default ``benchmarks/results/<gpu-slug>/``): ``gpu-suite.json`` (every
+number, every call's environment), ``gpu-suite.md`` and ``cuda-tests.txt``; ``--smoke`` writes
+``gpu-suite-smoke.*``, by default under the temp directory. An existing ``gpu-suite.json`` there (or under ``--merge-from ROOT``) is merged:
+rows already measured are kept, not run again. The output ends with one line per row.
+
+``--smoke`` runs the same code on the CPU with tiny shapes (two models, ``aot_eager`` instead of Inductor) in
+well under a minute; CI runs it (``tests/test_gpu_suite.py``).
+
+**On a lent GPU** (device tool: at most 10 minutes a call, 30 minutes of device time in all, the machine's start
+included; torch 2.11 and no package registry there), from the repository root (``RUN_COMMANDS`` in
+:mod:`benchmarks.gpu_report`, also in ``benchmarks/results/README.md``)::
+
+    # call 1 (timeout_s=600): environment, CUDA tests, then rows for the rest of its 8.5 minutes
+    python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --out $OUT
+    # here: cp -r <files_at>/. benchmarks/results/
+    # call 2 (timeout_s=600), a third if device time is left: the rows still missing
+    python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --parts bench --merge-from benchmarks/results --out $OUT
+    # here: cp -r <files_at>/. benchmarks/results/ ; python -m benchmarks.gpu_readme ; commit the folder and README.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import xml.etree.ElementTree as ElementTree
+from dataclasses import asdict
+from pathlib import Path
+
+from compfx.files import write_json_atomic
+
+from .gpu_bench import MODES, ROOT, SMOKE_MODELS, SUITE_MODELS, Settings, Task, run_groups, suite_groups
+from .gpu_report import FP8_NOTE, markdown, summary_lines
+from .flops import mfu_percent
+from .report import slug
+from .timebox import run_boxed, tail_of
+
+__all__ = ["PARTS", "parse_args", "main", "load_state", "run_environment", "run_cuda_tests", "STEM"]
+
+PARTS = ("env", "cuda-tests", "bench")
+STEM = {False: "gpu-suite", True: "gpu-suite-smoke"}
+_DEFAULT_ROOT = ROOT / "benchmarks" / "results"
+_RESERVE_S = 15  # kept back from the budget for writing the results
+_ENV_TIMEOUT_S = {False: 180, True: 60}
+_TESTS_TIMEOUT_S = {False: 300, True: 90}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.gpu_suite", description=__doc__.splitlines()[0])
+    parser.add_argument("--smoke", action="store_true", help="CPU, tiny shapes, two models: the CI check")
+    parser.add_argument("--out", help="results root; a folder per device is made inside (default: "
+                                      "benchmarks/results; smoke: a folder in the temp directory)")
+    parser.add_argument("--budget-min", type=float, default=None,
+                        help="minutes for this call (default 8.5: one device-tool call of 10; smoke: 2)")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
+    parser.add_argument("--merge-from", help="results root of an earlier call, e.g. benchmarks/results: its "
+                                             "<gpu-slug>/gpu-suite.json is merged when --out has none")
+    parser.add_argument("--models", nargs="+", help=f"bench models (default: {' '.join(SUITE_MODELS)})")
+    parser.add_argument("--modes", nargs="+", default=list(MODES), help=f"bench modes (default: {' '.join(MODES)})")
+    parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--retry-failed", action="store_true", help="run again rows that failed or hit their limit")
+    parser.add_argument("--fresh", action="store_true", help="merge nothing: start a new result")
+    parser.add_argument("--note", default="", help="free text kept with this call, e.g. the commit measured "
+                                                   "(the device machine's copy of the tree has no git history)")
+    args = parser.parse_args(argv)
+    args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)} (fp8 waits for issue 16)")
+    args.models = args.models or list(SMOKE_MODELS if args.smoke else SUITE_MODELS)
+    if args.out is None:  # a smoke result is never one to commit
+        args.out = str(Path(tempfile.gettempdir()) / "compfx-gpu-suite-smoke" if args.smoke else _DEFAULT_ROOT)
+    if args.budget_min is None:
+        args.budget_min = 2.0 if args.smoke else 8.5
+    return args
+
+
+# -- the parts -------------------------------------------------------------------------------
+
+def _subprocess_env(workdir: Path) -> dict:
+    return {**os.environ, "PYTHONUNBUFFERED": "1",
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
+            "COMPFX_CACHE_DIR": str(workdir / "compfx-cache")}
+
+
+def run_environment(smoke: bool, workdir: Path, budget_end: float) -> dict:
+    """The environment and the matmul probe, from ``python -m benchmarks.gpu_env`` in a time-boxed subprocess."""
+    out = workdir / "env.json"
+    end = min(budget_end, time.time() + _ENV_TIMEOUT_S[smoke])
+    boxed = run_boxed([sys.executable, "-m", "benchmarks.gpu_env", "--out", str(out), *(["--smoke"] if smoke else [])],
+                      log_path=workdir / "env.log", deadline=lambda: end, env=_subprocess_env(workdir), cwd=ROOT)
+    if boxed.returncode != 0 or not out.exists():
+        why = "timed out" if boxed.timed_out else f"exited with code {boxed.returncode}"
+        raise SystemExit(f"the environment probe {why}; its output:\n{boxed.tail(3000)}")
+    return json.loads(out.read_text())
+
+
+def _junit_counts(path: Path) -> dict:
+    """Counts and failures from pytest's JUnit XML (an empty dict when it was not written)."""
+    try:
+        root = ElementTree.parse(path).getroot()
+    except (OSError, ElementTree.ParseError):
+        return {}
+    suites = [root] if root.tag == "testsuite" else list(root.iter("testsuite"))
+    total = {key: sum(int(s.get(key, 0)) for s in suites) for key in ("tests", "failures", "errors", "skipped")}
+    failures = []
+    for case in root.iter("testcase"):
+        for outcome in ("failure", "error"):
+            found = case.find(outcome)
+            if found is not None:
+                failures.append({"test": f"{case.get('classname')}::{case.get('name')}", "outcome": outcome,
+                                 "message": (found.get("message") or "")[:500]})
+    return {"passed": total["tests"] - total["failures"] - total["errors"] - total["skipped"],
+            "failed": total["failures"], "errors": total["errors"], "skipped": total["skipped"],
+            "failures": failures}
+
+
+def run_cuda_tests(smoke: bool, workdir: Path, log_path: Path, budget_end: float) -> dict:
+    """``pytest -m cuda`` in a time-boxed subprocess; its output goes to ``log_path``."""
+    paths = ["tests/test_cuda.py"] if smoke else ["tests"]  # smoke: no GPU, so only the skips are checked
+    xml = workdir / "cuda-tests.xml"
+    argv = [sys.executable, "-m", "pytest", "-m", "cuda", *paths, "-q", "-rfEs", "-p", "no:cacheprovider",
+            f"--junitxml={xml}"]
+    log_path.unlink(missing_ok=True)
+    end = min(budget_end, time.time() + _TESTS_TIMEOUT_S[smoke])
+    boxed = run_boxed(argv, log_path=log_path, deadline=lambda: end, env=_subprocess_env(workdir), cwd=ROOT)
+    counts = _junit_counts(xml)
+    if boxed.timed_out:
+        status = "timeout"
+    elif not counts:
+        status = "error"
+    else:
+        status = "passed" if counts["failed"] == counts["errors"] == 0 and boxed.returncode in (0, 5) else "failed"
+    return {"status": status, "returncode": boxed.returncode, "seconds": boxed.seconds,
+            "command": "pytest -m cuda " + " ".join(paths), **counts,
+            **({} if counts else {"output_tail": tail_of(log_path, 3000)})}
+
+
+# -- the results file ------------------------------------------------------------------------
+
+def load_state(path: Path, *, device_name: str, smoke: bool) -> dict | None:
+    """An earlier call's results for this device, or None (with a note why an existing file is not used)."""
+    if not path.exists():
+        return None
+    state = json.loads(path.read_text())
+    if state.get("device_name") != device_name or bool(state.get("smoke")) != smoke:
+        print(f"not merging {path}: it was measured on {state.get('device_name')!r} (smoke={state.get('smoke')}), "
+              f"this call runs on {device_name!r} (smoke={smoke})", file=sys.stderr)
+        return None
+    return state
+
+
+def _git_commit() -> str | None:
+    try:
+        found = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return found.stdout.strip() or None if found.returncode == 0 else None
+
+
+def _now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+class _Results:
+    """The merged state of every call for one device, written to disk after every change."""
+
+    def __init__(self, folder: Path, state: dict, smoke: bool):
+        self.folder, self.state, self.smoke = folder, state, smoke
+        self.json_path = folder / f"{STEM[smoke]}.json"
+        self.markdown_path = folder / f"{STEM[smoke]}.md"
+
+    @property
+    def run(self) -> dict:
+        return self.state["runs"][-1]
+
+    @property
+    def rows(self) -> dict:
+        return self.state["bench"]["rows"]
+
+    def record_row(self, row: dict) -> None:
+        probe = (self.run["environment"].get("matmul_probe") or {}).get("bfloat16") or {}
+        row = {**row, "run": self.run["run"], "measured": _now()}
+        row["mfu_pct"] = mfu_percent(flops_per_step=row.get("flops_per_step"), steps_per_s=row.get("steps_per_s"),
+                                     peak_tflops=probe.get("tflops"))
+        self.rows[row["id"]] = row
+        self.write()
+
+    def write(self) -> None:
+        self.folder.mkdir(parents=True, exist_ok=True)
+        write_json_atomic(self.json_path, self.state)
+        self.markdown_path.write_text(markdown(self.state))
+
+
+def _start_state(args, env: dict, merged: dict | None, settings: Settings) -> dict:
+    state = merged or {"suite": "benchmarks.gpu_suite", "format": 1, "smoke": args.smoke,
+                       "device_name": env["device_name"], "slug": slug(env["device_name"]), "runs": [],
+                       "bench": {"rows": {}}}
+    state["environment"] = env
+    state["bench"]["settings"] = asdict(settings)
+    state["fp8"] = {"status": "not measured", "why": FP8_NOTE}
+    state["runs"].append({"run": len(state["runs"]) + 1, "started": _now(), "argv": sys.argv[1:],
+                          "parts": args.parts, "budget_min": args.budget_min, "commit": _git_commit(),
+                          "note": args.note, "environment": env})
+    return state
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    start = time.time()
+    budget_end = start + 60 * args.budget_min - _RESERVE_S
+    settings = Settings.for_run(args.smoke)
+    with tempfile.TemporaryDirectory(prefix="compfx-gpu-suite-") as scratch:
+        workdir = Path(scratch)
+        env = run_environment(args.smoke, workdir, budget_end)
+        folder = Path(args.out) / slug(env["device_name"])
+        merged = None
+        if not args.fresh:
+            sources = [folder] + ([Path(args.merge_from) / folder.name] if args.merge_from else [])
+            merged = next((state for source in sources if (state := load_state(
+                source / f"{STEM[args.smoke]}.json", device_name=env["device_name"], smoke=args.smoke))), None)
+        results = _Results(folder, _start_state(args, env, merged, settings), args.smoke)
+        results.write()
+        print(summary_lines(results.state)[0], flush=True)
+        if "cuda-tests" in args.parts:
+            print("cuda tests: running pytest -m cuda ...", flush=True)
+            results.state["cuda_tests"] = {**run_cuda_tests(args.smoke, workdir, folder / "cuda-tests.txt",
+                                                            budget_end), "run": results.run["run"]}
+            results.write()
+        left = []
+        if "bench" in args.parts:
+            groups = suite_groups(args.models, args.modes, compiled=not args.no_compile, smoke=args.smoke)
+            left = run_groups(groups, settings, rows=results.rows, budget_end=budget_end, workdir=workdir,
+                              record=results.record_row, retry_failed=args.retry_failed,
+                              log=lambda line: print(line, flush=True))
+        results.run.update(finished=_now(), seconds=time.time() - start, left=left)
+        results.write()
+    print("\n".join(["", f"== {results.json_path} and {results.markdown_path.name}", *summary_lines(results.state)]))
+    if left:
+        print(f"left for a later call ({len(left)}): " + "; ".join(left))
+    tests_ok = (results.state.get("cuda_tests") or {}).get("status", "passed") == "passed"
+    rows_ok = all(row.get("status") == "ok" for row in results.rows.values())
+    return 0 if tests_ok and rows_ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

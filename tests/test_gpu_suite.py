@@ -1,0 +1,173 @@
+"""The GPU suite cannot rot between GPU loans: its smoke run (CPU, tiny shapes) goes through the same code, the
+results merge across calls, a row that overruns is stopped, and the README's GPU section is what the committed
+results generate."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from benchmarks import gpu_readme
+from benchmarks.gpu_bench import Settings, Task, needs_run, run_groups, suite_groups
+from benchmarks.gpu_report import NO_GPU_YET, RUN_COMMANDS, readme_section, summary_lines
+from benchmarks.gpu_suite import _junit_counts
+from benchmarks.timebox import run_boxed
+
+ROOT = Path(__file__).resolve().parent.parent
+SMOKE_LIMIT_S = 170  # the run itself takes 25-45 s on a shared 2-core CPU
+
+
+def _suite(*args, timeout=SMOKE_LIMIT_S) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    return subprocess.run([sys.executable, "-m", "benchmarks.gpu_suite", *args], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture(scope="module")
+def smoke(tmp_path_factory):
+    out = tmp_path_factory.mktemp("gpu-suite")
+    done = _suite("--smoke", "--out", str(out))
+    [folder] = [path for path in out.iterdir() if path.is_dir()]
+    return done, out, folder
+
+
+def test_smoke_run_writes_json_and_markdown_with_fp32_amp_and_compfx_rows(smoke):
+    done, _, folder = smoke
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    state = json.loads((folder / "gpu-suite-smoke.json").read_text())
+    rows = state["bench"]["rows"]
+    assert state["smoke"] is True and state["device_name"] and state["slug"] == folder.name
+    assert {"torch", "python", "device_name", "matmul_probe"} <= set(state["environment"])
+    assert state["environment"]["matmul_probe"]["bfloat16"]["tflops"] > 0
+    for model in ("alexnet_cifar", "gpt"):
+        for mode in ("fp32", "amp-fp16", "amp-bf16", "compfx-fp16"):
+            row = rows[f"{model}/{mode}"]
+            assert row["status"] == "ok", row.get("error")
+            assert row["steps_per_s"] > 0 and row["flops_per_step"] > 0 and row["mfu_pct"] > 0
+    searched = rows["gpt/compfx-fp16"]
+    assert searched["search_s"] > 0 and 0 < searched["search_share_100_epochs"] < 1 and searched["plans"]
+    assert rows["alexnet_cifar/compfx-fp16+compile"]["plans"] == rows["alexnet_cifar/compfx-fp16"]["plans"]
+    assert rows["gpt/amp-fp16"]["casts_forward"] > 0 and rows["gpt/fp32"]["casts_forward"] == 0
+    assert state["cuda_tests"]["status"] == "passed" and state["cuda_tests"]["skipped"] > 0
+    assert state["fp8"]["status"] == "not measured"
+    markdown = (folder / "gpu-suite-smoke.md").read_text()
+    for text in ("| gpt ", "| fp32 ", "| amp-fp16 ", "| compfx-fp16 ", "## compfx search", "## FP8", "Matmul probe"):
+        assert text in markdown
+    assert (folder / "cuda-tests.txt").exists()
+
+
+def test_smoke_output_ends_with_one_line_per_row(smoke):
+    done, _, folder = smoke
+    state = json.loads((folder / "gpu-suite-smoke.json").read_text())
+    tail = done.stdout.splitlines()[-len(state["bench"]["rows"]):]
+    assert sorted(line.split()[0] for line in tail) == sorted(state["bench"]["rows"])
+    assert all(" ok " in line and "steps/s" in line for line in tail)
+
+
+def test_a_second_call_merges_and_measures_nothing_twice(smoke, tmp_path):
+    _, root, folder = smoke
+    done = _suite("--smoke", "--parts", "bench", "--merge-from", str(root), "--out", str(tmp_path))
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    before = json.loads((folder / "gpu-suite-smoke.json").read_text())
+    after = json.loads((tmp_path / folder.name / "gpu-suite-smoke.json").read_text())
+    assert [run["run"] for run in after["runs"]] == [1, 2]
+    assert after["bench"]["rows"] == before["bench"]["rows"]  # every row was measured in run 1 and kept
+    assert after["cuda_tests"] == before["cuda_tests"]
+    assert "bench:" not in done.stdout  # no worker was started
+
+
+def test_a_row_past_its_limit_is_stopped_and_recorded_as_a_timeout(tmp_path):
+    settings = dataclasses.replace(Settings.for_run(smoke=True), row_limit_s=0.05)  # its imports alone take longer
+    recorded = []
+    left = run_groups([[Task("gpt", "fp32")]], settings, rows={}, budget_end=time.time() + 120, workdir=tmp_path,
+                      record=recorded.append, log=lambda line: None)
+    [row] = recorded
+    assert left == [] and row["id"] == "gpt/fp32"
+    assert row["status"] == "timeout" and row["stopped_by"] == "row limit"
+    assert not needs_run(row) and needs_run(row, retry_failed=True)
+
+
+def test_groups_over_the_budget_are_left_for_a_later_call(tmp_path):
+    groups = suite_groups(["bert_squad"], ["fp32", "compfx-fp16"])
+    left = run_groups(groups, Settings(), rows={}, budget_end=time.time() + 30, workdir=tmp_path,
+                      record=lambda row: pytest.fail("nothing fits 30 s"), log=lambda line: None)
+    assert left == ["bert_squad/fp32: over this call's budget (group estimate 220 s)",
+                    "bert_squad/compfx-fp16: over this call's budget (group estimate 220 s)",
+                    "bert_squad/compfx-fp16+compile: waits for the plan of bert_squad/compfx-fp16",
+                    "bert_squad/fp32+compile: over this call's budget (group estimate 205 s)"]
+
+
+def test_timebox_kills_the_commands_children_too(tmp_path):
+    marker = tmp_path / "child-alive"
+    child = f"import time, pathlib; time.sleep(1.5); pathlib.Path({str(marker)!r}).write_text('x')"
+    parent = f"import subprocess, sys, time; subprocess.Popen([sys.executable, '-c', {child!r}]); time.sleep(60)"
+    end = time.time() + 0.5
+    boxed = run_boxed([sys.executable, "-c", parent], log_path=tmp_path / "log", deadline=lambda: end)
+    time.sleep(2.0)
+    assert boxed.timed_out and not marker.exists()
+
+
+def test_junit_counts_read_passes_failures_and_skips(tmp_path):
+    xml = tmp_path / "junit.xml"
+    xml.write_text('<testsuites><testsuite tests="4" failures="1" errors="0" skipped="1">'
+                   '<testcase classname="tests.test_cuda" name="test_a"/>'
+                   '<testcase classname="tests.test_cuda" name="test_b"><failure message="boom"/></testcase>'
+                   '</testsuite></testsuites>')
+    counts = _junit_counts(xml)
+    assert (counts["passed"], counts["failed"], counts["skipped"]) == (2, 1, 1)
+    assert counts["failures"] == [{"test": "tests.test_cuda::test_b", "outcome": "failure", "message": "boom"}]
+    assert _junit_counts(tmp_path / "missing.xml") == {}
+
+
+# -- the README's section ---------------------------------------------------------------------------
+
+def test_the_readme_gpu_section_is_what_the_committed_results_generate():
+    section = gpu_readme.section_of(gpu_readme.README.read_text())
+    assert section == gpu_readme.generated_section(), "run: python -m benchmarks.gpu_readme"
+
+
+def test_without_gpu_results_the_section_says_so_and_gives_the_commands(tmp_path):
+    (tmp_path / "amd-epyc").mkdir()
+    (tmp_path / "amd-epyc" / "gpu-suite.json").write_text(json.dumps({"smoke": True, "device_name": "AMD EPYC"}))
+    section = readme_section(tmp_path)
+    assert NO_GPU_YET in section and RUN_COMMANDS in section
+
+
+def _row(model, mode, steps, compiled=False, **extra):
+    return {"id": f"{model}/{mode}{'+compile' if compiled else ''}", "model": model, "mode_label": mode,
+            "compiled": compiled, "status": "ok", "steps_per_s": steps, "peak_memory_bytes": 2 ** 30, "run": 1, **extra}
+
+
+def test_committed_results_become_tables_with_ratios_measured_in_one_run(tmp_path):
+    rows = [_row("gpt", "fp32", 2.0), _row("gpt", "amp-fp16", 5.0), _row("gpt", "amp-bf16", 4.0),
+            _row("gpt", "compfx-fp16", 6.0, mfu_pct=41.5, search_share_100_epochs=0.0012),
+            _row("gpt", "fp32", 3.0, compiled=True), _row("gpt", "compfx-fp16", 9.0, compiled=True)]
+    state = {"smoke": False, "device_name": "NVIDIA H100 80GB HBM3", "runs": [{"run": 1}],
+             "environment": {"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "capability": [9, 0],
+                             "matmul_probe": {"bfloat16": {"tflops": 790.0, "n": 8192}}},
+             "cuda_tests": {"status": "passed", "passed": 28, "failed": 0, "skipped": 0},
+             "bench": {"rows": {row["id"]: row for row in rows}}}
+    folder = tmp_path / "nvidia-h100-80gb-hbm3"
+    folder.mkdir()
+    (folder / "gpu-suite.json").write_text(json.dumps(state))
+    section = readme_section(tmp_path, relative_to=tmp_path)
+    eager_line = next(line for line in section.splitlines() if line.startswith("| gpt") and "2.00" in line)
+    cells = [cell.strip() for cell in eager_line.split("|")[1:-1]]
+    assert cells == ["gpt", "2.00", "5.00", "4.00", "6.00", "3.00", "1.20", "1024 / 1024 / 1024", "41.5", "0.12"]
+    assert "Under `torch.compile`" in section and "nvidia-h100-80gb-hbm3/gpu-suite.md" in section
+    assert "28 passed" in section and "790" in section and NO_GPU_YET not in section
+    assert any(line.startswith("gpt/compfx-fp16+compile") and "3.00x FP32" in line for line in summary_lines(state))
+
+
+def test_replace_section_touches_only_the_text_between_the_markers():
+    text = f"a\n{gpu_readme.BEGIN}\nold\n{gpu_readme.END}\nb\n"
+    assert gpu_readme.replace_section(text, "new") == f"a\n{gpu_readme.BEGIN}\nnew\n{gpu_readme.END}\nb\n"
+    with pytest.raises(ValueError, match="exactly once"):
+        gpu_readme.replace_section("no markers", "new")
