@@ -204,7 +204,13 @@ def find_plan(fingerprint: str, *, low_dtype: torch.dtype | None = None,
     check_fingerprint(fingerprint)
     folder = cache_folder(cache_dir)
     if low_dtype is not None:
-        path = plan_path(fingerprint, low_dtype, cache_dir=folder)
+        try:
+            path = plan_path(fingerprint, low_dtype, cache_dir=folder)
+        except CacheKeyError as error:
+            if low_dtype not in LOW_DTYPES:
+                raise  # the caller's argument is wrong
+            _warn_once(folder / f"{fingerprint}-{dtype_name(low_dtype)}.json", "cached plan", str(error))
+            return None  # a link out of the folder: never followed
         return _load_or_skip(path, fingerprint, low_dtype)
     for path in _newest_first(_plan_files(folder, fingerprint)):
         plan = _load_or_skip(path, fingerprint)
