@@ -59,6 +59,8 @@ def tail_of(path: str | os.PathLike, chars: int = 4000) -> str:
 
 def _ended(process: subprocess.Popen) -> bool:
     """True once the command has exited; it is not reaped yet, so its process-group id stays its own."""
+    if not hasattr(os, "waitid"):  # no waitid (macOS): poll() reaps it, so leftovers are not killed
+        return process.poll() is not None
     try:
         return os.waitid(os.P_PID, process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
     except ChildProcessError:
@@ -94,5 +96,7 @@ def run_boxed(argv: Sequence[str], *, log_path: str | os.PathLike, deadline: Cal
             _kill_group(process)
             raise
         seconds = time.time() - start
-        _kill_group(process)  # it has ended; children it left behind (compile workers) go with it
+        if hasattr(os, "waitid"):  # it has ended, unreaped; children it left behind (compile workers) go with it
+            _kill_group(process)
+        process.wait()
     return Boxed(process.returncode, seconds, False, log_path)

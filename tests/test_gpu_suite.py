@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from benchmarks import gpu_readme
-from benchmarks.gpu_bench import Settings, Task, needs_run, run_groups, suite_groups
+from benchmarks.gpu_bench import Settings, Task, _fitting, needs_run, run_groups, suite_groups
 from benchmarks.gpu_report import NO_GPU_YET, RUN_COMMANDS, readme_section, summary_lines
 from benchmarks.gpu_suite import _junit_counts
 from benchmarks.timebox import run_boxed
@@ -46,19 +46,19 @@ def test_smoke_run_writes_json_and_markdown_with_fp32_amp_and_compfx_rows(smoke)
     assert state["smoke"] is True and state["device_name"] and state["slug"] == folder.name
     assert {"torch", "python", "device_name", "matmul_probe"} <= set(state["environment"])
     assert state["environment"]["matmul_probe"]["bfloat16"]["tflops"] > 0
-    for model in ("alexnet_cifar", "gpt"):
+    for model in ("alexnet_cifar", "bert_squad"):
         for mode in ("fp32", "amp-fp16", "amp-bf16", "compfx-fp16"):
             row = rows[f"{model}/{mode}"]
             assert row["status"] == "ok", row.get("error")
             assert row["steps_per_s"] > 0 and row["flops_per_step"] > 0 and row["mfu_pct"] > 0
-    searched = rows["gpt/compfx-fp16"]
+    searched = rows["bert_squad/compfx-fp16"]
     assert searched["search_s"] > 0 and 0 < searched["search_share_100_epochs"] < 1 and searched["plans"]
     assert rows["alexnet_cifar/compfx-fp16+compile"]["plans"] == rows["alexnet_cifar/compfx-fp16"]["plans"]
-    assert rows["gpt/amp-fp16"]["casts_forward"] > 0 and rows["gpt/fp32"]["casts_forward"] == 0
+    assert rows["bert_squad/amp-fp16"]["casts_forward"] > 0 and rows["bert_squad/fp32"]["casts_forward"] == 0
     assert state["cuda_tests"]["status"] == "passed" and state["cuda_tests"]["skipped"] > 0
     assert state["fp8"]["status"] == "not measured"
     markdown = (folder / "gpu-suite-smoke.md").read_text()
-    for text in ("| gpt ", "| fp32 ", "| amp-fp16 ", "| compfx-fp16 ", "## compfx search", "## FP8", "Matmul probe"):
+    for text in ("| bert_squad ", "| fp32 ", "| amp-fp16 ", "| compfx-fp16 ", "## compfx search", "## FP8", "Matmul probe"):
         assert text in markdown
     assert (folder / "cuda-tests.txt").exists()
 
@@ -98,10 +98,16 @@ def test_groups_over_the_budget_are_left_for_a_later_call(tmp_path):
     groups = suite_groups(["bert_squad"], ["fp32", "compfx-fp16"])
     left = run_groups(groups, Settings(), rows={}, budget_end=time.time() + 30, workdir=tmp_path,
                       record=lambda row: pytest.fail("nothing fits 30 s"), log=lambda line: None)
-    assert left == ["bert_squad/fp32: over this call's budget (group estimate 220 s)",
-                    "bert_squad/compfx-fp16: over this call's budget (group estimate 220 s)",
+    assert left == ["bert_squad/fp32: over this call's budget (estimate 15 s)",
+                    "bert_squad/compfx-fp16: over this call's budget (estimate 180 s)",
                     "bert_squad/compfx-fp16+compile: waits for the plan of bert_squad/compfx-fp16",
-                    "bert_squad/fp32+compile: over this call's budget (group estimate 205 s)"]
+                    "bert_squad/fp32+compile: over this call's budget (estimate 120 s)"]
+
+
+def test_a_group_larger_than_the_time_left_runs_its_head():
+    [group] = suite_groups(["gpt"], ["fp32", "amp-fp16", "compfx-fp16"], compiled=False)
+    fits, estimate = _fitting(group, Settings(), budget_end=time.time() + 60)
+    assert [task.id for task in fits] == ["gpt/fp32", "gpt/amp-fp16"] and estimate == 25 + 15 + 15
 
 
 def test_timebox_kills_the_commands_children_too(tmp_path):
