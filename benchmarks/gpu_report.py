@@ -21,7 +21,7 @@ from pathlib import Path
 
 from tabulate import tabulate
 
-__all__ = ["ratios", "markdown", "summary_lines", "readme_section", "device_results", "NO_GPU_YET",
+__all__ = ["ratios", "markdown", "summary_lines", "row_line", "readme_section", "device_results", "NO_GPU_YET",
            "RUN_COMMANDS", "FP8_NOTE"]
 
 _MB = 1024 * 1024
@@ -107,15 +107,18 @@ def summary_lines(state: dict) -> list[str]:
                      f"failed, {tests.get('errors', 0)} errors, {tests.get('skipped', 0)} skipped "
                      f"({_fmt(tests.get('seconds'), '.0f', '?')} s)")
     rows = (state.get("bench") or {}).get("rows") or {}
-    for row in _ordered(rows):
-        ratio = ratios(rows, row)
-        peak = row.get("peak_memory_bytes")
-        lines.append(f"{row.get('id', ''):34s} {row.get('status', ''):8s} {_fmt(row.get('steps_per_s'), '9.2f', '-'):>9} "
-                     f"steps/s  {_fmt(ratio['vs_fp32'], '.2f', '-'):>4}x FP32  peak "
-                     f"{_fmt(None if peak is None else peak / _MB, '6.0f', '-'):>6} MB  MFU "
-                     f"{_fmt(row.get('mfu_pct'), '5.1f', '-'):>5}"
-                     + ("" if row.get("status") == "ok" else f"  {row.get('error', '')[:60]}"))
+    lines.extend(row_line(rows, row) for row in _ordered(rows))
     return lines
+
+
+def row_line(rows: dict, row: dict) -> str:
+    """One row in one line: status, steps/s, the ratio to FP32 of its kind, peak memory, MFU (or the error)."""
+    ratio = ratios(rows, row)
+    peak = row.get("peak_memory_bytes")
+    return (f"{row.get('id', ''):34s} {row.get('status', ''):8s} {_fmt(row.get('steps_per_s'), '9.2f', '-'):>9} "
+            f"steps/s  {_fmt(ratio['vs_fp32'], '.2f', '-'):>4}x FP32  peak "
+            f"{_fmt(None if peak is None else peak / _MB, '6.0f', '-'):>6} MB  MFU {_fmt(row.get('mfu_pct'), '5.1f', '-'):>5}"
+            + ("" if row.get("status") == "ok" else f"  {row.get('error', '')[:60]}"))
 
 
 def _environment_text(env: dict) -> str:

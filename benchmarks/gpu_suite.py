@@ -58,7 +58,7 @@ from pathlib import Path
 from compfx.files import write_json_atomic
 
 from .gpu_bench import MODES, ROOT, SMOKE_MODELS, SUITE_MODELS, Settings, Task, run_groups, suite_groups
-from .gpu_report import FP8_NOTE, markdown, summary_lines
+from .gpu_report import FP8_NOTE, markdown, row_line, summary_lines
 from .flops import mfu_percent
 from .report import slug
 from .timebox import run_boxed, tail_of
@@ -213,6 +213,7 @@ class _Results:
                                      peak_tflops=probe.get("tflops"))
         self.rows[row["id"]] = row
         self.write()
+        print("  " + row_line(self.rows, row), flush=True)  # as it is measured: a call cut short still shows it
 
     def write(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
