@@ -111,7 +111,8 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     device = torch.device("cpu" if args.smoke else "cuda")
     if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device is visible (torch.cuda.is_available() is False)", file=sys.stderr)
+        print("no CUDA device is visible (torch.cuda.is_available() is False); on a CPU, run the suite with --smoke",
+              file=sys.stderr)
         return 2
     env = environment(device)
     env["matmul_probe"] = probe(device, PROBE_N["smoke" if args.smoke else "gpu"])
