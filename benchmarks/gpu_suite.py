@@ -57,9 +57,10 @@ from pathlib import Path
 
 from compfx.files import write_json_atomic
 
-from .gpu_bench import MODES, ROOT, SMOKE_MODELS, SUITE_MODELS, Settings, Task, run_groups, suite_groups
+from .gpu_bench import MODES, ROOT, SMOKE_MODELS, SUITE_MODELS, Settings, parse_mode, run_groups, suite_groups
 from .gpu_report import FP8_NOTE, markdown, row_line, summary_lines
 from .flops import mfu_percent
+from .models import MODELS
 from .report import slug
 from .timebox import run_boxed, tail_of
 
@@ -96,6 +97,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     if unknown:
         parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)} (fp8 waits for issue 16)")
     args.models = args.models or list(SMOKE_MODELS if args.smoke else SUITE_MODELS)
+    unknown = sorted(set(args.models) - set(MODELS))
+    if unknown:
+        parser.error(f"unknown model(s) {unknown}; choose from {', '.join(MODELS)}")
+    for mode in args.modes:
+        try:
+            parse_mode(mode)
+        except ValueError as error:
+            parser.error(str(error))
     if args.out is None:  # a smoke result is never one to commit
         args.out = str(Path(tempfile.gettempdir()) / "compfx-gpu-suite-smoke" if args.smoke else _DEFAULT_ROOT)
     if args.budget_min is None:
@@ -230,7 +239,7 @@ def _start_state(args, env: dict, merged: dict | None, settings: Settings) -> di
     state["fp8"] = {"status": "not measured", "why": FP8_NOTE}
     state["runs"].append({"run": len(state["runs"]) + 1, "started": _now(), "argv": sys.argv[1:],
                           "parts": args.parts, "budget_min": args.budget_min, "commit": _git_commit(),
-                          "note": args.note, "environment": env})
+                          "note": args.note, "settings": asdict(settings), "environment": env})
     return state
 
 
