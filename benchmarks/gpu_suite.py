@@ -70,8 +70,8 @@ PARTS = ("env", "cuda-tests", "bench")
 STEM = {False: "gpu-suite", True: "gpu-suite-smoke"}
 _DEFAULT_ROOT = ROOT / "benchmarks" / "results"
 _RESERVE_S = 15  # kept back from the budget for writing the results
-_ENV_TIMEOUT_S = {False: 180, True: 60}
-_TESTS_TIMEOUT_S = {False: 300, True: 90}
+_ENV_TIMEOUT_S = {False: 180, True: 180}
+_TESTS_TIMEOUT_S = {False: 300, True: 180}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -80,7 +80,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", help="results root; a folder per device is made inside (default: "
                                       "benchmarks/results; smoke: a folder in the temp directory)")
     parser.add_argument("--budget-min", type=float, default=None,
-                        help="minutes for this call (default 8.5: one device-tool call of 10; smoke: 2)")
+                        help="minutes for this call (default 8.5: one device-tool call of 10; smoke: 10)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
     parser.add_argument("--merge-from", help="results root of an earlier call, e.g. benchmarks/results: its "
                                              "<gpu-slug>/gpu-suite.json is merged when --out has none")
@@ -108,7 +108,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.out is None:  # a smoke result is never one to commit
         args.out = str(Path(tempfile.gettempdir()) / "compfx-gpu-suite-smoke" if args.smoke else _DEFAULT_ROOT)
     if args.budget_min is None:
-        args.budget_min = 2.0 if args.smoke else 8.5
+        # smoke: about 40 s on a quiet 2-core CPU; the budget only guards against a hang on a loaded CI machine
+        args.budget_min = 10.0 if args.smoke else 8.5
     return args
 
 
