@@ -12,15 +12,26 @@ normalised names from :func:`compfx.opkey.normalize_kind` (leading ``_``
 dropped). To extend: add the kind to the device's set below, or pass
 ``overrides={"kind": "category"}`` to :func:`classify` / ``compfx.analyze``.
 Devices without a table of their own (mps, hpu, ...) use CUDA's.
+
+``tests/test_oplists.py`` checks the tables against the dispatcher of the torch
+it runs on: every op that has an AutocastCPU or AutocastCUDA kernel with an
+FP32 or lower-precision policy must be classified so, or be listed in
+:data:`AUTOCAST_EXCEPTIONS` with the reason, so a torch upgrade that registers
+an op the tables miss fails that test. Kinds whose registration differs between
+the torch versions compfx supports are in :data:`REGISTERED_SINCE`: they are on
+a list only where this torch registers their kernel.
 """
 
 from __future__ import annotations
 
+from types import MappingProxyType
 from typing import Mapping
+
+import torch
 
 from .vocabulary import Category
 
-__all__ = ["AUTOCAST_POLICY", "classify"]
+__all__ = ["AUTOCAST_POLICY", "AUTOCAST_EXCEPTIONS", "REGISTERED_SINCE", "classify"]
 
 
 def _kinds(text: str) -> frozenset[str]:
@@ -66,10 +77,10 @@ _CPU_LOWER = _kinds("""
     conv1d conv2d conv3d bmm mm linalg_vecdot baddbmm addmm addmm_activation addbmm linear
     convolution matmul conv_tbc mkldnn_rnn_layer lstm gru rnn_tanh rnn_relu
     conv_transpose1d conv_transpose2d
-    conv_transpose3d prelu scaled_dot_product_attention native_multi_head_attention
+    conv_transpose3d prelu scaled_dot_product_attention
 """)
 _CPU_FP32 = _kinds("""
-    avg_pool3d binary_cross_entropy grid_sampler grid_sampler_2d grid_sampler_3d polar prod
+    avg_pool3d binary_cross_entropy grid_sampler grid_sampler_2d grid_sampler_2d_cpu_fallback grid_sampler_3d polar prod
     quantile nanquantile stft cdist trace view_as_complex cholesky cholesky_inverse
     cholesky_solve inverse lu_solve orgqr ormqr pinverse
     max_pool3d max_unpool2d max_unpool3d adaptive_avg_pool3d reflection_pad1d reflection_pad2d
@@ -89,16 +100,49 @@ _CPU_FP32 = _kinds("""
 # compfx's own additions, on every device. F.multi_head_attention_forward stays
 # one call in both tracers' graphs (dynamo keeps it whole too). Inside it the
 # projections and attention GEMMs autocast to low precision (what CPU autocast
-# also does for the fused _native_multi_head_attention), so the op as a whole
-# counts as lower-precision.
+# also does for the fused _native_multi_head_attention, whose kind is the same),
+# so the op as a whole counts as lower-precision.
 _COMPFX_LOWER = _kinds("multi_head_attention")
+
+#: Kinds on a device's list only where this torch registers the autocast kernel: (device type, kind) ->
+#: (the op, its dispatch key, its category there). Older torch runs them in whatever dtype reaches them.
+REGISTERED_SINCE: Mapping[tuple[str, str], tuple[str, str, Category]] = MappingProxyType({
+    # FP32 under CUDA (and XPU) autocast from torch 2.12; torch 2.11 registers no autocast kernel for it.
+    ("cuda", "rms_norm"): ("aten::rms_norm", "AutocastCUDA", Category.BLACKLIST),
+    ("xpu", "rms_norm"): ("aten::rms_norm", "AutocastXPU", Category.BLACKLIST),
+})
+
+
+def _has_autocast_kernel(op: str, key: str) -> bool:
+    try:
+        return torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+    except RuntimeError:  # an op this torch does not have
+        return False
+
+
+def _registered(device_type: str, category: Category) -> frozenset[str]:
+    return frozenset(kind for (device, kind), (op, key, listed) in REGISTERED_SINCE.items()
+                     if device == device_type and listed is category and _has_autocast_kernel(op, key))
+
 
 #: device type -> (whitelist kinds, blacklist kinds)
 AUTOCAST_POLICY: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "cuda": (_CUDA_LOWER | _COMPFX_LOWER, _CUDA_FP32),
-    "xpu": (_CUDA_LOWER | _COMPFX_LOWER, _CUDA_FP32),  # XPU reuses the CUDA macros
+    "cuda": (_CUDA_LOWER | _COMPFX_LOWER, _CUDA_FP32 | _registered("cuda", Category.BLACKLIST)),
+    "xpu": (_CUDA_LOWER | _COMPFX_LOWER, _CUDA_FP32 | _registered("xpu", Category.BLACKLIST)),  # CUDA's macros
     "cpu": (_CPU_LOWER | _COMPFX_LOWER, _CPU_FP32),
 }
+
+#: Where the tables knowingly differ from this torch's autocast registrations, or cannot be checked against them:
+#: (device type, aten op) -> why. ``tests/test_oplists.py`` accepts exactly these differences.
+AUTOCAST_EXCEPTIONS: Mapping[tuple[str, str], str] = MappingProxyType({
+    ("cuda", "aten::binary_cross_entropy"):
+        "banned, not cast: CUDA autocast raises for it and points to binary_cross_entropy_with_logits. compfx "
+        "leaves it 'other' (it runs in the dtype that reaches it), so a plan never fails where autocast would.",
+    ("cuda", "aten::_cudnn_rnn"):
+        "registered only in cuDNN builds (aten/src/ATen/cudnn/AutocastRNN.cpp), lower precision; its kernel "
+        "reflattens the weights before it casts, which the test's stand-in tensors cannot feed. Classified "
+        "whitelist as cudnn_rnn, and so are lstm, gru, rnn_tanh and rnn_relu, which reach it.",
+})
 
 
 def classify(kind: str, device_type: str, overrides: Mapping[str, Category | str] | None = None) -> Category:

@@ -1,11 +1,15 @@
-"""The autocast tables agree with what torch.autocast really does (CPU, bf16), plus overrides."""
+"""The autocast tables agree with what torch.autocast really does (CPU, bf16), with this torch's dispatcher
+(every AutocastCPU / AutocastCUDA kernel that casts), plus overrides."""
+
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from compfx.errors import BadInputError
-from compfx.oplists import classify
+from compfx.opkey import normalize_kind
+from compfx.oplists import AUTOCAST_EXCEPTIONS, REGISTERED_SINCE, classify
 
 BF16 = torch.bfloat16
 
@@ -96,3 +100,169 @@ def test_overrides_win_and_are_validated():
     assert classify("linear", "cpu", overrides={"relu": "blacklist"}) == "whitelist"
     with pytest.raises(BadInputError, match="expected one of"):
         classify("relu", "cuda", overrides={"relu": "fp32"})
+
+
+# ---------------------------------------------------------------------------
+# the tables against this torch's dispatcher (runs on CPU; CUDA's kernels are read without CUDA)
+
+AUTOCAST_KEYS = {"cpu": "AutocastCPU", "cuda": "AutocastCUDA"}
+LOW = {"cpu": torch.bfloat16, "cuda": torch.float16}
+EXPECTED = {"lower_precision_fp": "whitelist", "fp32": "blacklist"}
+
+
+class _Stop(Exception):
+    """Raised at the first op autocast's kernel hands on: what it cast is known by then."""
+
+
+class _StandIn(torch.Tensor):
+    """A data-free tensor that claims a device (CUDA too, on a CPU-only build) and records what is done to it.
+
+    Its dispatch keys follow the claimed device, so a call reaches that device's
+    autocast kernel. Casts come back as stand-ins of the new dtype; any other op
+    the kernel hands on to is recorded with the dtype it was passed, then stops
+    the call. Below autograd (see :func:`_policy`), composite ops arrive whole.
+    """
+
+    record: list = []
+
+    @staticmethod
+    def __new__(cls, dtype, device):
+        return torch.Tensor._make_wrapper_subclass(cls, (2, 2), dtype=dtype, device=device)
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        dtypes = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.dtype)]
+        if func.overloadpacket in (torch.ops.aten._to_copy, torch.ops.aten.to):
+            dtype = dtypes[0] if dtypes else args[0].dtype
+            cls.record.append(("cast", dtype))
+            return _StandIn(dtype, args[0].device)
+        cls.record.append(("call", dtypes[0] if dtypes else None))
+        raise _Stop
+
+
+def _argument(kind, make):
+    """A value of schema type ``kind`` (a torch._C.JitType) that autocast's kernels accept; tensors are stand-ins."""
+    name = kind.kind()
+    if name == "TensorType":
+        return make()
+    if name == "OptionalType":
+        return None
+    if name == "ListType":
+        item = kind.getElementType()
+        return [make(), make()] if item.kind() == "TensorType" else [_argument(item, make)]
+    simple = {"IntType": 1, "SymIntType": 1, "FloatType": 1.0, "NumberType": 1, "BoolType": False,
+              "StringType": "fro", "ScalarTypeType": torch.float32}
+    return simple[name]
+
+
+def _overload(name: str) -> torch._ops.OpOverload:
+    namespace, _, rest = name.partition("::")
+    op, _, overload = rest.partition(".")
+    return getattr(getattr(getattr(torch.ops, namespace), op), overload or "default")
+
+
+def _run(op, device, dtype) -> list:
+    _StandIn.record = []
+    args, kwargs = [], {}
+    for argument in op._schema.arguments:
+        value = _argument(argument.type, lambda: _StandIn(dtype, device))
+        (kwargs.__setitem__(argument.name, value) if argument.kwarg_only else args.append(value))
+    try:
+        with torch._C._AutoDispatchBelowADInplaceOrView():  # composite ops reach the stand-ins whole
+            op(*args, **kwargs)
+    except _Stop:
+        pass
+    except Exception as error:  # noqa: BLE001 - a kernel that refuses the stand-ins (or bans the op)
+        _StandIn.record.append(("error", f"{type(error).__name__}: {str(error).splitlines()[0]}"))
+    return _StandIn.record
+
+
+def _policy(name: str, device: str) -> str:
+    """What this torch's autocast kernel for op ``name`` on ``device`` does: its cast policy, as far as it shows.
+
+    ``lower_precision_fp`` when FP32 inputs are cast to the low dtype; ``fp32``
+    when low inputs are cast to FP32 or the op is handed ``dtype=float32``
+    (``fp32_set_opt_dtype`` / ``fp32_append_dtype``); ``other`` otherwise
+    (``promote``: same-dtype inputs pass as they are); ``error: ...`` when the
+    kernel refused the stand-ins.
+    """
+    op, low = _overload(name), LOW[device]
+    enabled, autocast_dtype = torch.is_autocast_enabled(device), torch.get_autocast_dtype(device)
+    torch.set_autocast_enabled(device, True)
+    torch.set_autocast_dtype(device, low)
+    try:
+        from_fp32, from_low = _run(op, device, torch.float32), _run(op, device, low)
+    finally:
+        torch.set_autocast_enabled(device, enabled)
+        torch.set_autocast_dtype(device, autocast_dtype)
+    if ("cast", low) in from_fp32:
+        return "lower_precision_fp"
+    if ("cast", torch.float32) in from_low or ("call", torch.float32) in from_low:
+        return "fp32"
+    errors = [detail for what, detail in from_fp32 + from_low if what == "error"]
+    return f"error: {errors[0]}" if errors else "other"
+
+
+@functools.lru_cache(maxsize=None)
+def _registered(device: str) -> dict[str, str]:
+    """aten op -> policy, for every aten op this torch registers an autocast kernel for on ``device``."""
+    key = AUTOCAST_KEYS[device]
+    names = sorted(name for name in torch._C._dispatch_get_all_op_names()
+                   if name.startswith("aten::") and torch._C._dispatch_has_kernel_for_dispatch_key(name, key))
+    return {name: _policy(name, device) for name in names}
+
+
+def _kind(name: str) -> str:
+    return normalize_kind("call_function", _overload(name))
+
+
+@pytest.mark.parametrize("name, device, policy", [
+    ("aten::linear", "cpu", "lower_precision_fp"),
+    ("aten::linear", "cuda", "lower_precision_fp"),
+    ("aten::mse_loss", "cpu", "fp32"),
+    ("aten::mse_loss", "cuda", "fp32"),
+    ("aten::softmax.int", "cuda", "fp32"),  # fp32_set_opt_dtype: dtype=float32 is passed on
+    ("aten::norm.Scalar", "cuda", "fp32"),  # fp32_append_dtype: redispatched to the dtype overload
+    ("aten::addcmul", "cuda", "other"),  # promote
+    ("aten::cat", "cpu", "other"),  # promote
+])
+def test_the_probe_reads_known_policies(name, device, policy):
+    assert _registered(device)[name] == policy
+
+
+@pytest.mark.parametrize("device", sorted(AUTOCAST_KEYS))
+def test_every_op_autocast_casts_is_classified_so_or_listed_as_an_exception(device):
+    policies = _registered(device)
+    assert sum(p == "fp32" for p in policies.values()) > 20 and sum(
+        p == "lower_precision_fp" for p in policies.values()) > 10, "the probe no longer reads autocast's kernels"
+    wrong = []
+    for name, policy in policies.items():
+        if (device, name) in AUTOCAST_EXCEPTIONS:
+            continue
+        if policy.startswith("error"):
+            wrong.append(f"{name}: the probe could not read its policy ({policy})")
+        elif policy in EXPECTED and classify(_kind(name), device) != EXPECTED[policy]:
+            wrong.append(f"{name} (kind {_kind(name)!r}) has the {policy} policy but is classified "
+                         f"{str(classify(_kind(name), device))!r}")
+    assert not wrong, (f"this torch ({torch.__version__}) registers {AUTOCAST_KEYS[device]} kernels that "
+                       f"compfx.oplists misses: {wrong}. Add each kind to the {device} set in compfx/oplists.py, or "
+                       "list the op in AUTOCAST_EXCEPTIONS with the reason.")
+
+
+@pytest.mark.parametrize("device", sorted(AUTOCAST_KEYS))
+def test_no_listed_kind_is_registered_with_another_policy(device):
+    """The other direction, for kinds this torch registers at all (kinds it lacks are compfx's own, or older)."""
+    wrong = [f"{name} (kind {_kind(name)!r}) is {str(classify(_kind(name), device))!r} but its policy is {policy}"
+             for name, policy in _registered(device).items()
+             if (device, name) not in AUTOCAST_EXCEPTIONS and classify(_kind(name), device) != "other"
+             and EXPECTED.get(policy) != classify(_kind(name), device)]
+    assert not wrong, wrong
+
+
+def test_versioned_kinds_follow_this_torchs_registration_and_exceptions_say_why():
+    for (device, kind), (op, key, category) in REGISTERED_SINCE.items():
+        registered = torch._C._dispatch_has_kernel_for_dispatch_key(op, key)
+        assert classify(kind, device) == (category if registered else "other"), (device, kind, torch.__version__)
+    for (device, name), reason in AUTOCAST_EXCEPTIONS.items():
+        assert device in AUTOCAST_KEYS and name.startswith("aten::") and len(reason) > 40
