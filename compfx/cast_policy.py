@@ -1,4 +1,4 @@
-"""The cast rules, defined once: what a cast is, which inputs a plan casts, which ops run under autocast.
+"""The cast rules, defined once: what a cast is, which inputs a plan casts, who shares a cast, which ops run under autocast.
 
 The cast pass (:mod:`compfx.passes.insert_casts`) applies these rules to a
 graph; the profiler (:mod:`compfx.costmodel.profile`) applies them to one op
@@ -16,6 +16,13 @@ model prices.
     (:data:`NORM_KINDS`): their kernels take FP32 parameters beside a low
     activation, and casting a running-stat buffer would lose its in-place update;
   - float64 tensors, which autocast leaves alone too.
+
+* **Who shares a cast** (:func:`shares_cast`): a parameter or buffer is cast
+  once per dtype and forward, and all its uses share that cast (autocast's
+  weight-cast cache); every other tensor is cast once per use, right before
+  the op that reads it, as autocast casts inside each op. The gradients of an
+  activation's uses then meet in the activation's own dtype, never in the
+  low dtype of a shared cast.
 
 * **Which ops run under autocast** (:func:`runs_under_autocast`): composite ops
   that autocast casts *inside* (:data:`COMPOSITE_KINDS`: multi-head attention,
@@ -51,8 +58,8 @@ from .vocabulary import short_dtype_name
 
 __all__ = [
     "NORM_KINDS", "COMPOSITE_KINDS", "PROMOTING_KINDS", "CAST_KINDS", "CAST_META", "AutocastRegion",
-    "mutated_positions", "castable", "castable_inputs", "runs_under_autocast", "runs_as_is", "is_cast",
-    "compute_dtype",
+    "mutated_positions", "castable", "castable_inputs", "is_model_tensor", "shares_cast", "runs_under_autocast",
+    "runs_as_is", "is_cast", "compute_dtype",
 ]
 
 #: Ops whose weight/bias/running stats stay FP32 whatever the op's precision.
@@ -114,6 +121,40 @@ def castable_inputs(node: fx.Node, value_of: Callable[[fx.Node], Any] = meta_val
             if castable(kind, position, value_of(arg), mutated):
                 pairs.append((position, arg))
     return pairs
+
+
+# -- who shares a cast -------------------------------------------------------------
+
+def is_model_tensor(node: fx.Node, value) -> bool:
+    """Does ``node`` read a parameter or buffer of the model? A ``get_attr`` node, or a parameter that
+    ``torch.compile`` lifted to a placeholder (its fake value is an ``nn.Parameter``)."""
+    return node.op == "get_attr" or (node.op == "placeholder" and isinstance(value, nn.Parameter))
+
+
+def shares_cast(node: fx.Node, value) -> bool:
+    """Do all uses of ``node`` (whose value is ``value``) share one cast per dtype (True), or is each use cast on its own?
+
+    Shared: parameters and buffers (:func:`is_model_tensor`). For a trainable
+    FP32 parameter cast to the low dtype this is autocast's weight-cast cache,
+    which casts such a leaf once per autocast region and hands every use the
+    same copy, so a tied weight's gradients meet in that copy exactly as in
+    eager AMP. A buffer, or a frozen parameter, gets no gradient, so sharing
+    its cast is numerically free.
+
+    Per use: every other tensor (activations, inputs). Autocast casts inside
+    each op, so an FP32 activation read by q, k and v is cast three times, and
+    backward casts each use's gradient back to FP32 before autograd sums them.
+    One shared cast would sum them in the cast's dtype first (bf16 for a low
+    cast): a loss of gradient precision, and not autocast's numbers. Per-use
+    casts of one tensor are identical in forward, so a compiler's CSE (Inductor's)
+    merges them there.
+
+    >>> import torch, torch.fx as fx
+    >>> gm = fx.symbolic_trace(torch.nn.Linear(2, 2))
+    >>> [(n.name, shares_cast(n, None)) for n in gm.graph.nodes if n.op in ("placeholder", "get_attr")]
+    [('input_1', False), ('weight', True), ('bias', True)]
+    """
+    return is_model_tensor(node, value)
 
 
 def runs_under_autocast(kind: str, *, is_module_call: bool) -> bool:

@@ -22,7 +22,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from compfx.analyze import model_device
 from compfx.capture import meta_value, normalize_example_inputs
-from compfx.cast_policy import AutocastRegion, is_cast
+from compfx.cast_policy import AutocastRegion, is_cast, is_model_tensor
 from compfx.vocabulary import dtype_name
 
 __all__ = ["CastInfo", "CastReport", "casts_in", "cast_report", "count_casts", "count_autocast_casts"]
@@ -41,7 +41,7 @@ class CastInfo:
     dst: torch.dtype
     numel: int
     backward: bool  # its input needs a gradient, so backward casts the gradient back
-    parameter: bool  # it converts a parameter or buffer (a get_attr node, or a Parameter placeholder)
+    parameter: bool  # it converts a parameter or buffer (cast_policy.is_model_tensor): one cast shared by all uses
 
 
 def casts_in(gm: fx.GraphModule) -> list[CastInfo]:
@@ -59,8 +59,7 @@ def casts_in(gm: fx.GraphModule) -> list[CastInfo]:
         typed = isinstance(before, torch.Tensor) and isinstance(after, torch.Tensor)
         casts.append(CastInfo(
             node.name, before.dtype if typed else None, after.dtype if typed else None,
-            after.numel() if typed else 0, bool(typed and before.requires_grad),
-            source.op == "get_attr" or isinstance(before, nn.Parameter)))
+            after.numel() if typed else 0, bool(typed and before.requires_grad), is_model_tensor(source, before)))
     return casts
 
 

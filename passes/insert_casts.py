@@ -16,9 +16,11 @@ Data movement ops (no OpKey) never get casts; their output dtype follows.
 Dtypes are tracked with :class:`~compfx.passes.propagate_dtypes.DtypePropagator`
 as the pass goes, so no cast is inserted where a tensor already has the needed
 dtype, and every node's ``meta["val"]`` holds the value it has after the
-rewrite. One cast node per (tensor, dtype) is shared by all consumers; a
-parameter is cast at most once per forward (autocast's weight-cast cache).
-The graph's outputs are left in the dtypes they reach; restoring the model's
+rewrite. Who shares a cast is :func:`~compfx.cast_policy.shares_cast`'s rule:
+a parameter or buffer is cast once per dtype and forward, and its uses share
+that cast (autocast's weight-cast cache); any other tensor gets one cast per
+use, inserted right before the op, so its uses' gradients meet in its own
+dtype, as under autocast. The graph's outputs are left in the dtypes they reach; restoring the model's
 output dtypes is :mod:`compfx.passes.restore_output_dtypes`'s job.
 """
 
@@ -32,7 +34,8 @@ import torch
 import torch.fx as fx
 
 from compfx.capture import get_attribute, has_side_effects
-from compfx.cast_policy import CAST_META, AutocastRegion, castable_inputs, runs_as_is, runs_under_autocast
+from compfx.cast_policy import (CAST_META, AutocastRegion, castable_inputs, runs_as_is, runs_under_autocast,
+                                shares_cast)
 from compfx.errors import PassError
 from compfx.opkey import KEY_META, OpKey
 from compfx.oplists import classify
@@ -134,7 +137,7 @@ class _CastInserter:
         self.precisions, self.low_dtype = precisions, low_dtype
         self.default_precision = default_precision
         self.dtypes = DtypePropagator(gm, graph)
-        self.casts: dict[tuple[Any, torch.dtype], fx.Node] = {}
+        self.casts: dict[tuple[Any, torch.dtype], fx.Node] = {}  # the shared casts (see cast_policy.shares_cast)
         self.regions: list[str] = []  # submodules added to gm (removed again if the pass fails)
         self.device_type = self.dtypes.device_type()
         if categories is None:  # autocast's table for the graph's device type
@@ -176,14 +179,18 @@ class _CastInserter:
         return functools.reduce(torch.promote_types, dtypes) if dtypes else None
 
     def _cast_inputs(self, node: fx.Node, castable: list[tuple[Any, fx.Node]], dtype: torch.dtype | None) -> None:
-        """Cast the ``castable`` inputs of ``node`` to ``dtype`` (None: no casts)."""
+        """Cast the ``castable`` inputs of ``node`` to ``dtype`` (None: no casts), each use in argument order."""
         if dtype is None:
             return
-        args = dict.fromkeys(arg for _, arg in castable)  # ordered, no repeats
-        replace = {arg: self._cast(arg, dtype, node) for arg in args if self.dtypes.value(arg).dtype != dtype}
-        if replace:
-            node.args = fx.node.map_arg(node.args, lambda n: replace.get(n, n))
-            node.kwargs = fx.node.map_arg(node.kwargs, lambda n: replace.get(n, n))
+        wanted = {pair for pair in castable if self.dtypes.value(pair[1]).dtype != dtype}
+        if not wanted:
+            return
+
+        def cast_uses(position, value):  # every occurrence is a use: mm(x, x) casts x twice, as autocast does
+            return fx.node.map_arg(value, lambda arg: self._cast(arg, dtype, node) if (position, arg) in wanted else arg)
+
+        node.args = tuple(cast_uses(i, value) for i, value in enumerate(node.args))
+        node.kwargs = {name: cast_uses(name, value) for name, value in node.kwargs.items()}
 
     def _run_under_autocast(self, node: fx.Node) -> bool:
         if node.op == "call_module":
@@ -208,8 +215,10 @@ class _CastInserter:
 
     # -- casts ---------------------------------------------------------------------
     def _cast(self, source: fx.Node, dtype: torch.dtype, consumer: fx.Node) -> fx.Node:
+        """A cast of ``source`` to ``dtype`` for ``consumer``: the shared one if the rule shares it, else a new one."""
+        shared = shares_cast(source, self.dtypes.value(source))
         identity = self._identity(source)
-        cached = self.casts.get((identity, dtype))
+        cached = self.casts.get((identity, dtype)) if shared else None
         if cached is not None:
             return cached
         with self.graph.inserting_before(consumer):
@@ -221,11 +230,12 @@ class _CastInserter:
             raise PassError(f"{PASS_NAME} could not cast {source.name} to {dtype} on fake values; please report "
                             "this with the model that triggers it.")
         self.dtypes.record(cast, value, like=source)
-        self.casts[(identity, dtype)] = cast
+        if shared:
+            self.casts[(identity, dtype)] = cast
         return cast
 
     def _identity(self, node: fx.Node):
-        """Casts are shared per tensor: two get_attr nodes of one parameter share one cast."""
+        """Shared casts are per tensor: two get_attr nodes of one parameter share one cast."""
         if node.op == "get_attr":
             return ("attr", id(get_attribute(self.gm, node.target)))
         return node

@@ -56,7 +56,9 @@ def output_dtypes(gm: fx.GraphModule) -> list[torch.dtype | None]:
 def restore_output_dtypes(gm: fx.GraphModule, dtypes: Sequence[torch.dtype | None]) -> fx.GraphModule:
     """Cast each returned node back to ``dtypes[i]`` (from :func:`output_dtypes`) where it differs; returns ``gm``.
 
-    A cast of the same node to the same dtype already in the graph is reused.
+    Being returned is a use like any other (:func:`compfx.cast_policy.shares_cast`):
+    an output gets a cast of its own even where an op already reads a cast of the
+    same tensor to the same dtype.
     """
     outputs = _output_args(gm)
     if len(outputs) != len(dtypes):
@@ -70,19 +72,12 @@ def restore_output_dtypes(gm: fx.GraphModule, dtypes: Sequence[torch.dtype | Non
         if (wanted is None or node in replace or not isinstance(value, torch.Tensor)
                 or not value.is_floating_point() or value.dtype == wanted):
             continue
-        replace[node] = _existing_cast(node, wanted) or _insert_cast(gm, propagator, node, wanted, output)
+        replace[node] = _insert_cast(gm, propagator, node, wanted, output)
     if replace:
         output.args = fx.node.map_arg(output.args, lambda n: replace.get(n, n))
         gm.graph.lint()
         gm.recompile()
     return gm
-
-
-def _existing_cast(node: fx.Node, dtype: torch.dtype) -> fx.Node | None:
-    for user in node.users:
-        if user.meta.get(CAST_META) and user.args[1:] == (dtype,) and user.args[0] is node:
-            return user
-    return None
 
 
 def _insert_cast(gm: fx.GraphModule, propagator: DtypePropagator, node: fx.Node, dtype: torch.dtype,

@@ -18,7 +18,7 @@ from compfx.capture import key_dynamo_graph
 from compfx.errors import PassError
 from compfx.opkey import KEY_META
 from compfx.capture import meta_value
-from compfx.cast_policy import CAST_META, AutocastRegion
+from compfx.cast_policy import CAST_META, AutocastRegion, shares_cast
 from compfx.passes import (apply_precisions, cast_report, count_autocast_casts, count_casts, insert_casts,
                            output_dtypes, propagate_dtypes, restore_output_dtypes)
 from zoo import ZOO, make
@@ -46,15 +46,27 @@ def _cast_nodes(gm):
 
 
 def _assert_cast_invariants(gm):
-    """No cast to a dtype the tensor already has; no (tensor, dtype) pair cast twice; meta matches reality."""
+    """No cast to a dtype the tensor already has; meta matches reality; and who shares a cast (cast_policy.shares_cast):
+    a parameter or buffer is cast at most once per dtype, every other tensor once per use (each such cast has one use).
+    """
     seen = set()
     for cast in _cast_nodes(gm):
         source, target = cast.args
         assert meta_value(source).dtype != target, f"{cast.name} casts {source.name} to the dtype it has"
         assert meta_value(cast).dtype == target
-        identity = _tensor_identity(gm, source)
-        assert (identity, target) not in seen, f"{source.name} is cast to {target} twice"
-        seen.add((identity, target))
+        if shares_cast(source, meta_value(source)):
+            identity = _tensor_identity(gm, source)
+            assert (identity, target) not in seen, f"{source.name} is cast to {target} twice"
+            seen.add((identity, target))
+        else:
+            uses = [arg for user in cast.users for arg in _flat_args(user) if arg is cast]
+            assert len(uses) == 1, f"{cast.name} (a cast of activation {source.name}) has {len(uses)} uses"
+
+
+def _flat_args(node):
+    found = []
+    fx.node.map_arg((node.args, node.kwargs), lambda n: found.append(n) or n)
+    return found
 
 
 def _tensor_identity(gm, node):
@@ -260,7 +272,7 @@ def test_insert_casts_leaves_outputs_low_and_restore_output_dtypes_casts_them_ba
         restore_output_dtypes(gm, before * 2)
 
 
-def test_restore_output_dtypes_reuses_a_cast_already_in_the_graph():
+def test_a_returned_activation_gets_its_own_cast_back_even_where_an_op_reads_one():
     class TwoOutputs(nn.Module):
         def forward(self, x):
             y = torch.relu(x.bfloat16())  # y feeds an op the plan runs in FP32, and is returned too
@@ -271,7 +283,8 @@ def test_restore_output_dtypes_reuses_a_cast_already_in_the_graph():
     gm = insert_casts(gm, precisions, low_dtype=torch.bfloat16)
     casts = count_casts(gm)
     gm = restore_output_dtypes(gm, [torch.float32, torch.float32])
-    assert count_casts(gm) == casts  # softmax's cast of y to FP32 is returned as the second output
+    assert count_casts(gm) == casts + 1  # being returned is a use: one cast per use (cast_policy.shares_cast)
+    _assert_cast_invariants(gm)
     assert [t.dtype for t in gm(torch.randn(3, 4))] == [torch.float32, torch.float32]
 
 
