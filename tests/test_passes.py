@@ -288,6 +288,37 @@ def test_a_returned_activation_gets_its_own_cast_back_even_where_an_op_reads_one
     assert [t.dtype for t in gm(torch.randn(3, 4))] == [torch.float32, torch.float32]
 
 
+class _NativeMHA(nn.Module):
+    """Returns the (output, weights) tuple of the fused op whole, as nn.MultiheadAttention's fast path does."""
+
+    def __init__(self):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+
+    def forward(self, x):
+        m = self.mha
+        return torch._native_multi_head_attention(x, x, x, 16, 2, m.in_proj_weight, m.in_proj_bias,
+                                                  m.out_proj.weight, m.out_proj.bias, None, True, True, 1)
+
+
+@pytest.mark.parametrize("plan", ["amp", "low"])
+def test_native_multi_head_attentions_tuple_comes_back_in_the_models_dtype(plan):
+    model, x = _NativeMHA().eval(), torch.randn(2, 5, 16)
+    with torch.no_grad():
+        expected = model(x)
+        analysis = compfx.analyze(model, (x,))
+        assert output_dtypes(analysis.graph_module) == [(torch.float32, torch.float32)]
+        plan = compfx.Plan.amp(analysis) if plan == "amp" else compfx.Plan.uniform(analysis, "low")
+        gm = apply(model, plan, analysis=analysis)
+        out = gm(x)
+    assert cast_report(gm).autocast_regions == 1  # the op ran low, under autocast
+    assert type(out) is tuple and [t.dtype for t in out] == [torch.float32, torch.float32]
+    for got, want in zip(out, expected):
+        torch.testing.assert_close(got, want, rtol=5e-2, atol=5e-2)
+    assert output_dtypes(gm) == [torch.float32, torch.float32]  # now two returned nodes, both restored
+    assert count_casts(restore_output_dtypes(gm, output_dtypes(gm))) == count_casts(gm)
+
+
 def test_propagate_dtypes_refreshes_values_downstream_of_a_changed_dtype():
     model, inputs = make("cnn")
     gm = compfx.capture(model, inputs)
