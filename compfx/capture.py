@@ -35,8 +35,10 @@ from typing import Any, Iterable
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from .errors import BadInputError, CaptureError
@@ -44,6 +46,11 @@ from .opkey import KEY_META, OpKey, assign_op_keys, normalize_kind
 
 __all__ = [
     "capture",
+    "CAPTURE_METHODS",
+    "CAPTURE_DEFAULTS",
+    "capture_defaults",
+    "check_input_shapes",
+    "reads_its_state_in_python",
     "key_dynamo_graph",
     "buffers_restored",
     "normalize_example_inputs",
@@ -63,6 +70,9 @@ __all__ = [
 
 #: Positional args and keyword args for one forward call.
 ExampleInputs = tuple[tuple, dict]
+
+#: What ``capture(method=...)`` takes; ``"auto"`` tries the other three in this order.
+CAPTURE_METHODS = ("auto", "symbolic", "record", "dynamo")
 
 # Ops that only move or reinterpret data (or build constants). They get no
 # precision bit of their own: their output dtype follows their input (CoMP's
@@ -199,6 +209,13 @@ class _ValueProxy(fx.Proxy):
     def __len__(self):
         return len(self.tracer.value_of(self))
 
+    # torch.fx maps these Python 2 names to operator.div, which Python 3 does not have.
+    def __div__(self, other):
+        return self.tracer.create_proxy("call_function", operator.truediv, (self, other), {})
+
+    def __rdiv__(self, other):
+        return self.tracer.create_proxy("call_function", operator.truediv, (other, self), {})
+
 
 class _SpecializingTracer(fx.Tracer):
     """FX tracer that goes through torch.nn and resolves Python control flow on example values."""
@@ -235,7 +252,8 @@ class _SpecializingTracer(fx.Tracer):
 
     # -- which modules stay opaque ------------------------------------------
     def is_leaf_module(self, m: nn.Module, qualname: str) -> bool:
-        return qualname in self._leaf_names or (bool(self._leaf_types) and isinstance(m, self._leaf_types))
+        return (qualname in self._leaf_names or (bool(self._leaf_types) and isinstance(m, self._leaf_types))
+                or reads_its_state_in_python(m))
 
     def innermost_module(self) -> str | None:
         """``'path (Class)'`` of the module being traced (after a failure: the one that failed)."""
@@ -304,6 +322,10 @@ class _SpecializingTracer(fx.Tracer):
         return None
 
     def _run_leaf_on_fakes(self, module: nn.Module, args, kwargs):
+        if reads_its_state_in_python(module):
+            # Its forward reads a buffer into a Python float, which fakes cannot give;
+            # batch norm returns a tensor shaped and typed like its input.
+            return torch.empty_like(args[0])
         # functional_call swaps fake copies in for the module's own tensors, so
         # in-place updates (BatchNorm running stats) never touch the user's model.
         state = {name: self._fake(t) for name, t in named_tensors(module)}
@@ -351,6 +373,23 @@ class _SpecializingTracer(fx.Tracer):
 
     def iter(self, obj: fx.Proxy):
         return iter([obj[i] for i in range(len(self.value_of(obj)))])
+
+
+def reads_its_state_in_python(module: nn.Module) -> bool:
+    """Does ``module``'s forward turn one of its own buffers into a Python number at run time?
+
+    BatchNorm with ``momentum=None`` (a cumulative average) computes its factor
+    as ``1 / float(num_batches_tracked)`` in training. One graph cannot hold a
+    Python number that changes every step, so the symbolic tracer keeps such a
+    module whole (one ``call_module`` op that runs its own forward, exactly as
+    eager), under the same op key a traced-through batch norm gets.
+
+    >>> import torch
+    >>> reads_its_state_in_python(torch.nn.BatchNorm1d(4, momentum=None)), reads_its_state_in_python(torch.nn.BatchNorm1d(4))
+    (True, False)
+    """
+    return (isinstance(module, nn.modules.batchnorm._BatchNorm) and module.momentum is None and module.training
+            and module.track_running_stats)
 
 
 def get_attribute(root: nn.Module, target: str):
@@ -465,7 +504,7 @@ _cached_signature = functools.lru_cache(maxsize=1024)(_signature_uncached)
 
 _IN_PLACE_OPERATORS = frozenset(
     (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
-     operator.imatmul, operator.ipow, operator.iand, operator.ior, operator.ixor)
+     operator.imatmul, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.setitem)
 )
 
 
@@ -478,9 +517,415 @@ def is_in_place(target) -> bool:
     >>> import operator, torch
     >>> is_in_place("add_"), is_in_place(torch.relu_), is_in_place(operator.iadd), is_in_place("__add__")
     (True, True, True, False)
+    >>> is_in_place(operator.setitem)  # x[i] = v
+    True
     """
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or target in _IN_PLACE_OPERATORS
+
+
+# ---------------------------------------------------------------------------
+# recording capture
+
+
+class _DataDependentValue(CaptureError):
+    """The model reads a tensor's value into Python (``float(t)``, ``t.item()``): fakes have no values."""
+
+
+# Tensor dunders -> the operator function torch.fx (and dynamo) write for them, and whether the
+# reflected form swaps its operands (``2 - x`` calls ``x.__rsub__(2)``, i.e. ``sub(2, x)``).
+_DUNDER_OPERATORS = {
+    "__add__": (operator.add, False), "__radd__": (operator.add, True), "__iadd__": (operator.iadd, False),
+    "__sub__": (operator.sub, False), "__rsub__": (operator.sub, True), "__isub__": (operator.isub, False),
+    "__mul__": (operator.mul, False), "__rmul__": (operator.mul, True), "__imul__": (operator.imul, False),
+    "__truediv__": (operator.truediv, False), "__rtruediv__": (operator.truediv, True),
+    "__itruediv__": (operator.itruediv, False),
+    "__div__": (operator.truediv, False), "__rdiv__": (operator.truediv, True), "__idiv__": (operator.itruediv, False),
+    "__floordiv__": (operator.floordiv, False), "__rfloordiv__": (operator.floordiv, True),
+    "__ifloordiv__": (operator.ifloordiv, False),
+    "__matmul__": (operator.matmul, False), "__rmatmul__": (operator.matmul, True),
+    "__pow__": (operator.pow, False), "__rpow__": (operator.pow, True), "__ipow__": (operator.ipow, False),
+    "__mod__": (operator.mod, False), "__rmod__": (operator.mod, True),
+    "__neg__": (operator.neg, False), "__pos__": (operator.pos, False), "__abs__": (operator.abs, False),
+    "__invert__": (operator.invert, False),
+    "__and__": (operator.and_, False), "__rand__": (operator.and_, True), "__iand__": (operator.iand, False),
+    "__or__": (operator.or_, False), "__ror__": (operator.or_, True), "__ior__": (operator.ior, False),
+    "__xor__": (operator.xor, False), "__rxor__": (operator.xor, True), "__ixor__": (operator.ixor, False),
+    "__eq__": (operator.eq, False), "__ne__": (operator.ne, False), "__lt__": (operator.lt, False),
+    "__le__": (operator.le, False), "__gt__": (operator.gt, False), "__ge__": (operator.ge, False),
+    "__getitem__": (operator.getitem, False), "__setitem__": (operator.setitem, False),
+}
+# Calls that turn a tensor's value into a Python object; on fakes there is no value to give.
+_VALUE_READS = frozenset({"__bool__", "__float__", "__int__", "__index__", "__complex__", "item", "tolist"})
+
+
+class _CallRecorder(TorchFunctionMode):
+    """Writes every torch call of a forward that runs on FakeTensors into an FX graph.
+
+    The model's own Python runs (``isinstance`` checks, shape arithmetic, Hugging
+    Face's mask helpers); shapes are concrete, so the graph is specialised to
+    the example inputs, as dynamo's static capture is. A call is recorded when it
+    returns a tensor or writes one (``add_``, ``x[i] = v``, ``out=``); its tensor
+    arguments become the nodes that made them, parameters and buffers
+    ``get_attr`` nodes. Module calls are tracked by global forward hooks
+    (``nn_module_stack``, for op keys); ``torch.no_grad()`` blocks become
+    ``_set_grad_enabled`` nodes, as in the symbolic tracer.
+    """
+
+    def __init__(self, graph: fx.Graph, names_of_state: dict[int, str], module_names: dict[int, str]):
+        super().__init__()
+        self.graph = graph
+        self.node_of: dict[int, fx.Node] = {}  # id(tensor) -> the node that holds it
+        self._alive: list = []  # every tensor seen stays alive, so no id() is reused during the trace
+        self._state_names = names_of_state  # id(fake parameter or buffer) -> its FQN
+        self._module_names = module_names  # id(module) -> its FQN
+        self.constants: dict[str, torch.Tensor] = {}  # real tensors met along the way (non-buffer attributes)
+        self.module_stack: list[tuple[str, type]] = []
+        self._grad_mode_at_start = self._graph_grad_mode = torch.is_grad_enabled()
+        self._saved_grad_mode: fx.Node | None = None
+
+    # -- what the graph knows ----------------------------------------------------------
+    def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
+        self.node_of[id(tensor)] = node
+        self._alive.append(tensor)
+
+    def _node_for(self, tensor: torch.Tensor) -> fx.Node:
+        node = self.node_of.get(id(tensor))
+        if node is not None:
+            return node
+        name = self._state_names.get(id(tensor))
+        if name is not None:  # a parameter or buffer, read for the first time
+            node = self.graph.get_attr(name)
+        elif isinstance(tensor, FakeTensor):
+            raise CaptureError(
+                f"a tensor of shape {tuple(tensor.shape)} at {_user_line()}{self._inside()} came from a call that "
+                "torch's __torch_function__ does not show, so compfx cannot tell which op made it")
+        else:  # a plain tensor attribute or a global: a constant of the graph
+            name = f"_compfx_constant_{len(self.constants)}"
+            self.constants[name] = tensor
+            node = self.graph.get_attr(name)
+        node.meta["val"] = tensor
+        self.bind(tensor, node)
+        return node
+
+    def _argument(self, value):
+        if isinstance(value, torch.Tensor):
+            return self._node_for(value)
+        if isinstance(value, torch.Size):
+            return tuple(value)
+        if isinstance(value, (tuple, list)):
+            items = [self._argument(v) for v in value]
+            return items if isinstance(value, list) else tuple(items)
+        if isinstance(value, dict):
+            return {k: self._argument(v) for k, v in value.items()}
+        return value
+
+    # -- the mode ---------------------------------------------------------------------
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        name = getattr(func, "__name__", "")
+        if name == "__iter__":  # iterating a tensor unbinds it (one graph node, not a Python loop over fakes)
+            items = func(*args, **kwargs)
+            items = tuple(items)
+            self._record(torch.Tensor.unbind, "unbind", (args[0],), {}, items)
+            return iter(items)
+        try:
+            result = func(*args, **kwargs)
+        except DataDependentOutputException as error:
+            raise self._value_read_error(name, error) from error
+        if _writes(name, kwargs) or _holds_tensor(result):
+            self._record(func, name, args, kwargs, result)
+        return result
+
+    def _value_read_error(self, name: str, error: Exception) -> CaptureError:
+        if name == "__bool__":
+            return _ValueBranchError(
+                f"The model branches on tensor values at {_user_line()}. One FX graph cannot hold both sides of "
+                "that branch. Rewrite it with torch.where, move it out of forward(), or use "
+                "torch.compile(model, backend='compfx'), which splits the graph there.")
+        return _DataDependentValue(
+            f"the model reads a tensor's value into Python ({name}) at {_user_line()}{self._inside()}; the recording "
+            f"tracer runs on FakeTensors, which have no values ({_first_line(error)})")
+
+    def _inside(self) -> str:
+        if not self.module_stack:
+            return ""
+        path, cls = self.module_stack[-1]
+        return f" inside module {path} ({cls.__name__})"
+
+    def _record(self, func, name: str, args, kwargs, result) -> None:
+        self._follow_grad_mode()
+        args, kwargs = self._argument(args), self._argument(kwargs)
+        if name in _DUNDER_OPERATORS:
+            function, reflected = _DUNDER_OPERATORS[name]
+            node = self.graph.call_function(function, tuple(reversed(args)) if reflected else args, kwargs)
+        elif name == "__get__":  # a property that gives a tensor: x.T, x.mT, x.data
+            node = self.graph.call_function(getattr, (args[0], func.__self__.__name__))
+        elif args and isinstance(args[0], fx.Node) and getattr(torch.Tensor, name, None) is func:
+            node = self.graph.call_method(name, args, kwargs)
+        else:
+            node = self.graph.call_function(func, args, kwargs)
+        self._annotate(node, result)
+        if isinstance(result, torch.Tensor):
+            self.bind(result, node)
+        elif isinstance(result, (tuple, list)):
+            for i, item in enumerate(result):
+                if isinstance(item, torch.Tensor):
+                    item_node = self.graph.call_function(operator.getitem, (node, i))
+                    self._annotate(item_node, item)
+                    self.bind(item, item_node)
+        self._alive.append(result)
+
+    def _annotate(self, node: fx.Node, value) -> None:
+        node.meta["val"] = value
+        if self.module_stack:
+            node.meta["nn_module_stack"] = {path: (path, cls) for path, cls in self.module_stack}
+
+    def _follow_grad_mode(self) -> None:
+        """``with torch.no_grad():`` as graph nodes; the first switch saves the caller's mode to restore it."""
+        mode = torch.is_grad_enabled()
+        if mode == self._graph_grad_mode:
+            return
+        if self._saved_grad_mode is None:
+            self._saved_grad_mode = self.graph.call_function(torch.is_grad_enabled)
+            self._saved_grad_mode.meta["val"] = self._grad_mode_at_start
+        target = self._saved_grad_mode if mode == self._grad_mode_at_start else mode
+        self.graph.call_function(torch._C._set_grad_enabled, (target,)).meta["val"] = None
+        self._graph_grad_mode = mode
+
+    def finish_grad_mode(self) -> None:
+        if self._saved_grad_mode is not None and self._graph_grad_mode != self._grad_mode_at_start:
+            self.graph.call_function(torch._C._set_grad_enabled, (self._saved_grad_mode,)).meta["val"] = None
+
+    # -- module paths (global hooks: the tracer cannot see module calls otherwise) --------
+    @contextlib.contextmanager
+    def tracking_modules(self, root: nn.Module):
+        def enter(module, args):
+            path = self._module_names.get(id(module))
+            if path:  # the root's ops have an empty stack, as in the other tracers
+                self.module_stack.append((path, type(module)))
+
+        def leave(module, args, output):
+            path = self._module_names.get(id(module))
+            if path and self.module_stack and self.module_stack[-1][0] == path:
+                self.module_stack.pop()
+
+        handles = [nn.modules.module.register_module_forward_pre_hook(enter),
+                   nn.modules.module.register_module_forward_hook(leave, always_call=True)]
+        try:
+            yield
+        finally:
+            for handle in handles:
+                handle.remove()
+
+
+def _writes(name: str, kwargs: dict) -> bool:
+    """Does a call with this name write a tensor argument (``add_``, ``x[i] = v``, ``x += y``, ``out=``, ``inplace=True``)?"""
+    return (is_in_place(name) or name == "__setitem__" or (name.startswith("__i") and name in _DUNDER_OPERATORS)
+            or "out" in kwargs or kwargs.get("inplace") is True)
+
+
+def _holds_tensor(value) -> bool:
+    if isinstance(value, torch.Tensor):
+        return True
+    return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
+
+
+#: Keyword arguments compfx passes to ``forward`` when it takes them and the caller did not say:
+#: training never reads Hugging Face's KV cache, and the cache object is not something a graph can return.
+CAPTURE_DEFAULTS = {"use_cache": False}
+
+
+def capture_defaults(model: nn.Module, kwargs: dict) -> dict:
+    """The entries of :data:`CAPTURE_DEFAULTS` that ``model.forward`` accepts and ``kwargs`` does not set.
+
+    >>> import torch
+    >>> class LM(torch.nn.Module):
+    ...     def forward(self, input_ids, use_cache=None): ...
+    >>> capture_defaults(LM(), {}), capture_defaults(LM(), {"use_cache": True}), capture_defaults(torch.nn.Linear(2, 2), {})
+    ({'use_cache': False}, {}, {})
+    """
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {name: value for name, value in CAPTURE_DEFAULTS.items() if name in parameters and name not in kwargs}
+
+
+def _argument_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
+    """Names for the generated ``forward``'s parameters: forward's own for positional arguments, then the keywords."""
+    try:
+        parameters = [p for p in inspect.signature(model.forward).parameters.values()
+                      if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    except (TypeError, ValueError):
+        parameters = []
+    names = [parameters[i].name if i < len(parameters) else f"arg{i}" for i in range(len(args))]
+    return names + list(kwargs)
+
+
+def _record_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+    graph = fx.Graph()
+    flat_inputs, in_spec = pytree.tree_flatten((args, kwargs))
+    names = _argument_names(model, args, kwargs)
+    fakes_by_id: dict[int, torch.Tensor] = {}
+    state, state_names = {}, {}
+    for name, tensor in named_tensors(model):
+        if id(tensor) not in fakes_by_id:  # tied weights share one fake, under the first name
+            fakes_by_id[id(tensor)] = fake_mode.from_tensor(tensor, static_shapes=True)
+            state_names[id(fakes_by_id[id(tensor)])] = name
+        state[name] = fakes_by_id[id(tensor)]
+    recorder = _CallRecorder(graph, state_names, {id(m): n for n, m in model.named_modules(remove_duplicate=False)})
+    fake_inputs = []
+    for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+        placeholder = graph.placeholder(_placeholder_name(path, names, len(args)))
+        if isinstance(leaf, torch.Tensor):
+            leaf = fake_mode.from_tensor(leaf, static_shapes=True)
+            recorder.bind(leaf, placeholder)
+        placeholder.meta["val"] = leaf
+        fake_inputs.append(leaf)
+    fake_args, fake_kwargs = pytree.tree_unflatten(fake_inputs, in_spec)
+    fake_kwargs = {**fake_kwargs, **capture_defaults(model, kwargs)}
+    reassigned: list[str] = []
+
+    def check_state(module, args, output):  # after the root's forward, before functional_call puts things back
+        reassigned.extend(name for name, t in named_tensors(model) if t is not state[name])
+
+    hook = model.register_forward_hook(check_state)
+    try:
+        with recorder.tracking_modules(model), fake_mode, recorder, warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # the eager run says the same
+            output = torch.func.functional_call(model, state, fake_args, fake_kwargs, tie_weights=False, strict=False)
+    except CaptureError:
+        raise
+    except Exception as error:
+        raise CaptureError(f"the recording run failed with {_first_line(error)} at {_error_site(error)}") from error
+    finally:
+        hook.remove()
+    if reassigned:
+        raise CaptureError(
+            f"forward() assigns new tensors to {', '.join(sorted(set(reassigned))[:3])}; compfx graphs replay in-place "
+            "updates of parameters and buffers (self.x.add_(...), self.x.copy_(...)) but not reassignment. Update "
+            "them in place.")
+    recorder.finish_grad_mode()
+    graph.output(_output_nodes(output, recorder))
+    gm = fx.GraphModule(model, graph, class_name=type(model).__name__ + "Captured")
+    for name, constant in recorder.constants.items():
+        gm.register_buffer(name, constant, persistent=False)
+    gm.graph.set_codegen(_PyTreeCodeGen(_PyTreeInfo(names, in_spec, pytree.tree_structure(output))))
+    gm.graph.eliminate_dead_code(is_impure_node=has_side_effects)
+    gm.recompile()
+    return gm
+
+
+def _placeholder_name(path, names: list[str], positional: int) -> str:
+    """``input_ids`` for a keyword, ``x`` for a positional argument, ``x_0`` for an item inside one."""
+    top, index = path[0].idx, path[1]  # (args, kwargs) -> which of the two, then the position or key
+    base = names[index.idx] if top == 0 else str(index.key)
+    return "_".join([base, *(str(getattr(p, "idx", getattr(p, "key", p))) for p in path[2:])])
+
+
+def _output_nodes(output, recorder: _CallRecorder) -> list:
+    nodes = []
+    for path, leaf in pytree.tree_flatten_with_path(output)[0]:
+        if isinstance(leaf, torch.Tensor):
+            nodes.append(recorder._node_for(leaf))
+        elif leaf is None or isinstance(leaf, (bool, int, float, str)):
+            nodes.append(leaf)
+        else:
+            where = pytree.keystr(path) or "the output"
+            raise CaptureError(
+                f"the model returns a {type(leaf).__name__} at output{where}, which an FX graph cannot return"
+                + (" (Hugging Face's KV cache: the batch sets use_cache=True; training does not read the cache, so "
+                   "leave use_cache out of the batch, and compfx captures with use_cache=False)"
+                   if "Cache" in type(leaf).__name__ else "; return tensors, or tuples, lists and dicts of them"))
+    return nodes
+
+
+# ---------------------------------------------------------------------------
+# input checks of shape-specialised graphs
+
+
+@fx.node.has_side_effect  # dead-code elimination keeps it: nothing reads its result
+def check_input_shapes(expected: tuple, *tensors) -> None:
+    """Raise :class:`~compfx.errors.BadInputError` naming the input and dimension that differ from ``expected``.
+
+    ``expected`` holds ``(name, shape, dtype)`` per tensor input, in order. A
+    recorded or dynamo-captured graph calls this first: its ops were written
+    for those shapes (views, expands and masks hold the sizes as constants), so
+    other shapes would fail deep inside, or worse, run.
+
+    >>> import torch
+    >>> check_input_shapes((("x", (2, 3), torch.float32),), torch.zeros(2, 3))
+    >>> check_input_shapes((("x", (2, 3), torch.float32),), torch.zeros(5, 3))
+    Traceback (most recent call last):
+    ...
+    compfx.errors.BadInputError: x has size 5 in dimension 0 (the batch), but this graph was captured with ...
+    """
+    for (name, shape, dtype), tensor in zip(expected, tensors):
+        if tuple(tensor.shape) == shape and tensor.dtype == dtype:
+            continue
+        if len(tensor.shape) != len(shape):
+            what = f"{name} has {len(tensor.shape)} dimensions ({tuple(tensor.shape)}), but this graph was captured with {len(shape)} ({shape})"
+        elif tuple(tensor.shape) != shape:
+            dim = next(i for i, (a, b) in enumerate(zip(tensor.shape, shape)) if a != b)
+            role = " (the batch)" if dim == 0 else " (the sequence, for token inputs)" if dim == 1 and not tensor.is_floating_point() else ""
+            what = (f"{name} has size {tensor.shape[dim]} in dimension {dim}{role}, but this graph was captured with "
+                    f"{shape[dim]} (shape {shape})")
+        else:
+            what = f"{name} is {tensor.dtype}, but this graph was captured with {dtype}"
+        raise BadInputError(
+            f"{what}. Recorded and dynamo-captured graphs are specialised to the shapes and dtypes they were captured "
+            "with. Run the model through compfx.optimize(...).module or compfx.apply.PlannedModule(model, plan, "
+            "analysis=...), which re-capture per input shape with the same plan, or capture with inputs of this shape.")
+
+
+def _with_input_check(gm: fx.GraphModule) -> fx.GraphModule:
+    """Put a :func:`check_input_shapes` call after the placeholders of a shape-specialised graph."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    tensors = [n for n in placeholders if isinstance(n.meta.get("val", n.meta.get("example_value")), torch.Tensor)]
+    if not tensors:
+        return gm
+    names = dict(zip(placeholders, _input_names(gm, len(placeholders))))
+    expected = tuple((names[n], tuple(_concrete_shape(meta_value(n))), meta_value(n).dtype) for n in tensors)
+    with gm.graph.inserting_after(placeholders[-1]):
+        check = gm.graph.call_function(check_input_shapes, (expected, *tensors))
+    check.meta["val"] = None
+    gm.recompile()
+    return gm
+
+
+def _input_names(gm: fx.GraphModule, count: int) -> list[str]:
+    """What the caller calls each placeholder: ``input_ids``, ``x``, ``batch[1]`` (dynamo's own names are not that)."""
+    info = getattr(gm.graph._codegen, "pytree_info", None)
+    if info is None or info.in_spec is None or info.in_spec.num_leaves != count:
+        return [n.name for n in gm.graph.nodes if n.op == "placeholder"]
+    names = []
+    positional = _child(info.in_spec, 0).num_children if _is_args_kwargs(info.in_spec) else len(info.orig_args)
+    for path, _ in pytree.tree_flatten_with_path(pytree.tree_unflatten(list(range(count)), info.in_spec))[0]:
+        if _is_args_kwargs(info.in_spec):
+            first, rest = path[1], path[2:]
+            base = info.orig_args[first.idx] if path[0].idx == 0 and first.idx < positional else str(
+                getattr(first, "key", getattr(first, "idx", "")))
+        else:
+            first, rest = path[0], path[1:]
+            base = info.orig_args[first.idx] if first.idx < len(info.orig_args) else f"arg{first.idx}"
+        names.append(base + pytree.keystr(rest))
+    return names
+
+
+def _is_args_kwargs(spec) -> bool:
+    return (spec.type is tuple and spec.num_children == 2 and _child(spec, 0).type is tuple
+            and _child(spec, 1).type is dict)
+
+
+def _child(spec, index: int):
+    """``spec.child(index)``; ``children_specs`` before torch had it (deprecated since)."""
+    return spec.child(index) if hasattr(spec, "child") else spec.children_specs[index]
+
+
+def _concrete_shape(value: torch.Tensor) -> tuple[int, ...]:
+    return tuple(int(d) for d in value.shape)
 
 
 # ---------------------------------------------------------------------------
@@ -502,9 +947,13 @@ def buffers_restored(model: nn.Module):
 def _dynamo_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     # allow_rnn: keep nn.GRU/LSTM in the graph as one op, as the symbolic tracer does.
     # Static shapes: compfx specialises to the example inputs (TC rules need concrete dims).
+    defaults = capture_defaults(model, kwargs)
     with torch._dynamo.config.patch(allow_rnn=True), buffers_restored(model):
-        exported = torch._dynamo.export(model, aten_graph=False, assume_static_by_default=True)(*args, **kwargs)
+        exported = torch._dynamo.export(model, aten_graph=False, assume_static_by_default=True)(
+            *args, **kwargs, **defaults)
     gm = exported.graph_module
+    if defaults:
+        _drop_keywords(gm, args, kwargs, defaults)
     fqn_of = {id(t): name for name, t in named_tensors(model)}
     for node in gm.graph.nodes:
         if node.op == "get_attr":
@@ -513,6 +962,24 @@ def _dynamo_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModu
                 node.target = fqn_of[id(attr)]
     _restore_callers_grad_mode(gm.graph, torch.is_grad_enabled())
     return fx.GraphModule(model, gm.graph, class_name=type(model).__name__ + "Captured")
+
+
+def _drop_keywords(gm: fx.GraphModule, args: tuple, kwargs: dict, defaults: dict) -> None:
+    """Make an exported graph take the caller's ``(args, kwargs)``, without the capture ``defaults`` it ran with.
+
+    The defaults were passed last, each a single leaf, so they are the last
+    placeholders; the graph is specialised to their values and never reads them.
+    """
+    info = gm.graph._codegen.pytree_info
+    dropped = [n for n in gm.graph.nodes if n.op == "placeholder"][-len(defaults):]
+    for node in dropped:
+        if node.users:
+            raise CaptureError(f"dynamo's graph reads {node.name!r}, which compfx passed as a constant "
+                               f"({', '.join(f'{k}={v!r}' for k, v in defaults.items())}) and expected to be specialised away")
+        gm.graph.erase_node(node)
+    in_spec = pytree.tree_structure((args, kwargs))
+    gm.graph.set_codegen(_PyTreeCodeGen(_PyTreeInfo(info.orig_args[: -len(defaults)], in_spec, info.out_spec)))
+    gm.recompile()
 
 
 def _restore_callers_grad_mode(graph: fx.Graph, mode_at_capture: bool) -> None:
@@ -607,11 +1074,19 @@ def capture(
 ) -> fx.GraphModule:
     """Trace ``model`` to a functional FX graph; every numerical op gets an OpKey.
 
-    ``method`` is ``"auto"`` (symbolic, then dynamo), ``"symbolic"`` or
-    ``"dynamo"``. ``leaf_modules`` names module types or qualified names that
-    stay as one ``call_module`` op (symbolic capture only; dynamo inlines
-    everything). The graph is specialised to the model's current train/eval
-    mode and to the branches the example inputs take.
+    ``method`` is ``"auto"`` (symbolic, then record, then dynamo),
+    ``"symbolic"``, ``"record"`` or ``"dynamo"``. *Symbolic* tracing follows
+    the code with proxies; its graphs compute shapes at run time. *Record* runs
+    forward on FakeTensors and writes down every torch call (Hugging Face models
+    land here: their Python runs as is, in a fraction of dynamo's time);
+    *dynamo* is ``torch._dynamo.export``. Recorded and dynamo graphs are
+    specialised to the example inputs' shapes and check them when called
+    (:func:`check_input_shapes`); :class:`compfx.apply.PlannedModule` re-captures
+    per input signature. ``leaf_modules`` names module types or qualified names
+    that stay as one ``call_module`` op (symbolic capture only). The graph is
+    specialised to the model's current train/eval mode and to the branches the
+    example inputs take. Where ``forward`` takes ``use_cache`` and the inputs do
+    not set it, the model runs with ``use_cache=False`` (:data:`CAPTURE_DEFAULTS`).
 
     >>> import torch, compfx
     >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(2, 4))
@@ -620,8 +1095,8 @@ def capture(
     """
     if not isinstance(model, nn.Module):
         raise BadInputError(f"capture() takes an nn.Module; got {type(model).__name__}.")
-    if method not in ("auto", "symbolic", "dynamo"):
-        raise BadInputError(f"method={method!r}; expected 'auto', 'symbolic' or 'dynamo'.")
+    if method not in CAPTURE_METHODS:
+        raise BadInputError(f"method={method!r}; expected one of {', '.join(map(repr, CAPTURE_METHODS))}.")
     args, kwargs = normalize_example_inputs(example_inputs)
     with _modes_restored(model), _fake_tensor_failures_quiet():
         gm = _capture_with(model, args, kwargs, leaf_modules, method)
@@ -657,26 +1132,38 @@ def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
         except BadInputError:
             raise
         except _ValueBranchError as error:
-            # Dynamo cannot make one graph of it either; our message names the line.
+            # No tracer can make one graph of it; our message names the line.
             raise CaptureError(str(error)) from error.__cause__
         except CaptureError as error:
-            _check_runs_eagerly(model, args, kwargs, error)  # wrong example inputs: say so, skip dynamo
             if method == "symbolic":
+                _check_runs_eagerly(model, args, kwargs, error)  # wrong example inputs: say so
                 raise CaptureError(_capture_advice(model, [str(error)])) from error
             failures.append(str(error))
     if tuple(leaf_modules):
         warnings.warn(
-            f"compfx captures {type(model).__name__} with dynamo, which inlines every module: "
-            "leaf_modules is ignored and those modules' ops get keys of their own.",
+            f"compfx captures {type(model).__name__} by running it (recording, or dynamo), which inlines every "
+            "module: leaf_modules is ignored and those modules' ops get keys of their own.",
             stacklevel=3,
         )
+    if method in ("auto", "record"):
+        try:
+            gm = _record_capture(model, args, kwargs)
+            gm.meta["compfx_capture_method"] = "record"
+            return _with_input_check(gm)
+        except _ValueBranchError as error:
+            raise CaptureError(str(error)) from error.__cause__
+        except CaptureError as error:
+            _check_runs_eagerly(model, args, kwargs, error)  # wrong example inputs: say so, skip dynamo
+            if method == "record":
+                raise CaptureError(_capture_advice(model, [str(error)])) from error
+            failures.append(str(error))
     try:
         gm = _dynamo_capture(model, args, kwargs)
     except Exception as error:
         failures.append(f"dynamo export failed with {_first_line(error)} at {_error_site(error)}")
         raise CaptureError(_capture_advice(model, failures)) from error
     gm.meta["compfx_capture_method"] = "dynamo"
-    return gm
+    return _with_input_check(gm)
 
 
 class _DropFailedMetaTracebacks(logging.Filter):

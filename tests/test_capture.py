@@ -28,7 +28,7 @@ def _captured(name, method):
     return model, inputs, capture(model, inputs, method=method)
 
 
-@pytest.mark.parametrize("method", ["symbolic", "dynamo"])
+@pytest.mark.parametrize("method", ["symbolic", "record", "dynamo"])
 @pytest.mark.parametrize("name", ZOO_NAMES)
 def test_captured_graph_matches_eager_and_has_metadata_everywhere(name, method):
     model, inputs, gm = _captured(name, method)
@@ -58,9 +58,10 @@ def _torch_compile_keys(model, inputs):
 
 
 @pytest.mark.parametrize("name", ZOO_NAMES)
-def test_symbolic_dynamo_and_torch_compile_give_the_same_keys(name):
+def test_symbolic_record_dynamo_and_torch_compile_give_the_same_keys(name):
     model, inputs, symbolic_gm = _captured(name, "symbolic")
     symbolic = _keys(symbolic_gm)
+    assert symbolic == _keys(_captured(name, "record")[2])
     assert symbolic == _keys(_captured(name, "dynamo")[2])
     assert symbolic == _torch_compile_keys(model, inputs)
 
@@ -84,11 +85,11 @@ def test_key_dynamo_graph_continues_indices_across_graphs():
 
 
 @pytest.mark.parametrize("leaf_modules", [(), (nn.BatchNorm2d,)])
-@pytest.mark.parametrize("method", ["symbolic", "dynamo"])
+@pytest.mark.parametrize("method", ["symbolic", "record", "dynamo"])
 @pytest.mark.parametrize("training", [True, False])
 def test_capture_does_not_change_the_model(training, method, leaf_modules):
-    if method == "dynamo" and leaf_modules:
-        pytest.skip("dynamo ignores leaf_modules (tested below)")
+    if method != "symbolic" and leaf_modules:
+        pytest.skip("recording and dynamo ignore leaf_modules (tested below)")
     model, inputs = make("cnn")
     model.train(training)
     before = copy.deepcopy(model.state_dict())
@@ -100,7 +101,7 @@ def test_capture_does_not_change_the_model(training, method, leaf_modules):
         assert torch.equal(after[name], value), f"capture changed {name}"
 
 
-@pytest.mark.parametrize("method", ["symbolic", "dynamo"])
+@pytest.mark.parametrize("method", ["symbolic", "record", "dynamo"])
 def test_running_the_captured_graph_updates_batchnorm_like_eager(method):
     model, inputs = make("cnn")
     gm = capture(model, inputs, method=method)
@@ -138,7 +139,7 @@ class ValueBranch(nn.Module):
         return -y
 
 
-@pytest.mark.parametrize("method", ["auto", "symbolic", "dynamo"])
+@pytest.mark.parametrize("method", ["auto", "symbolic", "record", "dynamo"])
 def test_value_branch_error_names_the_users_line(method):
     line = next(i for i, text in enumerate(inspect.getsource(ValueBranch).splitlines()) if "VALUE-BRANCH" in text)
     lineno = inspect.getsourcelines(ValueBranch)[1] + line
@@ -167,7 +168,7 @@ class Outer(nn.Module):
         return self.block(x)
 
 
-def test_symbolic_failure_names_module_and_line_and_auto_falls_back_to_dynamo():
+def test_symbolic_failure_names_module_and_line_and_auto_falls_back_to_recording():
     model, x = Outer(), torch.randn(2, 4)
     with pytest.raises(CaptureError) as info:
         capture(model, x, method="symbolic")
@@ -176,8 +177,9 @@ def test_symbolic_failure_names_module_and_line_and_auto_falls_back_to_dynamo():
     assert "test_capture.py" in message and "torch.Tensor.matmul(x, x.t())" in message
     assert info.value.__cause__ is not None
     gm = capture(model, x)
-    assert gm.meta["compfx_capture_method"] == "dynamo"
+    assert gm.meta["compfx_capture_method"] == "record"
     assert _keys(gm) == ["block.0:linear#0", "block.1:matmul#0"]
+    torch.testing.assert_close(gm(x), model(x))
 
 
 class Block(nn.Module):
@@ -198,9 +200,10 @@ class WithBlocks(nn.Module):
         return self.b(self.a(x))
 
 
-def test_dynamo_warns_that_it_ignores_leaf_modules():
+@pytest.mark.parametrize("method", ["record", "dynamo"])
+def test_recording_and_dynamo_warn_that_they_ignore_leaf_modules(method):
     with pytest.warns(UserWarning, match="leaf_modules is ignored"):
-        gm = capture(WithBlocks(), torch.randn(2, 4), leaf_modules=[Block], method="dynamo")
+        gm = capture(WithBlocks(), torch.randn(2, 4), leaf_modules=[Block], method=method)
     assert _keys(gm) == ["a.fc:linear#0", "a:tanh#0", "b.fc:linear#0", "b:tanh#0"]
 
 
@@ -227,7 +230,7 @@ class DictInDictOut(nn.Module):
         return {"logits": logits, "extra": (logits.softmax(-1), logits.sum())}
 
 
-@pytest.mark.parametrize("method", ["symbolic", "dynamo"])
+@pytest.mark.parametrize("method", ["symbolic", "record", "dynamo"])
 def test_kwargs_inputs_and_dict_tuple_outputs(method):
     model = DictInDictOut()
     kwargs = {"features": torch.randn(2, 4), "mask": torch.randn(2, 3)}
@@ -247,7 +250,7 @@ class NoGradPart(nn.Module):
         return self.trained(x) * target
 
 
-@pytest.mark.parametrize("method", ["symbolic", "dynamo"])
+@pytest.mark.parametrize("method", ["symbolic", "record", "dynamo"])
 def test_no_grad_blocks_are_kept(method):
     model, x = NoGradPart(), torch.randn(2, 4)
     gm = capture(model, x, method=method)
@@ -270,7 +273,7 @@ class TrainingCheck(nn.Module):
         return y * 2 if self.training else F.relu(y)
 
 
-@pytest.mark.parametrize("method", ["symbolic", "dynamo"])
+@pytest.mark.parametrize("method", ["symbolic", "record", "dynamo"])
 def test_self_training_checks_specialise_to_the_current_mode(method):
     model, x = TrainingCheck(), torch.randn(2, 4)
     train_gm = capture(model, x, method=method)
