@@ -8,7 +8,8 @@
   performs, for comparison.
 
 :func:`apply_precisions` runs the rewrite passes in order; :func:`compfx.apply` and the compile backend call it.
-The rules the passes apply (what a cast is, which inputs are cast) live in :mod:`compfx.cast_policy`.
+The rules the passes apply (what a cast is, which inputs are cast, who shares a cast) live in
+:mod:`compfx.cast_policy`.
 """
 
 from __future__ import annotations
