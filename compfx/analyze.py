@@ -7,9 +7,10 @@ movement (view, permute, getitem, cat, ...) carries none: it follows its input.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass, field
-from typing import Iterable, Mapping
+from typing import Hashable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
@@ -17,7 +18,7 @@ import torch.nn as nn
 from tabulate import tabulate
 from torch.utils import _pytree as pytree
 
-from .capture import capture, op_nodes
+from .capture import capture, input_signature, module_modes, normalize_example_inputs, op_nodes
 from .errors import BadInputError
 from .opkey import KEY_META, OpKey
 from .oplists import classify
@@ -60,6 +61,12 @@ class Analysis:
     low_dtype: torch.dtype
     graph_module: fx.GraphModule = field(repr=False)
     capture_method: str = "symbolic"
+    #: How the graph was captured, so that it can be captured again at other input shapes
+    #: (:class:`compfx.apply.PlannedModule`): the example inputs' :func:`~compfx.capture.input_signature`
+    #: (None for graphs handed over by torch.compile), the leaf modules, and each module's train/eval mode.
+    example_signature: Hashable = field(default=None, repr=False)
+    leaf_modules: tuple = ()
+    modes: Mapping[str, bool] | None = field(default=None, repr=False)
 
     @property
     def keys(self) -> tuple[OpKey, ...]:
@@ -228,5 +235,9 @@ def analyze(
     device = check_device(device) if device is not None else model_device(model)
     low_dtype = check_low_dtype(low_dtype if low_dtype is not None else default_low_dtype(device))
     capability = check_capability(capability)
+    leaf_modules = tuple(leaf_modules)
     gm = capture(model, example_inputs, leaf_modules=leaf_modules)
-    return analyze_graph(gm, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability)
+    analysis = analyze_graph(gm, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability)
+    args, kwargs = normalize_example_inputs(example_inputs)
+    return dataclasses.replace(analysis, example_signature=input_signature(args, kwargs, model.training),
+                               leaf_modules=leaf_modules, modes=module_modes(model))

@@ -1,27 +1,42 @@
-"""Final stage: turn a model and a :class:`~compfx.plan.Plan` into a mixed-precision GraphModule.
+"""Final stage: turn a model and a :class:`~compfx.plan.Plan` into a mixed-precision module.
 
-The result is an ordinary ``torch.fx.GraphModule`` that shares the model's
-``nn.Parameter`` and buffer objects (they stay FP32: master weights), so an
-optimizer built on ``model.parameters()`` keeps working, and whose
-``state_dict()`` has the same keys and dtypes as the model's, so checkpoints
-load into either.
+:func:`apply` returns an ordinary ``torch.fx.GraphModule`` for the inputs the
+model was captured with. It shares the model's ``nn.Parameter`` and buffer
+objects (they stay FP32: master weights), so an optimizer built on
+``model.parameters()`` keeps working, and its ``state_dict()`` has the same
+keys and dtypes as the model's, so checkpoints load into either.
+
+:class:`PlannedModule` runs the same plan at *any* input signature (batch size,
+sequence length, dtype, train/eval mode): the first call with a new signature
+captures the model again at those inputs and rewrites that graph from the same
+OpKey-keyed plan; later calls with that signature reuse it. It is what
+``compfx.optimize(...).module`` is, because a loader's last batch, or the next
+batch's sequence length, is another signature, and a graph that was recorded or
+exported is specialised to one.
 """
 
 from __future__ import annotations
 
 import copy
-from typing import Iterable
+import logging
+import time
+from dataclasses import dataclass
+from typing import Hashable, Iterable, Mapping
 
 import torch.fx as fx
 import torch.nn as nn
 
-from .analyze import Analysis, analyze
+from .analyze import Analysis, analyze, analyze_graph
+from .capture import capture, describe_inputs, input_signature, module_modes
 from .errors import BadInputError, PlanMismatchError
+from .opkey import OpKey
 from .passes import apply_precisions
 from .plan import Plan
-from .vocabulary import dtype_name
+from .vocabulary import Category, Precision, dtype_name
 
-__all__ = ["apply"]
+__all__ = ["apply", "PlannedModule", "Specialization", "SignatureCaptures"]
+
+log = logging.getLogger("compfx")
 
 
 def apply(
@@ -69,15 +84,176 @@ def apply(
             f"{dtype_name(analysis.low_dtype)} (its Tensor Core eligibility depends on it); expected the same low "
             f"dtype. Analyse the model with low_dtype=torch.{dtype_name(plan.low_dtype)}, or search again for "
             f"{dtype_name(analysis.low_dtype)}.")
-    source = analysis.graph_module
-    _check_same_parameters(source, model)
-    gm = fx.GraphModule(source, copy.deepcopy(source.graph), class_name=type(model).__name__ + "Mixed")
-    categories = {op.key: op.category for op in analysis.ops}
-    apply_precisions(gm, plan, low_dtype=plan.low_dtype, categories=categories, restore_outputs=restore_output_dtypes)
-    _mirror_state(gm, model)
+    _check_same_parameters(analysis.graph_module, model)
+    gm = _planned_graph(model, analysis, plan, {op.key: op.category for op in analysis.ops},
+                        restore_output_dtypes=restore_output_dtypes)
     gm.train(model.training)
+    return gm
+
+
+def _planned_graph(model: nn.Module, analysis: Analysis, plan: Plan, categories: Mapping[OpKey, Category],
+                   *, restore_output_dtypes: bool) -> fx.GraphModule:
+    """A copy of the analysis's graph with the plan's casts (ops the plan does not name follow)."""
+    source = analysis.graph_module
+    gm = fx.GraphModule(source, copy.deepcopy(source.graph), class_name=type(model).__name__ + "Mixed")
+    apply_precisions(gm, plan, low_dtype=plan.low_dtype, categories=categories, default_precision=Precision.FOLLOW,
+                     restore_outputs=restore_output_dtypes)
+    _mirror_state(gm, model)
     gm.meta.update(compfx_plan=plan, compfx_capture_method=analysis.capture_method)
     return gm
+
+
+@dataclass(frozen=True)
+class Specialization:
+    """One input signature a :class:`PlannedModule` met after its first: what it cost, and how the plan fit.
+
+    ``inputs`` describes the shapes; ``capture_seconds`` is 0 when another
+    module of the same :class:`SignatureCaptures` had captured this signature
+    already; ``unplanned`` are ops of this graph that the plan does not name
+    (they follow), ``missing`` plan entries whose op this graph lacks.
+    """
+
+    inputs: str
+    training: bool
+    capture_seconds: float
+    rewrite_seconds: float
+    unplanned: tuple[OpKey, ...] = ()
+    missing: int = 0
+
+
+class SignatureCaptures:
+    """Captures of one model per input signature, shared by every :class:`PlannedModule` of that model.
+
+    A search runs many plans over the same batches; each signature is captured
+    and analysed once, and each plan only rewrites it. ``analysis`` is the
+    first capture; its settings (method, leaf modules, modes, device, low
+    dtype, categories) are reused for every other signature, so the op keys
+    mean the same thing in each.
+    """
+
+    def __init__(self, model: nn.Module, analysis: Analysis):
+        self.model, self.analysis = model, analysis
+        self.categories = {op.key: op.category for op in analysis.ops}
+        self._by_signature: dict[Hashable, Analysis] = {}
+        if analysis.example_signature is not None:
+            self._by_signature[analysis.example_signature] = analysis
+
+    def __len__(self) -> int:
+        return len(self._by_signature)
+
+    def get(self, signature: Hashable, args: tuple, kwargs: dict, training: bool) -> tuple[Analysis, float]:
+        """The analysis at ``signature`` (captured now if need be), and the seconds that capture took (0 if cached)."""
+        found = self._by_signature.get(signature)
+        if found is not None:
+            return found, 0.0
+        start = time.perf_counter()
+        base = self.analysis
+        modes = base.modes if base.modes is not None and training == base.modes.get("") else module_modes(
+            self.model, training)
+        gm = capture(self.model, (args, kwargs), method=base.capture_method, leaf_modules=base.leaf_modules,
+                     modes=modes)
+        analysis = analyze_graph(gm, device=base.device, low_dtype=base.low_dtype)
+        self._by_signature[signature] = analysis
+        return analysis, time.perf_counter() - start
+
+    def categories_of(self, analysis: Analysis) -> dict[OpKey, Category]:
+        """The first analysis's category for each op it has (overrides included), the default classification else."""
+        return {op.key: self.categories.get(op.key, op.category) for op in analysis.ops}
+
+
+class PlannedModule(nn.Module):
+    """``model`` running ``plan`` at any input signature; one planned graph per signature, built on first use.
+
+    A graph that :func:`compfx.capture` recorded (or dynamo exported) holds the
+    example inputs' sizes as constants, and every graph is specialised to the
+    train/eval mode and the branches its inputs took. So the first call with a
+    new signature (:func:`~compfx.capture.input_signature`: shapes, dtypes,
+    devices, argument structure, ``self.training``) captures the model again
+    with those inputs and rewrites that graph with the same OpKey-keyed plan;
+    the graph is kept for later calls. :attr:`specializations` lists each one
+    and what it cost; a call with a known signature costs one dictionary
+    lookup (microseconds) on top of the graph.
+
+    The module shares the model's Parameters and buffers under their own names
+    (``state_dict()`` keys are the model's), so an optimizer built on
+    ``model.parameters()`` trains it. ``captures`` shares the per-signature
+    captures between modules of the same model (the search's plans);
+    ``graph`` is the planned graph of the analysis's own inputs, if already built.
+
+    >>> import torch, compfx
+    >>> from compfx.apply import PlannedModule
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> a = compfx.analyze(model, torch.randn(3, 4))
+    >>> planned = PlannedModule(model, compfx.Plan.amp(a), analysis=a)
+    >>> planned(torch.randn(3, 4)).shape, planned(torch.randn(5, 4)).shape
+    (torch.Size([3, 2]), torch.Size([5, 2]))
+    >>> len(planned.specializations), planned.get_parameter("0.weight") is model[0].weight
+    (1, True)
+    """
+
+    def __init__(self, model: nn.Module, plan: Plan, *, analysis: Analysis, restore_output_dtypes: bool = True,
+                 captures: SignatureCaptures | None = None, graph: fx.GraphModule | None = None):
+        super().__init__()
+        if not isinstance(plan, Plan):
+            raise BadInputError(f"PlannedModule takes a compfx.Plan; got {type(plan).__name__}.")
+        plan.validate(analysis)
+        _check_same_parameters(analysis.graph_module, model)
+        _mirror_state(self, model)
+        # Plain attributes, not submodules: the tensors are registered above under the model's names.
+        object.__setattr__(self, "_model", model)
+        object.__setattr__(self, "_graphs", {})
+        self.plan, self.analysis, self.restore_output_dtypes = plan, analysis, restore_output_dtypes
+        self.captures = captures if captures is not None else SignatureCaptures(model, analysis)
+        self.specializations: list[Specialization] = []
+        self.train(analysis.modes.get("", model.training) if analysis.modes is not None else model.training)
+        if analysis.example_signature is not None:
+            if graph is None:
+                graph = _planned_graph(model, analysis, plan, self.captures.categories_of(analysis),
+                                       restore_output_dtypes=restore_output_dtypes)
+            graph.train(analysis.example_signature[0])
+            self._graphs[analysis.example_signature] = graph
+
+    def forward(self, *args, **kwargs):
+        graph = self._graphs.get(input_signature(args, kwargs, self.training))
+        if graph is None:
+            graph = self.specialize(args, kwargs)
+        return graph.forward(*args, **kwargs)  # not graph(...): torch.fx would print its code on a failure
+
+    def specialize(self, args: tuple, kwargs: dict) -> fx.GraphModule:
+        """The planned graph for these inputs in the current mode, built now if this signature is new."""
+        signature = input_signature(args, kwargs, self.training)
+        graph = self._graphs.get(signature)
+        if graph is not None:
+            return graph
+        analysis, capture_seconds = self.captures.get(signature, args, kwargs, self.training)
+        start = time.perf_counter()
+        graph = _planned_graph(self._model, analysis, self.plan, self.captures.categories_of(analysis),
+                               restore_output_dtypes=self.restore_output_dtypes)
+        graph.train(self.training)
+        unplanned = tuple(op.key for op in analysis.ops if op.key not in self.plan)
+        missing = len(set(self.plan) - set(analysis.keys))
+        self.specializations.append(Specialization(describe_inputs(args, kwargs), self.training, capture_seconds,
+                                                   time.perf_counter() - start, unplanned, missing))
+        if unplanned or missing:
+            log.warning("compfx: at inputs %s the model runs %d op(s) the plan does not name (they follow: %s) "
+                        "and lacks %d the plan names; the other ops run as planned", describe_inputs(args, kwargs),
+                        len(unplanned), ", ".join(map(str, unplanned[:3])) or "-", missing)
+        self._graphs[signature] = graph
+        return graph
+
+    @property
+    def graph_module(self) -> fx.GraphModule:
+        """The planned graph of the analysis's own example inputs (what :func:`apply` returns for them)."""
+        return self._graphs.get(self.analysis.example_signature) or next(iter(self._graphs.values()))
+
+    @property
+    def graphs(self) -> dict[Hashable, fx.GraphModule]:
+        """The planned graph of each input signature met so far (the analysis's own first)."""
+        return dict(self._graphs)
+
+    def extra_repr(self) -> str:
+        return (f"plan={self.plan.fingerprint} ({dtype_name(self.plan.low_dtype)}), {len(self._graphs)} input "
+                f"signature(s)")
 
 
 def _check_same_parameters(source: fx.GraphModule, model: nn.Module) -> None:

@@ -30,7 +30,7 @@ import operator
 import os
 import traceback
 import warnings
-from typing import Any, Iterable
+from typing import Any, Hashable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
@@ -50,6 +50,9 @@ __all__ = [
     "CAPTURE_DEFAULTS",
     "capture_defaults",
     "check_input_shapes",
+    "input_signature",
+    "describe_inputs",
+    "module_modes",
     "reads_its_state_in_python",
     "key_dynamo_graph",
     "buffers_restored",
@@ -1071,6 +1074,7 @@ def capture(
     *,
     leaf_modules: Iterable[type | str] = (),
     method: str = "auto",
+    modes: Mapping[str, bool] | None = None,
 ) -> fx.GraphModule:
     """Trace ``model`` to a functional FX graph; every numerical op gets an OpKey.
 
@@ -1087,6 +1091,9 @@ def capture(
     specialised to the model's current train/eval mode and to the branches the
     example inputs take. Where ``forward`` takes ``use_cache`` and the inputs do
     not set it, the model runs with ``use_cache=False`` (:data:`CAPTURE_DEFAULTS`).
+    ``modes`` (module path -> training) captures with those train/eval modes
+    instead of the current ones (:func:`module_modes`); the model's own modes
+    are put back afterwards, whatever happens.
 
     >>> import torch, compfx
     >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(2, 4))
@@ -1099,6 +1106,9 @@ def capture(
         raise BadInputError(f"method={method!r}; expected one of {', '.join(map(repr, CAPTURE_METHODS))}.")
     args, kwargs = normalize_example_inputs(example_inputs)
     with _modes_restored(model), _fake_tensor_failures_quiet():
+        if modes is not None:
+            for name, module in model.named_modules():
+                module.training = modes.get(name, module.training)
         gm = _capture_with(model, args, kwargs, leaf_modules, method)
     missing = _complete_metadata(gm)
     if missing:
@@ -1109,6 +1119,64 @@ def capture(
         )
     assign_op_keys(gm, include=is_numerical_op)
     return gm
+
+
+def module_modes(model: nn.Module, training: bool | None = None) -> dict[str, bool]:
+    """Each module's train/eval mode by path; all ``training`` when it is given (what ``model.train(training)`` sets).
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
+    >>> model[1].eval()  # doctest: +ELLIPSIS
+    Dropout(...)
+    >>> module_modes(model), module_modes(model, False)
+    ({'': True, '0': True, '1': False}, {'': False, '0': False, '1': False})
+    """
+    return {name: module.training if training is None else training for name, module in model.named_modules()}
+
+
+def input_signature(args: tuple, kwargs: Mapping, training: bool) -> Hashable:
+    """What a shape-specialised graph is specialised to: the mode, the arguments' structure, and per tensor its
+    shape, dtype and device (per other leaf, its value). Equal signatures can share one graph.
+
+    >>> import torch
+    >>> a = input_signature((torch.zeros(4, 8),), {}, True)
+    >>> a == input_signature((torch.ones(4, 8),), {}, True), a == input_signature((torch.zeros(3, 8),), {}, True)
+    (True, False)
+    """
+    if all(isinstance(a, torch.Tensor) for a in args) and all(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        # the common case (a tuple or a dict of tensors), without pytree: a training step pays this every call
+        return (training, tuple(_leaf_signature(a) for a in args),
+                tuple(sorted((name, _leaf_signature(v)) for name, v in kwargs.items())))
+    leaves, spec = pytree.tree_flatten((args, dict(sorted(kwargs.items()))))
+    return (training, spec, tuple(_leaf_signature(leaf) for leaf in leaves))
+
+
+def _leaf_signature(leaf) -> Hashable:
+    if isinstance(leaf, torch.Tensor):
+        return (tuple(leaf.shape), leaf.dtype, leaf.device)
+    try:
+        hash(leaf)
+    except TypeError:  # an unhashable object: only this very object is known to fit
+        return ("object", id(leaf))
+    return (type(leaf), leaf)
+
+
+def describe_inputs(args: tuple, kwargs: Mapping) -> str:
+    """The inputs' tensor shapes in a few words, for logs and reports.
+
+    >>> import torch
+    >>> describe_inputs((torch.zeros(4, 8),), {"mask": torch.zeros(4, 8), "scale": 2.0})
+    '4x8, mask 4x8, scale=2.0'
+    """
+    def one(value) -> str:
+        if isinstance(value, torch.Tensor):
+            return "x".join(map(str, value.shape)) or "scalar"
+        if isinstance(value, (tuple, list, dict)):
+            return "(" + ", ".join(one(v) for v in (value.values() if isinstance(value, dict) else value)) + ")"
+        return repr(value)
+
+    return ", ".join([one(a) for a in args] + [f"{k} {one(v)}" if isinstance(v, (torch.Tensor, tuple, list, dict))
+                                               else f"{k}={v!r}" for k, v in kwargs.items()])
 
 
 @contextlib.contextmanager
