@@ -38,8 +38,10 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
     """Search a mixed-precision plan for ``model`` on ``sample_loader``; return the :class:`SearchResult`.
 
     ``result.module`` is the model rewritten to run the chosen plan
-    (``result.plan``); it shares the model's Parameters, so ``optimizer``
-    (built on ``model.parameters()``) keeps training it. ``result.report()``
+    (``result.plan``), a :class:`~compfx.apply.PlannedModule`: it runs at any
+    batch size and sequence length (a new input signature is captured once
+    and rewritten with the same plan), and it shares the model's Parameters,
+    so ``optimizer`` (built on ``model.parameters()``) keeps training it. ``result.report()``
     says what was chosen and what the search cost.
 
     ``sample_loader`` is re-iterable (a list of batches or a ``DataLoader``); a
@@ -209,6 +211,7 @@ class _Search:
                                                                   "amp": self.space.amp_plan,
                                                                   "chosen": decision.plan}, self.log)
                 self.local.leave_state(decision.stage1.best, keep_training=config.keep_search_training)
+            self._note_specializations()
             self._save_plan(self.local.plan(decision.plan))
         except KeyboardInterrupt:
             self.sampler.restore()
@@ -223,11 +226,29 @@ class _Search:
             self.log.close()
         self.strategy.finish()
         return SearchResult(
-            module=self.local.module(decision.plan), plan=self.local.plan(decision.plan),
+            module=self.local.runner(decision.plan), plan=self.local.plan(decision.plan),
             stage1_plan=self.local.plan(decision.stage1.best.plan), analysis=self.analysis, log=self.log,
             stage1_mode=decision.stage1.mode, loss0=decision.stage1.loss0,
             fp32_epoch_seconds=decision.stage1.baseline.duration, search_seconds=search_seconds, step_seconds=steps,
             plan_path=self.plan_path, plan_cache=self.plan_cache)
+
+    def _note_specializations(self) -> None:
+        """Say in the log (and so the report) how many input signatures the loader had, and what they cost."""
+        captured, specializations = self.local.specializations()
+        if not specializations:
+            return
+        capture = sum(s.capture_seconds for s in specializations)
+        rewrite = sum(s.rewrite_seconds for s in specializations)
+        shapes = sorted({s.inputs for s in specializations})
+        unplanned = sum(bool(s.unplanned or s.missing) for s in specializations)
+        self.log.note(
+            Stage.SEARCH,
+            f"input signatures: {captured} ({len(shapes)} besides the first batch's, e.g. {shapes[0]}); each plan's "
+            f"module re-specialises per signature from the same plan: {captured - 1} capture(s) in {capture:.2f} s, "
+            f"{len(specializations)} rewrite(s) in {rewrite:.2f} s, outside the timed steps"
+            + (f"; {unplanned} of them ran ops the plan does not name (they follow)" if unplanned else ""),
+            signatures=captured, specializations=len(specializations), capture_seconds=capture,
+            rewrite_seconds=rewrite)
 
     def _save_plan(self, plan) -> None:
         """Put the chosen plan in the plan cache (where ``backend="compfx"`` looks), and say so in the log.

@@ -165,6 +165,8 @@ class LocalEvaluator:
         self.warmup, self.repeats, self.cost_fn = warmup, repeats, cost_fn
         self._plans: dict[Assignment, Plan] = {}
         self._modules: dict[Assignment, nn.Module] = {}
+        self._runners: dict[Assignment, nn.Module] = {}
+        self._captures = None  # the model's captures per input signature, shared by every plan's runner
 
     # -- plans and the modules that run them -------------------------------------------
     def plan(self, plan: Assignment) -> Plan:
@@ -185,19 +187,36 @@ class LocalEvaluator:
         """:meth:`module` for a :class:`Plan` (the cost model prices plans)."""
         return self.module(plan.assignment(self.analysis))
 
+    def runner(self, plan: Assignment) -> nn.Module:
+        """What the samples train: a :class:`~compfx.apply.PlannedModule` of ``plan``, which runs it at every input
+        signature the loader has (a ragged last batch, varying sequence lengths); its first graph is :meth:`module`'s."""
+        if plan not in self._runners:
+            from ..apply import PlannedModule, SignatureCaptures
+
+            if self._captures is None:
+                self._captures = SignatureCaptures(self.model, self.analysis)
+            self._runners[plan] = PlannedModule(self.model, self.plan(plan), analysis=self.analysis,
+                                                captures=self._captures, graph=self.module(plan))
+        return self._runners[plan]
+
+    def specializations(self) -> tuple[int, list]:
+        """(input signatures captured, every :class:`~compfx.apply.Specialization` of every plan's runner)."""
+        captured = len(self._captures) if self._captures is not None else 1
+        return captured, [s for runner in self._runners.values() for s in runner.specializations]
+
     # -- the Evaluator interface --------------------------------------------------------
     def run_epoch(self, plan: Assignment) -> Epoch:
         with plan_failures():
-            epoch = self.sampler.epoch(self.module(plan), warmup=self.warmup)
+            epoch = self.sampler.epoch(self.runner(plan), warmup=self.warmup)
         return _failures_as_plan_failures(epoch)
 
     def time_step(self, plan: Assignment) -> float:
         with plan_failures():
-            return self.sampler.step_time(self.module(plan), warmup=self.warmup, repeats=self.repeats).median
+            return self.sampler.step_time(self.runner(plan), warmup=self.warmup, repeats=self.repeats).median
 
     def check_loss(self, plan: Assignment, batches: int) -> float:
         with plan_failures():
-            return self.sampler.mean_loss(self.module(plan), batches)
+            return self.sampler.mean_loss(self.runner(plan), batches)
 
     def cost(self, plan: Assignment, seconds: float) -> float:
         return self.cost_fn(self.plan(plan), seconds)  # the stages check it (outcome.checked_cost)
@@ -227,7 +246,7 @@ class LocalEvaluator:
 
     def _retrained(self, plan: Assignment):
         """Train the Stage-1 epoch of ``plan`` again (same seed, same start) and return its final state."""
-        epoch = self.sampler.epoch(self.module(plan), warmup=self.warmup)
+        epoch = self.sampler.epoch(self.runner(plan), warmup=self.warmup)
         while True:
             try:
                 next(epoch)

@@ -398,9 +398,25 @@ class FairSampler:
         with self.fresh_start(module):
             scaler = self._scaler()
             for batch in self.loader:  # iterated after seeding: a shuffling loader repeats its order
+                batch = self.ready(module, batch)
                 loss, seconds = timed(lambda: self.step(module, batch, scaler), device=self.device)
                 yield loss, seconds
             return snapshot_state(self.model, self.optimizer)
+
+    def ready(self, module: nn.Module, batch):
+        """The batch on the device, with ``module`` specialised to its input signature: what a timed step excludes.
+
+        A module with a ``specialize(args, kwargs)`` method
+        (:class:`compfx.apply.PlannedModule`) builds its graph for a new
+        signature (a ragged last batch, another sequence length) here, not
+        inside the step being timed; every plan then pays it outside its
+        measurements. The copy to the device is outside too, the same for every plan.
+        """
+        batch = move_batch(batch, self.device)
+        specialize = getattr(module, "specialize", None)
+        if specialize is not None:
+            specialize(*split_batch(batch))
+        return batch
 
     def _cycled_batches(self, count: int) -> list:
         batches = []
@@ -414,7 +430,7 @@ class FairSampler:
     def step_time(self, module: nn.Module, *, warmup: int, repeats: int) -> Timing:
         """Median time of a training step, on the loader's first batches, from the initial state."""
         with self.fresh_start(module):
-            batches = self._cycled_batches(warmup + repeats)
+            batches = [self.ready(module, batch) for batch in self._cycled_batches(warmup + repeats)]
             scaler = self._scaler()
             return time_repeats(lambda i: self.step(module, batches[i], scaler),
                                 warmup=warmup, repeats=repeats, device=self.device)
