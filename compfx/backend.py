@@ -69,6 +69,7 @@ from __future__ import annotations
 
 import logging
 import os
+import warnings
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -88,7 +89,7 @@ from .plan import Plan
 from .vocabulary import Precision, check_low_dtype, default_low_dtype
 
 __all__ = ["backend", "compfx_backend", "registered_backend", "compile_with_plan", "key_backend_graph", "CompfxBackend", "GraphRecord",
-           "INNER_BACKENDS"]
+           "INNER_BACKENDS", "no_graph_message"]
 
 log = logging.getLogger("compfx")
 
@@ -384,7 +385,9 @@ class CompfxBackend:
                          + (f" from {record.plan_path}" if record.plan_path else "")
                          + f" ({len(record.precisions)} ops: {counts['low']} low, {counts['fp32']} fp32, "
                          f"{counts['follow']} follow; {len(record.unplanned)} without an entry)")
-        return "\n".join(lines) if lines else "no graph compiled yet"
+        return "\n".join(lines) if lines else (
+            "no graph compiled yet (after a call, that means dynamo ran the model eagerly: an nn.LSTM/GRU/RNN "
+            "without torch._dynamo.config.allow_rnn = True, or a graph break at the start of forward)")
 
     def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence):
         if callable(self.inner):
@@ -506,7 +509,12 @@ def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str |
 
     One backend per model, built with ``model=`` so that graph breaks inside
     submodules still find their plan entries; ``dynamic`` and ``fullgraph`` go
-    to ``torch.compile``, the rest to :func:`backend`.
+    to ``torch.compile``, the rest to :func:`backend`. When the first call
+    hands the backend no graph (dynamo ran the model eagerly: an ``nn.LSTM``
+    without ``torch._dynamo.config.allow_rnn``), a warning says so
+    (:func:`no_graph_message`): no plan applied. ``torch.compile(model,
+    backend="compfx")`` cannot tell, as dynamo never calls it; its
+    ``registered_backend().records`` stay empty.
 
     >>> import torch, compfx
     >>> from compfx.backend import compile_with_plan
@@ -522,4 +530,29 @@ def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str |
                            emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)
     compiled = torch.compile(model, backend=compfx, dynamic=dynamic, fullgraph=fullgraph)
     compiled.compfx_backend = compfx
+    handle = None
+
+    def warn_once_without_graph(module, args, output):
+        # Runs after a call of the compiled wrapper (compfx's own object, not the user's model).
+        handle.remove()
+        if not compfx.records:
+            warnings.warn(no_graph_message(model), UserWarning, stacklevel=2)
+
+    handle = compiled.register_forward_hook(warn_once_without_graph)
     return compiled
+
+
+def no_graph_message(model: nn.Module) -> str:
+    """Why ``torch.compile`` may hand compfx no graph for ``model``, and what to do (the backend's warning).
+
+    >>> print(no_graph_message(torch.nn.LSTM(2, 2)))  # doctest: +ELLIPSIS
+    torch.compile handed the compfx backend no graph for LSTM: ... torch._dynamo.config.allow_rnn = True ...
+    """
+    rnns = sorted({type(m).__name__ for m in model.modules() if isinstance(m, nn.RNNBase)})
+    why = (f"dynamo does not trace {', '.join(rnns)} unless torch._dynamo.config.allow_rnn = True, and ran the "
+           "forward eagerly" if rnns else "dynamo ran the whole forward eagerly (a graph break at its start, or "
+           "nothing to compile)")
+    return (f"torch.compile handed the compfx backend no graph for {type(model).__name__}: {why}; no precision "
+            "plan was applied, the model ran in its own precision. Set torch._dynamo.config.allow_rnn = True before "
+            "the first call (dynamo then keeps each RNN as one op), or use compfx.optimize / compfx.apply, which "
+            "capture RNNs as one op themselves.")
