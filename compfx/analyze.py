@@ -215,6 +215,7 @@ def analyze(
     overrides: Mapping[str, str] | None = None,
     leaf_modules: Iterable[type | str] = (),
     capability: tuple[int, int] | None = None,
+    method: str = "auto",
 ) -> Analysis:
     """Capture ``model`` and classify each op (whitelist / blacklist / other, TC eligibility).
 
@@ -222,6 +223,7 @@ def analyze(
     to fp16 on CUDA and bf16 on CPU. ``overrides`` maps op kinds to a category.
     ``capability`` gives the CUDA compute capability when planning for a GPU
     that this process cannot see (it is read from the device otherwise).
+    ``method`` picks the tracer (see :func:`compfx.capture`).
 
     >>> import torch, compfx
     >>> model = torch.nn.Sequential(torch.nn.Linear(16, 10), torch.nn.Softmax(-1))
@@ -236,7 +238,7 @@ def analyze(
     low_dtype = check_low_dtype(low_dtype if low_dtype is not None else default_low_dtype(device))
     capability = check_capability(capability)
     leaf_modules = tuple(leaf_modules)
-    gm = capture(model, example_inputs, leaf_modules=leaf_modules)
+    gm = capture(model, example_inputs, leaf_modules=leaf_modules, method=method)
     analysis = analyze_graph(gm, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability)
     args, kwargs = normalize_example_inputs(example_inputs)
     return dataclasses.replace(analysis, example_signature=input_signature(args, kwargs, model.training),

@@ -49,6 +49,7 @@ __all__ = [
     "CAPTURE_METHODS",
     "CAPTURE_DEFAULTS",
     "capture_defaults",
+    "is_kv_cache",
     "check_input_shapes",
     "input_signature",
     "describe_inputs",
@@ -734,8 +735,9 @@ def _holds_tensor(value) -> bool:
     return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
 
 
-#: Keyword arguments compfx passes to ``forward`` when it takes them and the caller did not say:
-#: training never reads Hugging Face's KV cache, and the cache object is not something a graph can return.
+#: Keyword arguments the dynamo fallback passes to ``forward`` when it takes them and the caller did not say:
+#: ``torch._dynamo.export`` cannot return Hugging Face's cache object, and training never reads it. (The
+#: recording tracer runs forward as called and returns None in the cache's place: :func:`is_kv_cache`.)
 CAPTURE_DEFAULTS = {"use_cache": False}
 
 
@@ -788,7 +790,6 @@ def _record_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModu
         placeholder.meta["val"] = leaf
         fake_inputs.append(leaf)
     fake_args, fake_kwargs = pytree.tree_unflatten(fake_inputs, in_spec)
-    fake_kwargs = {**fake_kwargs, **capture_defaults(model, kwargs)}
     reassigned: list[str] = []
 
     def check_state(module, args, output):  # after the root's forward, before functional_call puts things back
@@ -811,6 +812,7 @@ def _record_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModu
             "updates of parameters and buffers (self.x.add_(...), self.x.copy_(...)) but not reassignment. Update "
             "them in place.")
     recorder.finish_grad_mode()
+    output = pytree.tree_map(lambda leaf: None if is_kv_cache(leaf) else leaf, output)
     graph.output(_output_nodes(output, recorder))
     gm = fx.GraphModule(model, graph, class_name=type(model).__name__ + "Captured")
     for name, constant in recorder.constants.items():
@@ -828,6 +830,20 @@ def _placeholder_name(path, names: list[str], positional: int) -> str:
     return "_".join([base, *(str(getattr(p, "idx", getattr(p, "key", p))) for p in path[2:])])
 
 
+def is_kv_cache(value) -> bool:
+    """Is ``value`` a Hugging Face KV cache (``DynamicCache``, ``EncoderDecoderCache``, ...)?
+
+    A recorded graph computes everything the model's forward computes, cache
+    updates included, exactly as eager; it returns ``None`` in the cache's place:
+    an FX graph returns tensors, and training never reads the cache.
+
+    >>> is_kv_cache(None), is_kv_cache(object())
+    (False, False)
+    """
+    cls = type(value)
+    return cls.__module__.startswith("transformers.") and any(c.__name__ == "Cache" for c in cls.__mro__)
+
+
 def _output_nodes(output, recorder: _CallRecorder) -> list:
     nodes = []
     for path, leaf in pytree.tree_flatten_with_path(output)[0]:
@@ -836,12 +852,9 @@ def _output_nodes(output, recorder: _CallRecorder) -> list:
         elif leaf is None or isinstance(leaf, (bool, int, float, str)):
             nodes.append(leaf)
         else:
-            where = pytree.keystr(path) or "the output"
             raise CaptureError(
-                f"the model returns a {type(leaf).__name__} at output{where}, which an FX graph cannot return"
-                + (" (Hugging Face's KV cache: the batch sets use_cache=True; training does not read the cache, so "
-                   "leave use_cache out of the batch, and compfx captures with use_cache=False)"
-                   if "Cache" in type(leaf).__name__ else "; return tensors, or tuples, lists and dicts of them"))
+                f"the model returns a {type(leaf).__name__} at output{pytree.keystr(path)}, which an FX graph cannot "
+                "return; return tensors (or tuples, lists and dicts of them, or a Hugging Face ModelOutput)")
     return nodes
 
 
@@ -1089,8 +1102,9 @@ def capture(
     per input signature. ``leaf_modules`` names module types or qualified names
     that stay as one ``call_module`` op (symbolic capture only). The graph is
     specialised to the model's current train/eval mode and to the branches the
-    example inputs take. Where ``forward`` takes ``use_cache`` and the inputs do
-    not set it, the model runs with ``use_cache=False`` (:data:`CAPTURE_DEFAULTS`).
+    example inputs take. A Hugging Face KV cache in the output comes back as
+    ``None`` (:func:`is_kv_cache`); the dynamo fallback passes ``use_cache=False``
+    where ``forward`` takes it and the inputs do not set it (:data:`CAPTURE_DEFAULTS`).
     ``modes`` (module path -> training) captures with those train/eval modes
     instead of the current ones (:func:`module_modes`); the model's own modes
     are put back afterwards, whatever happens.
