@@ -1,0 +1,152 @@
+"""In-place state updates inside ``forward`` replayed exactly: ``Plan.fp32`` trains bitwise like eager, buffers included.
+
+A buffer counter, an EMA buffer updated under ``no_grad``, a weight rescaled in
+place under ``no_grad``, BatchNorm's ``num_batches_tracked`` and running
+statistics, and BatchNorm with ``momentum=None`` (a cumulative average, whose
+factor ``1 / num_batches_tracked`` is a Python float read at run time): three
+SGD steps through the planned module and through an eager copy must give the
+same outputs and the same parameters and buffers, bit for bit.
+"""
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import compfx
+from compfx.analyze import analyze_graph
+from compfx.apply import PlannedModule
+from compfx.capture import capture
+from compfx.errors import CaptureError
+
+pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
+
+
+class Counter(nn.Module):
+    """Counts its calls and keeps an EMA of its output mean: two buffers written in forward."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+        self.register_buffer("ema", torch.zeros(4))
+
+    def forward(self, x):
+        self.seen.add_(1)
+        y = self.fc(x)
+        with torch.no_grad():
+            self.ema.mul_(0.9).add_(0.1 * y.mean(0))
+        return y + self.ema
+
+
+class Rescale(nn.Module):
+    """Shrinks its own weight in place before using it (weight decay done by hand)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        with torch.no_grad():
+            self.fc.weight.mul_(0.99)
+        return self.fc(x)
+
+
+def batch_norm(momentum):
+    return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=momentum), nn.ReLU(), nn.Linear(8, 2))
+
+
+MODELS = {"counter": Counter, "rescale": Rescale, "batch_norm": lambda: batch_norm(0.1),
+          "batch_norm_momentum_none": lambda: batch_norm(None)}
+#: (model, method): methods that cannot capture the model, with what the error must say
+CANNOT = {("batch_norm_momentum_none", "record"): "__float__", ("batch_norm_momentum_none", "dynamo"): "dynamo"}
+
+
+def _train_side_by_side(planned: nn.Module, model: nn.Module, eager: nn.Module, steps: int = 3, sizes=(8, 8, 8)):
+    """``steps`` SGD steps on both; asserts equal outputs at every step, returns nothing."""
+    opt_planned = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt_eager = torch.optim.SGD(eager.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    for step in range(steps):
+        x = torch.randn(sizes[step], 4, generator=g)
+        outputs = []
+        for module, opt in ((planned, opt_planned), (eager, opt_eager)):
+            opt.zero_grad()
+            out = module(x)
+            out.square().mean().backward()
+            opt.step()
+            outputs.append(out.detach())
+        assert torch.equal(*outputs), f"outputs differ at step {step}"
+
+
+def _assert_same_state(model: nn.Module, eager: nn.Module):
+    got, want = model.state_dict(), eager.state_dict()
+    assert got.keys() == want.keys()
+    for name, value in want.items():
+        assert got[name].dtype == value.dtype and torch.equal(got[name], value), f"{name} differs"
+
+
+@pytest.mark.parametrize("method", ["auto", "symbolic", "record", "dynamo"])
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_fp32_plan_trains_bitwise_like_eager_buffers_included(name, method):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    eager = copy.deepcopy(model)
+    x = torch.randn(8, 4)
+    if (name, method) in CANNOT:
+        with pytest.raises(CaptureError, match=CANNOT[(name, method)]):
+            capture(model, x, method=method)
+        return
+    analysis = analyze_graph(capture(model, x, method=method), device=torch.device("cpu"), low_dtype=torch.bfloat16)
+    before = copy.deepcopy(model.state_dict())
+    planned = compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis)
+    _assert_same_state(model, eager)  # capturing and applying ran nothing on the model's tensors
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
+    _train_side_by_side(planned, model, eager)
+    _assert_same_state(model, eager)
+    if name == "counter":
+        assert int(model.seen) == 3
+    if name.startswith("batch_norm"):
+        assert int(model[1].num_batches_tracked) == 3
+
+
+def test_momentum_none_batch_norm_is_one_op_with_the_traced_batch_norms_key():
+    model = batch_norm(None)
+    gm = capture(model, torch.randn(8, 4))
+    assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["1"]
+    assert str(compfx.op_nodes(gm)[1].meta["compfx_key"]) == "1:batch_norm#0"
+    assert [str(k) for k in compfx.analyze(batch_norm(0.1), torch.randn(8, 4)).keys] == [
+        str(n.meta["compfx_key"]) for n in compfx.op_nodes(gm)]
+    model.eval()  # in eval mode it reads no buffer into Python: traced through like any batch norm
+    assert not [n for n in capture(model, torch.randn(8, 4)).graph.nodes if n.op == "call_module"]
+
+
+@pytest.mark.parametrize("name", sorted(MODELS))
+def test_planned_module_replays_state_across_batch_sizes(name):
+    """Through PlannedModule a new batch size captures the model again; capturing must not step the counters."""
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    eager = copy.deepcopy(model)
+    analysis = compfx.analyze(model, torch.randn(8, 4))
+    planned = PlannedModule(model, compfx.Plan.fp32(analysis), analysis=analysis)
+    _train_side_by_side(planned, model, eager, sizes=(8, 5, 3))
+    _assert_same_state(model, eager)
+    assert len(planned.specializations) == 2
+
+
+def test_optimize_keeps_buffer_updates_and_restores_them_between_samples():
+    """The search trains samples from one state: buffers written in forward are part of it."""
+    torch.manual_seed(0)
+    model = Counter()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(8, 4, generator=g), torch.randn(8, 4, generator=g)) for _ in range(3)]
+    loader.append((torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)))  # a ragged last batch
+    result = compfx.optimize(model, loader, optimizer=opt,
+                             loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch[-1]),
+                             config=compfx.SearchConfig(progress=False, repeats=1, warmup=0, cache_plan=False,
+                                                        keep_search_training=False))
+    assert int(model.seen) == 0 and torch.equal(model.ema, torch.zeros(4)), "restored to the state before the search"
+    result.module(torch.randn(6, 4))
+    assert int(model.seen) == 1
