@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import random
+import warnings
 
 import pytest
 import torch
@@ -331,3 +332,33 @@ def test_inductor_matches_apply_with_a_random_plan():
     plan = random_plan(analysis, seed=11)
     compiled = torch.compile(model, backend=backend(plan, inner="inductor"))
     assert_matches_apply(compiled, model, plan, analysis, x, BF16_TOL)
+
+
+class _LSTMTagger(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.rnn, self.head = nn.LSTM(4, 8, batch_first=True), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.rnn(x)[0])
+
+
+def test_compile_with_plan_warns_when_dynamo_hands_it_no_graph():
+    """Dynamo runs an nn.LSTM eagerly unless allow_rnn is set: no graph, no plan; compfx says so once."""
+    model, x = _LSTMTagger(), torch.randn(2, 3, 4)
+    plan = compfx.Plan.fp32(compfx.analyze(model, x))
+    torch._dynamo.reset()
+    compiled = compile_with_plan(model, plan, inner="eager")
+    with pytest.warns(UserWarning, match="no graph for _LSTMTagger.*allow_rnn"):
+        compiled(x)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compiled(x)  # once only
+    assert not compiled.compfx_backend.records and "allow_rnn" in compiled.compfx_backend.report()
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(allow_rnn=True):
+        compiled = compile_with_plan(model, plan, inner="eager")
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", UserWarning)
+            compiled(x)
+    assert compiled.compfx_backend.records
