@@ -28,7 +28,7 @@ import torch.nn as nn
 
 from .analyze import Analysis, analyze, analyze_graph
 from .capture import capture, describe_inputs, input_signature, module_modes
-from .errors import BadInputError, PlanMismatchError
+from .errors import BadInputError, CaptureError, PlanMismatchError
 from .opkey import OpKey
 from .passes import apply_precisions
 from .plan import Plan
@@ -150,8 +150,16 @@ class SignatureCaptures:
         base = self.analysis
         modes = base.modes if base.modes is not None and training == base.modes.get("") else module_modes(
             self.model, training)
-        gm = capture(self.model, (args, kwargs), method=base.capture_method, leaf_modules=base.leaf_modules,
-                     modes=modes)
+        try:
+            gm = capture(self.model, (args, kwargs), method=base.capture_method, leaf_modules=base.leaf_modules,
+                         modes=modes)
+        except CaptureError as error:
+            raise CaptureError(
+                f"inputs {describe_inputs(args, kwargs)} ({'train' if training else 'eval'} mode) are a new input "
+                f"signature, and capturing {type(self.model).__name__} again for them ({base.capture_method}, the "
+                f"tracer of the first capture) failed: {error}. Use batches of shapes it captures at (e.g. "
+                "DataLoader(..., drop_last=True) for a ragged last batch), or make forward capturable at these "
+                "shapes.") from error
         analysis = analyze_graph(gm, device=base.device, low_dtype=base.low_dtype)
         self._by_signature[signature] = analysis
         return analysis, time.perf_counter() - start
@@ -244,7 +252,13 @@ class PlannedModule(nn.Module):
     @property
     def graph_module(self) -> fx.GraphModule:
         """The planned graph of the analysis's own example inputs (what :func:`apply` returns for them)."""
-        return self._graphs.get(self.analysis.example_signature) or next(iter(self._graphs.values()))
+        graph = self._graphs.get(self.analysis.example_signature)
+        if graph is None and self._graphs:
+            graph = next(iter(self._graphs.values()))
+        if graph is None:
+            raise BadInputError("this PlannedModule has no graph yet: its analysis came without example inputs "
+                                "(analyze_graph); call it once, or build it from compfx.analyze(model, inputs).")
+        return graph
 
     @property
     def graphs(self) -> dict[Hashable, fx.GraphModule]:

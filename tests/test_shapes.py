@@ -170,3 +170,31 @@ def test_signatures_differ_by_shape_dtype_structure_and_mode():
     assert base != input_signature((), {"x": x}, True)
     assert input_signature((), {"a": x, "b": x}, True) == input_signature((), {"b": x, "a": x}, True)
     assert input_signature(([x, x],), {"flag": True}, True) != input_signature(([x, x],), {"flag": False}, True)
+
+
+class ReadsAValueForOneRow(torch.nn.Module):
+    """Reads a tensor's value into Python for a batch of one row (recorded graphs cannot hold that)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = torch.nn.Linear(4, 2)
+
+    def forward(self, x):
+        y = torch.Tensor.matmul(x, torch.ones(4, 4))  # symbolic tracing cannot follow this: recorded
+        if x.shape[0] == 1:
+            y = y * float(y.sum())
+        return self.fc(y)
+
+
+def test_a_signature_that_cannot_be_captured_says_which_and_stops_the_search():
+    model = ReadsAValueForOneRow()
+    analysis = compfx.analyze(model, torch.randn(4, 4))
+    assert analysis.capture_method == "record"
+    planned = PlannedModule(model, compfx.Plan.fp32(analysis), analysis=analysis)
+    with pytest.raises(compfx.CaptureError, match=r"inputs 1x4 \(train mode\) are a new input signature.*record"):
+        planned(torch.randn(1, 4))
+    loader = [(torch.randn(4, 4), torch.randn(4, 2)), (torch.randn(1, 4), torch.randn(1, 2))]
+    with pytest.raises(compfx.CaptureError, match="new input signature"):
+        compfx.optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                        loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch[-1]),
+                        config=compfx.SearchConfig(progress=False, cache_plan=False))

@@ -37,7 +37,7 @@ from typing import Any, Callable, Generator, Hashable, Iterator, Protocol, runti
 
 import torch.nn as nn
 
-from ..errors import BadInputError, PlanFailedError, SearchError
+from ..errors import BadInputError, CaptureError, PlanFailedError, SearchError
 from ..plan import Assignment, Plan
 from ..vocabulary import Stage
 from .log import Replay, ReplayedState
@@ -106,12 +106,13 @@ def _not_given(name: str, *args):
 def plan_failures():
     """Turn what goes wrong while a plan runs into :class:`PlanFailedError` (the search tries the next plan).
 
-    Bad input and search errors are not the plan's: they stop the search, as
-    does anything that is not an ``Exception`` (Ctrl-C).
+    Bad input, search errors and a model that cannot be captured at a batch's
+    shapes are not the plan's: they stop the search, as does anything that is
+    not an ``Exception`` (Ctrl-C).
     """
     try:
         yield
-    except (PlanFailedError, BadInputError, SearchError):
+    except (PlanFailedError, BadInputError, SearchError, CaptureError):
         raise
     except Exception as error:
         raise PlanFailedError(f"{type(error).__name__}: {error}") from error

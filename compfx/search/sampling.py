@@ -303,8 +303,8 @@ def restore_state(snapshot: StateSnapshot) -> None:
 class FairSampler:
     """Runs training samples of any module that shares ``model``'s Parameters, all from one start.
 
-    ``module`` is the plan-applied GraphModule; it shares the model's Parameter
-    and buffer objects, so ``optimizer`` (built on ``model.parameters()``) trains it.
+    ``module`` is the plan-applied module (the search's: a :class:`compfx.apply.PlannedModule`); it shares
+    the model's Parameter and buffer objects, so ``optimizer`` (built on ``model.parameters()``) trains it.
 
     >>> import torch
     >>> model = torch.nn.Linear(4, 1)
