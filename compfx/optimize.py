@@ -56,10 +56,10 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
     A log of another model, or one written with any other setting that can
     change the decision, is refused (:class:`~compfx.errors.PlanMismatchError`),
     as is a log whose records were changed (:class:`~compfx.errors.LogIntegrityError`).
-    The returned module is specialised to training mode. The chosen plan is
-    saved to the plan cache (``result.plan_path``), so that
-    ``torch.compile(model, backend="compfx")`` runs it; ``SearchConfig(cache_plan=False)``
-    opts out. The caller's RNG (CPU and CUDA) is the same afterwards, whether
+    The returned module starts in training mode; after ``.eval()`` it captures
+    graphs of eval mode. The chosen plan is saved to the plan cache
+    (``result.plan_path``), so that ``torch.compile(model, backend="compfx")``
+    runs it; ``SearchConfig(cache_plan=False)`` opts out. The caller's RNG (CPU and CUDA) is the same afterwards, whether
     the search finished, failed, resumed or was interrupted.
 
     >>> import torch, compfx
