@@ -282,3 +282,16 @@ def test_self_training_checks_specialise_to_the_current_mode(method):
     assert not model.training
     assert "relu" not in " ".join(_keys(train_gm)) and ":relu#0" in _keys(eval_gm)
     torch.testing.assert_close(eval_gm(x), model(x))
+
+
+class OldStyleDivision(nn.Module):
+    def forward(self, x):
+        return x.__div__(2.0) + x.__rdiv__(3.0)  # Python 2 names, still Tensor methods
+
+
+@pytest.mark.parametrize("method", ["auto", "symbolic", "record"])
+def test_div_method_calls_are_captured_as_division(method):
+    model, x = OldStyleDivision(), torch.randn(2, 3)
+    gm = capture(model, x, method=method)
+    assert _keys(gm) == [":div#0", ":div#1", ":add#0"]
+    assert torch.equal(gm(x), model(x))
