@@ -559,8 +559,6 @@ _DUNDER_OPERATORS = {
     "__le__": (operator.le, False), "__gt__": (operator.gt, False), "__ge__": (operator.ge, False),
     "__getitem__": (operator.getitem, False), "__setitem__": (operator.setitem, False),
 }
-# Calls that turn a tensor's value into a Python object; on fakes there is no value to give.
-_VALUE_READS = frozenset({"__bool__", "__float__", "__int__", "__index__", "__complex__", "item", "tolist"})
 
 
 class _CallRecorder(TorchFunctionMode):
@@ -771,7 +769,7 @@ def _argument_names(model: nn.Module, args: tuple, kwargs: dict) -> list[str]:
 def _record_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
     fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
     graph = fx.Graph()
-    flat_inputs, in_spec = pytree.tree_flatten((args, kwargs))
+    in_spec = pytree.tree_structure((args, kwargs))
     names = _argument_names(model, args, kwargs)
     fakes_by_id: dict[int, torch.Tensor] = {}
     state, state_names = {}, {}

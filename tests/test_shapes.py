@@ -8,7 +8,6 @@ shapes says which input and dimension differ, and what to do.
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 
