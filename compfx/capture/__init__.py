@@ -41,8 +41,8 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from .errors import BadInputError, CaptureError
-from .opkey import KEY_META, OpKey, assign_op_keys, normalize_kind
+from ..errors import BadInputError, CaptureError
+from ..opkey import KEY_META, OpKey, assign_op_keys, normalize_kind
 
 __all__ = [
     "capture",
@@ -156,8 +156,9 @@ def normalize_example_inputs(example_inputs) -> ExampleInputs:
 # ---------------------------------------------------------------------------
 # where did it go wrong? (file:line of the user's code, not of torch or compfx)
 
-_SKIPPED_DIRS = tuple(
-    os.path.dirname(os.path.abspath(path)) + os.sep for path in (torch.__file__, __file__)
+_SKIPPED_DIRS = (  # torch's folder and compfx's (this file's grandparent)
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
 )
 
 
