@@ -13,7 +13,7 @@ torch.float32
 """
 
 from .analyze import Analysis, OpInfo, analyze
-from .apply import apply
+from .apply import PlannedModule, apply
 from .backend import backend, compile_with_plan
 from .capture import capture, key_dynamo_graph, op_nodes
 from .costmodel import Predictor, fit_cast_cost, profile_ops
@@ -33,8 +33,8 @@ __version__ = "0.1.0"
 __all__ = [
     # pipeline
     "capture", "op_nodes", "OpKey", "key_dynamo_graph", "analyze", "Analysis", "OpInfo", "Category", "Plan",
-    "Precision", "Assignment", "insert_casts", "apply", "optimize", "SearchConfig", "SearchResult", "SearchLog",
-    "backend", "compile_with_plan",
+    "Precision", "Assignment", "insert_casts", "apply", "PlannedModule", "optimize", "SearchConfig", "SearchResult",
+    "SearchLog", "backend", "compile_with_plan",
     # measurement and reports
     "cast_report", "count_casts", "saved_activation_bytes", "Predictor", "profile_ops", "fit_cast_cost",
     *_error_names,
