@@ -1,0 +1,60 @@
+"""Where a capture went wrong, told as a line of the user's code.
+
+A tracer's failure is worth reporting only with the file and line in the
+user's model that caused it, not the torch or compfx frame that noticed.
+Private to the package: the tracers and :func:`compfx.capture.capture` share it.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from typing import Iterable
+
+import torch
+
+from ..errors import CaptureError
+
+__all__ = ["user_line", "error_site", "first_line", "ValueBranchError"]
+
+
+_SKIPPED_DIRS = (  # torch's folder and compfx's (this file's grandparent)
+    os.path.dirname(os.path.abspath(torch.__file__)) + os.sep,
+    os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep,
+)
+
+
+def _is_user_frame(filename: str) -> bool:
+    path = os.path.abspath(filename)
+    return not path.startswith(_SKIPPED_DIRS) and not filename.startswith("<")
+
+
+def _format_frame(frame: traceback.FrameSummary) -> str:
+    return f"{frame.filename}:{frame.lineno} ({(frame.line or '').strip()})"
+
+
+def user_line(frames: Iterable[traceback.FrameSummary] | None = None) -> str:
+    """File:line and source of the innermost frame outside torch and compfx."""
+    frames = list(traceback.extract_stack() if frames is None else frames)
+    for frame in reversed(frames):
+        if _is_user_frame(frame.filename):
+            return _format_frame(frame)
+    return "an unknown line"
+
+
+def error_site(error: BaseException) -> str:
+    """Where ``error`` was raised in user code (dynamo keeps that in ``real_stack``)."""
+    real_stack = getattr(error, "real_stack", None)
+    if real_stack:
+        return user_line(real_stack)
+    return user_line(traceback.extract_tb(error.__traceback__))
+
+
+def first_line(error: BaseException) -> str:
+    """``'ValueError: the first line of its message'``: an error in a few words, to quote inside another."""
+    text = str(error).strip()
+    return f"{type(error).__name__}: {text.splitlines()[0]}" if text else type(error).__name__
+
+
+class ValueBranchError(CaptureError):
+    """The model branches on tensor values; no tracer can make one graph of that."""

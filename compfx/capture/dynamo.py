@@ -1,0 +1,132 @@
+"""The dynamo fallback (``torch._dynamo.export``), and keying the graphs dynamo hands a backend.
+
+:func:`compfx.capture.capture` tries it last, for models neither of the
+others can follow. It runs the model for real (the buffers are put back), with
+static shapes: its graph is specialised to the example inputs. Its parameters
+are re-pointed at the model's own FQNs and its grad-mode switches made to
+restore the caller's mode, so its graph looks like the other tracers'.
+:func:`key_dynamo_graph` gives the graphs ``torch.compile`` hands the compfx
+backend the same metadata and OpKeys.
+"""
+
+from __future__ import annotations
+
+import inspect
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
+from torch.utils import _pytree as pytree
+
+from ..errors import CaptureError
+from ..opkey import OpKey, assign_op_keys
+from .model_state import buffers_restored, get_attribute, named_tensors
+from .nodes import complete_metadata, is_numerical_op
+
+__all__ = ["dynamo_capture", "CAPTURE_DEFAULTS", "capture_defaults", "key_dynamo_graph"]
+
+
+def dynamo_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
+    """``torch._dynamo.export`` of ``model`` with static shapes, its ``get_attr`` targets the model's own FQNs.
+
+    The graph takes the caller's ``(args, kwargs)``: the :data:`CAPTURE_DEFAULTS`
+    it ran with are specialised away. The model's buffers are put back afterwards.
+    """
+    # allow_rnn: keep nn.GRU/LSTM in the graph as one op, as the symbolic tracer does.
+    # Static shapes: compfx specialises to the example inputs (TC rules need concrete dims).
+    defaults = capture_defaults(model, kwargs)
+    with torch._dynamo.config.patch(allow_rnn=True), buffers_restored(model):
+        exported = torch._dynamo.export(model, aten_graph=False, assume_static_by_default=True)(
+            *args, **kwargs, **defaults)
+    gm = exported.graph_module
+    if defaults:
+        _drop_keywords(gm, args, kwargs, defaults)
+    fqn_of = {id(t): name for name, t in named_tensors(model)}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            attr = get_attribute(gm, node.target)
+            if id(attr) in fqn_of:
+                node.target = fqn_of[id(attr)]
+    _restore_callers_grad_mode(gm.graph, torch.is_grad_enabled())
+    return fx.GraphModule(model, gm.graph, class_name=type(model).__name__ + "Captured")
+
+
+def _drop_keywords(gm: fx.GraphModule, args: tuple, kwargs: dict, defaults: dict) -> None:
+    """Make an exported graph take the caller's ``(args, kwargs)``, without the capture ``defaults`` it ran with.
+
+    The defaults were passed last, each a single leaf, so they are the last
+    placeholders; the graph is specialised to their values and never reads them.
+    """
+    info = gm.graph._codegen.pytree_info
+    dropped = [n for n in gm.graph.nodes if n.op == "placeholder"][-len(defaults):]
+    for node in dropped:
+        if node.users:
+            raise CaptureError(f"dynamo's graph reads {node.name!r}, which compfx passed as a constant "
+                               f"({', '.join(f'{k}={v!r}' for k, v in defaults.items())}) and expected to be specialised away")
+        gm.graph.erase_node(node)
+    in_spec = pytree.tree_structure((args, kwargs))
+    gm.graph.set_codegen(_PyTreeCodeGen(_PyTreeInfo(info.orig_args[: -len(defaults)], in_spec, info.out_spec)))
+    gm.recompile()
+
+
+def _restore_callers_grad_mode(graph: fx.Graph, mode_at_capture: bool) -> None:
+    """Make dynamo's ``_set_grad_enabled(True)`` after a no_grad block restore the caller's mode.
+
+    Dynamo writes the mode it saw at capture time as a literal; a caller that
+    runs the graph under ``torch.no_grad()`` would get autograd switched back on.
+    """
+    switches = [n for n in graph.nodes if n.op == "call_function" and n.target is torch._C._set_grad_enabled]
+    if not switches:
+        return
+    with graph.inserting_before(switches[0]):
+        saved = graph.call_function(torch.is_grad_enabled)
+    saved.meta["val"] = mode_at_capture
+    for switch in switches:
+        if switch.args[0] == mode_at_capture:
+            switch.args = (saved,)
+
+
+#: Keyword arguments the dynamo fallback passes to ``forward`` when it takes them and the caller did not say:
+#: ``torch._dynamo.export`` cannot return Hugging Face's cache object, and training never reads it. (The
+#: recording tracer runs forward as called and returns None in the cache's place: :func:`~compfx.capture.is_kv_cache`.)
+CAPTURE_DEFAULTS = {"use_cache": False}
+
+
+def capture_defaults(model: nn.Module, kwargs: dict) -> dict:
+    """The entries of :data:`CAPTURE_DEFAULTS` that ``model.forward`` accepts and ``kwargs`` does not set.
+
+    >>> import torch
+    >>> class LM(torch.nn.Module):
+    ...     def forward(self, input_ids, use_cache=None): ...
+    >>> capture_defaults(LM(), {}), capture_defaults(LM(), {"use_cache": True}), capture_defaults(torch.nn.Linear(2, 2), {})
+    ({'use_cache': False}, {}, {})
+    """
+    try:
+        parameters = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {name: value for name, value in CAPTURE_DEFAULTS.items() if name in parameters and name not in kwargs}
+
+
+def key_dynamo_graph(gm: fx.GraphModule, counts: dict[tuple[str, str], int] | None = None) -> list[OpKey]:
+    """Key the graph that dynamo hands a ``torch.compile`` backend, like :func:`~compfx.capture.capture` would.
+
+    Dynamo graphs keep values in ``meta["example_value"]`` and lift parameters
+    to placeholders; this copies the values to ``meta["val"]`` (and adds
+    ``tensor_meta``), then writes an OpKey on every numerical op. For a model
+    split into several graphs, pass one ``counts`` dict to every call, in
+    execution order, so call indices continue across the graphs.
+
+    >>> import torch
+    >>> from compfx.capture import key_dynamo_graph
+    >>> keys = []
+    >>> def backend(gm, example_inputs):
+    ...     keys.extend(key_dynamo_graph(gm))
+    ...     return gm.forward
+    >>> _ = torch.compile(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), backend=backend)(torch.randn(2, 4))
+    >>> [str(k) for k in keys]
+    ['0:linear#0', '1:relu#0']
+    """
+    complete_metadata(gm)
+    return list(assign_op_keys(gm, include=is_numerical_op, counts=counts))

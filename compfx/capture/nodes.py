@@ -1,0 +1,196 @@
+"""What a captured node holds and what it is.
+
+Its recorded value (:func:`meta_value`, :func:`complete_metadata`), whether it
+is a numerical op that gets an OpKey (:func:`is_numerical_op`) or pure data
+movement (:data:`DATA_MOVEMENT_KINDS`), and whether it writes an input or must
+survive dead-code elimination (:func:`is_in_place`, :func:`writes_input`,
+:func:`has_side_effects`). The tracers, the passes and the cost model all ask
+these questions here, so they get the same answers.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import operator
+
+import torch
+import torch.fx as fx
+from torch.fx.passes.shape_prop import _extract_tensor_metadata
+from torch.utils import _pytree as pytree
+
+from ..opkey import KEY_META, normalize_kind
+
+__all__ = [
+    "DATA_MOVEMENT_KINDS",
+    "is_data_movement",
+    "meta_value",
+    "produces_float",
+    "is_numerical_op",
+    "op_nodes",
+    "complete_metadata",
+    "has_side_effects",
+    "writes_input",
+    "is_in_place",
+]
+
+
+# Ops that only move or reinterpret data (or build constants). They get no
+# precision bit of their own: their output dtype follows their input (CoMP's
+# "pure data movement"). Explicit casts (.float(), .to()) are the user's own.
+DATA_MOVEMENT_KINDS = frozenset(
+    """view reshape permute transpose t contiguous flatten unflatten squeeze unsqueeze expand
+    expand_as repeat repeat_interleave getitem cat concat concatenate stack split chunk unbind
+    narrow select slice index_select gather clone detach to type_as size dim getattr numel flip
+    roll movedim swapaxes split_with_sizes tensor_split masked_fill zeros_like ones_like
+    empty_like full_like new_zeros new_ones new_empty new_full pad constant_pad_nd zeros ones
+    arange full empty type float half bfloat16 double cpu cuda tril triu""".split()
+)
+
+
+def is_data_movement(kind: str) -> bool:
+    """True for kinds that only move data and so follow their input's precision.
+
+    >>> is_data_movement("permute"), is_data_movement("linear")
+    (True, False)
+    """
+    return kind in DATA_MOVEMENT_KINDS
+
+
+def meta_value(node: fx.Node, default=None):
+    """The node's recorded value: ``meta["val"]`` (compfx, export) or ``meta["example_value"]`` (dynamo), else ``default``."""
+    for name in ("val", "example_value"):
+        if node.meta.get(name) is not None:
+            return node.meta[name]
+    return default
+
+
+def produces_float(node: fx.Node) -> bool:
+    """True when the node's recorded value holds a floating-point tensor."""
+    value = meta_value(node)
+    return any(
+        isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in pytree.tree_leaves(value)
+    )
+
+
+def is_numerical_op(node: fx.Node) -> bool:
+    """The filter that decides which call nodes get an OpKey (in every tracer's graph and in dynamo's backend graphs).
+
+    A numerical op computes floating-point values: leaf modules that return
+    floats, and every float-producing call that is not pure data movement.
+    """
+    if node.op == "call_module":
+        return produces_float(node)
+    return not is_data_movement(normalize_kind(node.op, node.target)) and produces_float(node)
+
+
+def op_nodes(gm: fx.GraphModule) -> list[fx.Node]:
+    """Nodes that carry an OpKey, in graph order."""
+    return [n for n in gm.graph.nodes if KEY_META in n.meta]
+
+
+def _tensor_meta(value):
+    if isinstance(value, torch.Tensor):
+        return _extract_tensor_metadata(value)
+    if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
+        return type(value)(_tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in value)
+    return None
+
+
+def complete_metadata(gm: fx.GraphModule) -> list[fx.Node]:
+    """Give every node ``val`` (and tensors ``tensor_meta``); returns nodes still without ``val``.
+
+    Dynamo keeps values in ``meta["example_value"]``; they are copied to
+    ``meta["val"]``, where every later stage reads them. The output node's
+    value is its arguments' values.
+    """
+    missing = []
+    for node in gm.graph.nodes:
+        if "val" not in node.meta and "example_value" in node.meta:
+            node.meta["val"] = node.meta["example_value"]
+        if node.op == "output":
+            node.meta["val"] = pytree.tree_map(
+                lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, node.args[0]
+            )
+        if "val" not in node.meta and node.op != "output" and not node.users:
+            node.meta["val"] = None  # a call kept only for its side effect, e.g. _set_grad_enabled
+        if "val" not in node.meta:
+            missing.append(node)
+            continue
+        meta = _tensor_meta(node.meta["val"])
+        if meta is not None:
+            node.meta["tensor_meta"] = meta
+    return missing
+
+
+def has_side_effects(node: fx.Node) -> bool:
+    """Keep this node even when nothing reads its result: impure calls, leaf modules, and calls that write
+    an input (BatchNorm's ``num_batches_tracked.add_(1)``, ``relu(x, inplace=True)``, ``out=``).
+
+    Every dead-code elimination in compfx passes this, since FX's own purity test takes a
+    ``call_method`` such as ``h.add_(x)`` for pure and would drop the write.
+    """
+    if node.op == "call_module" or node.is_impure():
+        return True
+    return node.op in ("call_function", "call_method") and (writes_input(node) or "out" in node.kwargs)
+
+
+def writes_input(node: fx.Node) -> bool:
+    """True when the call writes its first argument: an in-place name (``add_``, ``operator.iadd``) or ``inplace=True``."""
+    return is_in_place(node.target) or _passes_inplace_true(node)
+
+
+def _passes_inplace_true(node: fx.Node) -> bool:
+    if node.kwargs.get("inplace") is True:
+        return True
+    if node.op != "call_function":
+        return False
+    signature = _signature(node.target)
+    if signature is None:
+        return False
+    try:
+        bound = signature.bind(*node.args, **node.kwargs)
+    except TypeError:  # the call does not fit the signature
+        return False
+    return bound.arguments.get("inplace") is True
+
+
+def _signature(target) -> inspect.Signature | None:
+    """``inspect.signature(target)``, None for builtins without one; cached, as every rewrite asks again."""
+    try:
+        hash(target)
+    except TypeError:  # an unhashable callable: no cache
+        return _signature_uncached(target)
+    return _cached_signature(target)
+
+
+def _signature_uncached(target) -> inspect.Signature | None:
+    try:
+        return inspect.signature(target)
+    except (TypeError, ValueError):  # builtins without a signature, non-callables
+        return None
+
+
+_cached_signature = functools.lru_cache(maxsize=1024)(_signature_uncached)
+
+
+_IN_PLACE_OPERATORS = frozenset(
+    (operator.iadd, operator.isub, operator.imul, operator.itruediv, operator.ifloordiv,
+     operator.imatmul, operator.ipow, operator.iand, operator.ior, operator.ixor, operator.setitem)
+)
+
+
+def is_in_place(target) -> bool:
+    """True when a call target writes its first argument by name: ``add_``, ``torch.relu_``, ``operator.iadd``.
+
+    ``target`` is a node's target: a method or module name, or a function.
+    Dunder names (``__add__``) are not in-place; ``inplace=True`` is not seen here.
+
+    >>> import operator, torch
+    >>> is_in_place("add_"), is_in_place(torch.relu_), is_in_place(operator.iadd), is_in_place("__add__")
+    (True, True, True, False)
+    >>> is_in_place(operator.setitem)  # x[i] = v
+    True
+    """
+    name = target if isinstance(target, str) else getattr(target, "__name__", "")
+    return (name.endswith("_") and not name.endswith("__")) or target in _IN_PLACE_OPERATORS
