@@ -295,3 +295,52 @@ def test_div_method_calls_are_captured_as_division(method):
     gm = capture(model, x, method=method)
     assert _keys(gm) == [":div#0", ":div#1", ":add#0"]
     assert torch.equal(gm(x), model(x))
+
+
+# -- small cases found while splitting capture into a package ----------------------------------
+
+def test_a_leaf_module_whose_name_ends_in_an_underscore_writes_nothing():
+    from compfx.capture import writes_input
+    from compfx.cast_policy import mutated_positions
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.proj_ = torch.nn.Linear(4, 4)
+
+        def forward(self, x):
+            return self.proj_(x)
+
+    gm = capture(Net(), torch.randn(2, 4), leaf_modules=[torch.nn.Linear])
+    (node,) = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert node.target == "proj_" and not writes_input(node) and mutated_positions(node) == {"out"}
+
+
+def test_a_leaf_module_returning_a_namedtuple_is_captured():
+    import collections
+
+    Pair = collections.namedtuple("Pair", "first second")
+
+    class Split(torch.nn.Module):
+        def forward(self, x):
+            return Pair(x * 2, x + 1)
+
+    class Net(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.split = Split()
+
+        def forward(self, x):
+            pair = self.split(x)
+            return pair.first + pair.second
+
+    model, x = Net(), torch.randn(2, 3)
+    gm = capture(model, x, leaf_modules=[Split])
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+
+
+def test_an_input_signature_with_a_nan_float_matches_itself():
+    from compfx.capture import input_signature
+
+    x = torch.randn(2, 3)
+    assert input_signature((x, float("nan")), {}, True) == input_signature((x, float("nan")), {}, True)

@@ -93,7 +93,13 @@ def _tensor_meta(value):
     if isinstance(value, torch.Tensor):
         return _extract_tensor_metadata(value)
     if isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value):
-        return type(value)(_tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in value)
+        items = [_tensor_meta(v) if isinstance(v, torch.Tensor) else None for v in value]
+        if hasattr(value, "_fields"):  # a namedtuple takes its fields as arguments, not one iterable
+            return type(value)(*items)
+        try:
+            return type(value)(items)
+        except TypeError:  # another tuple subclass with its own constructor: a plain tuple holds the same facts
+            return tuple(items)
     return None
 
 
@@ -136,7 +142,12 @@ def has_side_effects(node: fx.Node) -> bool:
 
 
 def writes_input(node: fx.Node) -> bool:
-    """True when the call writes its first argument: an in-place name (``add_``, ``operator.iadd``) or ``inplace=True``."""
+    """True when the call writes its first argument: an in-place name (``add_``, ``operator.iadd``) or ``inplace=True``.
+
+    A ``call_module`` target is a module's path, not an op's name: ``self.proj_`` writes nothing by its name.
+    """
+    if node.op not in ("call_function", "call_method"):
+        return node.kwargs.get("inplace") is True
     return is_in_place(node.target) or _passes_inplace_true(node)
 
 

@@ -11,6 +11,7 @@ signature, module by module.
 
 from __future__ import annotations
 
+import math
 from typing import Hashable, Mapping
 
 import torch
@@ -90,6 +91,8 @@ def input_signature(args: tuple, kwargs: Mapping, training: bool) -> Hashable:
 def _leaf_signature(leaf) -> Hashable:
     if isinstance(leaf, torch.Tensor):
         return (tuple(leaf.shape), leaf.dtype, leaf.device)
+    if isinstance(leaf, float) and math.isnan(leaf):  # NaN != NaN: as a value it would never match itself
+        return (float, "nan")
     try:
         hash(leaf)
     except TypeError:  # an unhashable object: only this very object is known to fit
