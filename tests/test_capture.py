@@ -344,3 +344,19 @@ def test_an_input_signature_with_a_nan_float_matches_itself():
 
     x = torch.randn(2, 3)
     assert input_signature((x, float("nan")), {}, True) == input_signature((x, float("nan")), {}, True)
+
+
+def test_dynamo_capture_keeps_a_plain_tensor_attribute_as_a_constant():
+    class Scaled(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = torch.nn.Linear(4, 4)
+            self.scale = torch.full((4,), 3.0)  # a plain attribute: neither a parameter nor a buffer
+
+        def forward(self, x):
+            return self.fc(x) * self.scale
+
+    model, x = Scaled(), torch.randn(2, 4)
+    gm = capture(model, x, method="dynamo")
+    torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
+    assert gm.get_parameter("fc.weight") is model.fc.weight  # the model's own parameters, not copies

@@ -49,7 +49,28 @@ def dynamo_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModul
             if id(attr) in fqn_of:
                 node.target = fqn_of[id(attr)]
     _restore_callers_grad_mode(gm.graph, torch.is_grad_enabled())
-    return fx.GraphModule(model, gm.graph, class_name=type(model).__name__ + "Captured")
+    return fx.GraphModule(_root(model, gm), gm.graph, class_name=type(model).__name__ + "Captured")
+
+
+def _root(model: nn.Module, exported: fx.GraphModule):
+    """What the captured graph's targets resolve in: the model itself, unless dynamo lifted constants of its own.
+
+    A plain tensor attribute of the model (not a parameter or buffer) becomes a constant on dynamo's graph,
+    under a name the model does not have; those targets are looked up there, everything else in the model.
+    """
+    targets = [n.target for n in exported.graph.nodes if n.op in ("get_attr", "call_module")]
+    missing = [t for t in targets if not _resolves(model, t)]
+    if not missing:
+        return model
+    return {t: get_attribute(model if _resolves(model, t) else exported, t) for t in targets}
+
+
+def _resolves(root: nn.Module, target: str) -> bool:
+    try:
+        get_attribute(root, target)
+    except AttributeError:
+        return False
+    return True
 
 
 def _drop_keywords(gm: fx.GraphModule, args: tuple, kwargs: dict, defaults: dict) -> None:
