@@ -33,3 +33,25 @@ def batches(n, *shapes, classes=3, seed=0):
     g = torch.Generator().manual_seed(seed)
     return [(*(torch.randn(*s, generator=g) for s in shapes), torch.randint(0, classes, (shapes[0][0],), generator=g))
             for _ in range(n)]
+
+
+def forward_and_grads(module, model, inputs):
+    """Output and parameter gradients of ``module`` (which shares ``model``'s parameters)."""
+    model.zero_grad(set_to_none=True)
+    out = module(*inputs)
+    out.float().square().mean().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return out.detach(), grads
+
+
+def assert_matches_apply(compiled, model, plan, analysis, inputs, tol):
+    """``compiled`` gives the outputs and parameter grads of ``compfx.apply(model, plan)``, within ``tol``."""
+    from compfx.apply import apply
+
+    out, grads = forward_and_grads(compiled, model, inputs)
+    ref_out, ref_grads = forward_and_grads(apply(model, plan, analysis=analysis), model, inputs)
+    torch.testing.assert_close(out, ref_out, **tol)
+    assert grads.keys() == ref_grads.keys() and grads
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], **tol, msg=lambda m: f"grad of {name}: {m}")

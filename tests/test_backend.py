@@ -21,6 +21,7 @@ from compfx.backend import backend, compfx_backend, compile_with_plan, registere
 from compfx.errors import BadInputError, PlanFileError
 from compfx.opkey import OpKey
 
+from tests.helpers import assert_matches_apply, forward_and_grads
 from zoo import make
 
 BF16_TOL = dict(rtol=2e-2, atol=2e-2)  # bf16 has 8 bits of mantissa: eps 7.8e-3
@@ -45,25 +46,6 @@ def fresh_dynamo(tmp_path, monkeypatch):
 def random_plan(analysis, seed: int) -> compfx.Plan:
     rng = random.Random(seed)
     return compfx.Plan.from_bitstring(analysis, "".join(rng.choice("01f") for _ in analysis.ops))
-
-
-def forward_and_grads(module, model, inputs):
-    """Output and parameter gradients of ``module`` (which shares ``model``'s parameters)."""
-    model.zero_grad(set_to_none=True)
-    out = module(*inputs)
-    out.float().square().mean().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out.detach(), grads
-
-
-def assert_matches_apply(compiled, model, plan, analysis, inputs, tol):
-    out, grads = forward_and_grads(compiled, model, inputs)
-    ref_out, ref_grads = forward_and_grads(apply(model, plan, analysis=analysis), model, inputs)
-    torch.testing.assert_close(out, ref_out, **tol)
-    assert grads.keys() == ref_grads.keys() and grads
-    for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], **tol, msg=lambda m: f"grad of {name}: {m}")
 
 
 def assert_records_follow_plan(records, plan, low_dtype):

@@ -36,6 +36,7 @@ from compfx.measure import device_name, timed
 from compfx.passes import count_autocast_casts, count_casts
 from compfx.search.sampling import FairSampler
 from compfx.vocabulary import SampleStatus, Stage
+from tests.helpers import assert_matches_apply
 from zoo import ZOO, make
 
 CUDA_AVAILABLE = torch.cuda.is_available()
@@ -207,28 +208,10 @@ def fresh_dynamo(tmp_path, monkeypatch):
     torch._dynamo.reset()
 
 
-def _outputs_and_grads(module, model, inputs):
-    model.zero_grad(set_to_none=True)
-    out = module(*inputs)
-    out.float().square().mean().backward()
-    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return out.detach(), grads
-
-
-def _assert_matches_apply(compiled, model, plan, analysis, inputs, tol):
-    out, grads = _outputs_and_grads(compiled, model, inputs)
-    ref_out, ref_grads = _outputs_and_grads(apply(model, plan, analysis=analysis), model, inputs)
-    torch.testing.assert_close(out, ref_out, **tol)
-    assert grads.keys() == ref_grads.keys() and grads
-    for name in grads:
-        torch.testing.assert_close(grads[name], ref_grads[name], **tol, msg=lambda m: f"grad of {name}: {m}")
-
-
 def test_registered_compfx_backend_runs_the_default_amp_plan_through_inductor(fresh_dynamo):
     model, inputs = _on_cuda("mlp")
     analysis = compfx.analyze(model, inputs)
-    _assert_matches_apply(torch.compile(model, backend="compfx"), model, compfx.Plan.amp(analysis), analysis, inputs,
+    assert_matches_apply(torch.compile(model, backend="compfx"), model, compfx.Plan.amp(analysis), analysis, inputs,
                           COMPILE_TOL)
     record = registered_backend().records[-1]
     assert dict(record.precisions) == dict(compfx.Plan.amp(analysis))
@@ -241,7 +224,7 @@ def test_inductor_backend_with_a_random_plan_matches_apply_on_cuda(fresh_dynamo)
     rng = random.Random(11)
     plan = compfx.Plan.from_bitstring(analysis, "".join(rng.choice("01f") for _ in analysis.ops))
     compiled = torch.compile(model, backend=backend(plan, inner="inductor"))
-    _assert_matches_apply(compiled, model, plan, analysis, inputs, COMPILE_TOL)
+    assert_matches_apply(compiled, model, plan, analysis, inputs, COMPILE_TOL)
 
 
 # -- NCCL, world size 1 ----------------------------------------------------------------------------

@@ -37,6 +37,7 @@ from compfx.plan import Plan
 from compfx.search import FunctionEvaluator, SearchConfig, SearchSpace, run_stage1
 from compfx.search.log import DIGEST, SearchLog
 from compfx.search.sampling import snapshot_state
+from test_reliability import Tiny
 from tests.helpers import nll
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
@@ -44,17 +45,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 backend_module = importlib.import_module("compfx.backend")  # compfx.backend is also the name of a function
 
 QUICK = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor="off")
-
-
-class Tiny(nn.Module):
-    """Two linears (whitelist) around other ops; named modules, so its op keys are its own."""
-
-    def __init__(self):
-        super().__init__()
-        self.fc1, self.norm, self.fc2 = nn.Linear(4, 8), nn.LayerNorm(8), nn.Linear(8, 3)
-
-    def forward(self, x):
-        return F.log_softmax(self.fc2(F.relu(self.norm(self.fc1(x)))), dim=-1)
 
 
 class Other(nn.Module):
