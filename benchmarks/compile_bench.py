@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import json
 import platform
 from pathlib import Path
 from typing import Callable

@@ -24,7 +24,6 @@ all ranks, which the lock-step search relies on.
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
