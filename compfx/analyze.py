@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import capture, input_signature, module_modes, normalize_example_inputs, op_nodes
 from .errors import BadInputError
+from .float8 import fp8_eligible
 from .opkey import KEY_META, OpKey
 from .oplists import classify
 from .tensor_cores import tc_eligible
@@ -41,6 +42,9 @@ class OpInfo:
     reason: str
     input_shapes: tuple[Shape, ...]
     output_shapes: tuple[Shape, ...]
+    #: Can it run FP8 (:mod:`compfx.float8`)? Only set by ``analyze(..., fp8=True)``; the search decides "should".
+    fp8_eligible: bool = False
+    fp8_reason: str = "FP8 not analysed (analyze(..., fp8=True))"
 
     @property
     def kind(self) -> str:
@@ -67,6 +71,8 @@ class Analysis:
     example_signature: Hashable = field(default=None, repr=False)
     leaf_modules: tuple = ()
     modes: Mapping[str, bool] | None = field(default=None, repr=False)
+    #: Whether FP8 eligibility was analysed (``analyze(..., fp8=True)``); re-captures keep it.
+    fp8: bool = False
 
     @property
     def keys(self) -> tuple[OpKey, ...]:
@@ -186,24 +192,30 @@ def _conv_groups(node: fx.Node) -> int:
 
 
 def describe_op(node: fx.Node, *, device: torch.device, low_dtype: torch.dtype,
-                overrides: Mapping[str, str] | None = None, capability=None) -> OpInfo:
-    """Build the :class:`OpInfo` of one keyed node."""
+                overrides: Mapping[str, str] | None = None, capability=None, fp8: bool = False) -> OpInfo:
+    """Build the :class:`OpInfo` of one keyed node (with its FP8 eligibility when ``fp8``)."""
     key: OpKey = node.meta[KEY_META]
     category = classify(key.kind, device.type, overrides)
     input_shapes = _shapes(_input_values(node))
     eligible, reason = tc_eligible(key.kind, category, input_shapes, low_dtype=low_dtype, device=device,
                                    capability=capability,
                                    groups=_conv_groups(node) if key.kind.startswith("conv") else 1)
-    return OpInfo(key, category, eligible, reason, input_shapes, _shapes(node.meta.get("val")))
+    info = OpInfo(key, category, eligible, reason, input_shapes, _shapes(node.meta.get("val")))
+    if not fp8:
+        return info
+    can, why = fp8_eligible(key.kind, input_shapes, device=device, capability=capability,
+                            is_module_call=node.op == "call_module")
+    return dataclasses.replace(info, fp8_eligible=can, fp8_reason=why)
 
 
 def analyze_graph(gm: fx.GraphModule, *, device: torch.device, low_dtype: torch.dtype,
-                  overrides: Mapping[str, str] | None = None, capability: tuple[int, int] | None = None) -> Analysis:
+                  overrides: Mapping[str, str] | None = None, capability: tuple[int, int] | None = None,
+                  fp8: bool = False) -> Analysis:
     """Analyse an already captured graph (used by :func:`analyze` and the compile backend)."""
     capability = capability or _cuda_capability(device)
-    ops = tuple(describe_op(n, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability)
-                for n in op_nodes(gm))
-    return Analysis(ops, device, low_dtype, gm, gm.meta.get("compfx_capture_method", "symbolic"))
+    ops = tuple(describe_op(n, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability,
+                            fp8=fp8) for n in op_nodes(gm))
+    return Analysis(ops, device, low_dtype, gm, gm.meta.get("compfx_capture_method", "symbolic"), fp8=fp8)
 
 
 def analyze(
@@ -216,6 +228,7 @@ def analyze(
     leaf_modules: Iterable[type | str] = (),
     capability: tuple[int, int] | None = None,
     method: str = "auto",
+    fp8: bool = False,
 ) -> Analysis:
     """Capture ``model`` and classify each op (whitelist / blacklist / other, TC eligibility).
 
@@ -223,13 +236,17 @@ def analyze(
     to fp16 on CUDA and bf16 on CPU. ``overrides`` maps op kinds to a category.
     ``capability`` gives the CUDA compute capability when planning for a GPU
     that this process cannot see (it is read from the device otherwise).
-    ``method`` picks the tracer (see :func:`compfx.capture`).
+    ``method`` picks the tracer (see :func:`compfx.capture`). ``fp8=True`` also
+    marks the ops that can run FP8 (``OpInfo.fp8_eligible``, ``fp8_reason``; see
+    :mod:`compfx.float8`); a plan may give ``"fp8"`` only to those.
 
     >>> import torch, compfx
     >>> model = torch.nn.Sequential(torch.nn.Linear(16, 10), torch.nn.Softmax(-1))
     >>> a = compfx.analyze(model, torch.randn(4, 16), device="cuda", capability=(8, 0))
     >>> [(str(op.key), str(op.category), op.tc_eligible) for op in a.ops]
     [('0:linear#0', 'whitelist', False), ('1:softmax#0', 'blacklist', False)]
+    >>> [(op.fp8_eligible, op.fp8_reason) for op in compfx.analyze(model, torch.randn(16, 16), fp8=True).ops]
+    [(False, 'out_features=10 is not a multiple of 16'), (False, 'no float8 path for softmax (only linear, matmul and mm with a 2-D right operand)')]
     """
     if not isinstance(model, nn.Module):
         raise BadInputError(f"analyze() takes an nn.Module; got {type(model).__name__}. Pass the model object "
@@ -239,7 +256,8 @@ def analyze(
     capability = check_capability(capability)
     leaf_modules = tuple(leaf_modules)
     gm = capture(model, example_inputs, leaf_modules=leaf_modules, method=method)
-    analysis = analyze_graph(gm, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability)
+    analysis = analyze_graph(gm, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability,
+                             fp8=fp8)
     args, kwargs = normalize_example_inputs(example_inputs)
     return dataclasses.replace(analysis, example_signature=input_signature(args, kwargs, model.training),
                                leaf_modules=leaf_modules, modes=module_modes(model))

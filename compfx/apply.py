@@ -76,7 +76,8 @@ def apply(
         if example_inputs is None:
             raise BadInputError("apply() needs example_inputs to capture the model, or analysis=<the Analysis "
                                 "the plan was made from>.")
-        analysis = analyze(model, example_inputs, low_dtype=plan.low_dtype, leaf_modules=leaf_modules)
+        analysis = analyze(model, example_inputs, low_dtype=plan.low_dtype, leaf_modules=leaf_modules,
+                           fp8=plan.fp8_recipe is not None)
     plan.validate(analysis)
     if plan.low_dtype != analysis.low_dtype:
         raise PlanMismatchError(
@@ -97,7 +98,7 @@ def _planned_graph(model: nn.Module, analysis: Analysis, plan: Plan, categories:
     source = analysis.graph_module
     gm = fx.GraphModule(source, copy.deepcopy(source.graph), class_name=type(model).__name__ + "Mixed")
     apply_precisions(gm, plan, low_dtype=plan.low_dtype, categories=categories, default_precision=Precision.FOLLOW,
-                     restore_outputs=restore_output_dtypes)
+                     restore_outputs=restore_output_dtypes, fp8_recipe=plan.fp8_recipe)
     _mirror_state(gm, model)
     gm.meta.update(compfx_plan=plan, compfx_capture_method=analysis.capture_method)
     return gm
@@ -160,7 +161,7 @@ class SignatureCaptures:
                 f"tracer of the first capture) failed: {error}. Use batches of shapes it captures at (e.g. "
                 "DataLoader(..., drop_last=True) for a ragged last batch), or make forward capturable at these "
                 "shapes.") from error
-        analysis = analyze_graph(gm, device=base.device, low_dtype=base.low_dtype)
+        analysis = analyze_graph(gm, device=base.device, low_dtype=base.low_dtype, fp8=base.fp8)
         self._by_signature[signature] = analysis
         return analysis, time.perf_counter() - start
 

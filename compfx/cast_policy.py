@@ -54,12 +54,12 @@ from torch.utils import _pytree as pytree
 
 from .capture import meta_value, writes_input
 from .opkey import KEY_META, normalize_kind
-from .vocabulary import short_dtype_name
+from .vocabulary import Precision, short_dtype_name
 
 __all__ = [
     "NORM_KINDS", "COMPOSITE_KINDS", "PROMOTING_KINDS", "CAST_KINDS", "CAST_META", "AutocastRegion",
     "mutated_positions", "castable", "castable_inputs", "is_model_tensor", "shares_cast", "runs_under_autocast",
-    "runs_as_is", "is_cast", "compute_dtype",
+    "runs_as_is", "is_cast", "compute_dtype", "precision_dtype",
 ]
 
 #: Ops whose weight/bias/running stats stay FP32 whatever the op's precision.
@@ -121,6 +121,20 @@ def castable_inputs(node: fx.Node, value_of: Callable[[fx.Node], Any] = meta_val
             if castable(kind, position, value_of(arg), mutated):
                 pairs.append((position, arg))
     return pairs
+
+
+def precision_dtype(precision: Precision, low_dtype: torch.dtype) -> torch.dtype | None:
+    """The dtype a precision casts an op's castable inputs to; None for ``follow`` (no dtype of its own).
+
+    An ``fp8`` op takes FP32 inputs: torchao's float8 path scales high-precision
+    operands to float8 inside the op and returns the input's dtype, as
+    ``convert_to_float8_training`` does without autocast.
+
+    >>> import torch
+    >>> precision_dtype(Precision.FP8, torch.bfloat16), precision_dtype(Precision.FOLLOW, torch.bfloat16)
+    (torch.float32, None)
+    """
+    return {Precision.LOW: low_dtype, Precision.FP32: torch.float32, Precision.FP8: torch.float32}.get(precision)
 
 
 # -- who shares a cast -------------------------------------------------------------

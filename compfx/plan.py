@@ -7,8 +7,11 @@ Three forms of one plan:
 * :class:`Assignment`: one Precision per op of ``analysis.ops``, by position.
   What the search works on: its stages cut the model into segments by position.
 * the CoMP plan string, ``str(assignment)``: one character per op ('0' low,
-  '1' FP32, 'f' follow; see :attr:`Precision.code`). A view for logs and
+  '1' FP32, 'f' follow, '8' FP8; see :attr:`Precision.code`). A view for logs and
   reports, and :meth:`Plan.from_bitstring`.
+
+A plan with ``fp8`` ops also carries how they scale (``plan.fp8_recipe``, a
+:class:`~compfx.vocabulary.Float8Recipe`); its file says so too.
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ import torch
 from .errors import PlanFileError, PlanMismatchError
 from .files import read_json, write_json_atomic
 from .opkey import OpKey
-from .vocabulary import LOW_DTYPES, Category, Precision, check_low_dtype, dtype_from_name, dtype_name
+from .vocabulary import LOW_DTYPES, Category, Float8Recipe, Precision, check_low_dtype, dtype_from_name, dtype_name
 
 __all__ = ["Plan", "Assignment", "AMP_PRECISION", "PLAN_VERSION", "MAX_PLAN_BYTES"]
 
@@ -59,8 +62,8 @@ class Assignment(tuple):
             raise PlanMismatchError(f"a plan string must be a str like '0f1'; got {type(code).__name__}.")
         bad = sorted(set(code) - set(Precision.codes()))
         if bad:
-            raise PlanMismatchError(f"plan string {code!r} contains {bad}; expected only '0' (low), '1' (fp32) or "
-                                    "'f' (follow).")
+            raise PlanMismatchError(f"plan string {code!r} contains {bad}; expected only '0' (low), '1' (fp32), "
+                                    "'f' (follow) or '8' (fp8).")
         return cls(Precision.from_code(c) for c in code)
 
     def replaced(self, positions: Iterable[int], precision) -> "Assignment":
@@ -80,6 +83,9 @@ class Assignment(tuple):
 class Plan(Mapping[OpKey, Precision]):
     """Immutable mapping OpKey -> :class:`Precision` for one model (its fingerprint) and one low dtype.
 
+    ``fp8_recipe`` is how its ``fp8`` ops scale (default ``"tensorwise"``); it is
+    None in a plan without ``fp8`` ops.
+
     >>> import torch, compfx
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> a = compfx.analyze(model, torch.randn(3, 4))
@@ -89,9 +95,10 @@ class Plan(Mapping[OpKey, Precision]):
     '101'
     """
 
-    __slots__ = ("_entries", "low_dtype", "fingerprint")
+    __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe")
 
-    def __init__(self, entries: Mapping[OpKey, Precision | str], *, low_dtype: torch.dtype, fingerprint: str):
+    def __init__(self, entries: Mapping[OpKey, Precision | str], *, low_dtype: torch.dtype, fingerprint: str,
+                 fp8_recipe: Float8Recipe | str | None = None):
         checked = {}
         for key, precision in entries.items():
             if not isinstance(key, OpKey):
@@ -108,6 +115,10 @@ class Plan(Mapping[OpKey, Precision]):
         object.__setattr__(self, "_entries", MappingProxyType(checked))
         object.__setattr__(self, "low_dtype", low_dtype)
         object.__setattr__(self, "fingerprint", fingerprint)
+        recipe = None
+        if any(p is Precision.FP8 for p in checked.values()):  # a recipe only means something with FP8 ops
+            recipe = Float8Recipe.parse(fp8_recipe or Float8Recipe.TENSORWISE, "fp8_recipe")
+        object.__setattr__(self, "fp8_recipe", recipe)
 
     def __setattr__(self, name, value):
         raise AttributeError("Plan is immutable; use plan.with_precisions(...)")
@@ -126,21 +137,22 @@ class Plan(Mapping[OpKey, Precision]):
         if not isinstance(other, Plan):
             return NotImplemented
         return (dict(self._entries) == dict(other._entries) and self.low_dtype == other.low_dtype
-                and self.fingerprint == other.fingerprint)
+                and self.fingerprint == other.fingerprint and self.fp8_recipe == other.fp8_recipe)
 
     def __hash__(self) -> int:
-        return hash((frozenset(self._entries.items()), self.low_dtype, self.fingerprint))
+        return hash((frozenset(self._entries.items()), self.low_dtype, self.fingerprint, self.fp8_recipe))
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{sum(v is p for v in self._entries.values())} {p}" for p in Precision)
-        return f"Plan({len(self)} ops: {counts}; low_dtype={dtype_name(self.low_dtype)})"
+        recipe = f", fp8_recipe={self.fp8_recipe}" if self.fp8_recipe else ""
+        return f"Plan({len(self)} ops: {counts}; low_dtype={dtype_name(self.low_dtype)}{recipe})"
 
     # -- constructors --------------------------------------------------------
     @classmethod
-    def uniform(cls, analysis, precision: Precision | str) -> "Plan":
+    def uniform(cls, analysis, precision: Precision | str, *, fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
         """Every op at one precision."""
         return cls({op.key: precision for op in analysis.ops}, low_dtype=analysis.low_dtype,
-                   fingerprint=analysis.fingerprint)
+                   fingerprint=analysis.fingerprint, fp8_recipe=fp8_recipe)
 
     @classmethod
     def fp32(cls, analysis) -> "Plan":
@@ -154,7 +166,8 @@ class Plan(Mapping[OpKey, Precision]):
                    fingerprint=analysis.fingerprint)
 
     @classmethod
-    def from_assignment(cls, analysis, assignment: Iterable) -> "Plan":
+    def from_assignment(cls, analysis, assignment: Iterable, *,
+                        fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
         """The plan that gives ``analysis.ops[i]`` the precision ``assignment[i]``."""
         assignment = Assignment(assignment)
         if len(assignment) != len(analysis.ops):
@@ -163,24 +176,25 @@ class Plan(Mapping[OpKey, Precision]):
                 "expected one per op of analysis.ops."
             )
         return cls({op.key: p for op, p in zip(analysis.ops, assignment)}, low_dtype=analysis.low_dtype,
-                   fingerprint=analysis.fingerprint)
+                   fingerprint=analysis.fingerprint, fp8_recipe=fp8_recipe)
 
     @classmethod
-    def from_bitstring(cls, analysis, bits: str) -> "Plan":
-        """CoMP's string form: one character per ``analysis.ops`` entry ('0' low, '1' FP32, 'f' follow)."""
+    def from_bitstring(cls, analysis, bits: str, *, fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
+        """CoMP's string form: one character per ``analysis.ops`` entry ('0' low, '1' FP32, 'f' follow, '8' FP8)."""
         if isinstance(bits, str) and len(bits) != len(analysis.ops):
             raise PlanMismatchError(
                 f"bitstring has length {len(bits)}, but the model has {len(analysis.ops)} ops; "
                 "expected one character per op of analysis.ops."
             )
-        return cls.from_assignment(analysis, Assignment.parse(bits))
+        return cls.from_assignment(analysis, Assignment.parse(bits), fp8_recipe=fp8_recipe)
 
     def with_precisions(self, updates: Mapping[OpKey, Precision | str]) -> "Plan":
         """A copy with some ops changed; every updated key must already be in the plan."""
         unknown = [str(k) for k in updates if k not in self._entries]
         if unknown:
             raise PlanMismatchError(f"with_precisions() got keys not in this plan: {unknown[:5]}")
-        return Plan({**self._entries, **updates}, low_dtype=self.low_dtype, fingerprint=self.fingerprint)
+        return Plan({**self._entries, **updates}, low_dtype=self.low_dtype, fingerprint=self.fingerprint,
+                    fp8_recipe=self.fp8_recipe)
 
     # -- views ---------------------------------------------------------------
     def assignment(self, analysis) -> Assignment:
@@ -219,6 +233,17 @@ class Plan(Mapping[OpKey, Precision]):
                 "its op keys match: it was edited, or made for another model. Build the plan from this model's "
                 "analysis (Plan.from_bitstring(analysis, ...)), or search again."
             )
+        self._check_fp8(analysis)
+
+    def _check_fp8(self, analysis) -> None:
+        """Refuse ``fp8`` on an op the analysis did not mark FP8-eligible (:mod:`compfx.float8`)."""
+        refused = [op for op in analysis.ops if self._entries[op.key] is Precision.FP8 and not op.fp8_eligible]
+        if refused:
+            detail = "; ".join(f"{op.key}: {op.fp8_reason}" for op in refused[:3])
+            raise PlanMismatchError(
+                f"this plan gives 'fp8' to {len(refused)} op(s) that cannot run FP8 ({detail}). Give them 'low' "
+                "or 'fp32'" + ("" if analysis.fp8 else ", or analyse the model with analyze(..., fp8=True) so that "
+                               "eligible ops are marked") + ".")
 
     # -- files ---------------------------------------------------------------
     def to_dict(self) -> dict:
@@ -229,6 +254,7 @@ class Plan(Mapping[OpKey, Precision]):
             "fingerprint": self.fingerprint,
             "torch_version": torch.__version__,
             "ops": {str(k): str(v) for k, v in self._entries.items()},
+            **({"fp8_recipe": str(self.fp8_recipe)} if self.fp8_recipe else {}),
         }
 
     @classmethod
@@ -260,7 +286,11 @@ class Plan(Mapping[OpKey, Precision]):
                                 "Search again.")
         try:
             entries = {OpKey.parse(k): v for k, v in ops.items()}
-            return cls(entries, low_dtype=dtype_from_name(low), fingerprint=fingerprint)
+            recipe = data.get("fp8_recipe")
+            if recipe is not None and recipe not in {r.value for r in Float8Recipe}:
+                raise PlanFileError(f"{source} has fp8_recipe {recipe!r}; expected one of "
+                                    f"{[r.value for r in Float8Recipe]}. Fix the file or search again.")
+            return cls(entries, low_dtype=dtype_from_name(low), fingerprint=fingerprint, fp8_recipe=recipe)
         except (KeyError, TypeError, AttributeError, ValueError) as error:
             if isinstance(error, PlanMismatchError):
                 raise PlanFileError(f"{source} holds an invalid plan: {error}") from error

@@ -7,7 +7,7 @@ misspelt value fails where it is parsed, not three stages later.
 >>> Precision("low") is Precision.LOW, Precision.LOW == "low", f"{Precision.FP32}"
 (True, True, 'fp32')
 >>> [p.code for p in Precision], Precision.from_code("f")
-(['0', '1', 'f'], <Precision.FOLLOW: 'follow'>)
+(['0', '1', 'f', '8'], <Precision.FOLLOW: 'follow'>)
 >>> dtype_name(torch.bfloat16), short_dtype_name(torch.bfloat16), dtype_from_name("float16")
 ('bfloat16', 'bf16', torch.float16)
 """
@@ -21,7 +21,7 @@ import torch
 from .errors import BadInputError
 
 __all__ = [
-    "Precision", "Category", "Stage", "SampleStatus",
+    "Precision", "Float8Recipe", "Category", "Stage", "SampleStatus",
     "LOW_DTYPES", "dtype_name", "short_dtype_name", "dtype_from_name", "check_low_dtype", "default_low_dtype",
 ]
 
@@ -48,14 +48,18 @@ class Precision(_StrEnum):
     * ``LOW``: run in the plan's low dtype (fp16 or bf16);
     * ``FP32``: run in FP32;
     * ``FOLLOW``: no casts of its own; the op runs on whatever dtypes reach it
-      (what autocast does for ops on neither of its lists).
+      (what autocast does for ops on neither of its lists);
+    * ``FP8``: a matmul run through torchao's float8 training path (FP32 in
+      and out, operands scaled to float8 inside; see :mod:`compfx.float8`),
+      valid only for ops the analysis marks ``fp8_eligible``.
 
-    ``code`` is the op's character in CoMP's plan string ('0' low, '1' FP32; compfx adds 'f').
+    ``code`` is the op's character in CoMP's plan string ('0' low, '1' FP32; compfx adds 'f' and '8').
     """
 
     LOW = "low"
     FP32 = "fp32"
     FOLLOW = "follow"
+    FP8 = "fp8"
 
     @property
     def code(self) -> str:
@@ -70,8 +74,22 @@ class Precision(_StrEnum):
         return "".join(_CODES.values())
 
 
-_CODES = {Precision.LOW: "0", Precision.FP32: "1", Precision.FOLLOW: "f"}
+_CODES = {Precision.LOW: "0", Precision.FP32: "1", Precision.FOLLOW: "f", Precision.FP8: "8"}
 _PRECISION_OF_CODE = {code: precision for precision, code in _CODES.items()}
+
+
+class Float8Recipe(_StrEnum):
+    """How an FP8 op scales its operands: torchao's ``Float8LinearRecipeName`` values, which plan files carry.
+
+    * ``TENSORWISE``: one dynamic scale per tensor (the fastest kernel; one outlier
+      sets the scale for every value);
+    * ``ROWWISE``: one scale per row, rounded down to a power of two;
+    * ``ROWWISE_WITH_GW_HP``: rowwise, with the weight gradient kept in high precision.
+    """
+
+    TENSORWISE = "tensorwise"
+    ROWWISE = "rowwise"
+    ROWWISE_WITH_GW_HP = "rowwise_with_gw_hp"
 
 
 class Category(_StrEnum):

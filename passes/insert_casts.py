@@ -34,8 +34,8 @@ import torch
 import torch.fx as fx
 
 from compfx.capture import get_attribute, has_side_effects
-from compfx.cast_policy import (CAST_META, AutocastRegion, castable_inputs, runs_as_is, runs_under_autocast,
-                                shares_cast)
+from compfx.cast_policy import (CAST_META, AutocastRegion, castable_inputs, precision_dtype, runs_as_is,
+                                runs_under_autocast, shares_cast)
 from compfx.errors import PassError
 from compfx.opkey import KEY_META, OpKey
 from compfx.oplists import classify
@@ -170,7 +170,7 @@ class _CastInserter:
             if not runs_as_is(kind, [self.dtypes.value(arg).dtype for _, arg in castable]):
                 self._cast_inputs(node, castable, self._widest_input_dtype(castable))
             return False
-        dtype = {Precision.LOW: self.low_dtype, Precision.FP32: torch.float32}.get(precision)
+        dtype = precision_dtype(precision, self.low_dtype)
         self._cast_inputs(node, castable, dtype or self._widest_input_dtype(castable))
         return False
 
