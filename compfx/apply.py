@@ -250,6 +250,27 @@ class PlannedModule(nn.Module):
         self._graphs[signature] = graph
         return graph
 
+    def replan(self, plan: Plan) -> None:
+        """Run ``plan`` from the next call on, in place: every input signature's graph is rewritten from it.
+
+        The module keeps its Parameters and buffers (an optimizer built on them
+        keeps training it) and its captures; only the casts change. What
+        :class:`compfx.Guard` uses to move an op to FP32 mid-training.
+        """
+        if not isinstance(plan, Plan):
+            raise BadInputError(f"replan() takes a compfx.Plan; got {type(plan).__name__}.")
+        plan.validate(self.analysis)
+        if plan.low_dtype != self.plan.low_dtype:
+            raise PlanMismatchError(f"replan() got a plan in {dtype_name(plan.low_dtype)}, but this module's graphs "
+                                    f"were captured for {dtype_name(self.plan.low_dtype)}; expected the same low dtype.")
+        self.plan = plan
+        for signature, old in list(self._graphs.items()):
+            analysis = self.captures._by_signature[signature]
+            graph = _planned_graph(self._model, analysis, plan, self.captures.categories_of(analysis),
+                                   restore_output_dtypes=self.restore_output_dtypes)
+            graph.train(old.training)
+            self._graphs[signature] = graph
+
     @property
     def graph_module(self) -> fx.GraphModule:
         """The planned graph of the analysis's own example inputs (what :func:`apply` returns for them)."""
