@@ -109,6 +109,7 @@ class Stage(_StrEnum):
     COMPARE = "compare"  # step times of FP32, AMP and the chosen plan, for the report
     SEARCH = "search"  # notes about the run itself (resumed, interrupted, cost model off)
     DISTRIBUTED = "distributed"  # notes about rank agreement and per-device plans
+    GUARD = "guard"  # compfx.Guard: a plan repaired during training, after the search
 
 
 class SampleStatus(_StrEnum):
