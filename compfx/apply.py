@@ -25,6 +25,7 @@ from typing import Hashable, Iterable, Mapping
 
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .analyze import Analysis, analyze, analyze_graph
 from .capture import capture, describe_inputs, input_signature, module_modes
@@ -47,7 +48,8 @@ def apply(
     analysis: Analysis | None = None,
     restore_output_dtypes: bool = True,
     leaf_modules: Iterable[type | str] = (),
-) -> fx.GraphModule:
+    per_module: type | Iterable[type] = (),
+) -> fx.GraphModule | nn.Module:
     """Return ``model`` rewritten to run each op at the precision ``plan`` gives it.
 
     Give either ``example_inputs`` (the model is captured and analysed) or the
@@ -58,6 +60,13 @@ def apply(
     come back in the dtypes the model returns unless ``restore_output_dtypes``
     is False. Like the capture, the graph is specialised to the model's
     train/eval mode at capture time.
+
+    ``per_module=(Block, ...)`` applies the plan block by block instead: each
+    (outermost) submodule of those types is replaced in ``model`` by a
+    :class:`compfx.per_module.PlannedBlock` holding the same Parameters, and
+    ``model`` itself is returned (FSDP2, activation checkpointing and hooks keep
+    working on its blocks; code outside them runs eagerly, as it was). Without
+    ``analysis``, only the blocks are captured (each on its own).
 
     >>> import torch, compfx
     >>> from compfx.apply import apply
@@ -72,6 +81,10 @@ def apply(
     if not isinstance(plan, Plan):
         raise BadInputError(f"apply() takes a compfx.Plan; got {type(plan).__name__}. Build one with "
                             "Plan.amp(analysis), Plan.from_bitstring(...) or Plan.load(path).")
+    if analysis is None and per_module and example_inputs is not None:
+        from .per_module import analyze_regions  # each block on its own: the rest need not be capturable
+
+        analysis = analyze_regions(model, example_inputs, per_module, low_dtype=plan.low_dtype)
     if analysis is None:
         if example_inputs is None:
             raise BadInputError("apply() needs example_inputs to capture the model, or analysis=<the Analysis "
@@ -85,6 +98,10 @@ def apply(
             f"{dtype_name(analysis.low_dtype)} (its Tensor Core eligibility depends on it); expected the same low "
             f"dtype. Analyse the model with low_dtype=torch.{dtype_name(plan.low_dtype)}, or search again for "
             f"{dtype_name(analysis.low_dtype)}.")
+    if per_module:
+        from .per_module import apply_per_module
+
+        return apply_per_module(model, plan, analysis, per_module, restore_output_dtypes=restore_output_dtypes)
     _check_same_parameters(analysis.graph_module, model)
     gm = _planned_graph(model, analysis, plan, {op.key: op.category for op in analysis.ops},
                         restore_output_dtypes=restore_output_dtypes)
@@ -96,7 +113,9 @@ def _planned_graph(model: nn.Module, analysis: Analysis, plan: Plan, categories:
                    *, restore_output_dtypes: bool) -> fx.GraphModule:
     """A copy of the analysis's graph with the plan's casts (ops the plan does not name follow)."""
     source = analysis.graph_module
-    gm = fx.GraphModule(source, copy.deepcopy(source.graph), class_name=type(model).__name__ + "Mixed")
+    # Lazy: its Python code is generated when it first runs (or is printed). The search rewrites
+    # plans that it only prices, and each pass below would otherwise regenerate the code again.
+    gm = _LazyGraphModule(source, copy.deepcopy(source.graph), class_name=type(model).__name__ + "Mixed")
     apply_precisions(gm, plan, low_dtype=plan.low_dtype, categories=categories, default_precision=Precision.FOLLOW,
                      restore_outputs=restore_output_dtypes, fp8_recipe=plan.fp8_recipe)
     _mirror_state(gm, model)

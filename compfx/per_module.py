@@ -1,0 +1,403 @@
+"""Plans applied per block: ``compfx.apply(model, plan, analysis=..., per_module=(Block, ...))``.
+
+:func:`compfx.apply` without ``per_module`` turns the whole model into one
+GraphModule whose parameters are ``get_attr`` nodes: the blocks' own forwards
+never run, so whatever is attached to a block (FSDP2's per-block all-gather
+hooks, activation checkpointing, user hooks) never fires. Here the model stays
+the user's object: each submodule of the given types (the outermost ones) is
+replaced, in its parent, by a :class:`PlannedBlock` that
+
+* holds the block's own children, Parameters and buffers (the same objects,
+  so ``state_dict`` keys, module paths and the optimizer's parameters are
+  unchanged), and shares the block's hook dictionaries;
+* runs the block's planned GraphModule, one per input signature (shapes,
+  dtypes, train/eval mode), captured from the block on its first call with
+  that signature and rewritten from the model-wide plan; the graph reads the
+  block's state through the block at call time, so it reads whatever
+  Parameters FSDP2 has put in place for that call.
+
+The plan is one plan for the whole model (its OpKeys are model paths, e.g.
+``blocks.0.fc:linear#0``); a block's own graph is keyed relative to the block
+(``fc:linear#0``) and looked up under the block's path. Code outside the
+regions runs eagerly, as it was: plan entries for ops outside them are not
+applied (a warning says how many); name their modules' types in
+``per_module`` too to plan them. Each block captures on its own, so one block
+that cannot be traced no longer blocks the rest (:func:`analyze_regions`).
+
+The search (``compfx.optimize(..., per_module=...)``) uses
+:class:`PerModuleEvaluator`: every plan is switched into the same blocks
+(:meth:`PlannedBlock.use_plan`), so the samples train the user's model as it
+is wrapped (FSDP2, activation checkpointing) and their timings include the
+all-gathers.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import logging
+from typing import Hashable, Iterable, Mapping
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+
+from .analyze import Analysis, analyze_graph, model_device
+from .capture import buffers_restored, capture, describe_inputs, input_signature, normalize_example_inputs
+from .errors import BadInputError, CaptureError
+from .opkey import OpKey
+from .passes import apply_precisions
+from .plan import Assignment, Plan
+from .search.evaluator import LocalEvaluator
+from .vocabulary import Category, Precision, check_low_dtype, default_low_dtype, dtype_name
+
+__all__ = ["PlannedBlock", "apply_per_module", "analyze_regions", "region_paths", "block_types", "model_key",
+           "PerModuleEvaluator"]
+
+log = logging.getLogger("compfx")
+
+#: The name under which a block's planned GraphModule reaches the block's state (``self._compfx_block.fc.weight``).
+_OWNER = "_compfx_block"
+
+# A block's hooks live in these dictionaries; the PlannedBlock shares them, so a handle the user holds still removes.
+_HOOK_DICTS = ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+               "_forward_pre_hooks_with_kwargs", "_backward_hooks", "_backward_pre_hooks", "_state_dict_hooks",
+               "_state_dict_pre_hooks", "_load_state_dict_pre_hooks", "_load_state_dict_post_hooks")
+
+
+def block_types(per_module) -> tuple[type, ...]:
+    """``per_module`` as a tuple of ``nn.Module`` subclasses; :class:`BadInputError` for anything else.
+
+    >>> block_types(torch.nn.Linear), block_types([torch.nn.Linear, torch.nn.GELU])
+    ((<class 'torch.nn.modules.linear.Linear'>,), (<class 'torch.nn.modules.linear.Linear'>, <class 'torch.nn.modules.activation.GELU'>))
+    """
+    types = (per_module,) if isinstance(per_module, type) else tuple(per_module)
+    bad = [t for t in types if not (isinstance(t, type) and issubclass(t, nn.Module))]
+    if not types or bad:
+        raise BadInputError(f"per_module={per_module!r}; expected nn.Module classes, e.g. per_module=(Block,) for "
+                            "the model's transformer block class.")
+    return types
+
+
+def _matches(module: nn.Module, types: tuple[type, ...]) -> bool:
+    if isinstance(module, PlannedBlock):
+        return issubclass(module.block_type, types)
+    return isinstance(module, types)
+
+
+def region_paths(model: nn.Module, per_module) -> list[str]:
+    """Paths of the outermost submodules of ``model`` of the ``per_module`` types (a block inside a block is
+    the outer block's), in registration order; :class:`BadInputError` when there is none.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 4), torch.nn.Sequential(torch.nn.Linear(4, 4)), torch.nn.ReLU())
+    >>> region_paths(model, torch.nn.Linear)
+    ['0', '1.0']
+    """
+    types = block_types(per_module)
+    if _matches(model, types):
+        raise BadInputError(f"per_module names the model's own class {type(model).__name__}; per_module is for its "
+                            "blocks. Call compfx.apply(model, plan, analysis=...) without it to plan the model whole.")
+    paths: list[str] = []
+    for name, module in model.named_modules():
+        if name and _matches(module, types) and not any(name.startswith(p + ".") for p in paths):
+            paths.append(name)
+    if not paths:
+        raise BadInputError(f"{type(model).__name__} has no submodule of type(s) "
+                            f"{', '.join(t.__name__ for t in types)}; expected per_module to name the class of its "
+                            f"blocks (its children are {', '.join(type(m).__name__ for m in model.children()) or '-'}).")
+    return paths
+
+
+def model_key(path: str, key: OpKey) -> OpKey:
+    """A block's own OpKey (relative to the block) as the model-wide key of the block at ``path``.
+
+    >>> str(model_key("blocks.0", OpKey("fc", "linear", 0))), str(model_key("blocks.0", OpKey("", "add", 1)))
+    ('blocks.0.fc:linear#0', 'blocks.0:add#1')
+    """
+    return OpKey(f"{path}.{key.module}" if key.module else path, key.kind, key.index)
+
+
+def _in_region(key: OpKey, paths: Iterable[str]) -> bool:
+    return any(key.module == p or key.module.startswith(p + ".") for p in paths)
+
+
+class PlannedBlock(nn.Module):
+    """A block of a model running its part of a model-wide :class:`~compfx.plan.Plan`, in the block's place.
+
+    It holds the block's children, Parameters and buffers (the same objects,
+    under the same names) and shares the block's hooks. Each input signature
+    gets the block's planned GraphModule (:meth:`graph_for`), captured from
+    the block on first use; the graph reads the block's state through this
+    module at call time, so FSDP2's unsharded Parameters are the ones it reads.
+    :meth:`use_plan` switches to another plan of the same model (graphs are
+    kept per plan). ``path`` is the block's path in the model: the plan's keys
+    are looked up under it.
+
+    >>> import torch, compfx
+    >>> block = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+    >>> model = torch.nn.Sequential(block, torch.nn.Linear(8, 2))
+    >>> a = compfx.analyze(model, torch.randn(3, 4))
+    >>> planned = PlannedBlock(block, "0", compfx.Plan.amp(a))
+    >>> planned(torch.randn(3, 4)).dtype, planned[0].weight is block[0].weight
+    (torch.float32, True)
+    >>> [str(op.key) for op in planned.analysis_for(torch.randn(3, 4)).ops]
+    ['0:linear#0', '1:relu#0']
+    """
+
+    def __init__(self, block: nn.Module, path: str, plan: Plan, *, categories: Mapping[OpKey, Category] | None = None,
+                 restore_output_dtypes: bool = True, method: str = "auto"):
+        super().__init__()
+        if isinstance(block, PlannedBlock):
+            raise BadInputError(f"the block at {path!r} is planned already; switch its plan with .use_plan(plan).")
+        for name, child in block._modules.items():
+            self._modules[name] = child
+        for name, param in block._parameters.items():
+            self._parameters[name] = param
+        for name, buffer in block._buffers.items():
+            self._buffers[name] = buffer
+        self._non_persistent_buffers_set = set(block._non_persistent_buffers_set)
+        for name in _HOOK_DICTS:
+            if hasattr(block, name):
+                object.__setattr__(self, name, getattr(block, name))
+        object.__setattr__(self, "_block", block)  # not a submodule: its forward is what gets captured
+        object.__setattr__(self, "_captures", {})  # input signature -> the block's Analysis (block-relative keys)
+        object.__setattr__(self, "_graphs", {})  # (plan id, input signature) -> planned GraphModule
+        object.__setattr__(self, "_plans", {})  # plan id -> plan, so that an id is never reused while cached
+        self.path, self.block_type, self.method = path, type(block), method
+        self.restore_output_dtypes = restore_output_dtypes
+        self.training = block.training
+        self.use_plan(plan, categories)
+
+    def use_plan(self, plan: Plan, categories: Mapping[OpKey, Category] | None = None) -> None:
+        """Run ``plan`` from the next call on (its graphs are built on first use, and kept)."""
+        if not isinstance(plan, Plan):
+            raise BadInputError(f"use_plan() takes a compfx.Plan; got {type(plan).__name__}.")
+        self._plans[id(plan)] = plan
+        self.plan = plan
+        if categories is not None:
+            self.categories = dict(categories)
+        elif not hasattr(self, "categories"):
+            self.categories = {}
+
+    def forward(self, *args, **kwargs):
+        return self.graph_for(*args, **kwargs).forward(*args, **kwargs)  # not graph(...): no second set of hooks
+
+    def analysis_for(self, *args, **kwargs) -> Analysis:
+        """The block's analysis (block-relative keys) at these inputs in the current mode; captured once each."""
+        signature = input_signature(args, kwargs, self.training)
+        found = self._captures.get(signature)
+        if found is None:
+            found = self._captures[signature] = self._capture(args, kwargs)
+        return found
+
+    def graph_for(self, *args, **kwargs) -> fx.GraphModule:
+        """The planned graph for these inputs under the current plan and mode, built now if it is new."""
+        key = (id(self.plan), input_signature(args, kwargs, self.training))
+        graph = self._graphs.get(key)
+        if graph is None:
+            graph = self._graphs[key] = self._planned_graph(self.analysis_for(*args, **kwargs))
+        return graph
+
+    @property
+    def graphs(self) -> dict[Hashable, fx.GraphModule]:
+        """Every planned graph built so far, by (plan id, input signature)."""
+        return dict(self._graphs)
+
+    def _capture(self, args: tuple, kwargs: dict) -> Analysis:
+        modes = {name: module.training for name, module in self.named_modules()}
+        try:
+            gm = capture(self._block, (args, kwargs), method=self.method, modes=modes)
+        except CaptureError as error:
+            raise CaptureError(f"the block {self.path!r} ({self.block_type.__name__}) could not be captured at inputs "
+                               f"{describe_inputs(args, kwargs)}: {error}") from error
+        return analyze_graph(gm, device=model_device(self), low_dtype=self.plan.low_dtype)
+
+    def _planned_graph(self, analysis: Analysis) -> fx.GraphModule:
+        """A copy of the block's graph with the plan's casts, reading the block's state through this module."""
+        precisions, categories, unplanned = {}, {}, []
+        for op in analysis.ops:
+            key = model_key(self.path, op.key)
+            categories[op.key] = self.categories.get(key, op.category)
+            if key in self.plan:
+                precisions[op.key] = self.plan[key]
+            else:
+                unplanned.append(key)
+        if unplanned:
+            log.warning("compfx: block %r runs %d op(s) the plan does not name (they follow: %s)", self.path,
+                        len(unplanned), ", ".join(map(str, unplanned[:3])))
+        source = analysis.graph_module
+        gm = fx.GraphModule(source, copy.deepcopy(source.graph), class_name=self.block_type.__name__ + "Mixed")
+        apply_precisions(gm, precisions, low_dtype=self.plan.low_dtype, categories=categories,
+                         default_precision=Precision.FOLLOW, restore_outputs=self.restore_output_dtypes)
+        _read_state_through(gm, self)
+        gm.train(self.training)
+        gm.meta.update(compfx_plan=self.plan, compfx_capture_method=analysis.capture_method)
+        return gm
+
+    def extra_repr(self) -> str:
+        return (f"block={self.block_type.__name__}, path={self.path!r}, plan={self.plan.fingerprint} "
+                f"({dtype_name(self.plan.low_dtype)}), {len(self._graphs)} graph(s)")
+
+
+def _read_state_through(gm: fx.GraphModule, owner: nn.Module) -> None:
+    """Point ``gm``'s reads of the block's parameters, buffers and leaf modules at ``owner`` and drop its copies.
+
+    ``gm`` then holds no reference of its own to the block's state: whatever
+    tensor ``owner`` holds when the graph runs (FSDP2 swaps sharded and
+    unsharded Parameters around each forward) is the one it reads. Constants
+    the capture made stay in ``gm``.
+    """
+    state = {name for name, _ in owner.named_parameters(remove_duplicate=False)}
+    state |= {name for name, _ in owner.named_buffers(remove_duplicate=False)}
+    state |= {name for name, _ in owner.named_modules(remove_duplicate=False) if name}
+    for node in gm.graph.nodes:
+        if node.op in ("get_attr", "call_module") and node.target in state:
+            node.target = f"{_OWNER}.{node.target}"
+    for table in (gm._modules, gm._parameters, gm._buffers):
+        for name in [n for n in table if n in owner._modules or n in owner._parameters or n in owner._buffers]:
+            del table[name]
+    gm._modules[_OWNER] = owner  # not gm.add_module: the owner is not gm's to train, move or save
+    gm.graph.lint()
+    gm.recompile()
+
+
+def apply_per_module(model: nn.Module, plan: Plan, analysis: Analysis, per_module, *,
+                     restore_output_dtypes: bool = True) -> nn.Module:
+    """Replace each block of the ``per_module`` types in ``model`` by a :class:`PlannedBlock` running ``plan``
+    (blocks planned already switch plans); returns ``model`` itself. ``compfx.apply(..., per_module=...)``
+    calls this after it validated the plan against ``analysis``.
+
+    >>> import torch, compfx
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> a = compfx.analyze(model, torch.randn(3, 4))
+    >>> same = compfx.apply(model, compfx.Plan.amp(a), analysis=a, per_module=torch.nn.Linear)
+    >>> same is model, type(model[0]).__name__, list(model.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
+    (True, 'PlannedBlock', True)
+    """
+    paths = region_paths(model, per_module)
+    categories = {op.key: op.category for op in analysis.ops}
+    for path in paths:
+        block = model.get_submodule(path)
+        if isinstance(block, PlannedBlock):
+            block.use_plan(plan, categories)
+            continue
+        parent_path, _, name = path.rpartition(".")
+        parent = model.get_submodule(parent_path)
+        parent._modules[name] = PlannedBlock(block, path, plan, categories=categories,
+                                             restore_output_dtypes=restore_output_dtypes, method=_method(analysis))
+    outside = [key for key, precision in plan.items() if precision is not Precision.FOLLOW and not _in_region(key, paths)]
+    if outside:
+        log.warning("compfx: %d plan entries name ops outside the per_module regions (e.g. %s); that code runs "
+                    "eagerly, as it was. Name their modules' types in per_module too to plan them.", len(outside),
+                    outside[0])
+    return model
+
+
+def _method(analysis: Analysis) -> str:
+    """The tracer a block is captured with: the analysis's own when it was a tracer, else each block's first."""
+    return analysis.capture_method if analysis.capture_method in ("symbolic", "record", "dynamo") else "auto"
+
+
+# -- the analysis of the regions alone --------------------------------------------------
+
+#: ``Analysis.capture_method`` of an analysis made of the blocks' own captures.
+REGIONS_METHOD = "per_module"
+
+
+def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None,
+                    low_dtype: torch.dtype | None = None) -> Analysis:
+    """The ops of the ``per_module`` blocks of ``model``, keyed by model path, in the order the blocks run.
+
+    ``model`` runs once on ``example_inputs`` (no grad; its buffers and the
+    RNG are put back); each block is captured on its own, with the inputs it
+    received, when it is first called. The rest of the model is not captured
+    at all, so a model that cannot be captured whole plans its blocks. Under
+    FSDP2 the capture happens inside each block's call, where its Parameters
+    are unsharded.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> [str(k) for k in analyze_regions(model, torch.randn(3, 4), torch.nn.Linear).keys]
+    ['0:linear#0', '2:linear#0']
+    """
+    paths = region_paths(model, per_module)
+    device = torch.device(device) if device is not None else model_device(model)
+    low_dtype = check_low_dtype(low_dtype if low_dtype is not None else default_low_dtype(device))
+    args, kwargs = normalize_example_inputs(example_inputs)
+    captured: dict[str, Analysis] = {}
+
+    def capture_block(path):
+        def hook(module, block_args, block_kwargs):
+            if path in captured:
+                return None
+            if isinstance(module, PlannedBlock):
+                captured[path] = module.analysis_for(*block_args, **block_kwargs)
+            else:
+                gm = capture(module, (block_args, block_kwargs),
+                             modes={name: m.training for name, m in module.named_modules()})
+                captured[path] = analyze_graph(gm, device=device, low_dtype=low_dtype)
+            return None
+        return hook
+
+    handles = [model.get_submodule(p).register_forward_pre_hook(capture_block(p), with_kwargs=True) for p in paths]
+    try:
+        with torch.no_grad(), torch.random.fork_rng(devices=_cuda_indices(device)), buffers_restored(model):
+            model(*args, **kwargs)
+    finally:
+        for handle in handles:
+            handle.remove()
+    missing = [p for p in paths if p not in captured]
+    if missing:
+        raise BadInputError(f"the blocks {missing[:3]} did not run on the example inputs, so compfx could not see what "
+                            "they compute; give inputs that run every block, or name other types in per_module.")
+    ops = tuple(dataclasses.replace(op, key=model_key(path, op.key)) for path in captured for op in captured[path].ops)
+    placeholder = fx.GraphModule(nn.Module(), fx.Graph())  # no graph of the whole model exists: none is needed
+    return Analysis(ops, device, low_dtype, placeholder, REGIONS_METHOD)
+
+
+def _cuda_indices(device: torch.device) -> list[int]:
+    return [device.index or 0] if device.type == "cuda" else []
+
+
+# -- the search ------------------------------------------------------------------------------
+
+class PerModuleEvaluator(LocalEvaluator):
+    """:class:`~compfx.search.evaluator.LocalEvaluator` over a model whose blocks are :class:`PlannedBlock` s.
+
+    A plan is not a module of its own: it is switched into the model's blocks,
+    and the model itself (as the user wrapped it: FSDP2, checkpointing) trains.
+    """
+
+    def __init__(self, model: nn.Module, analysis: Analysis, sampler, *, per_module, **options):
+        super().__init__(model, analysis, sampler, **options)
+        self.per_module = block_types(per_module)
+        self._categories = {op.key: op.category for op in analysis.ops}
+
+    def runner(self, plan: Assignment) -> nn.Module:
+        """The model, with ``plan`` switched into its blocks."""
+        apply_per_module(self.model, self.plan(plan), self.analysis, self.per_module)
+        return self.model
+
+    def module(self, plan: Assignment) -> nn.Module:
+        return self.runner(plan)
+
+    def program(self, plan: Assignment) -> Hashable:
+        """Every plan is a program of its own (the blocks build their graphs on first use)."""
+        return plan
+
+    def specializations(self) -> tuple[int, list]:
+        return 1, []
+
+    def run_epoch(self, plan: Assignment):
+        epoch = super().run_epoch(plan)
+        try:
+            while True:
+                self.runner(plan)  # another sample may have switched the blocks between two batches
+                try:
+                    item = next(epoch)
+                except StopIteration as stop:
+                    return stop.value
+                yield item
+        finally:
+            epoch.close()
