@@ -21,6 +21,7 @@ import torch
 
 from ..errors import BadInputError
 from ..plan import Plan
+from ..vocabulary import Float8Recipe
 
 __all__ = ["SearchConfig", "DECIDES", "decision_settings", "CostFn"]
 
@@ -78,6 +79,11 @@ class SearchConfig:
       so that ``torch.compile(model, backend="compfx")`` runs it; ``cache_dir``:
       the cache folder for that plan and for the cost model's profiles (None:
       ``$COMPFX_CACHE_DIR``, else ``~/.cache/compfx/plans``). Neither changes the decision.
+    * ``fp8``: Stage 1 also tries FP8 for ops that can run it (:mod:`compfx.float8`;
+      needs ``compfx[fp8]``), scaled by ``fp8_recipe`` (``"tensorwise"``,
+      ``"rowwise"`` or ``"rowwise_with_gw_hp"``, torchao's recipe names). Where
+      float8 GEMMs are emulated (no GPU of compute capability 8.9+) FP8 is slow,
+      so give a ``cost_fn`` that prices it as the target hardware would.
 
     Every field's type is checked strictly: a bool is ``True`` or ``False`` (not
     ``"no"``), a number is a real int or float (not a bool), finite and in range.
@@ -107,6 +113,8 @@ class SearchConfig:
     early_stop: float | None = 0.05
     cache_plan: bool = field(default=True, metadata={DECIDES: False})
     cache_dir: str | os.PathLike | None = field(default=None, metadata={DECIDES: False})
+    fp8: bool = False
+    fp8_recipe: str = "tensorwise"
 
     def __post_init__(self):
         self._real("threshold", low=1, example="1.01 (accept plans whose loss is within 1% of FP32's)")
@@ -114,7 +122,7 @@ class SearchConfig:
                           ("stage2_check_batches", 0)):
             self._int(name, low)
         self._int("seed", _SEED_MIN, _SEED_MAX, "what torch.manual_seed accepts")
-        for name in ("progress", "keep_search_training", "prune", "per_device", "cache_plan"):
+        for name in ("progress", "keep_search_training", "prune", "per_device", "cache_plan", "fp8"):
             if not isinstance(getattr(self, name), bool):
                 _refuse(name, getattr(self, name), "True or False")
         if self.grad_scaler is not None and not isinstance(self.grad_scaler, bool):
@@ -133,6 +141,7 @@ class SearchConfig:
         if self.memory_budget is not None and not self.per_device:
             raise BadInputError("SearchConfig(memory_budget=...) is a per-rank limit used by the per-device "
                                 "allocator; set per_device=True as well, or leave memory_budget=None.")
+        object.__setattr__(self, "fp8_recipe", Float8Recipe.parse(self.fp8_recipe, "SearchConfig(fp8_recipe)"))
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             _refuse("cache_dir", self.cache_dir, "a folder path (str or os.PathLike) or None")
 

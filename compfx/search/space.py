@@ -1,7 +1,7 @@
 """The search space: what the search knows about each op, by position in ``analysis.ops``.
 
 The stages see no model, only this: each op's category, Tensor Core
-eligibility and group label (ops with equal labels cost the same and may
+eligibility, FP8 eligibility (empty: FP8 not searched) and group label (ops with equal labels cost the same and may
 share one decision when the space must shrink). Plans are
 :class:`~compfx.plan.Assignment` s over these positions.
 
@@ -9,12 +9,18 @@ share one decision when the space must shrink). Plans are
 >>> space = SearchSpace((C.WHITELIST, C.OTHER, C.BLACKLIST), (False, False, False), ("lin", "relu", "exp"))
 >>> space.stage1_positions, space.adjustable, str(space.fp32_plan), str(space.amp_plan)
 ((0, 2), (0, 2), '111', '0f1')
+>>> fp8 = SearchSpace((C.WHITELIST, C.OTHER, C.BLACKLIST), (True, False, False), ("lin", "relu", "exp"),
+...                   fp8_eligible=(True, False, False))
+>>> fp8.searched, [tuple(map(str, fp8.levels(i))) for i in fp8.searched]
+((0, 2), [('fp8', 'low'), ('low', 'fp32')])
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
-from typing import Hashable
+from functools import cached_property
+from typing import Hashable, Iterable
 
 from ..errors import SearchError
 from ..plan import AMP_PRECISION, Assignment
@@ -25,16 +31,21 @@ __all__ = ["SearchSpace"]
 
 @dataclass(frozen=True)
 class SearchSpace:
-    """Per op, in graph order: category, Tensor Core eligibility, group label, and a name for notes."""
+    """Per op, in graph order: category, Tensor Core and FP8 eligibility, group label, and a name for notes.
+
+    ``fp8_eligible`` is empty unless the search tries FP8 (``SearchConfig(fp8=True)``).
+    """
 
     categories: tuple[Category, ...]
     tc_eligible: tuple[bool, ...]
     groups: tuple[Hashable, ...]
     names: tuple[str, ...] = ()
+    fp8_eligible: tuple[bool, ...] = ()
 
     def __post_init__(self):
         n = len(self.categories)
-        if len(self.tc_eligible) != n or len(self.groups) != n or (self.names and len(self.names) != n):
+        if len(self.tc_eligible) != n or len(self.groups) != n or (self.names and len(self.names) != n) \
+                or (self.fp8_eligible and len(self.fp8_eligible) != n):
             raise SearchError("SearchSpace fields must all have one entry per op")
         try:
             object.__setattr__(self, "categories", tuple(map(Category, self.categories)))
@@ -42,14 +53,18 @@ class SearchSpace:
             raise SearchError(f"unknown op category ({error}); expected whitelist, blacklist or other") from None
 
     @classmethod
-    def from_analysis(cls, analysis) -> "SearchSpace":
-        """Group label = op kind + input shapes: such ops cost the same and usually behave alike."""
+    def from_analysis(cls, analysis, *, fp8: bool = False) -> "SearchSpace":
+        """Group label = op kind + input shapes: such ops cost the same and usually behave alike.
+
+        ``fp8``: also try FP8 where the analysis marks an op ``fp8_eligible``.
+        """
         return cls(
             categories=tuple(op.category for op in analysis.ops),
             tc_eligible=tuple(op.tc_eligible for op in analysis.ops),
             # as text: dynamo graphs may hold symbolic (unhashable) sizes
             groups=tuple(f"{op.kind}{list(map(list, op.input_shapes))}" for op in analysis.ops),
             names=tuple(str(op.key) for op in analysis.ops),
+            fp8_eligible=tuple(op.fp8_eligible for op in analysis.ops) if fp8 else (),
         )
 
     def __len__(self) -> int:
@@ -65,6 +80,32 @@ class SearchSpace:
         """Stage-1 ops tried at both precisions: blacklist, and whitelist without Tensor Cores."""
         return tuple(i for i, c in enumerate(self.categories)
                      if c is Category.BLACKLIST or (c is Category.WHITELIST and not self.tc_eligible[i]))
+
+    def fp8_at(self, i: int) -> bool:
+        """Does Stage 1 try FP8 for op ``i``? (whitelist and blacklist ops that can run it)."""
+        return bool(self.fp8_eligible) and self.fp8_eligible[i] and self.categories[i] is not Category.OTHER
+
+    def levels(self, i: int) -> tuple[Precision, ...]:
+        """The precisions Stage 1 tries for op ``i``, fastest first.
+
+        Adjustable ops try low and FP32; a Tensor-Core whitelist op is fixed low
+        (CoMP); an op that can run FP8 tries it too, as a third level.
+        """
+        levels = (Precision.LOW, Precision.FP32) if i in self._adjustable_set else (AMP_PRECISION[self.categories[i]],)
+        return (Precision.FP8, *levels) if self.fp8_at(i) else levels
+
+    @cached_property
+    def _adjustable_set(self) -> frozenset:
+        return frozenset(self.adjustable)
+
+    @property
+    def searched(self) -> tuple[int, ...]:
+        """Ops Stage 1 tries at more than one precision: the adjustable ones, and those that can run FP8."""
+        return tuple(i for i in range(len(self)) if i in self._adjustable_set or self.fp8_at(i))
+
+    def plan_count(self, groups: Iterable[Iterable[int]]) -> int:
+        """How many Stage-1 plans ``groups`` of ops (each sharing one decision) make."""
+        return math.prod(len(self.levels(next(iter(g)))) for g in groups)
 
     @property
     def fp32_plan(self) -> Assignment:

@@ -3,9 +3,11 @@
 An FP32 epoch gives ``loss_0`` (and is the fallback plan). Tensor-Core-eligible
 whitelist ops are fixed to low and "other" ops to follow; the adjustable ops
 (blacklist, and whitelist without Tensor Cores) are tried at both precisions.
+With FP8 in the space (``SearchConfig(fp8=True)``), an op that can run FP8 also
+tries it, as a third level (:meth:`SearchSpace.levels`); the guard is the same.
 A plan is accepted when :func:`~compfx.search.convergence.is_accepted`; the
-cheapest accepted plan wins, ties going to the earlier sample. When ``2**k``
-exceeds the budget the space is reduced (:func:`stage1_plan_space` says how)
+cheapest accepted plan wins, ties going to the earlier sample. When the plans
+(``2**k`` without FP8) exceed the budget the space is reduced (:func:`stage1_plan_space` says how)
 and a note is logged.
 
 **Exact-safe pruning.** A sample stops as soon as its running cost,
@@ -50,7 +52,7 @@ Predict = Callable[[Assignment], float]  # plan -> predicted seconds of one Stag
 
 #: batches a Stage-1 sample runs before an early stop may judge its pace
 EARLY_STOP_MIN_BATCHES = 3
-_LOW, _FP32 = Precision.LOW, Precision.FP32
+_LOW = Precision.LOW
 
 
 # -- candidates ------------------------------------------------------------------
@@ -72,39 +74,47 @@ def stage1_plan(space: SearchSpace, choice: dict[int, Precision]) -> Assignment:
 
 
 def stage1_plan_space(space: SearchSpace, budget: int) -> str:
-    """How Stage 1 covers the ``k`` adjustable ops within ``budget`` samples (FP32 baseline not counted).
+    """How Stage 1 covers the ``k`` searched ops within ``budget`` samples (FP32 baseline not counted).
 
-    * ``"exhaustive"``: ``2**k <= budget``; every combination, as in the paper.
+    * ``"exhaustive"``: every combination fits (``2**k`` without FP8), as in the paper.
     * ``"grouped"``: ops of the same kind and input shapes share one decision;
-      all ``2**g`` group combinations are run, then the remaining budget
-      refines op by op (flip one op; keep the flip when it gives a new best plan).
-    * ``"greedy"``: even ``2**g`` is over budget; start from autocast's choice
-      and flip one op at a time, in graph order, keeping flips that give a new best.
+      all group combinations are run, then the remaining budget refines op by
+      op (try its other levels; keep a change when it gives a new best plan).
+    * ``"greedy"``: even the groups' combinations are over budget; start from
+      autocast's choice and change one op at a time, in graph order, keeping
+      changes that give a new best.
     """
-    if 2 ** len(space.adjustable) <= budget:
+    if space.plan_count([(i,) for i in space.searched]) <= budget:
         return "exhaustive"
-    if 2 ** len(space.groups_of(space.adjustable)) <= budget:
+    if space.plan_count(space.groups_of(space.searched)) <= budget:
         return "grouped"
     return "greedy"
+
+
+#: How "low" a precision is, for ordering candidates: FP8 below the low dtype below FP32.
+_LOWNESS = {Precision.FP8: 2, Precision.LOW: 1}
 
 
 def _most_low_first(choices: list[dict[int, Precision]]) -> list[dict[int, Precision]]:
     # Plans with more low-precision ops are usually the fast ones where low
     # precision pays; running them first sets a low bar that prunes later samples sooner.
-    return sorted(choices, key=lambda c: -sum(p is _LOW for p in c.values()))
+    return sorted(choices, key=lambda c: -sum(_LOWNESS.get(p, 0) for p in c.values()))
 
 
 def stage1_candidates(space: SearchSpace, groups: Sequence[Sequence[int]] | None = None) -> list[Assignment]:
-    """Every combination of the adjustable ops (or of ``groups`` of them), most-low first.
+    """Every combination of the searched ops' levels (or of ``groups`` of ops), most-low first.
 
     >>> from compfx.vocabulary import Category as C
     >>> space = SearchSpace((C.WHITELIST, C.OTHER, C.BLACKLIST), (False,) * 3, ("a", "b", "c"))
     >>> [str(plan) for plan in stage1_candidates(space)]
     ['0f0', '0f1', '1f0', '1f1']
+    >>> [str(plan) for plan in stage1_candidates(SearchSpace(space.categories, (True,) * 3, space.groups,
+    ...                                                      fp8_eligible=(True, False, False)))]
+    ['8f0', '8f1', '0f0', '0f1']
     """
-    groups = [(i,) for i in space.adjustable] if groups is None else groups
+    groups = [(i,) for i in space.searched] if groups is None else groups
     choices = [{i: p for members, p in zip(groups, chosen) for i in members}
-               for chosen in product((_LOW, _FP32), repeat=len(groups))]
+               for chosen in product(*(space.levels(members[0]) for members in groups))]
     return [stage1_plan(space, c) for c in _most_low_first(choices)]
 
 
@@ -138,8 +148,9 @@ def skip_message(predicted: float, best: float, unit: str = "s") -> str:
 
 # -- sampling ----------------------------------------------------------------------
 
-def _flip(plan: Assignment, i: int) -> Assignment:
-    return plan.replaced([i], _FP32 if plan[i] is _LOW else _LOW)
+def _alternatives(space: SearchSpace, plan: Assignment, i: int) -> list[Assignment]:
+    """``plan`` with op ``i`` at each of its other Stage-1 levels."""
+    return [plan.replaced([i], level) for level in space.levels(i) if level is not plan[i]]
 
 
 class _Stage1:
@@ -404,10 +415,11 @@ def _budget_left(search: _Stage1, budget: int) -> int:
 
 
 def _grouped(space: SearchSpace, search: _Stage1, budget: int, report: Reporter | None) -> None:
-    groups = space.groups_of(space.adjustable)
-    note(report, Stage.STAGE1, f"{len(space.adjustable)} adjustable ops give 2^{len(space.adjustable)} plans, over "
-         f"stage1_budget={budget}: ops of the same kind and input shapes share one decision ({len(groups)} groups), "
-         "then the rest of the budget refines op by op", mode="grouped",
+    groups = space.groups_of(space.searched)
+    note(report, Stage.STAGE1, f"{len(space.searched)} adjustable ops give "
+         f"{space.plan_count([(i,) for i in space.searched])} plans, over "
+         f"stage1_budget={budget}: ops of the same kind and input shapes share one decision ({len(groups)} groups, "
+         f"{space.plan_count(groups)} plans), then the rest of the budget refines op by op", mode="grouped",
          groups=[[space.name(i) for i in g] for g in groups])
     candidates = stage1_candidates(space, groups)
     for plan in search.by_prediction(candidates):
@@ -417,23 +429,24 @@ def _grouped(space: SearchSpace, search: _Stage1, budget: int, report: Reporter 
 
 
 def _greedy(space: SearchSpace, search: _Stage1, budget: int, report: Reporter | None) -> None:
-    note(report, Stage.STAGE1, f"even the {len(space.groups_of(space.adjustable))} groups of same-kind, same-shape "
-         f"ops exceed stage1_budget={budget}: starting from autocast's choice and flipping one op at a time",
+    note(report, Stage.STAGE1, f"even the {len(space.groups_of(space.searched))} groups of same-kind, same-shape "
+         f"ops exceed stage1_budget={budget}: starting from autocast's choice and changing one op at a time",
          mode="greedy")
     start = stage1_plan(space, {})
     search.try_plan(start)
-    _refine(space, search, budget, report, start, list(space.adjustable))
+    _refine(space, search, budget, report, start, list(space.searched))
 
 
 def _refine(space: SearchSpace, search: _Stage1, budget: int, report: Reporter | None,
             current: Assignment, order: list[int]) -> None:
-    """Flip one op at a time from ``current``; keep a flip when it gives a new best plan."""
+    """Change one op at a time from ``current`` (each of its other levels); keep a change that gives a new best."""
     for position, i in enumerate(order):
-        if _budget_left(search, budget) <= 0:
-            untried = [space.name(j) for j in order[position:]]
-            note(report, Stage.STAGE1, f"stage1_budget={budget} spent: {len(untried)} ops were not tried alone "
-                 "and keep the precision of the best plan found", untried=untried)
-            return
-        candidate = _flip(current, i)
-        if search.try_plan(candidate):
-            current = candidate
+        start = current
+        for candidate in _alternatives(space, start, i):
+            if _budget_left(search, budget) <= 0:
+                untried = [space.name(j) for j in order[position:]]
+                note(report, Stage.STAGE1, f"stage1_budget={budget} spent: {len(untried)} ops were not tried alone "
+                     "and keep the precision of the best plan found", untried=untried)
+                return
+            if search.try_plan(candidate):
+                current = candidate

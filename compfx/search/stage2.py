@@ -53,8 +53,8 @@ def stage2_segments(space: SearchSpace, plan: Assignment) -> list[Segment]:
     space.check(plan)
     cuts = [-1, *space.stage1_positions, len(space)]
 
-    def precision(i: int) -> Precision:
-        return _FP32 if i in (-1, len(space)) else plan[i]
+    def precision(i: int) -> Precision:  # an FP8 op takes and gives FP32 (cast_policy.precision_dtype)
+        return _FP32 if i in (-1, len(space)) or plan[i] is Precision.FP8 else plan[i]
 
     segments = []
     for start, end in zip(cuts, cuts[1:]):
