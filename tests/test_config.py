@@ -36,6 +36,8 @@ CHANGED = {
     "predictor": "on",
     "predictor_margin": math.inf,
     "early_stop": None,
+    "fp8": True,
+    "fp8_recipe": "rowwise",
 }
 
 
