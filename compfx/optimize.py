@@ -22,10 +22,12 @@ import torch.nn as nn
 from . import cache
 from .analyze import analyze, model_device
 from .errors import BadInputError, CompfxError
+from .measure import PhaseClock
 from .memory import saved_activation_bytes
 from .search import (SINGLE_PROCESS, LocalEvaluator, Recorder, Replay, ReplayingEvaluator, SearchConfig,
                      SearchLog, SearchResult, SearchSpace, compare_step_times, decision_settings, measured_time,
                      run_search)
+from .search.result import RESULT
 from .search.sampling import FairSampler, check_first_batch, cuda_devices
 from .vocabulary import Stage, dtype_name
 
@@ -76,8 +78,10 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
     >>> result.module(torch.randn(2, 8)).shape
     torch.Size([2, 3])
     """
+    started = time.perf_counter()
     _check_arguments(model, sample_loader, optimizer, config, loss_fn, resume)
     device = model_device(model)
+    clock = PhaseClock()  # where the search's time goes (SearchResult.cost_breakdown)
     with _train_mode(model):  # the search trains; the captured graph is specialised to this mode
         first = next(iter(sample_loader), _NO_BATCH)
         if first is _NO_BATCH:
@@ -85,11 +89,12 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
                                 "(CoMP's Stage 1 uses one epoch of it).")
         inputs = check_first_batch(model, first, loss_fn, device)  # bad inputs fail here, before any work
         args, kwargs = inputs
-        analysis = analyze(model, kwargs if kwargs else args, device=device, low_dtype=low_dtype)
+        with clock.phase("capture"):
+            analysis = analyze(model, kwargs if kwargs else args, device=device, low_dtype=low_dtype)
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,
                               grad_scaler=config.scaler_on(analysis.low_dtype))
         search_log = SearchLog.open(log, _log_header(analysis, config), resume=resume)
-        return _Search(model, optimizer, analysis, sampler, config, search_log, inputs).run()
+        return _Search(model, optimizer, analysis, sampler, config, search_log, inputs, clock).run(started)
 
 
 _NO_BATCH = object()  # what an empty loader yields first (None is a batch, and a bad one)
@@ -150,11 +155,12 @@ class _Search:
     """One optimize() run: the evaluators, the strategy, the cost model and the log, wired to the driver."""
 
     def __init__(self, model, optimizer, analysis, sampler: FairSampler, config: SearchConfig, log: SearchLog,
-                 inputs: tuple[tuple, dict]):
+                 inputs: tuple[tuple, dict], clock: PhaseClock):
         self.model, self.analysis, self.sampler, self.config, self.log = model, analysis, sampler, config, log
+        self.clock = clock
         self.space = SearchSpace.from_analysis(analysis)
         self.local = LocalEvaluator(model, analysis, sampler, warmup=config.warmup, repeats=config.repeats,
-                                    cost_fn=config.cost_fn or measured_time)
+                                    cost_fn=config.cost_fn or measured_time, clock=clock)
         self.plan_path: Path | None = None
         self.plan_cache = ""  # what became of the chosen plan in the plan cache, for the report
         self.replay = Replay(log.records)  # samples a resumed log already holds are not run again
@@ -197,22 +203,31 @@ class _Search:
                           "candidate")
             return None
 
-    def run(self) -> SearchResult:
-        config, start = self.config, time.perf_counter()
+    def run(self, started: float) -> SearchResult:
+        """The search; ``started`` is when ``optimize`` was called (its whole wall time is the search's cost)."""
+        config, clock = self.config, self.clock
         progress = _progress_bar(config.progress)
         try:
             with torch.random.fork_rng(devices=cuda_devices(self.analysis.device)):  # the user's RNG is untouched
-                predictor = self._predictor()  # profiling counts as search time
+                with clock.phase("profiling"):
+                    predictor = self._predictor()
                 recorder = Recorder(self.log, replay=self.replay, predictor=predictor, progress=progress)
                 decision = run_search(self.space, self.evaluator, config, report=recorder, predictor=predictor,
                                       strategy=self.strategy)
-                search_seconds = time.perf_counter() - start  # the comparison below is for the report only
-                steps = compare_step_times(self.local.time_step, {"fp32": self.space.fp32_plan,
-                                                                  "amp": self.space.amp_plan,
-                                                                  "chosen": decision.plan}, self.log)
+                steps = self._compare_steps(decision.plan)
                 self.local.leave_state(decision.stage1.best, keep_training=config.keep_search_training)
             self._note_specializations()
             self._save_plan(self.local.plan(decision.plan))
+            search_seconds = time.perf_counter() - started
+            result = SearchResult(
+                module=self.local.runner(decision.plan), plan=self.local.plan(decision.plan),
+                stage1_plan=self.local.plan(decision.stage1.best.plan), analysis=self.analysis, log=self.log,
+                stage1_mode=decision.stage1.mode, loss0=decision.stage1.loss0,
+                fp32_epoch_seconds=decision.stage1.baseline.duration, search_seconds=search_seconds,
+                step_seconds=steps, plan_path=self.plan_path, plan_cache=self.plan_cache,
+                cost_breakdown=_breakdown(clock, search_seconds))
+            # the log's last word: what `compfx report LOG` renders without the model
+            self.log.note(Stage.SEARCH, f"finished: chosen plan {decision.plan}", **{RESULT: result.log_summary()})
         except KeyboardInterrupt:
             self.sampler.restore()
             self.log.note(Stage.SEARCH, "interrupted: the model and optimizer were restored to their state before "
@@ -225,12 +240,18 @@ class _Search:
             progress.close()
             self.log.close()
         self.strategy.finish()
-        return SearchResult(
-            module=self.local.runner(decision.plan), plan=self.local.plan(decision.plan),
-            stage1_plan=self.local.plan(decision.stage1.best.plan), analysis=self.analysis, log=self.log,
-            stage1_mode=decision.stage1.mode, loss0=decision.stage1.loss0,
-            fp32_epoch_seconds=decision.stage1.baseline.duration, search_seconds=search_seconds, step_seconds=steps,
-            plan_path=self.plan_path, plan_cache=self.plan_cache)
+        return result
+
+    def _compare_steps(self, chosen) -> dict[str, float]:
+        """The chosen plan's step against FP32's and AMP's, for the report (one interleaved round: it is not
+        part of the decision, and the user pays for every step of it)."""
+        samples_before = self.clock.seconds.get("samples", 0.0)
+        with self.clock.phase("step comparison"):
+            steps = compare_step_times(self.local.time_step, {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan,
+                                                              "chosen": chosen}, self.log, rounds=1)
+        self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
+                        target="step comparison")
+        return steps
 
     def _note_specializations(self) -> None:
         """Say in the log (and so the report) how many input signatures the loader had, and what they cost."""
@@ -239,6 +260,9 @@ class _Search:
             return
         capture = sum(s.capture_seconds for s in specializations)
         rewrite = sum(s.rewrite_seconds for s in specializations)
+        # specialising happens as a sample meets a new signature: capture and rewrite, not training
+        self.clock.move(capture, source="samples", target="capture")
+        self.clock.move(rewrite, source="samples", target="rewrites")
         shapes = sorted({s.inputs for s in specializations})
         unplanned = sum(bool(s.unplanned or s.missing) for s in specializations)
         self.log.note(
@@ -271,6 +295,12 @@ class _Search:
                 self.plan_cache = f"not saved: {error}"
                 log.warning("compfx: the chosen plan was not saved to the plan cache: %s", error)
         self.log.note(Stage.SEARCH, f"plan cache: {self.plan_cache}", plan_path=str(self.plan_path or ""))
+
+
+def _breakdown(clock: PhaseClock, total: float) -> dict[str, float]:
+    """The clock's phases, plus ``other``: the rest of ``total`` (argument checks, planning, logging, pricing)."""
+    parts = {name: seconds for name, seconds in clock.seconds.items() if seconds > 0}
+    return {**parts, "other": max(0.0, total - sum(parts.values()))}
 
 
 def _progress_bar(enabled: bool):

@@ -1,7 +1,9 @@
 """The search report: which precision each op got, what the search cost, what the plan gains.
 
 :func:`render_report` turns the :class:`~compfx.search.SearchResult` that
-:func:`compfx.optimize` returns into text (``result.report()``).
+:func:`compfx.optimize` returns into text (``result.report()``);
+:func:`render_log_report` renders the same report from a finished search's log
+(``compfx report LOG``).
 """
 
 from __future__ import annotations
@@ -13,9 +15,10 @@ from tabulate import tabulate
 from .costmodel.predictor import MEASURED_STEP as _MEASURED, PREDICTED_STEP as _PREDICTED, STALE_PROFILES as _STALE
 from .costmodel.predictor import STALE_CONDITIONS as _STALE_N, STALE_CONDITIONS_REASON as _STALE_WHY
 from .search.log import STOPPED_EARLY, SearchLog
+from .search.result import RESULT, SearchResult
 from .vocabulary import SampleStatus, Stage, dtype_name
 
-__all__ = ["render_report", "op_table", "prediction_table", "prediction_error", "predicted_records"]
+__all__ = ["render_report", "render_log_report", "op_table", "prediction_table", "prediction_error", "predicted_records"]
 
 
 def predicted_records(log: SearchLog) -> list:
@@ -83,6 +86,16 @@ def _stale_profiles(log: SearchLog) -> str:
                                              "so they were measured again"))
 
 
+def _cost_breakdown(summary) -> list[str]:
+    """The search time by part (capture, profiling, rewrites, samples, ...), each in FP32 epochs too."""
+    parts = getattr(summary, "cost_breakdown", None)
+    if not parts:
+        return []
+    epoch = summary.fp32_epoch_seconds or float("nan")
+    text = ", ".join(f"{name} {seconds:.2f} s ({seconds / epoch:.1f})" for name, seconds in parts.items())
+    return [f"  by part      {text}  [s (FP32 epochs)]"]
+
+
 def _stopped_early(records) -> str:
     """`` (n stopped early on pace)`` when the guided search stopped any sample before exact pruning could."""
     n = sum(bool(r.extra.get(STOPPED_EARLY)) for r in records)
@@ -111,6 +124,7 @@ def render_report(summary, tablefmt: str = "simple") -> str:
         f"search time    {summary.search_seconds:.2f} s = {share:.1f} FP32 epochs of the sample loader "
         f"({summary.samples_run} samples: {summary.samples_pruned} pruned, {summary.samples_skipped} skipped "
         "on prediction)",
+        *_cost_breakdown(summary),
         f"step time      chosen {_ms(chosen)}; FP32 {_ms(steps.get('fp32'))} ({_ratio(chosen, steps.get('fp32'))}); "
         f"AMP {_ms(steps.get('amp'))} ({_ratio(chosen, steps.get('amp'))})  [median, same batches]",
     ]
@@ -122,8 +136,29 @@ def render_report(summary, tablefmt: str = "simple") -> str:
                   f"error {error:.1f}% over {len(predicted_records(log))} measured candidates "
                   "(FP32 baseline excluded: it calibrates the model)" + _stale_profiles(log),
                   prediction_table(log, tablefmt)]
-    notes = [r.reason for r in log.notes() if not r.reason.startswith("plan cache: ")]  # a line of its own above
+    notes = [r.reason for r in log.notes()  # the plan cache has a line of its own above; the result is the report
+             if not r.reason.startswith("plan cache: ") and RESULT not in r.extra]
     if notes:
         lines += ["", "notes:", *(f"  - {n}" for n in notes)]
     return "\n".join(lines)
 
+
+
+def render_log_report(path, tablefmt: str = "simple") -> str:
+    """The report of the search logged at ``path``, as ``result.report()`` rendered it (``compfx report LOG``).
+
+    A finished search's last log line holds what the report needs besides the
+    samples (:meth:`SearchResult.log_summary`); a log without it (an interrupted
+    search) is a :class:`~compfx.errors.PlanFileError`.
+
+    >>> import tempfile, os, torch, compfx
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 4))
+    >>> loader = [(torch.randn(8, 8), torch.randint(0, 4, (8,))) for _ in range(2)]
+    >>> path = os.path.join(tempfile.mkdtemp(), "search.jsonl")
+    >>> result = compfx.optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), log=path,
+    ...                          loss_fn=lambda out, batch: torch.nn.functional.cross_entropy(out, batch[-1]),
+    ...                          config=compfx.SearchConfig(progress=False, repeats=1, warmup=0, cache_plan=False))
+    >>> render_log_report(path).splitlines()[:3] == result.report().splitlines()[:3]
+    True
+    """
+    return render_report(SearchResult.from_log(SearchLog.read(path), source=f"search log {path}"), tablefmt)

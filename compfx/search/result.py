@@ -5,13 +5,41 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
 import torch.nn as nn
 
+from ..errors import PlanFileError
+from ..opkey import OpKey
 from ..plan import Plan
-from ..vocabulary import SampleStatus, Stage
+from ..vocabulary import Category, SampleStatus, Stage
 from .log import SearchLog
 
-__all__ = ["SearchResult"]
+__all__ = ["SearchResult", "LoggedAnalysis", "LoggedOp", "RESULT"]
+
+#: key, in the ``extra`` of the note that ends a finished search's log, of what the report needs (see ``log_summary``)
+RESULT = "result"
+
+
+@dataclass(frozen=True)
+class LoggedOp:
+    """What the report shows of one op, as a finished search's log holds it."""
+
+    key: OpKey
+    category: Category
+    tc_eligible: bool
+
+
+@dataclass(frozen=True)
+class LoggedAnalysis:
+    """The part of an :class:`~compfx.analyze.Analysis` a report needs, read back from a log (no graph, no model)."""
+
+    ops: tuple[LoggedOp, ...]
+    low_dtype: torch.dtype
+    fingerprint: str
+
+    @property
+    def keys(self) -> tuple[OpKey, ...]:
+        return tuple(op.key for op in self.ops)
 
 
 @dataclass
@@ -24,16 +52,22 @@ class SearchResult:
     * ``analysis``: the :class:`~compfx.analyze.Analysis` the plans are over.
     * ``log``: every sample and note (:class:`~compfx.search.log.SearchLog`).
     * ``stage1_mode``, ``loss0`` (the FP32 epoch's loss), ``fp32_epoch_seconds``,
-      ``search_seconds`` (wall time of the search), ``step_seconds`` (median step
-      of ``"fp32"``, ``"amp"`` and ``"chosen"`` on the same batches).
+      ``search_seconds`` (wall time of the whole ``optimize`` call: what the
+      search cost the user), ``step_seconds`` (median step of ``"fp32"``,
+      ``"amp"`` and ``"chosen"`` on the same batches).
+    * ``cost_breakdown``: where ``search_seconds`` went, in seconds per part
+      (``capture``, ``profiling``, ``rewrites``, ``samples``, ``step comparison``,
+      ``other``); the parts add up to ``search_seconds``.
     * ``plan_path``: the plan-cache file the plan was saved to (None when it was
       not: ``SearchConfig(cache_plan=False)``, per-device plans, an unwritable
       cache); ``plan_cache`` says which, in words.
 
-    ``report()`` renders it as text.
+    ``report()`` renders it as text. The log of a finished search ends with
+    :meth:`log_summary`, so :meth:`from_log` renders the same report later
+    (``compfx report LOG``), without the model (``module`` is then None).
     """
 
-    module: nn.Module
+    module: nn.Module | None
     plan: Plan
     stage1_plan: Plan
     analysis: object
@@ -45,6 +79,7 @@ class SearchResult:
     step_seconds: dict[str, float] = field(default_factory=dict)
     plan_path: Path | None = None
     plan_cache: str = ""
+    cost_breakdown: dict[str, float] = field(default_factory=dict)
 
     def report(self, tablefmt: str = "simple") -> str:
         """The per-op table, then the search and the timing summary (see :mod:`compfx.report`)."""
@@ -63,6 +98,47 @@ class SearchResult:
     @property
     def samples_skipped(self) -> int:
         return len([r for r in self.log.samples() if r.status is SampleStatus.SKIPPED])
+
+    def log_summary(self) -> dict:
+        """What ``compfx report LOG`` needs to render this result again, as JSON (the log's last note holds it)."""
+        return {"plan": self.plan.to_dict(), "stage1_plan": self.stage1_plan.to_dict(),
+                "ops": [[str(op.key), str(op.category), bool(op.tc_eligible)] for op in self.analysis.ops],
+                "stage1_mode": self.stage1_mode, "loss0": self.loss0, "fp32_epoch_seconds": self.fp32_epoch_seconds,
+                "search_seconds": self.search_seconds, "step_seconds": dict(self.step_seconds),
+                "plan_path": str(self.plan_path or ""), "plan_cache": self.plan_cache,
+                "cost_breakdown": dict(self.cost_breakdown)}
+
+    @classmethod
+    def from_log(cls, log: SearchLog, source: str = "search log") -> "SearchResult":
+        """The result a finished search wrote into its log (``module`` is None: a log holds no model).
+
+        The last :data:`RESULT` note wins (a resumed search writes one more).
+        A log without one (an interrupted search, an older compfx) is a
+        :class:`~compfx.errors.PlanFileError`.
+        """
+        found = [r.extra[RESULT] for r in log.notes() if RESULT in r.extra]
+        if not found:
+            raise PlanFileError(f"{source} holds {len(log.samples())} samples but no finished search (it was "
+                                "interrupted, or written by an older compfx), so there is no chosen plan to report. "
+                                "Finish it with compfx.optimize(..., log=<this log>, resume=True).")
+        data = found[-1]
+        try:
+            plan = Plan.from_dict(data["plan"], source=f"{source} (chosen plan)")
+            ops = tuple(LoggedOp(OpKey.parse(key), Category(category), bool(tc)) for key, category, tc in data["ops"])
+            analysis = LoggedAnalysis(ops, plan.low_dtype, plan.fingerprint)
+            return cls(module=None, plan=plan, stage1_plan=Plan.from_dict(data["stage1_plan"], source=source),
+                       analysis=analysis, log=log, stage1_mode=str(data["stage1_mode"]), loss0=float(data["loss0"]),
+                       fp32_epoch_seconds=float(data["fp32_epoch_seconds"]),
+                       search_seconds=float(data["search_seconds"]),
+                       step_seconds={str(k): float(v) for k, v in data["step_seconds"].items()},
+                       plan_path=Path(data["plan_path"]) if data["plan_path"] else None,
+                       plan_cache=str(data["plan_cache"]),
+                       cost_breakdown={str(k): float(v) for k, v in data.get("cost_breakdown", {}).items()})
+        except PlanFileError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
+            raise PlanFileError(f"{source}: its result note is damaged ({type(error).__name__}: {error}); expected "
+                                "what compfx.optimize writes. Search again.") from error
 
     def __repr__(self) -> str:
         return (f"SearchResult(plan={self.plan!r}, {len(self.log.samples())} samples, "
