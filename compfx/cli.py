@@ -1,4 +1,4 @@
-"""Command line: ``python -m compfx analyze|demo ...``.
+"""Command line: ``python -m compfx analyze|search|report|plan show|demo ...``.
 
 Every mistake on the command line ends with one ``compfx: error: ...`` line
 (or argparse's usage message) and exit code 2, never a traceback.
@@ -8,14 +8,19 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 
 import torch
 import torch.nn as nn
 
 from .errors import BadInputError, CompfxError
+from .vocabulary import dtype_name
 
 __all__ = ["main"]
+
+
+_LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, None: None}  # --low-dtype
 
 
 def _load_factory(spec: str):
@@ -70,11 +75,150 @@ def _cmd_analyze(args) -> int:
 
     model = _build_model(args.model)
     inputs = tuple(torch.randn(*shape) for shape in args.input_shape)
-    low_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, None: None}[args.low_dtype]
+    low_dtype = _LOW_DTYPES[args.low_dtype]
     analysis = analyze(model, inputs, device=args.device, low_dtype=low_dtype, capability=args.capability)
     print(analysis.table())
     print(analysis.summary())
     return 0
+
+
+# -- search, report, plan show -------------------------------------------------------
+
+#: losses ``--loss`` names: torch.nn.functional's, with the batch's last item as the target
+_NAMED_LOSSES = ("cross_entropy", "nll_loss", "mse_loss")
+
+
+def _loss_fn(spec: str | None, synthetic: bool):
+    """``--loss``: a named loss, ``model`` (the output's own ``.loss``) or MODULE:FUNCTION(output, batch)."""
+    spec = spec or ("cross_entropy" if synthetic else "model")
+    if spec == "model":
+        return None
+    if spec in _NAMED_LOSSES:
+        function = getattr(torch.nn.functional, spec)
+        return lambda output, batch: function(output, batch[-1])
+    if ":" not in spec:
+        raise BadInputError(f"--loss {spec!r}; expected one of {', '.join(_NAMED_LOSSES)}, model (the output's own "
+                            ".loss), or MODULE:FUNCTION taking (output, batch).")
+    return _load_factory(spec)
+
+
+def _sample_loader(args):
+    """The batches to search on: the ``--data`` factory's, or ``--batches`` synthetic classification batches."""
+    if args.data is None:
+        generator = torch.Generator().manual_seed(args.seed)
+        return [(torch.randn(*args.input_shape, generator=generator),
+                 torch.randint(0, args.classes, (args.input_shape[0],), generator=generator))
+                for _ in range(args.batches)]
+    factory = _load_factory(args.data)
+    try:
+        return factory()
+    except Exception as error:  # noqa: BLE001 - the user's factory
+        raise BadInputError(f"{args.data}() failed ({type(error).__name__}: {error}); expected a factory that takes "
+                            "no arguments and returns the batches (a list or a DataLoader).") from error
+
+
+def _check_writable_file(path: str | None, flag: str) -> None:
+    """Refuse a folder before the search, not after it (the search may take minutes)."""
+    if path is not None and os.path.isdir(path):
+        raise BadInputError(f"{flag} {path} is a folder; expected the path of a file to write, e.g. {flag} "
+                            f"{os.path.join(path, 'search.jsonl' if flag == '--log' else 'plan.json')}.")
+
+
+def _cmd_search(args) -> int:
+    from .optimize import optimize
+    from .search.config import SearchConfig
+
+    if (args.data is None) == (args.input_shape is None):
+        raise BadInputError("give either --data MODULE:FACTORY (your batches) or --input-shape S --classes C "
+                            "(synthetic classification batches), not both and not neither.")
+    if args.input_shape is not None and args.classes is None:
+        raise BadInputError("--input-shape needs --classes C: synthetic batches are (inputs, class index) pairs.")
+    _check_writable_file(args.log, "--log")
+    _check_writable_file(args.plan, "--plan")
+    model = _build_model(args.model)
+    loss_fn = _loss_fn(args.loss, synthetic=args.data is None)
+    loader = _sample_loader(args)
+    optimizer = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[args.optimizer](model.parameters(), lr=args.lr)
+    config = SearchConfig(threshold=args.threshold, seed=args.seed, progress=not args.no_progress)
+    result = optimize(model, loader, optimizer=optimizer, loss_fn=loss_fn, low_dtype=_LOW_DTYPES[args.low_dtype],
+                      config=config, log=args.log)
+    print(result.report())
+    if args.plan is not None:
+        result.plan.save(args.plan)
+        print(f"plan written to {args.plan}")
+    if args.log is not None:
+        print(f"search log written to {args.log} (compfx report {args.log} prints this report again)")
+    return 0
+
+
+def _cmd_report(args) -> int:
+    from .report import render_log_report
+
+    print(render_log_report(args.log))
+    return 0
+
+
+def _cmd_plan_show(args) -> int:
+    from tabulate import tabulate
+
+    from .analyze import analyze
+    from .plan import Plan
+
+    plan = Plan.load(args.plan)
+    analysis = None
+    if args.model is not None:
+        if not args.input_shape:
+            raise BadInputError("--model needs --input-shape (the model is captured on inputs of that shape to "
+                                "check the plan against it), e.g. --input-shape 8,1,8,8.")
+        model = _build_model(args.model)
+        analysis = analyze(model, tuple(torch.randn(*shape) for shape in args.input_shape), low_dtype=plan.low_dtype)
+        plan.validate(analysis)  # a PlanMismatchError says how the plan and the model differ
+    counts = ", ".join(f"{sum(p == precision for p in plan.values())} {precision}"
+                       for precision in sorted({str(p) for p in plan.values()}))
+    print(f"plan file      {args.plan}\nlow dtype      {dtype_name(plan.low_dtype)}\n"
+          f"fingerprint    {plan.fingerprint}\nops            {len(plan)} ({counts})\n")
+    if analysis is None:
+        print(tabulate([[i, str(key), precision] for i, (key, precision) in enumerate(plan.items())],
+                       headers=["#", "op key", "precision"]))
+    else:
+        print(analysis.table(precisions=plan))
+        print(f"\nthe plan matches {args.model}; CoMP string {plan.bitstring(analysis)} ('0' "
+              f"{dtype_name(plan.low_dtype)}, '1' fp32, 'f' follow)")
+    return 0
+
+
+def _add_search_parsers(sub) -> None:
+    p = sub.add_parser("search", help="search a precision plan for a model (compfx.optimize) and print its report")
+    p.add_argument("model", help="MODULE:FACTORY returning an nn.Module, e.g. compfx.examples:cnn")
+    p.add_argument("--data", metavar="LOADER_FACTORY", default=None,
+                   help="MODULE:FACTORY returning the batches to search on (a list of batches or a DataLoader)")
+    p.add_argument("--input-shape", type=_shape, default=None,
+                   help="synthetic data instead of --data: the input batch's shape, e.g. 32,1,8,8")
+    p.add_argument("--classes", type=int, default=None, help="synthetic data: number of classes of the targets")
+    p.add_argument("--batches", type=int, default=8, help="synthetic data: number of batches (default 8)")
+    p.add_argument("--loss", default=None,
+                   help=f"{', '.join(_NAMED_LOSSES)}, model (the output's .loss) or MODULE:FUNCTION(output, batch); "
+                        "default cross_entropy for synthetic data, model with --data")
+    p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
+    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--low-dtype", choices=["fp16", "bf16"], default=None)
+    p.add_argument("--threshold", type=float, default=1.01, help="loss guard: x FP32's loss (default 1.01)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--log", default=None, help="write the search log (JSON Lines) here, for compfx report")
+    p.add_argument("--plan", default=None, help="write the chosen plan (JSON) here")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
+    p.set_defaults(func=_cmd_search)
+    p = sub.add_parser("report", help="print the report of a finished search from its log")
+    p.add_argument("log", help="the search log, e.g. written by compfx search --log F or optimize(log=F)")
+    p.set_defaults(func=_cmd_report)
+    p = sub.add_parser("plan", help="plan files")
+    show = p.add_subparsers(dest="plan_command", required=True).add_parser(
+        "show", help="print a plan file (with --model: against the model's analysis)")
+    show.add_argument("plan", help="a plan file, e.g. written by compfx search --plan F or Plan.save")
+    show.add_argument("--model", default=None, help="MODULE:FACTORY: check the plan against this model")
+    show.add_argument("--input-shape", type=_shape, action="append", default=None,
+                      help="with --model: shape of one positional input (repeat for several inputs)")
+    show.set_defaults(func=_cmd_plan_show)
 
 
 def _cmd_demo(args) -> int:
@@ -96,6 +240,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--capability", type=_capability, default=None,
                    help="CUDA compute capability to assume, e.g. 8,0")
     p.set_defaults(func=_cmd_analyze)
+    _add_search_parsers(sub)
     p = sub.add_parser("demo", help="run compfx on the built-in example (a CNN on scikit-learn digits)")
     p.set_defaults(func=_cmd_demo)
     return parser
