@@ -161,9 +161,10 @@ class LocalEvaluator:
     """
 
     def __init__(self, model: nn.Module, analysis, sampler: FairSampler, *, warmup: int, repeats: int,
-                 cost_fn: Callable[[Plan, float], float] = measured_time):
+                 cost_fn: Callable[[Plan, float], float] = measured_time, fp8_recipe=None):
         self.model, self.analysis, self.sampler = model, analysis, sampler
         self.warmup, self.repeats, self.cost_fn = warmup, repeats, cost_fn
+        self.fp8_recipe = fp8_recipe  # how the plans' fp8 ops scale (None: the default recipe)
         self._plans: dict[Assignment, Plan] = {}
         self._modules: dict[Assignment, nn.Module] = {}
         self._runners: dict[Assignment, nn.Module] = {}
@@ -173,7 +174,7 @@ class LocalEvaluator:
     def plan(self, plan: Assignment) -> Plan:
         """The :class:`Plan` of an assignment (built once: ``cost_fn`` sees it once per batch)."""
         if plan not in self._plans:
-            self._plans[plan] = Plan.from_assignment(self.analysis, plan)
+            self._plans[plan] = Plan.from_assignment(self.analysis, plan, fp8_recipe=self.fp8_recipe)
         return self._plans[plan]
 
     def module(self, plan: Assignment) -> nn.Module:
