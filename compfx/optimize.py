@@ -24,6 +24,7 @@ from .analyze import analyze, model_device
 from .errors import BadInputError, CompfxError
 from .measure import PhaseClock
 from .memory import saved_activation_bytes
+from .per_module import PerModuleEvaluator, is_regions_analysis, prepare_search
 from .search import (SINGLE_PROCESS, LocalEvaluator, Recorder, Replay, ReplayingEvaluator, SearchConfig,
                      SearchLog, SearchResult, SearchSpace, compare_step_times, decision_settings, measured_time,
                      run_search)
@@ -36,7 +37,7 @@ __all__ = ["optimize"]
 
 def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.optim.Optimizer, loss_fn=None,
              low_dtype: torch.dtype | None = None, config: SearchConfig = SearchConfig(), log=None,
-             resume: bool = False) -> SearchResult:
+             resume: bool = False, per_module: type | Iterable[type] = ()) -> SearchResult:
     """Search a mixed-precision plan for ``model`` on ``sample_loader``; return the :class:`SearchResult`.
 
     ``result.module`` is the model rewritten to run the chosen plan
@@ -52,6 +53,13 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
     the model's own loss (``output.loss``). The model trains on the device it
     is on; ``low_dtype`` defaults to fp16 on CUDA and bf16 elsewhere. ``log``
     is a path for the JSON Lines search log (or a :class:`SearchLog`).
+    ``per_module=(Block, ...)`` searches one plan for the blocks of those types
+    and applies it per block (see :func:`compfx.apply`): ``result.module`` is
+    ``model`` itself, its blocks replaced by :class:`~compfx.per_module.PlannedBlock` s.
+    Under FSDP2, call ``compfx.apply(model, plan, analysis=..., per_module=...)``
+    first, then ``fully_shard`` each block and the root, then ``optimize(model, ...,
+    per_module=...)`` on the sharded root: the samples train the sharded model,
+    so the all-gathers are part of every measured step.
     ``resume=True`` continues the search logged at ``log`` (an interrupted
     one): samples already logged are replayed from it, not run again, so it
     reaches the decision an uninterrupted run would have, given the same costs.
@@ -90,7 +98,8 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         inputs = check_first_batch(model, first, loss_fn, device)  # bad inputs fail here, before any work
         args, kwargs = inputs
         with clock.phase("capture"):
-            analysis = analyze(model, kwargs if kwargs else args, device=device, low_dtype=low_dtype)
+            analysis = (prepare_search(model, kwargs if kwargs else args, per_module, device=device, low_dtype=low_dtype)
+                        if per_module else analyze(model, kwargs if kwargs else args, device=device, low_dtype=low_dtype))
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,
                               grad_scaler=config.scaler_on(analysis.low_dtype))
         search_log = SearchLog.open(log, _log_header(analysis, config), resume=resume)
@@ -159,7 +168,8 @@ class _Search:
         self.model, self.analysis, self.sampler, self.config, self.log = model, analysis, sampler, config, log
         self.clock = clock
         self.space = SearchSpace.from_analysis(analysis)
-        self.local = LocalEvaluator(model, analysis, sampler, warmup=config.warmup, repeats=config.repeats,
+        evaluator = PerModuleEvaluator if is_regions_analysis(analysis) else LocalEvaluator
+        self.local = evaluator(model, analysis, sampler, warmup=config.warmup, repeats=config.repeats,
                                     cost_fn=config.cost_fn or measured_time, clock=clock)
         self.plan_path: Path | None = None
         self.plan_cache = ""  # what became of the chosen plan in the plan cache, for the report
@@ -188,6 +198,9 @@ class _Search:
     def _predictor(self):
         """The cost model, or None when it is off or cannot be built (then the search is exact)."""
         if self.config.predictor == "off":
+            return None
+        if is_regions_analysis(self.analysis):
+            self.log.note(Stage.SEARCH, "cost model off with per_module: every candidate is measured")
             return None
         if _distributed():
             # Each rank would profile its own ops and order or skip candidates on its own

@@ -52,7 +52,7 @@ from .search.evaluator import LocalEvaluator
 from .vocabulary import Category, Precision, check_low_dtype, default_low_dtype, dtype_name
 
 __all__ = ["PlannedBlock", "apply_per_module", "analyze_regions", "region_paths", "block_types", "model_key",
-           "PerModuleEvaluator"]
+           "PerModuleEvaluator", "prepare_search", "is_regions_analysis"]
 
 log = logging.getLogger("compfx")
 
@@ -362,21 +362,38 @@ def _cuda_indices(device: torch.device) -> list[int]:
 
 # -- the search ------------------------------------------------------------------------------
 
+def prepare_search(model: nn.Module, example_inputs, per_module, *, device=None,
+                   low_dtype: torch.dtype | None = None) -> Analysis:
+    """What ``compfx.optimize(..., per_module=...)`` searches over: :func:`analyze_regions`, with every block of
+    ``model`` made a :class:`PlannedBlock` (running FP32, as it was) so that each plan can be switched into it.
+
+    Blocks planned already (``compfx.apply(..., per_module=...)`` before ``fully_shard``) are kept as they are.
+    """
+    analysis = analyze_regions(model, example_inputs, per_module, device=device, low_dtype=low_dtype)
+    apply_per_module(model, Plan.fp32(analysis), analysis, per_module)
+    return analysis
+
+
+def is_regions_analysis(analysis: Analysis) -> bool:
+    """True for an analysis of the blocks alone (:func:`analyze_regions`): its plans are applied per block."""
+    return analysis.capture_method == REGIONS_METHOD
+
+
 class PerModuleEvaluator(LocalEvaluator):
     """:class:`~compfx.search.evaluator.LocalEvaluator` over a model whose blocks are :class:`PlannedBlock` s.
 
     A plan is not a module of its own: it is switched into the model's blocks,
-    and the model itself (as the user wrapped it: FSDP2, checkpointing) trains.
+    and the model itself (as the user wrapped it: FSDP2, checkpointing) trains,
+    so a step's time includes FSDP2's all-gathers and reduce-scatters.
     """
-
-    def __init__(self, model: nn.Module, analysis: Analysis, sampler, *, per_module, **options):
-        super().__init__(model, analysis, sampler, **options)
-        self.per_module = block_types(per_module)
-        self._categories = {op.key: op.category for op in analysis.ops}
 
     def runner(self, plan: Assignment) -> nn.Module:
         """The model, with ``plan`` switched into its blocks."""
-        apply_per_module(self.model, self.plan(plan), self.analysis, self.per_module)
+        chosen = self.plan(plan)
+        categories = {op.key: op.category for op in self.analysis.ops}
+        for module in self.model.modules():
+            if isinstance(module, PlannedBlock):
+                module.use_plan(chosen, categories)
         return self.model
 
     def module(self, plan: Assignment) -> nn.Module:
