@@ -1,0 +1,348 @@
+"""``compfx.Guard``: keeps watching a plan while training runs, and moves an op to FP32 when it overflows.
+
+The search checks convergence once; activations drift afterwards, and an op
+that was safe at step 100 may overflow at step 50,000. Used like ``GradScaler``::
+
+    guard = compfx.Guard(fast)                 # fast: optimize(...).module, a PlannedModule
+    loss = loss_fn(fast(x), y); loss.backward()
+    guard.step(optimizer, loss)                # steps, or skips the step and repairs the plan
+
+On a non-finite loss or gradient the guard skips the optimizer step, finds the
+op(s) where the non-finite values start (:func:`compfx.diagnose.diagnose_inputs`
+on the same batch, backward from the gradient that reached the module's
+output in this step) and moves them, or when they already run in FP32 their
+producers, to FP32 with :meth:`~compfx.apply.PlannedModule.replan`: the same
+module object, the same Parameters, so the optimizer keeps working. It checks
+the repaired plan on the same batch and repairs again while non-finite values
+remain (at most ``max_rounds`` times). Each repair is kept in
+:attr:`Guard.repairs` and, given ``log``, noted in the search log.
+
+With fp16 pass the ``GradScaler``: non-finite gradients under a finite loss
+are the scaler's to handle (it skips the step and lowers the scale) while the
+scale is at least ``min_scale``; they are not repairs. Every ``shadow_every``
+steps the guard also compares this step's loss (or, without ``loss_fn`` and
+``batch``, the module's output) with an FP32 shadow run of the same batch and,
+past ``drift_threshold``, moves the op that adds the most error to FP32.
+
+:meth:`Guard.state_dict` holds the repaired plan: save it with the model's and
+the optimizer's, and :meth:`Guard.load_state_dict` puts the repairs back into
+a resumed run's module.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+from dataclasses import asdict, dataclass
+from typing import Any, Callable, Mapping
+
+import torch
+from torch.utils import _pytree as pytree
+
+from .apply import PlannedModule
+from .diagnose import Diagnosis, diagnose_inputs, rng_state, shadow_graph_of, untouched_state
+from .errors import BadInputError, PlanFileError
+from .opkey import OpKey
+from .plan import Plan
+from .search.log import SearchLog
+from .vocabulary import Precision, Stage
+
+__all__ = ["Guard", "Repair"]
+
+log = logging.getLogger("compfx")
+
+
+@dataclass(frozen=True)
+class Repair:
+    """One op moved to FP32 by the guard: at which step (``Guard.steps`` before it), why, and what it ran before."""
+
+    key: OpKey
+    step: int
+    reason: str
+    was: Precision
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "key": str(self.key), "was": str(self.was)}
+
+    @classmethod
+    def from_dict(cls, data: Mapping) -> "Repair":
+        return cls(OpKey.parse(data["key"]), int(data["step"]), str(data["reason"]), Precision(data["was"]))
+
+
+class Guard:
+    """Watches a :class:`~compfx.apply.PlannedModule` during training; repairs its plan in place when it overflows.
+
+    ``check_every`` checks the loss and gradients for non-finite values every
+    that many steps (1: every step; between checks a non-finite step reaches
+    the optimizer). ``shadow_every`` (None: never) compares with an FP32 shadow
+    run; ``loss_fn(output, batch)`` and ``step(..., batch=)`` make that a loss
+    comparison. ``scaler`` is the fp16 run's ``GradScaler``; ``log`` a
+    :class:`~compfx.SearchLog` (or its path) to note repairs in.
+
+    >>> import torch, compfx
+    >>> from compfx.apply import PlannedModule
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+    >>> a = compfx.analyze(model, torch.randn(3, 4), low_dtype=torch.float16)
+    >>> fast = PlannedModule(model, compfx.Plan.amp(a), analysis=a)
+    >>> opt, guard = torch.optim.SGD(model.parameters(), lr=0.1), compfx.Guard(fast)
+    >>> fast(torch.randn(3, 4)).sum().backward(); guard.step(opt, torch.tensor(1.0))  # all finite: it steps
+    True
+    >>> with torch.no_grad(): _ = model[1].weight.mul_(1e6)  # now the second linear overflows fp16
+    >>> loss = fast(torch.full((3, 4), 10.0)).sum(); opt.zero_grad(); loss.backward()
+    >>> guard.step(opt, loss), [(str(r.key), r.reason) for r in guard.repairs]
+    (False, [('1:linear#0', 'non-finite loss')])
+    >>> fast.plan[compfx.OpKey("1", "linear", 0)]
+    <Precision.FP32: 'fp32'>
+    """
+
+    def __init__(self, planned: PlannedModule, *, scaler=None, check_every: int = 1, shadow_every: int | None = None,
+                 drift_threshold: float = 0.05, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
+                 log: SearchLog | str | os.PathLike | None = None, max_rounds: int = 8, min_scale: float = 1.0):
+        if not isinstance(planned, PlannedModule):
+            raise BadInputError(f"Guard watches a compfx PlannedModule (optimize(...).module, or "
+                                f"compfx.apply.PlannedModule(model, plan, analysis=...)); got {type(planned).__name__}. "
+                                "It repairs the module's plan in place, so it needs the module that runs one.")
+        _check_count(check_every, "check_every")
+        if shadow_every is not None:
+            _check_count(shadow_every, "shadow_every")
+        _check_count(max_rounds, "max_rounds")
+        if not isinstance(drift_threshold, (int, float)) or not 0 < drift_threshold < math.inf:
+            raise BadInputError(f"drift_threshold={drift_threshold!r}; expected a positive number, e.g. 0.05 for "
+                                "5% relative difference from the FP32 shadow.")
+        if scaler is not None and not all(hasattr(scaler, m) for m in ("unscale_", "step", "update", "get_scale")):
+            raise BadInputError(f"scaler={type(scaler).__name__}; expected a torch.amp.GradScaler (or None).")
+        if loss_fn is not None and not callable(loss_fn):
+            raise BadInputError(f"loss_fn={loss_fn!r}; expected a callable (output, batch) -> scalar tensor, or None.")
+        self.planned, self.scaler, self.loss_fn = planned, scaler, loss_fn
+        self.check_every, self.shadow_every, self.drift_threshold = check_every, shadow_every, float(drift_threshold)
+        self.max_rounds, self.min_scale = max_rounds, float(min_scale)
+        self.log = SearchLog(log) if isinstance(log, (str, os.PathLike)) else log
+        self.repairs: list[Repair] = []
+        self.steps = 0  # guard.step calls so far
+        self.skipped = 0  # optimizer steps the guard skipped (non-finite values)
+        self.scaler_skips = 0  # non-finite gradients left to the GradScaler
+        self.drift: float | None = None  # the last shadow comparison
+        self._inputs: tuple[tuple, dict] | None = None
+        self._outputs: list[torch.Tensor] = []
+        self._output_grads: dict[int, torch.Tensor] = {}
+        self._output = None
+        self._rng = None
+        self._hooks = [planned.register_forward_pre_hook(self._before_forward, with_kwargs=True),
+                       planned.register_forward_hook(self._after_forward)]
+
+    @property
+    def plan(self) -> Plan:
+        """The plan the module runs now, repairs included."""
+        return self.planned.plan
+
+    def remove(self) -> None:
+        """Stop watching: remove the guard's hooks from the module."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+    # -- what the training step's forward and backward leave behind ------------------
+    def _before_forward(self, module, args, kwargs):
+        if torch.is_grad_enabled():  # an evaluation forward between backward and step() is not the step's
+            self._inputs = (args, kwargs)
+            if self._shadow_due(self.steps + 1):
+                self._rng = rng_state(self.planned._model)  # the shadow replays this forward's dropout masks
+
+    def _after_forward(self, module, args, kwargs_or_output, output=None):
+        output = kwargs_or_output if output is None else output
+        if not torch.is_grad_enabled():
+            return
+        self._output = output
+        self._outputs = [t for t in pytree.tree_leaves(output)
+                         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.requires_grad]
+        self._output_grads = {}
+        for i, tensor in enumerate(self._outputs):
+            tensor.register_hook(self._keep_grad(i))
+
+    def _keep_grad(self, index: int):
+        def keep(grad):
+            self._output_grads[index] = grad.detach()
+        return keep
+
+    # -- the step -------------------------------------------------------------------
+    def step(self, optimizer: torch.optim.Optimizer, loss: torch.Tensor, *, batch=None) -> bool:
+        """Step ``optimizer`` (through the scaler, if any) unless the loss or gradients are non-finite; True if it did.
+
+        ``loss`` is the unscaled loss of this step. On non-finite values the
+        step is skipped and the plan repaired (see the module docstring).
+        ``batch`` is only needed for a loss comparison with the FP32 shadow.
+        """
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise BadInputError(f"guard.step() takes the optimizer first; got {type(optimizer).__name__}.")
+        if not isinstance(loss, torch.Tensor):
+            raise BadInputError(f"guard.step() takes this step's loss tensor; got {type(loss).__name__}.")
+        self.steps += 1
+        if self.scaler is not None:
+            _unscale(self.scaler, optimizer)
+        bad_loss = bad_grads = False
+        if self.steps % self.check_every == 0:
+            bad_loss, bad_grads = _nonfinite(loss, optimizer)
+        if not (bad_loss or bad_grads):
+            if self._shadow_due(self.steps):  # before the step: the shadow runs on the weights this forward used
+                self._check_drift(loss, batch)
+            self._optimizer_step(optimizer)
+            return True
+        if not bad_loss and self.scaler is not None and self.scaler.get_scale() >= self.min_scale:
+            self._optimizer_step(optimizer)  # the scaler sees the inf, skips the step and lowers its scale
+            self.scaler_skips += 1
+            return False
+        if self.scaler is not None:
+            self.scaler.update(new_scale=self.scaler.get_scale())  # ends the scaler's step; the scale stays
+        self.skipped += 1
+        self._repair_nonfinite("non-finite loss" if bad_loss else "non-finite gradients", backward=not bad_loss)
+        return False
+
+    def _optimizer_step(self, optimizer) -> None:
+        if self.scaler is None:
+            optimizer.step()
+        else:
+            self.scaler.step(optimizer)
+            self.scaler.update()
+
+    def _shadow_due(self, step: int) -> bool:
+        return self.shadow_every is not None and step % self.shadow_every == 0
+
+    # -- repairs --------------------------------------------------------------------
+    def _repair_nonfinite(self, reason: str, *, backward: bool) -> None:
+        if self._inputs is None:
+            log.warning("compfx.Guard: step %d was not finite, but the module ran no forward with gradients since "
+                        "the last step; skipped the step without a repair", self.steps)
+            return
+        args, kwargs = self._inputs
+        grads = [self._output_grads.get(i) for i in range(len(self._outputs))]
+        from_output = None
+        if backward and grads and all(g is not None and bool(torch.isfinite(g).all()) for g in grads):
+            def from_output(output):
+                return _float_leaves(output), grads
+        repaired = []
+        for _ in range(self.max_rounds):
+            diagnosis = diagnose_inputs(self.planned, args, kwargs, backward_from=from_output)
+            if diagnosis.finite and repaired:
+                break
+            targets = self._targets(diagnosis)
+            if not targets:
+                break
+            repaired += self._move_to_fp32(targets, reason)
+        if not repaired:
+            log.warning("compfx.Guard: step %d had a %s, but no op that runs below FP32 produced it (an FP32 "
+                        "overflow, or one in the loss function); skipped the step without a repair", self.steps, reason)
+
+    def _targets(self, diagnosis: Diagnosis) -> list[OpKey]:
+        """The origins that run below FP32; for an origin already in FP32, its producers that do not."""
+        targets = []
+        for key in diagnosis.origins:
+            chosen = [key] if self.plan[key] is not Precision.FP32 else [
+                p for p in diagnosis.producers.get(key, ()) if self.plan[p] is not Precision.FP32]
+            targets += [k for k in chosen if k not in targets]
+        return targets
+
+    def _move_to_fp32(self, keys: list[OpKey], reason: str) -> list[Repair]:
+        plan = self.plan
+        repairs = [Repair(key, self.steps, reason, plan[key]) for key in keys]
+        self.planned.replan(plan.with_precisions({key: Precision.FP32 for key in keys}))
+        self.repairs += repairs
+        for repair in repairs:
+            log.warning("compfx.Guard: step %d: %s; moved %s (%s) to fp32", repair.step, reason, repair.key, repair.was)
+            if self.log is not None:
+                self.log.note(Stage.GUARD, "repaired", op=str(repair.key), step=repair.step, cause=reason,
+                              was=str(repair.was), plan=self.plan.fingerprint)
+        return repairs
+
+    def _check_drift(self, loss: torch.Tensor, batch) -> None:
+        if self._inputs is None or self._output is None:
+            return
+        args, kwargs = self._inputs
+        with torch.no_grad(), untouched_state(self.planned._model, self._rng):
+            shadow = shadow_graph_of(self.planned, args, kwargs).forward(*args, **kwargs)
+        if self.loss_fn is not None and batch is not None:
+            with torch.no_grad():
+                reference = float(self.loss_fn(shadow, batch))
+            self.drift = abs(float(loss) - reference) / max(abs(reference), 1e-12)
+        else:
+            self.drift = _relative_error(_float_leaves(self._output), _float_leaves(shadow))
+        if self.drift > self.drift_threshold:
+            with torch.no_grad():
+                diagnosis = diagnose_inputs(self.planned, args, kwargs)
+            key = _largest_error_gain(diagnosis, self.plan)
+            if key is not None:
+                self._move_to_fp32([key], f"drift {self.drift:.3g} > {self.drift_threshold:g} from FP32")
+
+    # -- checkpoints ----------------------------------------------------------------
+    def state_dict(self) -> dict:
+        """The plan the module runs (repairs included), the repairs and the counters; JSON-serialisable."""
+        return {"plan": self.plan.to_dict(), "repairs": [r.to_dict() for r in self.repairs], "steps": self.steps,
+                "skipped": self.skipped, "scaler_skips": self.scaler_skips}
+
+    def load_state_dict(self, state: Mapping) -> None:
+        """Run the saved plan (with its repairs) on this guard's module, in place, and take over its record.
+
+        The plan must be one for this module's model (the same op keys and
+        fingerprint): a :class:`~compfx.errors.PlanMismatchError` otherwise.
+        """
+        if not isinstance(state, Mapping) or not {"plan", "repairs", "steps"} <= set(state):
+            raise PlanFileError("Guard.load_state_dict() got something that is not a Guard.state_dict() (expected "
+                                "'plan', 'repairs' and 'steps' entries).")
+        plan = Plan.from_dict(state["plan"], source="the guard's state")
+        try:
+            repairs = [Repair.from_dict(r) for r in state["repairs"]]
+        except (KeyError, TypeError, ValueError) as error:
+            raise PlanFileError(f"the guard's state has a damaged repair record ({error}).") from error
+        self.planned.replan(plan)
+        self.repairs = repairs
+        self.steps = int(state["steps"])
+        self.skipped, self.scaler_skips = int(state.get("skipped", 0)), int(state.get("scaler_skips", 0))
+
+    def __repr__(self) -> str:
+        return (f"Guard(steps={self.steps}, repairs={[str(r.key) for r in self.repairs]}, skipped={self.skipped}, "
+                f"scaler_skips={self.scaler_skips})")
+
+
+def _check_count(value, name: str) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise BadInputError(f"{name}={value!r}; expected a positive int.")
+
+
+def _unscale(scaler, optimizer) -> None:
+    """Unscale the gradients, unless the training loop already did (e.g. to clip them)."""
+    try:
+        scaler.unscale_(optimizer)
+    except RuntimeError as error:
+        if "already been called" not in str(error):
+            raise
+
+
+def _nonfinite(loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> tuple[bool, bool]:
+    """(loss non-finite, gradients non-finite), with one synchronisation."""
+    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    flags = [~torch.isfinite(loss.detach()).all()]
+    if grads:
+        # the max-norm is non-finite exactly when an element is (NaN propagates through max)
+        flags.append(~torch.isfinite(torch.nn.utils.get_total_norm(grads, math.inf)).to(loss.device))
+    result = torch.stack(flags).tolist()
+    return bool(result[0]), bool(result[1]) if len(result) > 1 else False
+
+
+def _float_leaves(value) -> list[torch.Tensor]:
+    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+
+
+@torch.no_grad()
+def _relative_error(values: list[torch.Tensor], references: list[torch.Tensor]) -> float:
+    difference = sum(float(torch.linalg.vector_norm(v.double() - r.double())) ** 2 for v, r in zip(values, references))
+    norm = sum(float(torch.linalg.vector_norm(r.double())) ** 2 for r in references)
+    return math.sqrt(difference / norm) if norm > 0 else math.sqrt(difference)
+
+
+def _largest_error_gain(diagnosis: Diagnosis, plan: Plan) -> OpKey | None:
+    """The op below FP32 whose output's error against the shadow grows most over its producers' (where drift enters)."""
+    error = {row.key: row.error or 0.0 for row in diagnosis.rows}
+    gains = {row.key: error[row.key] - max((error.get(p, 0.0) for p in diagnosis.producers.get(row.key, ())),
+                                           default=0.0)
+             for row in diagnosis.rows if plan[row.key] is not Precision.FP32 and row.error is not None}
+    return max(gains, key=gains.get) if gains else None
