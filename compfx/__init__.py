@@ -17,8 +17,10 @@ from .apply import PlannedModule, apply
 from .backend import backend, compile_with_plan
 from .capture import capture, key_dynamo_graph, op_nodes
 from .costmodel import Predictor, fit_cast_cost, profile_ops
+from .diagnose import Diagnosis, diagnose
 from .errors import *  # noqa: F401,F403
 from .errors import __all__ as _error_names
+from .guard import Guard
 from .memory import saved_activation_bytes
 from .opkey import OpKey
 from .optimize import optimize
@@ -35,6 +37,8 @@ __all__ = [
     "capture", "op_nodes", "OpKey", "key_dynamo_graph", "analyze", "Analysis", "OpInfo", "Category", "Plan",
     "Precision", "Assignment", "insert_casts", "apply", "PlannedModule", "optimize", "SearchConfig", "SearchResult",
     "SearchLog", "backend", "compile_with_plan",
+    # during training
+    "diagnose", "Diagnosis", "Guard",
     # measurement and reports
     "cast_report", "count_casts", "saved_activation_bytes", "Predictor", "profile_ops", "fit_cast_cost",
     *_error_names,
