@@ -31,6 +31,7 @@ from typing import Callable, Hashable, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 
 from ..errors import PlanFailedError, PlanFailedOnRankError, SearchError
 from ..plan import Assignment
@@ -206,7 +207,9 @@ def broadcast_training_state(model: nn.Module, optimizer: torch.optim.Optimizer 
     """Copy ``src``'s parameters, buffers and optimizer state tensors into every rank, in place.
 
     Each rank trained its own shard during the search; after this the ranks
-    start the real training from one state, as DDP requires.
+    start the real training from one state, as DDP requires. Sharded tensors
+    (FSDP2's DTensor parameters and their optimizer state) are left alone:
+    every rank holds a different part of them by design.
     """
     if not ctx.distributed:
         return
@@ -217,6 +220,8 @@ def broadcast_training_state(model: nn.Module, optimizer: torch.optim.Optimizer 
                 state = optimizer.state.get(param, {})
                 tensors.extend(state[key] for key in sorted(state) if isinstance(state[key], torch.Tensor))
     for tensor in tensors:
+        if isinstance(tensor, DTensor):
+            continue  # a shard (FSDP2): each rank holds its own part, kept in step by the sharded training itself
         buffer = tensor if tensor.device == ctx.device and tensor.is_contiguous() else tensor.to(ctx.device).contiguous()
         dist.broadcast(buffer, src=dist.get_global_rank(ctx.group, src) if ctx.group else src, group=ctx.group)
         if buffer is not tensor:
