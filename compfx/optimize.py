@@ -22,6 +22,7 @@ import torch.nn as nn
 from . import cache
 from .analyze import analyze, model_device
 from .errors import BadInputError, CompfxError
+from .float8 import require_torchao
 from .measure import PhaseClock
 from .memory import saved_activation_bytes
 from .per_module import PerModuleEvaluator, is_regions_analysis, prepare_search
@@ -99,7 +100,8 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         args, kwargs = inputs
         with clock.phase("capture"):
             analysis = (prepare_search(model, kwargs if kwargs else args, per_module, device=device, low_dtype=low_dtype)
-                        if per_module else analyze(model, kwargs if kwargs else args, device=device, low_dtype=low_dtype))
+                        if per_module else analyze(model, kwargs if kwargs else args, device=device, low_dtype=low_dtype,
+                                                          fp8=config.fp8))
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,
                               grad_scaler=config.scaler_on(analysis.low_dtype))
         search_log = SearchLog.open(log, _log_header(analysis, config), resume=resume)
@@ -136,6 +138,8 @@ def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
     if not isinstance(config, SearchConfig):
         raise BadInputError(f"config is a {type(config).__name__}; expected a compfx.SearchConfig, e.g. "
                             "SearchConfig(threshold=1.01).")
+    if config.fp8:
+        require_torchao()  # before any work: FP8 needs compfx[fp8]
 
 
 @contextlib.contextmanager
@@ -167,10 +171,11 @@ class _Search:
                  inputs: tuple[tuple, dict], clock: PhaseClock):
         self.model, self.analysis, self.sampler, self.config, self.log = model, analysis, sampler, config, log
         self.clock = clock
-        self.space = SearchSpace.from_analysis(analysis)
+        self.space = SearchSpace.from_analysis(analysis, fp8=config.fp8)
         evaluator = PerModuleEvaluator if is_regions_analysis(analysis) else LocalEvaluator
         self.local = evaluator(model, analysis, sampler, warmup=config.warmup, repeats=config.repeats,
-                                    cost_fn=config.cost_fn or measured_time, clock=clock)
+                                    cost_fn=config.cost_fn or measured_time, clock=clock,
+                                    fp8_recipe=config.fp8_recipe)
         self.plan_path: Path | None = None
         self.plan_cache = ""  # what became of the chosen plan in the plan cache, for the report
         self.replay = Replay(log.records)  # samples a resumed log already holds are not run again
@@ -198,6 +203,10 @@ class _Search:
     def _predictor(self):
         """The cost model, or None when it is off or cannot be built (then the search is exact)."""
         if self.config.predictor == "off":
+            return None
+        if any(self.space.fp8_eligible):
+            self.log.note(Stage.SEARCH, "cost model off: it does not price FP8 ops yet, so every candidate is "
+                          "measured (FP8 costs come from the measured seconds and cost_fn)")
             return None
         if is_regions_analysis(self.analysis):
             self.log.note(Stage.SEARCH, "cost model off with per_module: every candidate is measured")
