@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
-__all__ = ["mlp", "cnn"]
+__all__ = ["mlp", "cnn", "drifting"]
 
 
 def mlp(in_features: int = 64, hidden: int = 128, classes: int = 10) -> nn.Module:
@@ -29,3 +30,25 @@ class DigitsCNN(nn.Module):
 
 def cnn(classes: int = 10) -> nn.Module:
     return DigitsCNN(classes)
+
+
+class Drifting(nn.Module):
+    """A softmax written out by hand, ``exp(fc(x) * gain)`` normalised, then a linear head.
+
+    ``gain`` is a buffer the training loop can grow to make activations drift:
+    with ``fc``'s outputs about 1-3 in size, ``exp`` leaves fp16's range
+    (65504, at 11.1) once ``gain`` passes about 5, and FP32's only past 30 or so.
+    """
+
+    def __init__(self, features: int = 8, hidden: int = 16, classes: int = 4):
+        super().__init__()
+        self.fc, self.head = nn.Linear(features, hidden), nn.Linear(hidden, classes)
+        self.register_buffer("gain", torch.ones(()))
+
+    def forward(self, x):
+        e = torch.exp(self.fc(x) * self.gain)
+        return self.head(e / e.sum(-1, keepdim=True))
+
+
+def drifting() -> nn.Module:
+    return Drifting()
