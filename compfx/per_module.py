@@ -52,7 +52,7 @@ from .search.evaluator import LocalEvaluator
 from .vocabulary import Category, Precision, check_low_dtype, default_low_dtype, dtype_name
 
 __all__ = ["PlannedBlock", "apply_per_module", "analyze_regions", "region_paths", "block_types", "model_key",
-           "PerModuleEvaluator", "prepare_search", "is_regions_analysis"]
+           "PerModuleEvaluator", "prepare_search", "is_regions_analysis", "resharded"]
 
 log = logging.getLogger("compfx")
 
@@ -371,7 +371,21 @@ def prepare_search(model: nn.Module, example_inputs, per_module, *, device=None,
     """
     analysis = analyze_regions(model, example_inputs, per_module, device=device, low_dtype=low_dtype)
     apply_per_module(model, Plan.fp32(analysis), analysis, per_module)
+    resharded(model)
     return analysis
+
+
+def resharded(model: nn.Module) -> nn.Module:
+    """Reshard every FSDP2 module of ``model`` (a no-op without FSDP2); returns ``model``.
+
+    A forward without backward (the capture run, the first-batch check) leaves
+    the root's Parameters unsharded; the search's snapshot must hold the
+    sharded ones, which outlive the all-gather buffers.
+    """
+    for module in model.modules():
+        if callable(getattr(module, "reshard", None)) and type(module).__name__.startswith("FSDP"):
+            module.reshard()
+    return model
 
 
 def is_regions_analysis(analysis: Analysis) -> bool:
