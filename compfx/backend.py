@@ -305,7 +305,7 @@ class CompfxBackend:
                            ", ".join(map(str, unplanned[:3])))
         # Every op has a precision here (unplanned ones "follow"); the passes raise PassError themselves.
         # insert_casts keeps dynamo's node attributes (_dynamo_source), which AOT autograd needs.
-        gm = apply_precisions(gm, precisions, low_dtype=plan.low_dtype)
+        gm = apply_precisions(gm, precisions, low_dtype=plan.low_dtype, fp8_recipe=plan.fp8_recipe)
         self.records.append(GraphRecord(
             compile_id=str(gm.meta.get("dynamo_compile_id")) if "dynamo_compile_id" in gm.meta else None,
             plan_source=source, precisions=precisions, unplanned=unplanned,
