@@ -38,6 +38,7 @@ from typing import Any, Callable, Generator, Hashable, Iterator, Protocol, runti
 import torch.nn as nn
 
 from ..errors import BadInputError, CaptureError, PlanFailedError, SearchError
+from ..measure import PhaseClock
 from ..plan import Assignment, Plan
 from ..vocabulary import Stage
 from .log import Replay, ReplayedState
@@ -157,14 +158,18 @@ class LocalEvaluator:
 
     ``cost_fn(plan, seconds)`` takes the :class:`~compfx.plan.Plan`;
     ``warmup`` untimed steps precede every timed sample and ``repeats`` timed
-    steps make a Stage-2 timing (their median counts).
+    steps make a Stage-2 timing (their median counts). ``clock`` (a
+    :class:`~compfx.measure.PhaseClock`) is charged the time spent rewriting
+    plans (``"rewrites"``) and training samples (``"samples"``).
     """
 
     def __init__(self, model: nn.Module, analysis, sampler: FairSampler, *, warmup: int, repeats: int,
-                 cost_fn: Callable[[Plan, float], float] = measured_time, fp8_recipe=None):
+                 cost_fn: Callable[[Plan, float], float] = measured_time, clock: PhaseClock | None = None,
+                 fp8_recipe=None):
         self.model, self.analysis, self.sampler = model, analysis, sampler
         self.warmup, self.repeats, self.cost_fn = warmup, repeats, cost_fn
         self.fp8_recipe = fp8_recipe  # how the plans' fp8 ops scale (None: the default recipe)
+        self.clock = clock or PhaseClock()  # where the search's time goes: "rewrites" and "samples" are counted here
         self._plans: dict[Assignment, Plan] = {}
         self._modules: dict[Assignment, nn.Module] = {}
         self._runners: dict[Assignment, nn.Module] = {}
@@ -182,7 +187,8 @@ class LocalEvaluator:
         if plan not in self._modules:
             from ..apply import apply  # the apply stage imports the passes: load it when first needed
 
-            self._modules[plan] = apply(self.model, self.plan(plan), analysis=self.analysis)
+            with self.clock.phase("rewrites"):
+                self._modules[plan] = apply(self.model, self.plan(plan), analysis=self.analysis)
         return self._modules[plan]
 
     def module_of(self, plan: Plan) -> nn.Module:
@@ -195,10 +201,12 @@ class LocalEvaluator:
         if plan not in self._runners:
             from ..apply import PlannedModule, SignatureCaptures
 
-            if self._captures is None:
-                self._captures = SignatureCaptures(self.model, self.analysis)
-            self._runners[plan] = PlannedModule(self.model, self.plan(plan), analysis=self.analysis,
-                                                captures=self._captures, graph=self.module(plan))
+            graph = self.module(plan)
+            with self.clock.phase("rewrites"):
+                if self._captures is None:
+                    self._captures = SignatureCaptures(self.model, self.analysis)
+                self._runners[plan] = PlannedModule(self.model, self.plan(plan), analysis=self.analysis,
+                                                    captures=self._captures, graph=graph)
         return self._runners[plan]
 
     def specializations(self) -> tuple[int, list]:
@@ -209,16 +217,21 @@ class LocalEvaluator:
     # -- the Evaluator interface --------------------------------------------------------
     def run_epoch(self, plan: Assignment) -> Epoch:
         with plan_failures():
-            epoch = self.sampler.epoch(self.runner(plan), warmup=self.warmup)
-        return _failures_as_plan_failures(epoch)
+            runner = self.runner(plan)
+            epoch = self.sampler.epoch(runner, warmup=self.warmup)
+        return _failures_as_plan_failures(_charged(epoch, self.clock, "samples"))
 
     def time_step(self, plan: Assignment) -> float:
         with plan_failures():
-            return self.sampler.step_time(self.runner(plan), warmup=self.warmup, repeats=self.repeats).median
+            runner = self.runner(plan)
+            with self.clock.phase("samples"):
+                return self.sampler.step_time(runner, warmup=self.warmup, repeats=self.repeats).median
 
     def check_loss(self, plan: Assignment, batches: int) -> float:
         with plan_failures():
-            return self.sampler.mean_loss(self.runner(plan), batches)
+            runner = self.runner(plan)
+            with self.clock.phase("samples"):
+                return self.sampler.mean_loss(runner, batches)
 
     def cost(self, plan: Assignment, seconds: float) -> float:
         return self.cost_fn(self.plan(plan), seconds)  # the stages check it (outcome.checked_cost)
@@ -254,6 +267,21 @@ class LocalEvaluator:
                 next(epoch)
             except StopIteration as stop:
                 return stop.value
+
+
+def _charged(epoch: Epoch, clock: PhaseClock, phase: str) -> Epoch:
+    """``epoch``, with the time spent inside it (each batch, and its closing) charged to ``phase`` of ``clock``."""
+    try:
+        while True:
+            with clock.phase(phase):
+                try:
+                    item = next(epoch)
+                except StopIteration as stop:
+                    return stop.value
+            yield item
+    finally:
+        with clock.phase(phase):  # closing a pruned epoch restores the model: part of the sample
+            epoch.close()
 
 
 def _failures_as_plan_failures(epoch: Iterator) -> Epoch:
