@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import statistics
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -31,7 +32,7 @@ from .search import (SINGLE_PROCESS, LocalEvaluator, Recorder, Replay, Replaying
                      run_search)
 from .search.result import RESULT
 from .search.sampling import FairSampler, check_first_batch, cuda_devices
-from .vocabulary import Stage, dtype_name
+from .vocabulary import SampleStatus, Stage, dtype_name
 
 __all__ = ["optimize"]
 
@@ -236,7 +237,7 @@ class _Search:
                 recorder = Recorder(self.log, replay=self.replay, predictor=predictor, progress=progress)
                 decision = run_search(self.space, self.evaluator, config, report=recorder, predictor=predictor,
                                       strategy=self.strategy)
-                steps = self._compare_steps(decision.plan)
+                steps = self._compare_steps(decision)
                 self.local.leave_state(decision.stage1.best, keep_training=config.keep_search_training)
             self._note_specializations()
             self._save_plan(self.local.plan(decision.plan))
@@ -264,13 +265,25 @@ class _Search:
         self.strategy.finish()
         return result
 
-    def _compare_steps(self, chosen) -> dict[str, float]:
-        """The chosen plan's step against FP32's and AMP's, for the report (one interleaved round: it is not
-        part of the decision, and the user pays for every step of it)."""
+    def _compare_steps(self, decision) -> dict[str, float]:
+        """The chosen plan's step against FP32's and AMP's, for the report.
+
+        It is not part of the decision and the user pays for every step of it:
+        one round, and a plan the search already timed is not timed again: a
+        Stage-1 sample that trained at least ``repeats`` batches (accepted, or
+        pruned part-way) gives the median of its timed steps, as Stage 2 gives
+        the median of its ``repeats`` timed steps (the same training step, from the same state).
+        """
+        stage1 = [decision.stage1.baseline, *decision.stage1.samples]
+        timed = {o.plan: statistics.median(o.batch_seconds) for o in stage1
+                 if o.status is not SampleStatus.ERROR and len(o.batch_seconds) >= self.config.repeats}
+        timed.update({o.plan: o.seconds for o in decision.stage2.samples
+                      if o.status is SampleStatus.ACCEPTED and o.seconds > 0})
         samples_before = self.clock.seconds.get("samples", 0.0)
         with self.clock.phase("step comparison"):
             steps = compare_step_times(self.local.time_step, {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan,
-                                                              "chosen": chosen}, self.log, rounds=1)
+                                                              "chosen": decision.plan}, self.log, rounds=1,
+                                       known=timed)
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
                         target="step comparison")
         return steps

@@ -124,19 +124,23 @@ class Recorder:
 
 
 def compare_step_times(time_step, plans: Mapping[str, Assignment], log: SearchLog, *,
-                       rounds: int = 3) -> dict[str, float]:
+                       rounds: int = 3, known: Mapping[Assignment, float] | None = None) -> dict[str, float]:
     """Step time of each named plan on the same batches, for the report; logged as ``compare`` records.
 
     The plans take turns, round after round, and each reports the median of
     its round medians: drift on a busy machine then hits all of them alike. A
     plan equal to another is timed once; one that fails is logged and left out
     (the comparison is informative only, never a reason to fail the search).
+    A plan in ``known`` (seconds the search already measured with the same
+    ``time_step``, e.g. Stage 2's) is not timed again.
     """
-    medians: dict[Assignment, list[float]] = {plan: [] for plan in plans.values()}
+    known = dict(known or {})
+    medians: dict[Assignment, list[float]] = {plan: [known[plan]] if plan in known else []
+                                              for plan in plans.values()}
     failed: set[Assignment] = set()
     for _ in range(rounds):
         for plan in medians:
-            if plan in failed:
+            if plan in failed or plan in known:
                 continue
             try:
                 medians[plan].append(float(time_step(plan)))
