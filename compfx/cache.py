@@ -369,8 +369,9 @@ def write_entry(path: Path, key: Mapping[str, Any], fmt: str, version: int, resu
     """
     try:
         remove_abandoned_temp_files(path.parent)
+        # not durable: a lost or damaged entry is measured again, and fsyncing each costs more than most ops
         write_json_atomic(_inside(path.parent, path), {"format": fmt, "version": version, "key": key, **result},
-                          "cache entry")
+                          "cache entry", durable=False)
         return True
     except (FileWriteError, CacheKeyError) as error:
         _warn_once(path, "cache entry", f"not written: {error}")

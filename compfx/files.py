@@ -34,10 +34,13 @@ __all__ = ["write_json_atomic", "read_json", "read_bounded", "parse_json", "TEMP
 TEMP_SUFFIX = ".tmp"
 
 
-def write_json_atomic(path: str | os.PathLike, data: Any, what: str = "file") -> Path:
+def write_json_atomic(path: str | os.PathLike, data: Any, what: str = "file", *, durable: bool = True) -> Path:
     """Write ``data`` as JSON to a temp file beside ``path``, then rename over it.
 
-    Any failure (a folder in the way, no permission, a full disk) is a
+    ``durable`` flushes the file to disk (fsync) before the rename, so that a
+    power loss cannot leave an empty file behind; a cache entry, which is
+    measured again when it is missing or damaged, skips it (an fsync costs
+    milliseconds per file, and a search writes dozens). Any failure (a folder in the way, no permission, a full disk) is a
     :class:`~compfx.errors.FileWriteError` naming ``what`` and the path; the
     temp file is removed and an existing file at ``path`` is left as it was.
     """
@@ -53,7 +56,8 @@ def write_json_atomic(path: str | os.PathLike, data: Any, what: str = "file") ->
             json.dump(data, handle, indent=2, sort_keys=False)
             handle.write("\n")
             handle.flush()
-            os.fsync(handle.fileno())
+            if durable:
+                os.fsync(handle.fileno())
         os.replace(tmp, path)
     except OSError as error:
         if tmp is not None:
