@@ -109,7 +109,7 @@ class _SpecializingTracer(fx.Tracer):
         # BatchNorm's num_batches_tracked.add_(1) land in the graph instead of
         # running on the user's model while we trace.
         self.proxy_buffer_attributes = True
-        self.record_stack_traces = True
+        self.record_stack_traces = False
         self._grad_mode_at_start = torch.is_grad_enabled()
         self._graph_grad_mode = self._grad_mode_at_start
         self._saved_grad_mode: fx.Node | None = None
