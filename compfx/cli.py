@@ -221,6 +221,30 @@ def _add_search_parsers(sub) -> None:
     show.set_defaults(func=_cmd_plan_show)
 
 
+def _cmd_diagnose(args) -> int:
+    from .diagnose import diagnose
+    from .plan import Plan
+
+    model = _build_model(args.model)
+    plan = Plan.load(args.plan) if args.plan else None
+    generator = torch.Generator().manual_seed(args.seed)
+    inputs = tuple(torch.randn(*shape, generator=generator) for shape in args.input_shape)
+    low_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, None: None}[args.low_dtype]
+    print(diagnose(model, inputs if len(inputs) > 1 else inputs[0], plan=plan, low_dtype=low_dtype))
+    return 0
+
+
+def _add_diagnose_parser(sub) -> None:
+    p = sub.add_parser("diagnose", help="per-op overflow, underflow and error of a plan against FP32, on random inputs")
+    p.add_argument("model", help="MODULE:FACTORY returning an nn.Module, e.g. compfx.examples:cnn")
+    p.add_argument("--input-shape", type=_shape, action="append", required=True,
+                   help="shape of one positional input, e.g. 8,3,32,32 (repeat for several inputs)")
+    p.add_argument("--plan", default=None, help="a plan file (default: what autocast does, Plan.amp)")
+    p.add_argument("--low-dtype", choices=["fp16", "bf16"], default=None, help="without --plan (default: the device's)")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.set_defaults(func=_cmd_diagnose)
+
+
 def _cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -241,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="CUDA compute capability to assume, e.g. 8,0")
     p.set_defaults(func=_cmd_analyze)
     _add_search_parsers(sub)
+    _add_diagnose_parser(sub)
     p = sub.add_parser("demo", help="run compfx on the built-in example (a CNN on scikit-learn digits)")
     p.set_defaults(func=_cmd_demo)
     return parser
