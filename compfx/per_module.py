@@ -9,7 +9,7 @@ replaced, in its parent, by a :class:`PlannedBlock` that
 
 * holds the block's own children, Parameters and buffers (the same objects,
   so ``state_dict`` keys, module paths and the optimizer's parameters are
-  unchanged), and shares the block's hook dictionaries;
+  unchanged), and takes over the block's hooks;
 * runs the block's planned GraphModule, one per input signature (shapes,
   dtypes, train/eval mode), captured from the block on its first call with
   that signature and rewritten from the model-wide plan; the graph reads the
@@ -157,9 +157,10 @@ class PlannedBlock(nn.Module):
         for name, buffer in block._buffers.items():
             self._buffers[name] = buffer
         self._non_persistent_buffers_set = set(block._non_persistent_buffers_set)
-        for name in _HOOK_DICTS:
-            if hasattr(block, name):
+        for name in _HOOK_DICTS:  # the hooks move here (a handle removes from the same dict); the block's
+            if hasattr(block, name):  # own forward, which only the capture runs, gets empty ones
                 object.__setattr__(self, name, getattr(block, name))
+                object.__setattr__(block, name, type(getattr(block, name))())
         object.__setattr__(self, "_block", block)  # not a submodule: its forward is what gets captured
         object.__setattr__(self, "_captures", {})  # input signature -> the block's Analysis (block-relative keys)
         object.__setattr__(self, "_graphs", {})  # (plan id, input signature) -> planned GraphModule
@@ -196,7 +197,10 @@ class PlannedBlock(nn.Module):
         key = (id(self.plan), input_signature(args, kwargs, self.training))
         graph = self._graphs.get(key)
         if graph is None:
-            graph = self._graphs[key] = self._planned_graph(self.analysis_for(*args, **kwargs))
+            # no_grad: capture and rewrite run ops on FakeTensors; they must save nothing for backward, or
+            # activation checkpointing (which counts what its region saves) finds the recomputation unlike the forward
+            with torch.no_grad():
+                graph = self._graphs[key] = self._planned_graph(self.analysis_for(*args, **kwargs))
         return graph
 
     @property

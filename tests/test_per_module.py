@@ -1,0 +1,175 @@
+"""compfx.apply(..., per_module=...): the plan applied block by block, in the model itself."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+import compfx
+from compfx.errors import BadInputError
+from compfx.per_module import PlannedBlock, analyze_regions
+
+
+class Block(nn.Module):
+    def __init__(self, width=16, dropout=0.0):
+        super().__init__()
+        self.norm = nn.LayerNorm(width)
+        self.fc1 = nn.Linear(width, 2 * width)
+        self.fc2 = nn.Linear(2 * width, width)
+        self.drop = nn.Dropout(dropout)
+        self.scale = nn.Parameter(torch.ones(width))  # a Parameter of the block itself, not of a child
+
+    def forward(self, x):
+        return x + self.scale * self.drop(self.fc2(F.gelu(self.fc1(self.norm(x)))))
+
+
+class Net(nn.Module):
+    def __init__(self, dropout=0.0, checkpointed=False):
+        super().__init__()
+        self.embed = nn.Linear(8, 16)
+        self.blocks = nn.ModuleList([Block(dropout=dropout), Block(dropout=dropout)])
+        self.head = nn.Linear(16, 4)
+        self.checkpointed = checkpointed
+
+    def forward(self, x):
+        x = self.embed(x)
+        for block in self.blocks:
+            x = checkpoint(block, x, use_reentrant=False) if self.checkpointed else block(x)
+        return self.head(x)
+
+
+def grads_after_step(model, x, y):
+    model.zero_grad(set_to_none=True)
+    loss = F.cross_entropy(model(x), y)
+    loss.backward()
+    return loss.detach(), {name: p.grad.clone() for name, p in model.named_parameters()}
+
+
+def data():
+    g = torch.Generator().manual_seed(0)
+    return torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
+
+
+def test_apply_per_module_returns_the_same_model_with_the_blocks_replaced_and_the_same_state():
+    torch.manual_seed(0)
+    model = Net()
+    x, _ = data()
+    analysis = compfx.analyze(model, x)
+    keys, params = list(model.state_dict()), [id(p) for p in model.parameters()]
+    out = compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis, per_module=(Block,))
+    assert out is model
+    assert all(isinstance(b, PlannedBlock) and b.block_type is Block for b in model.blocks)
+    assert not isinstance(model.embed, PlannedBlock) and not isinstance(model.head, PlannedBlock)
+    assert list(model.state_dict()) == keys and [id(p) for p in model.parameters()] == params
+    assert model(x).dtype == torch.float32
+    # the blocks' graphs run the plan: bf16 casts inside, none outside
+    graph = model.blocks[0].graph_for(model.embed(x))
+    assert compfx.count_casts(graph) > 0
+    assert any(n.target == "_compfx_block.fc1.weight" for n in graph.graph.nodes if n.op == "get_attr")
+
+
+def test_fp32_plan_applied_per_block_is_bitwise_eager_in_forward_and_grads():
+    torch.manual_seed(0)
+    eager = Net()
+    planned = Net()
+    planned.load_state_dict(eager.state_dict())
+    x, y = data()
+    analysis = compfx.analyze(planned, x)
+    compfx.apply(planned, compfx.Plan.fp32(analysis), analysis=analysis, per_module=(Block,))
+    loss_e, grads_e = grads_after_step(eager, x, y)
+    loss_p, grads_p = grads_after_step(planned, x, y)
+    assert torch.equal(loss_e, loss_p)
+    assert grads_e.keys() == grads_p.keys()
+    for name in grads_e:
+        assert torch.equal(grads_e[name], grads_p[name]), name
+
+
+def test_activation_checkpointing_around_planned_blocks_gives_the_grads_of_no_checkpointing():
+    torch.manual_seed(0)
+    plain, ckpt = Net(), Net(checkpointed=True)
+    ckpt.load_state_dict(plain.state_dict())
+    x, y = data()
+    a_plain = compfx.analyze(plain, x)
+    compfx.apply(plain, compfx.Plan.amp(a_plain), analysis=a_plain, per_module=(Block,))
+    a_ckpt = analyze_regions(ckpt, x, (Block,))  # checkpoint() is not capturable whole; the blocks are
+    compfx.apply(ckpt, compfx.Plan.amp(a_ckpt), analysis=a_ckpt, per_module=(Block,))
+    calls = []
+    ckpt.blocks[0].register_forward_pre_hook(lambda module, args: calls.append(1))
+    loss_p, grads_p = grads_after_step(plain, x, y)
+    loss_c, grads_c = grads_after_step(ckpt, x, y)
+    assert len(calls) == 2  # forward, then the recomputation in backward: checkpointing really ran
+    torch.testing.assert_close(loss_c, loss_p, rtol=0, atol=0)
+    for name in grads_p:
+        torch.testing.assert_close(grads_c[name], grads_p[name], rtol=0, atol=0, msg=name)
+
+
+def test_hooks_train_eval_and_a_new_batch_size_keep_working():
+    torch.manual_seed(0)
+    model = Net(dropout=0.5)
+    x, _ = data()
+    analysis = compfx.analyze(model, x)
+    seen = []
+    handle = model.blocks[1].register_forward_hook(lambda module, args, out: seen.append(out.shape))
+    compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis, per_module=(Block,))
+    model(x)
+    assert seen == [torch.Size([6, 16])]  # the user's hook on the block fires on the planned block
+    handle.remove()
+    model(x)
+    assert len(seen) == 1
+    model.eval()  # dropout off: the eval graph is a graph of its own, deterministic
+    assert not model.blocks[0].training and not model.blocks[0].drop.training
+    torch.testing.assert_close(model(x), model(x), rtol=0, atol=0)
+    model.train()
+    assert not torch.equal(model(x), model(x))  # dropout on again
+    assert model(torch.randn(3, 8)).shape == (3, 4)
+
+
+def test_a_block_that_cannot_be_captured_whole_model_still_plans_its_blocks():
+    class Branchy(Net):
+        def forward(self, x):
+            x = self.embed(x)
+            if x.sum() > -1e9:  # a branch on a tensor's value: no tracer captures the whole model
+                for block in self.blocks:
+                    x = block(x)
+            return self.head(x)
+
+    torch.manual_seed(0)
+    model = Branchy()
+    x, _ = data()
+    with pytest.raises(compfx.CaptureError):
+        compfx.analyze(model, x)
+    analysis = analyze_regions(model, x, (Block,))
+    assert {k.module.split(".")[0] for k in analysis.keys} == {"blocks"}
+    compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis, per_module=(Block,))
+    assert model(x).shape == (6, 4)
+
+
+def test_per_module_naming_no_block_or_the_model_itself_is_refused():
+    model = Net()
+    x, _ = data()
+    analysis = compfx.analyze(model, x)
+    with pytest.raises(BadInputError, match="no submodule"):
+        compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis, per_module=(nn.Conv2d,))
+    with pytest.raises(BadInputError, match="model's own class"):
+        compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis, per_module=(Net,))
+    with pytest.raises(BadInputError, match="nn.Module classes"):
+        compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis, per_module=("Block",))
+    assert not any(isinstance(m, PlannedBlock) for m in model.modules())
+
+
+def test_search_per_module_returns_the_model_running_the_chosen_plan():
+    torch.manual_seed(0)
+    model = Net()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = [data() for _ in range(2)]
+    config = compfx.SearchConfig(progress=False, repeats=1, warmup=0, stage1_budget=4, stage2_budget=2,
+                                 cache_plan=False, cost_fn=lambda plan, seconds: 1.0 + sum(
+                                     p is compfx.Precision.FP32 for p in plan.values()))
+    result = compfx.optimize(model, loader, optimizer=optimizer, per_module=(Block,),
+                             loss_fn=lambda out, batch: F.cross_entropy(out, batch[-1]), config=config)
+    assert result.module is model
+    assert all(k.module.startswith("blocks.") for k in result.plan)
+    assert all(b.plan is result.plan for b in model.blocks)
