@@ -102,8 +102,8 @@ class Diagnosis:
 
     @property
     def finite(self) -> bool:
-        """True when the loss, every op output and every gradient were finite."""
-        return ((self.loss is None or math.isfinite(self.loss))
+        """True when the loss, every op output and every gradient (those passed to weights too) were finite."""
+        return ((self.loss is None or math.isfinite(self.loss)) and not self.origins
                 and not any(math.inf in (r.error, r.grad_error) for r in self.rows))
 
     def row(self, key: OpKey) -> OpDiagnosis:
