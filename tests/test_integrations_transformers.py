@@ -1,0 +1,122 @@
+"""CompfxCallback in the Hugging Face Trainer: tiny BERT and GPT-2 from configs, 12 steps on the CPU, a plan in
+output_dir, and a resumed run that loads the plan from its checkpoint instead of searching again."""
+
+import math
+
+import pytest
+import torch
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import compfx  # noqa: E402
+import compfx.integrations.planned_training as planned_training  # noqa: E402
+from compfx.errors import BadInputError  # noqa: E402
+from compfx.integrations.transformers import LOG_FILE, PLAN_FILE, CompfxCallback  # noqa: E402
+
+VOCAB, SEQ = 64, 16
+
+
+def _bert():
+    config = transformers.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+                                     intermediate_size=64, max_position_embeddings=SEQ, num_labels=3)
+    return transformers.BertForSequenceClassification(config)
+
+
+def _gpt2():
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=VOCAB,
+                                                                n_positions=SEQ))
+
+
+def _dataset(kind: str, n: int = 48) -> list[dict]:
+    generator = torch.Generator().manual_seed(1)
+    rows = []
+    for _ in range(n):
+        ids = torch.randint(0, VOCAB, (SEQ,), generator=generator)
+        rows.append({"input_ids": ids, "labels": ids if kind == "gpt2" else ids[0] % 3})
+    return rows
+
+
+MODELS = {"bert": _bert, "gpt2": _gpt2}
+FAST_SEARCH = compfx.SearchConfig(progress=False, repeats=1, warmup=0, stage1_budget=4, stage2_budget=2)
+
+
+class Spy(transformers.TrainerCallback):
+    """Placed around CompfxCallback: the RNG before and after it, and every call of the planned module."""
+
+    def __init__(self, compfx_callback=None):
+        self.compfx_callback, self.rng, self.planned_calls = compfx_callback, None, 0
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.rng = torch.get_rng_state()
+        if self.compfx_callback is not None:
+            self.compfx_callback.run.module.register_forward_pre_hook(self._count)
+
+    def _count(self, module, inputs):
+        self.planned_calls += 1
+
+
+def _trainer(kind, output_dir, callback, spies=(), **overrides):
+    torch.manual_seed(0)
+    settings = dict(output_dir=str(output_dir), max_steps=12, per_device_train_batch_size=4, save_steps=6,
+                    logging_steps=1, report_to=[], use_cpu=True, learning_rate=1e-3, disable_tqdm=True, seed=0)
+    args = transformers.TrainingArguments(**{**settings, **overrides})
+    before, after = spies or (Spy(), Spy(callback))
+    return transformers.Trainer(model=MODELS[kind](), args=args, train_dataset=_dataset(kind),
+                                callbacks=[before, callback, after]), before, after
+
+
+def _losses(trainer) -> list[float]:
+    return [entry["loss"] for entry in trainer.state.log_history if "loss" in entry]
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_trainer_trains_with_the_plan_and_resumes_without_searching(kind, tmp_path, monkeypatch, one_thread):
+    callback = CompfxCallback(search_batches=3, config=FAST_SEARCH)
+    trainer, before, after = _trainer(kind, tmp_path, callback)
+    trainer.train()
+
+    losses = _losses(trainer)
+    assert len(losses) == 12 and all(math.isfinite(loss) for loss in losses)
+    assert callback.searched is True
+    assert after.planned_calls == 12  # every training step ran the planned module
+    assert torch.equal(before.rng, after.rng)  # taking the search batches and searching left the RNG as it was
+    assert compfx.Plan.load(tmp_path / PLAN_FILE) == callback.run.plan
+    assert compfx.Plan.load(tmp_path / "checkpoint-6" / PLAN_FILE) == callback.run.plan
+    assert (tmp_path / LOG_FILE).stat().st_size > 0
+    assert any(entry.get("compfx_searched") == 1.0 for entry in trainer.state.log_history)
+    assert "forward" not in vars(trainer.model)  # after training the model runs its own forward again
+
+    searches = []
+    real_optimize = planned_training.optimize
+    monkeypatch.setattr(planned_training, "optimize", lambda *a, **k: searches.append(1) or real_optimize(*a, **k))
+    resumed_callback = CompfxCallback(search_batches=3, config=FAST_SEARCH)  # a new process: new model, new trainer
+    resumed, _, spy = _trainer(kind, tmp_path, resumed_callback)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-6"))
+
+    assert searches == [] and resumed_callback.searched is False
+    assert resumed_callback.run.source == str(tmp_path / "checkpoint-6" / PLAN_FILE)
+    assert resumed_callback.run.plan == callback.run.plan
+    assert spy.planned_calls == 6
+    # steps 7-12 of the resumed run are the uninterrupted run's: same plan, same state, the search left no trace
+    torch.testing.assert_close(_losses(resumed)[6:], losses[6:])
+
+
+@pytest.mark.parametrize("flag", ["fp16", "bf16"])
+def test_autocast_flags_are_refused_naming_the_flag(flag, tmp_path):
+    with pytest.raises(BadInputError, match=f"turn off {flag}"):
+        _trainer("gpt2", tmp_path, CompfxCallback(config=FAST_SEARCH), **{flag: True})
+
+
+def test_a_given_plan_of_another_model_is_refused(tmp_path):
+    other = torch.nn.Sequential(torch.nn.Linear(4, 2))
+    wrong = compfx.Plan.fp32(compfx.analyze(other, torch.randn(2, 4)))
+    trainer, _, _ = _trainer("gpt2", tmp_path, CompfxCallback(plan=wrong, config=FAST_SEARCH))
+    with pytest.raises(compfx.PlanMismatchError):
+        trainer.train()
+    assert "forward" not in vars(trainer.model)
+
+
+def test_search_batches_must_be_a_positive_int():
+    with pytest.raises(BadInputError, match="search_batches=0"):
+        CompfxCallback(search_batches=0)
