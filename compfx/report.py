@@ -16,7 +16,7 @@ from .costmodel.predictor import MEASURED_STEP as _MEASURED, PREDICTED_STEP as _
 from .costmodel.predictor import STALE_CONDITIONS as _STALE_N, STALE_CONDITIONS_REASON as _STALE_WHY
 from .search.log import STOPPED_EARLY, SearchLog
 from .search.result import RESULT, SearchResult
-from .vocabulary import SampleStatus, Stage, dtype_name
+from .vocabulary import Precision, SampleStatus, Stage, dtype_name
 
 __all__ = ["render_report", "render_log_report", "op_table", "prediction_table", "prediction_error", "predicted_records"]
 
@@ -54,17 +54,31 @@ def prediction_table(log: SearchLog, tablefmt: str = "simple") -> str:
 
 
 def op_table(analysis, plan, stage1_plan=None, tablefmt: str = "simple") -> str:
-    """Per-op table: key, category, Tensor Core eligibility, Stage-1 and chosen precision."""
+    """Per-op table: key, category, Tensor Core eligibility, Stage-1 and chosen precision.
+
+    With FP8 analysed, an "FP8" column says whether each op can run it; an op at
+    FP8 shows its recipe (``fp8 tensorwise``).
+    """
     headers = ["#", "op key", "category", "TC", "chosen"]
     if stage1_plan is not None:
         headers.insert(4, "stage 1")
     rows = []
     for i, op in enumerate(analysis.ops):
-        row = [i, str(op.key), op.category, "yes" if op.tc_eligible else "no", plan[op.key]]
+        row = [i, str(op.key), op.category, "yes" if op.tc_eligible else "no", _precision(plan, op.key)]
         if stage1_plan is not None:
-            row.insert(4, stage1_plan[op.key])
+            row.insert(4, _precision(stage1_plan, op.key))
+        if analysis.fp8:
+            row.insert(4, "yes" if op.fp8_eligible else "no")
         rows.append(row)
+    if analysis.fp8:
+        headers.insert(4, "FP8")
     return tabulate(rows, headers=headers, tablefmt=tablefmt)
+
+
+def _precision(plan, key) -> str:
+    """An op's precision for the table; FP8 with its recipe."""
+    precision = plan[key]
+    return f"{precision} {plan.fp8_recipe}" if precision is Precision.FP8 else str(precision)
 
 
 def _ms(seconds: float | None) -> str:
@@ -113,7 +127,8 @@ def render_report(summary, tablefmt: str = "simple") -> str:
     lines = [
         op_table(a, summary.plan, summary.stage1_plan, tablefmt),
         "",
-        f"chosen plan    {summary.plan.bitstring(a)}   ('0' {dtype_name(a.low_dtype)}, '1' fp32, 'f' follow)",
+        f"chosen plan    {summary.plan.bitstring(a)}   ('0' {dtype_name(a.low_dtype)}, '1' fp32, 'f' follow"
+        + (f", '8' fp8 {summary.plan.fp8_recipe}" if summary.plan.fp8_recipe else "") + ")",
         f"stage 1        {len(by_stage[Stage.STAGE1])} samples ({summary.stage1_mode}): "
         f"{counts[SampleStatus.ACCEPTED]} accepted, {counts[SampleStatus.REJECTED]} rejected, "
         f"{counts[SampleStatus.PRUNED]} pruned{_stopped_early(by_stage[Stage.STAGE1])}, "

@@ -21,7 +21,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from compfx.errors import PassError
-from compfx.float8 import DEFAULT_RECIPE, FP8_KINDS, float8_config, fp8_runs_natively
+from compfx.float8 import DEFAULT_RECIPE, FP8_KINDS, float8_config, fp8_runs_natively, require_torchao
 from compfx.opkey import KEY_META
 from compfx.vocabulary import Float8Recipe, Precision
 
@@ -90,6 +90,7 @@ def float8_matmuls(gm: fx.GraphModule, precisions, *, recipe: Float8Recipe | str
     if not targets:
         return gm
     recipe = Float8Recipe.parse(recipe or DEFAULT_RECIPE, f"{PASS_NAME}: recipe")
+    require_torchao()  # a missing torchao says how to install it, not which pass failed
     if emulate is None:
         emulate = not fp8_runs_natively(_graph_device(gm))
     for node in targets:  # all checked before the graph changes
