@@ -1,0 +1,155 @@
+"""What the search costs, and the pieces that keep it down (issue 18).
+
+* the cost breakdown adds up to the whole ``optimize()`` call;
+* an incremental rewrite (a plan built after others, reusing their per-op dtype
+  propagation) is the same program as a full rewrite from nothing, and runs fewer ops on fakes;
+* the report's step comparison does not time again what the search timed;
+* profile-cache entries are not fsynced, plan files are.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from unittest import mock
+
+import torch
+from hypothesis import example, given, settings
+from hypothesis import strategies as st
+
+import compfx
+from compfx.apply import apply
+from compfx.capture import meta_value
+from compfx.measure import PhaseClock
+from compfx.plan import Assignment, Plan
+from compfx.search import SearchLog, compare_step_times
+from compfx.vocabulary import Precision
+from helpers import batches, ce
+from zoo import make
+
+propagation = importlib.import_module("compfx.passes.propagate_dtypes")  # the module; the package exports the function
+
+PARTS = {"capture", "profiling", "rewrites", "samples", "step comparison", "other"}
+
+
+def test_the_cost_breakdown_adds_up_to_the_whole_optimize_call():
+    model, _ = make("cnn")
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    loader = batches(4, (4, 3, 16, 16), classes=10)
+    result = compfx.optimize(model, loader, loss_fn=ce, optimizer=optimizer,
+                             config=compfx.SearchConfig(progress=False, warmup=0, repeats=2, cache_plan=False))
+    parts = result.cost_breakdown
+    assert set(parts) <= PARTS and {"capture", "rewrites", "samples", "other"} <= set(parts)
+    assert all(seconds >= 0 for seconds in parts.values())
+    assert abs(sum(parts.values()) - result.search_seconds) < 1e-6
+    # the FP32 baseline epoch is one of the samples, and the search cannot cost less than its parts
+    assert parts["samples"] >= result.fp32_epoch_seconds * 0.5
+    assert "by part" in result.report() and "capture" in result.report()
+
+
+def test_phases_count_each_second_once():
+    clock = PhaseClock()
+    with clock.phase("outer"):
+        with clock.phase("inner"):
+            sum(range(200_000))
+    inner, outer = clock.seconds["inner"], clock.seconds["outer"]
+    assert inner > 0 and outer >= 0
+    clock.move(inner * 2, source="inner", target="outer")  # never more than the source holds
+    assert clock.seconds["inner"] == 0 and clock.seconds["outer"] == outer + inner
+
+
+# -- incremental rewrite ----------------------------------------------------------------
+
+_MODEL, _INPUTS = make("encoder_matmul")
+_ANALYSIS = compfx.analyze(_MODEL, _INPUTS)
+_OPS = len(_ANALYSIS.ops)
+_PRECISIONS = st.sampled_from([Precision.LOW, Precision.FP32, Precision.FOLLOW])
+
+
+def _forget_shared_propagation() -> None:
+    """What a process that has rewritten nothing yet holds: no per-op propagation results to reuse."""
+    mode = propagation.DtypePropagator(_ANALYSIS.graph_module).mode
+    propagation._FAKE_RESULTS.pop(mode, None)
+
+
+def _rewrite(plan: Assignment):
+    """The module of ``plan``, and how many ops its rewrite had to run on fakes."""
+    calls = []
+    original = propagation.DtypePropagator._run_fake
+
+    def counting(self, run):
+        calls.append(1)
+        return original(self, run)
+
+    with mock.patch.object(propagation.DtypePropagator, "_run_fake", counting):
+        gm = apply(_MODEL, Plan.from_assignment(_ANALYSIS, plan), analysis=_ANALYSIS)
+    return gm, len(calls)
+
+
+def _dtypes(gm) -> list:
+    return [(node.name, str(getattr(meta_value(node), "dtype", None))) for node in gm.graph.nodes]
+
+
+@settings(max_examples=12, deadline=None)
+@given(first=st.lists(_PRECISIONS, min_size=_OPS, max_size=_OPS),
+       changes=st.lists(st.tuples(st.integers(0, _OPS - 1), _PRECISIONS), min_size=1, max_size=3))
+@example(first=[Precision.LOW] * _OPS, changes=[(_OPS - 1, Precision.FP32)])
+def test_an_incremental_rewrite_is_the_same_program_as_a_full_one(first, changes):
+    second = list(first)
+    for position, precision in changes:
+        second[position] = precision
+    _forget_shared_propagation()
+    _rewrite(Assignment(first))
+    incremental, incremental_runs = _rewrite(Assignment(second))  # after the first plan: reuses its per-op results
+    _forget_shared_propagation()
+    full, full_runs = _rewrite(Assignment(second))  # from nothing
+    assert incremental.code == full.code
+    assert _dtypes(incremental) == _dtypes(full)
+    assert incremental_runs <= full_runs
+    x = _INPUTS[0]
+    torch.testing.assert_close(incremental(x), full(x), rtol=0, atol=0)
+
+
+def test_changing_one_op_reruns_only_what_its_new_dtype_reaches():
+    _forget_shared_propagation()
+    all_low = [Precision.LOW] * _OPS
+    _, first_runs = _rewrite(Assignment(all_low))
+    last_changed = list(all_low)
+    last_changed[-1] = Precision.FP32  # the last op: nothing after it but the output
+    _, incremental_runs = _rewrite(Assignment(last_changed))
+    _forget_shared_propagation()
+    _, full_runs = _rewrite(Assignment(last_changed))
+    assert first_runs > 0 and full_runs > 0
+    assert incremental_runs < full_runs
+    assert incremental_runs <= 3  # the changed op, its casts, what follows it to the output
+
+
+# -- the report's comparison --------------------------------------------------------------
+
+def test_the_step_comparison_does_not_time_again_what_the_search_timed(tmp_path):
+    fp32, amp, chosen = Assignment.parse("111"), Assignment.parse("0f1"), Assignment.parse("1f0")
+    timed = []
+
+    def time_step(plan):
+        timed.append(str(plan))
+        return 0.5
+
+    log = SearchLog.open(tmp_path / "log.jsonl", {"fingerprint": "x"})
+    steps = compare_step_times(time_step, {"fp32": fp32, "amp": amp, "chosen": chosen}, log, rounds=1,
+                               known={fp32: 1.0, chosen: 0.25})
+    assert timed == ["0f1"]
+    assert steps == {"fp32": 1.0, "amp": 0.5, "chosen": 0.25}
+
+
+# -- cache writes ---------------------------------------------------------------------------
+
+def test_profile_cache_entries_are_not_fsynced_but_plan_files_are(tmp_path):
+    from compfx.cache import entry_path, write_entry
+
+    with mock.patch("compfx.files.os.fsync", wraps=os.fsync) as fsync:
+        key = {"op": "linear"}
+        assert write_entry(entry_path(tmp_path, key), key, "profile", 1, {"seconds": 1.0})
+        assert fsync.call_count == 0
+        model, inputs = make("mlp")
+        Plan.amp(compfx.analyze(model, inputs)).save(tmp_path / "plan.json")
+        assert fsync.call_count == 1
