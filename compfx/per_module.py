@@ -139,7 +139,7 @@ class PlannedBlock(nn.Module):
     >>> model = torch.nn.Sequential(block, torch.nn.Linear(8, 2))
     >>> a = compfx.analyze(model, torch.randn(3, 4))
     >>> planned = PlannedBlock(block, "0", compfx.Plan.amp(a))
-    >>> planned(torch.randn(3, 4)).dtype, planned[0].weight is block[0].weight
+    >>> planned(torch.randn(3, 4)).dtype, planned.get_submodule("0").weight is block[0].weight
     (torch.float32, True)
     >>> [str(op.key) for op in planned.analysis_for(torch.randn(3, 4)).ops]
     ['0:linear#0', '1:relu#0']
