@@ -252,7 +252,7 @@ class Plan(Mapping[OpKey, Precision]):
             "version": PLAN_VERSION,
             "low_dtype": dtype_name(self.low_dtype),
             "fingerprint": self.fingerprint,
-            "torch_version": torch.__version__,
+            "torch_version": str(torch.__version__),  # a plain str: TorchVersion does not unpickle under weights_only
             "ops": {str(k): str(v) for k, v in self._entries.items()},
             **({"fp8_recipe": str(self.fp8_recipe)} if self.fp8_recipe else {}),
         }
