@@ -157,7 +157,8 @@ def test_lower_bound_never_exceeds_the_prediction(name, data):
     n = len(a.ops)
     times = st.lists(st.floats(0.0, 10.0), min_size=n, max_size=n)
     p = _calibrated(a, step=data.draw(st.floats(0.1, 100.0)), fp32=data.draw(times), low=data.draw(times))
-    plan = Assignment(data.draw(st.sampled_from(list(Precision))) for _ in a.ops)
+    priced = [p for p in Precision if p is not Precision.FP8]  # the cost model does not price FP8 (it is off then)
+    plan = Assignment(data.draw(st.sampled_from(priced)) for _ in a.ops)
     full = p.epoch_seconds(plan)  # negative when the calibrated overhead is: the tolerance is relative to |full|
     assert p.lower_bound_seconds(plan) <= full + 1e-9 * abs(full) + 1e-9
 
