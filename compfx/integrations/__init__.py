@@ -3,6 +3,9 @@
 * :mod:`compfx.integrations.distributed`: ``torch.distributed`` (``torchrun``,
   DDP): a synchronised evaluator and the rank-agreement / per-device strategies
   the search uses when a process group is initialised.
+* :mod:`compfx.integrations.transformers` / :mod:`compfx.integrations.lightning`:
+  ``CompfxCallback`` for Hugging Face's and Lightning's ``Trainer`` (optional
+  extras); :mod:`compfx.integrations.planned_training` is what they share.
 
 The ``torch.compile`` integration is the backend, :mod:`compfx.backend`.
 """
