@@ -18,7 +18,8 @@ from .search.log import STOPPED_EARLY, SearchLog
 from .search.result import RESULT, SearchResult
 from .vocabulary import Precision, SampleStatus, Stage, dtype_name
 
-__all__ = ["render_report", "render_log_report", "op_table", "prediction_table", "prediction_error", "predicted_records"]
+__all__ = ["render_report", "render_log_report", "op_table", "prediction_table", "prediction_error",
+           "predicted_records"]
 
 
 def predicted_records(log: SearchLog) -> list:
