@@ -11,6 +11,7 @@ model and optimizer are left as ``SearchConfig.keep_search_training`` says.
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import statistics
 import time
@@ -108,6 +109,10 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         search_log = SearchLog.open(log, _log_header(analysis, config), resume=resume)
         return _Search(model, optimizer, analysis, sampler, config, search_log, inputs, clock).run(started)
 
+
+#: Timed steps per plan in the report's step comparison: a median of three, where the search's own
+#: timings (SearchConfig.repeats) decide between plans; on a CPU, AMP's steps are the slow ones.
+COMPARE_REPEATS = 3
 
 _NO_BATCH = object()  # what an empty loader yields first (None is a batch, and a bad one)
 
@@ -281,9 +286,9 @@ class _Search:
                       if o.status is SampleStatus.ACCEPTED and o.seconds > 0})
         samples_before = self.clock.seconds.get("samples", 0.0)
         with self.clock.phase("step comparison"):
-            steps = compare_step_times(self.local.time_step, {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan,
-                                                              "chosen": decision.plan}, self.log, rounds=1,
-                                       known=timed)
+            time_step = functools.partial(self.local.time_step, repeats=min(self.config.repeats, COMPARE_REPEATS))
+            steps = compare_step_times(time_step, {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan,
+                                                   "chosen": decision.plan}, self.log, rounds=1, known=timed)
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
                         target="step comparison")
         return steps

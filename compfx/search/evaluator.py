@@ -221,11 +221,12 @@ class LocalEvaluator:
             epoch = self.sampler.epoch(runner, warmup=self.warmup)
         return _failures_as_plan_failures(_charged(epoch, self.clock, "samples"))
 
-    def time_step(self, plan: Assignment) -> float:
+    def time_step(self, plan: Assignment, *, repeats: int | None = None) -> float:
+        """Median seconds of ``repeats`` timed steps (default: the evaluator's) after the warm-up."""
         with plan_failures():
             runner = self.runner(plan)
             with self.clock.phase("samples"):
-                return self.sampler.step_time(runner, warmup=self.warmup, repeats=self.repeats).median
+                return self.sampler.step_time(runner, warmup=self.warmup, repeats=repeats or self.repeats).median
 
     def check_loss(self, plan: Assignment, batches: int) -> float:
         with plan_failures():
