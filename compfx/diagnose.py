@@ -150,7 +150,7 @@ def diagnose(module: nn.Module, batch, *, loss_fn: LossFn | None = None, plan: P
 
     >>> import torch, compfx
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    >>> with torch.no_grad(): _ = model[1].weight.mul_(1e5)  # the second linear's output leaves fp16's range
+    >>> with torch.no_grad(): _ = model[0].weight.fill_(0.5), model[1].weight.fill_(1e4)  # 1.6e6: beyond fp16
     >>> d = compfx.diagnose(model, torch.full((3, 4), 10.0), low_dtype=torch.float16)
     >>> d.origins, d.row(d.origins[0]).overflow > 0
     ((OpKey('1:linear#0'),), True)
