@@ -153,3 +153,19 @@ def test_profile_cache_entries_are_not_fsynced_but_plan_files_are(tmp_path):
         model, inputs = make("mlp")
         Plan.amp(compfx.analyze(model, inputs)).save(tmp_path / "plan.json")
         assert fsync.call_count == 1
+
+
+# -- profiling ---------------------------------------------------------------------------------
+
+def test_ops_of_one_signature_are_profiled_once_per_run():
+    from compfx.costmodel import profile_ops
+
+    twins = torch.nn.Sequential(*(torch.nn.Linear(8, 8) for _ in range(3)), torch.nn.Linear(8, 4))
+    analysis = compfx.analyze(twins, torch.randn(4, 8))
+    profiles = profile_ops(analysis, repeats=1, use_cache=False)  # no cache to share through
+    assert len(profiles) == 4
+    # the second and third linears have one signature (8 -> 8 on a 4x8 input that requires grad; the first's
+    # input does not): timed once, at each dtype
+    assert profiles.measured == 6 and profiles.reused == 2
+    keys = list(profiles)
+    assert profiles[keys[1]].fp32_s == profiles[keys[2]].fp32_s and profiles[keys[1]].low_s == profiles[keys[2]].low_s

@@ -20,6 +20,7 @@ overwritten, as is an entry that records no conditions or is damaged.
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -329,9 +330,18 @@ class _EntryCache:
         self.folder, self.refresh, self.conditions = folder, refresh, conditions
         self.measured = self.reused = self.stale = 0
         self.stale_reason = ""
+        self._this_run: dict[str, tuple[float, str]] = {}  # ops of one signature are timed once per run
 
     def seconds(self, key: Mapping, measure: Callable[[], float]) -> tuple[float, str]:
         """(seconds, why it could not be timed or ""): the cached entry for ``key``, else ``measure()``."""
+        text = json.dumps(key, sort_keys=True)
+        if text not in self._this_run:
+            self._this_run[text] = self._cached_or_measured(key, measure)
+        else:
+            self.reused += 1
+        return self._this_run[text]
+
+    def _cached_or_measured(self, key: Mapping, measure: Callable[[], float]) -> tuple[float, str]:
         path = entry_path(self.folder, key) if self.folder is not None else None
         cached = read_entry(path, key, OP_PROFILE_FORMAT) if path is not None and not self.refresh else None
         if cached is not None:
