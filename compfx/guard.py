@@ -55,7 +55,7 @@ log = logging.getLogger("compfx")
 
 @dataclass(frozen=True)
 class Repair:
-    """One op moved to FP32 by the guard: at which step (``Guard.steps`` before it), why, and what it ran before."""
+    """One op moved to FP32 by the guard: in which ``guard.step`` call (1 = the first), why, and what it ran before."""
 
     key: OpKey
     step: int
