@@ -22,22 +22,25 @@ from pathlib import Path
 from tabulate import tabulate
 
 __all__ = ["ratios", "markdown", "summary_lines", "row_line", "readme_section", "device_results", "NO_GPU_YET",
-           "RUN_COMMANDS", "FP8_NOTE"]
+           "RUN_COMMANDS", "FP8_NOTE", "fp8_text"]
 
 _MB = 1024 * 1024
 
-FP8_NOTE = ("Not measured: FP8 plans (issue 16) have not landed. When they do, this part compares bf16 AMP, "
-            "torchao float8 and compfx FP8 plans on the GPT-shaped model.")
+FP8_NOTE = ("Not measured in this call. The part compares bf16 AMP, torchao float8 (every linear) and compfx's "
+            "searched FP8 / bf16 / FP32 plan on the GPT-shaped decoder (`benchmarks/fp8.py`); it needs torchao, "
+            "carried as a wheel (see the run commands).")
 
 #: What a session that is lent a GPU runs, as device-tool calls (kept in one place: the README, the results
 #: README and the suite's docstring say the same).
 RUN_COMMANDS = """\
-# device call 1 (run, timeout_s=600): environment, CUDA tests, then benchmark rows while its 8.5 minutes last
-python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --out $OUT
+# here, once: torchao's wheel for the GPU machine (it has no registry; .whl/ is git-ignored), carried by each call
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0
+# device call 1 (run, timeout_s=600, carry=[".whl"]): environment, CUDA tests, then benchmark rows while its 8.5 minutes last
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --out $OUT
 # here: keep what came back (the reply's files_at holds <gpu-slug>/gpu-suite.json, .md and cuda-tests.txt)
 cp -r <files_at>/. benchmarks/results/
-# device call 2 (run, timeout_s=600), and a third if device time is left: the rows not measured yet
-python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --parts bench --merge-from benchmarks/results --out $OUT
+# device call 2 (run, timeout_s=600, carry=[".whl"]), and a third if device time is left: what is not measured yet
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --parts bench,fp8 --merge-from benchmarks/results --out $OUT
 cp -r <files_at>/. benchmarks/results/
 # here: regenerate the README's GPU section from the JSON, then commit the device folder and README.md
 python -m benchmarks.gpu_readme"""
@@ -232,13 +235,24 @@ def markdown(state: dict) -> str:
         "",
         "## FP8",
         "",
-        FP8_NOTE,
+        fp8_text(state.get("fp8")),
         "",
         "## Left for a later call",
         "",
         "\n".join(f"- {item}" for item in left) if left else "Nothing: every selected row was measured.",
         "",
     ])
+
+
+def fp8_text(fp8: dict | None) -> str:
+    """The FP8 part: its table (from ``benchmarks/fp8.py``'s JSON), or why it was not measured."""
+    fp8 = fp8 or {}
+    if fp8.get("status") != "ok":
+        why = fp8.get("why") or FP8_NOTE
+        return why if fp8.get("status") in (None, "not measured") else f"{fp8['status']}: {why}"
+    from .fp8 import markdown as fp8_markdown  # the benchmark's own table, not a second one
+
+    return fp8_markdown(fp8).split("\n", 1)[1].strip()  # its title is this section's heading
 
 
 # -- the README's section ------------------------------------------------------------------------
@@ -302,6 +316,6 @@ def readme_section(results_root: str | Path, *, relative_to: str | Path | None =
         if any(row.get("compiled") and row.get("status") == "ok" for row in rows.values()):
             parts += ["", "Under `torch.compile` (Inductor; compfx through `compfx.compile_with_plan`):", "",
                       _readme_table(rows, compiled=True)]
-        parts += ["", f"FP8: {FP8_NOTE}", ""]
+        parts += ["", "FP8: " + fp8_text(state.get("fp8")), ""]
     parts += ["To measure another GPU:", "", "```", RUN_COMMANDS, "```"]
     return "\n".join(parts).rstrip("\n")

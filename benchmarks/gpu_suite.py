@@ -2,7 +2,7 @@
 
 ::
 
-    python -m benchmarks.gpu_suite [--smoke] [--out ROOT] [--budget-min 8.5] [--parts env,cuda-tests,bench]
+    python -m benchmarks.gpu_suite [--smoke] [--out ROOT] [--budget-min 8.5] [--parts env,cuda-tests,bench,fp8]
                                    [--merge-from ROOT] [--models ...] [--modes ...] [--no-compile] [--retry-failed]
 
 Parts, in this order, each time-boxed in its own subprocess (:mod:`benchmarks.timebox`), so a hung kernel or a
@@ -18,8 +18,10 @@ slow compile cannot eat the rest:
    MFU against the probe, the search's cost and share of a 100-epoch run, the plan's casts
    (:mod:`benchmarks.gpu_bench`). Rows are measured model by model, each group in one worker process, and only
    while the budget lasts; a later call with ``--merge-from`` measures the rows still missing.
-4. FP8 (bf16 AMP against torchao float8 against compfx FP8 plans on the GPT-shaped model) belongs here once
-   issue 16 has landed; until then the results say it was not measured.
+4. ``fp8``: bf16 AMP against torchao float8 (every linear) against compfx's searched FP8 / bf16 / FP32 plan on
+   the GPT-shaped decoder (:mod:`benchmarks.fp8`), in what is left of the budget (at most 5 minutes). It needs
+   torchao, which the GPU machine lacks: carry its wheel (README, "GPU results"); without it the part records
+   why it did not run. Off a float8-capable GPU (capability 8.9+) the times are emulation and say so.
 
 Results go to ``ROOT/<gpu-slug>/`` (default ``benchmarks/results/<gpu-slug>/``): ``gpu-suite.json`` (every
 number, every call's environment), ``gpu-suite.md`` and ``cuda-tests.txt``; ``--smoke`` writes
@@ -33,12 +35,17 @@ well under a minute; CI runs it (``tests/test_gpu_suite.py``).
 included; torch 2.11 and no package registry there), from the repository root (``RUN_COMMANDS`` in
 :mod:`benchmarks.gpu_report`, also in ``benchmarks/results/README.md``)::
 
-    # call 1 (timeout_s=600): environment, CUDA tests, then rows for the rest of its 8.5 minutes
-    python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --out $OUT
-    # here: cp -r <files_at>/. benchmarks/results/
-    # call 2 (timeout_s=600), a third if device time is left: the rows still missing
-    python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --parts bench --merge-from benchmarks/results --out $OUT
-    # here: cp -r <files_at>/. benchmarks/results/ ; python -m benchmarks.gpu_readme ; commit the folder and README.md
+    # here, once: torchao's wheel for the GPU machine (it has no registry; .whl/ is git-ignored), carried by each call
+    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0
+    # device call 1 (run, timeout_s=600, carry=[".whl"]): environment, CUDA tests, then benchmark rows while its 8.5 minutes last
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --out $OUT
+    # here: keep what came back (the reply's files_at holds <gpu-slug>/gpu-suite.json, .md and cuda-tests.txt)
+    cp -r <files_at>/. benchmarks/results/
+    # device call 2 (run, timeout_s=600, carry=[".whl"]), and a third if device time is left: what is not measured yet
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --parts bench,fp8 --merge-from benchmarks/results --out $OUT
+    cp -r <files_at>/. benchmarks/results/
+    # here: regenerate the README's GPU section from the JSON, then commit the device folder and README.md
+    python -m benchmarks.gpu_readme
 """
 
 from __future__ import annotations
@@ -64,14 +71,15 @@ from .models import MODELS
 from .report import slug
 from .timebox import run_boxed, tail_of
 
-__all__ = ["PARTS", "parse_args", "main", "load_state", "run_environment", "run_cuda_tests", "STEM"]
+__all__ = ["PARTS", "parse_args", "main", "load_state", "run_environment", "run_cuda_tests", "run_fp8", "STEM"]
 
-PARTS = ("env", "cuda-tests", "bench")
+PARTS = ("env", "cuda-tests", "bench", "fp8")
 STEM = {False: "gpu-suite", True: "gpu-suite-smoke"}
 _DEFAULT_ROOT = ROOT / "benchmarks" / "results"
 _RESERVE_S = 15  # kept back from the budget for writing the results
 _ENV_TIMEOUT_S = {False: 180, True: 180}
 _TESTS_TIMEOUT_S = {False: 300, True: 180}
+_FP8_TIMEOUT_S = {False: 300, True: 180}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -95,7 +103,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     unknown = sorted(set(args.parts) - set(PARTS))
     if unknown:
-        parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)} (fp8 waits for issue 16)")
+        parser.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
     args.models = args.models or list(SMOKE_MODELS if args.smoke else SUITE_MODELS)
     unknown = sorted(set(args.models) - set(MODELS))
     if unknown:
@@ -174,6 +182,24 @@ def run_cuda_tests(smoke: bool, workdir: Path, log_path: Path, budget_end: float
             **({} if counts else {"output_tail": tail_of(log_path, 3000)})}
 
 
+def run_fp8(smoke: bool, workdir: Path, log_path: Path, budget_end: float) -> dict:
+    """``python -m benchmarks.fp8`` in a time-boxed subprocess; its JSON, or why there is none."""
+    out = workdir / "fp8"
+    argv = [sys.executable, "-m", "benchmarks.fp8", "--out", str(out)] + (["--smoke"] if smoke else [])
+    end = min(budget_end, time.time() + _FP8_TIMEOUT_S[smoke])
+    if end - time.time() < 30:
+        return {"status": "not measured", "why": "no budget left in this call; run --parts fp8"}
+    boxed = run_boxed(argv, log_path=log_path, deadline=lambda: end, env=_subprocess_env(workdir), cwd=ROOT)
+    found = sorted(out.glob("*/fp8.json"))
+    if boxed.returncode == 0 and found:
+        return {"status": "ok", "seconds": boxed.seconds, **json.loads(found[0].read_text())}
+    tail = tail_of(log_path, 2000)
+    why = ("torchao is not installed here: carry its wheel (README, GPU results)" if "torchao" in tail
+           and ("No module named" in tail or "compfx[fp8]" in tail) else "see the output tail")
+    return {"status": "timeout" if boxed.timed_out else "failed", "why": why, "seconds": boxed.seconds,
+            "output_tail": tail}
+
+
 # -- the results file ------------------------------------------------------------------------
 
 def load_state(path: Path, *, device_name: str, smoke: bool) -> dict | None:
@@ -237,7 +263,8 @@ def _start_state(args, env: dict, merged: dict | None, settings: Settings) -> di
                        "bench": {"rows": {}}}
     state["environment"] = env
     state["bench"]["settings"] = asdict(settings)
-    state["fp8"] = {"status": "not measured", "why": FP8_NOTE}
+    if (state.get("fp8") or {}).get("status") != "ok":  # a measured FP8 part is kept, as rows are
+        state["fp8"] = {"status": "not measured", "why": FP8_NOTE}
     state["runs"].append({"run": len(state["runs"]) + 1, "started": _now(), "argv": sys.argv[1:],
                           "parts": args.parts, "budget_min": args.budget_min, "commit": _git_commit(),
                           "note": args.note, "settings": asdict(settings), "environment": env})
@@ -272,6 +299,11 @@ def main(argv=None) -> int:
             left = run_groups(groups, settings, rows=results.rows, budget_end=budget_end, workdir=workdir,
                               record=results.record_row, retry_failed=args.retry_failed,
                               log=lambda line: print(line, flush=True))
+        if "fp8" in args.parts and (results.state["fp8"].get("status") != "ok" or args.retry_failed):
+            print("fp8: bf16 AMP, torchao float8 and compfx FP8 plans ...", flush=True)
+            results.state["fp8"] = {**run_fp8(args.smoke, workdir, folder / "fp8.txt", budget_end),
+                                    "run": results.run["run"]}
+            results.write()
         results.run.update(finished=_now(), seconds=time.time() - start, left=left)
         results.write()
     print("\n".join(["", f"== {results.json_path} and {results.markdown_path.name}", *summary_lines(results.state)]))
@@ -279,7 +311,8 @@ def main(argv=None) -> int:
         print(f"left for a later call ({len(left)}): " + "; ".join(left))
     tests_ok = (results.state.get("cuda_tests") or {}).get("status", "passed") == "passed"
     rows_ok = all(row.get("status") == "ok" for row in results.rows.values())
-    return 0 if tests_ok and rows_ok else 1
+    fp8_ok = "fp8" not in args.parts or results.state["fp8"].get("status") == "ok"
+    return 0 if tests_ok and rows_ok and fp8_ok else 1
 
 
 if __name__ == "__main__":

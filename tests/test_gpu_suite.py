@@ -56,9 +56,14 @@ def test_smoke_run_writes_json_and_markdown_with_fp32_amp_and_compfx_rows(smoke)
     assert rows["alexnet_cifar/compfx-fp16+compile"]["plans"] == rows["alexnet_cifar/compfx-fp16"]["plans"]
     assert rows["bert_squad/amp-fp16"]["casts_forward"] > 0 and rows["bert_squad/fp32"]["casts_forward"] == 0
     assert state["cuda_tests"]["status"] == "passed" and state["cuda_tests"]["skipped"] > 0
-    assert state["fp8"]["status"] == "not measured"
+    fp8 = state["fp8"]  # part 4: emulated on the CPU, and saying so
+    assert fp8["status"] == "ok", fp8.get("output_tail")
+    assert fp8["times_mean_nothing"] is True and set(fp8["rows"]) == {
+        "bf16 AMP", "torchao float8 (all linears)", "compfx (searched)"}
+    assert all(row["step_ms"] > 0 and row["mean_loss"] == row["mean_loss"] for row in fp8["rows"].values())
     markdown = (folder / "gpu-suite-smoke.md").read_text()
-    for text in ("| bert_squad ", "| fp32 ", "| amp-fp16 ", "| compfx-fp16 ", "## compfx search", "## FP8", "Matmul probe"):
+    for text in ("| bert_squad ", "| fp32 ", "| amp-fp16 ", "| compfx-fp16 ", "## compfx search", "## FP8", "Matmul probe",
+                 "| torchao float8 (all linears) |"):
         assert text in markdown
     assert (folder / "cuda-tests.txt").exists()
 
@@ -137,6 +142,14 @@ def test_junit_counts_read_passes_failures_and_skips(tmp_path):
 def test_the_readme_gpu_section_is_what_the_committed_results_generate():
     section = gpu_readme.section_of(gpu_readme.README.read_text())
     assert section == gpu_readme.generated_section(), "run: python -m benchmarks.gpu_readme"
+
+
+def test_the_run_commands_are_the_same_everywhere_they_are_given():
+    from benchmarks import gpu_suite
+
+    assert RUN_COMMANDS in (gpu_readme.ROOT / "benchmarks" / "results" / "README.md").read_text()
+    assert "\n".join(line.strip() for line in gpu_suite.__doc__.splitlines()).count(
+        "\n".join(line.strip() for line in RUN_COMMANDS.splitlines())) == 1
 
 
 def test_without_gpu_results_the_section_says_so_and_gives_the_commands(tmp_path):
