@@ -123,6 +123,17 @@ class Plan(Mapping[OpKey, Precision]):
     def __setattr__(self, name, value):
         raise AttributeError("Plan is immutable; use plan.with_precisions(...)")
 
+    # Immutable, so a copy is the plan itself: modules holding one (a PlannedModule, the compile backend) are
+    # deep-copied by users (EMA copies) and by libraries (Lightning deep-copies torch.compile's arguments).
+    def __copy__(self) -> "Plan":
+        return self
+
+    def __deepcopy__(self, memo) -> "Plan":
+        return self
+
+    def __reduce__(self):  # pickling (spawned workers): the entries as a plain dict
+        return (_rebuilt_plan, (dict(self._entries), self.low_dtype, self.fingerprint, self.fp8_recipe))
+
     # -- Mapping -------------------------------------------------------------
     def __getitem__(self, key: OpKey) -> Precision:
         return self._entries[key]
@@ -309,3 +320,8 @@ class Plan(Mapping[OpKey, Precision]):
         """
         data = read_json(path, "plan file", max_bytes=MAX_PLAN_BYTES)
         return cls.from_dict(data, source=f"plan file {os.fspath(path)}")
+
+
+def _rebuilt_plan(entries, low_dtype, fingerprint, fp8_recipe) -> Plan:
+    """A pickled :class:`Plan` again (see ``Plan.__reduce__``)."""
+    return Plan(entries, low_dtype=low_dtype, fingerprint=fingerprint, fp8_recipe=fp8_recipe)

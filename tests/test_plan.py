@@ -152,3 +152,20 @@ def test_saved_plan_file_gets_the_mode_a_plain_open_would_give_and_keeps_an_exis
     saved.chmod(0o640)
     compfx.Plan.amp(a).save(saved)  # replaced atomically, mode kept
     assert stat.S_IMODE(saved.stat().st_mode) == 0o640 and compfx.Plan.load(saved) == compfx.Plan.amp(a)
+
+
+def test_a_plan_copies_as_itself_and_pickles_to_an_equal_plan():
+    """Modules holding a plan are deep-copied (EMA copies; Lightning deep-copies torch.compile's arguments)."""
+    import copy
+    import pickle
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    analysis = compfx.analyze(model, torch.randn(3, 4))
+    plan = compfx.Plan.from_bitstring(analysis, "0f1")
+    assert copy.copy(plan) is plan and copy.deepcopy(plan) is plan
+    again = pickle.loads(pickle.dumps(plan))
+    assert again == plan and again.fingerprint == plan.fingerprint and again.low_dtype == plan.low_dtype
+    backend = copy.deepcopy(compfx.backend(plan))  # what lightning.fabric's torch.compile wrapper does
+    assert backend is not None
+    planned = copy.deepcopy(compfx.apply(model, plan, analysis=analysis))
+    assert planned(torch.randn(3, 4)).shape == (3, 2)
