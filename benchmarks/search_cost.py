@@ -21,17 +21,30 @@ chose the same plan it is within by definition, and the timing shows the
 machine's noise), and its search cost
 is compared with the target of 5 FP32 epochs.
 
+It also measures the search's fixed costs (``--cases``): for the demo's
+digits CNN, a 13-op CNN with a 20-batch loader and a tiny Hugging Face BERT,
+each in a fresh process, the whole ``optimize()`` call with a cold profile
+cache and then again with the same cache warm, in FP32 epochs of the sample
+loader (the model's own eager FP32 epoch, timed in the same process before and
+after the searches), split into the parts of ``SearchResult.cost_breakdown``
+(capture, profiling, rewrites, samples, step comparison, other).
+
 Run from the repository root::
 
     python -m benchmarks.search_cost            # writes benchmarks/results/<device>/search_cost.json
+    python -m benchmarks.search_cost --cases demo,cnn13,bert --no-exactness   # the fixed-cost cases only
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
+import json
 import os
 import platform
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -209,6 +222,147 @@ def run(batches: int = 20, seed: int = 0, threads: int | None = 1, validate: boo
     return result
 
 
+# -- fixed costs: the whole optimize() call, cold and warm, by part ------------------------------
+
+class ThirteenOpCNN(nn.Module):
+    """Three convs, two BatchNorms, five ReLU/pool ops, flatten and two linears: 13 ops on 3x16x16 images."""
+
+    def __init__(self, classes: int = 10):
+        super().__init__()
+        self.conv1, self.bn1 = nn.Conv2d(3, 16, 3, padding=1), nn.BatchNorm2d(16)
+        self.conv2, self.bn2 = nn.Conv2d(16, 32, 3, padding=1), nn.BatchNorm2d(32)
+        self.conv3 = nn.Conv2d(32, 32, 3, padding=1)
+        self.fc1, self.fc2 = nn.Linear(32 * 4 * 4, 64), nn.Linear(64, classes)
+
+    def forward(self, x):
+        x = F.max_pool2d(F.relu(self.bn1(self.conv1(x))), 2)
+        x = F.max_pool2d(F.relu(self.bn2(self.conv2(x))), 2)
+        x = F.relu(self.conv3(x))
+        return self.fc2(F.relu(self.fc1(torch.flatten(x, 1))))
+
+
+def _digits_case():
+    from compfx.demo import _nll, digits_batches
+    from compfx.examples import cnn
+
+    model = cnn()
+    return model, digits_batches(64, 0)[0][:20], _nll, torch.optim.Adam(model.parameters(), lr=2e-3)
+
+
+def _cnn13_case():
+    model = ThirteenOpCNN()
+    loader = sample_loader(20, batch_size=16)
+    return model, loader, _ce, torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+
+
+def _bert_case():
+    from transformers import BertConfig, BertForSequenceClassification
+
+    config = BertConfig(vocab_size=512, hidden_size=64, num_hidden_layers=2, num_attention_heads=2,
+                        intermediate_size=128, max_position_embeddings=64, num_labels=4)
+    model = BertForSequenceClassification(config)
+    g = torch.Generator().manual_seed(0)
+    loader = [{"input_ids": torch.randint(0, 512, (8, 32), generator=g),
+               "labels": torch.randint(0, 4, (8,), generator=g)} for _ in range(20)]
+    return model, loader, None, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
+CASES = {
+    "demo": ("the demo's digits CNN (compfx.examples.cnn), 20 batches of 64 8x8 images", _digits_case),
+    "cnn13": ("ThirteenOpCNN, 20 batches of 16 3x16x16 images", _cnn13_case),
+    "bert": ("tiny HF BertForSequenceClassification (2 layers, hidden 64), 20 batches of 8x32 tokens", _bert_case),
+}
+
+
+def _eager_fp32_epoch(model, loader, loss_fn, optimizer, repeats: int = 3) -> float:
+    """Median seconds of one eager FP32 epoch over ``loader``; model and optimizer restored afterwards."""
+    state = copy.deepcopy((model.state_dict(), optimizer.state_dict()))
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for batch in loader:
+            optimizer.zero_grad(set_to_none=True)
+            if isinstance(batch, dict):
+                loss = model(**batch).loss
+            else:
+                loss = loss_fn(model(batch[0]), batch)
+            loss.backward()
+            optimizer.step()
+        seconds.append(time.perf_counter() - start)
+    model.load_state_dict(state[0])
+    optimizer.load_state_dict(state[1])
+    return statistics.median(seconds)
+
+
+#: The searches of one case, in order, in one fresh process, and the profile-cache folder each uses
+#: (the warm search reuses the folder the cold one filled).
+RUNS = (("first_in_process", "first"), ("cold_cache", "second"), ("warm_cache", "second"))
+
+
+def run_case(name: str, seed: int = 0) -> dict:
+    """One case in this process: three searches, each against the model's eager FP32 epoch.
+
+    ``first_in_process`` is the process's first search, on an empty profile cache: it also pays what the
+    process pays once (torch's first FakeTensor and dispatcher calls, lazy imports). ``cold_cache`` is a
+    search on an empty profile cache in a process that has searched before; ``warm_cache`` reuses its cache.
+    """
+    description, build = CASES[name]
+    epochs, runs = [], {}
+    with tempfile.TemporaryDirectory() as caches:
+        for run_name, cache in RUNS:
+            torch.manual_seed(seed)
+            model, loader, loss_fn, optimizer = build()
+            if not epochs:
+                epochs.append(_eager_fp32_epoch(model, loader, loss_fn, optimizer))
+            with mock.patch.dict(os.environ, {CACHE_DIR_ENV: os.path.join(caches, cache)}):
+                result = optimize(model, loader, loss_fn=loss_fn, optimizer=optimizer,
+                                  config=SearchConfig(seed=seed, progress=False))
+            epochs.append(_eager_fp32_epoch(model, loader, loss_fn, optimizer))  # between searches: drift shows
+            runs[run_name] = {
+                "search_seconds": result.search_seconds,
+                "breakdown_seconds": result.cost_breakdown,
+                "chosen_plan": result.plan.bitstring(result.analysis),
+                "ops": len(result.analysis.ops),
+                "capture_method": result.analysis.capture_method,
+            }
+    epoch = statistics.median(epochs)
+    for run in runs.values():
+        run["cost_fp32_epochs"] = run["search_seconds"] / epoch
+        run["breakdown_fp32_epochs"] = {k: v / epoch for k, v in run["breakdown_seconds"].items()}
+    rows = {"fp32_epoch_seconds": epoch, "fp32_epochs_measured": epochs, **runs}
+    return {"case": name, "description": description, "batches": 20, **rows}
+
+
+def run_cases(names: list[str], seed: int = 0, threads: int | None = 1) -> dict:
+    """Each case in a fresh process, so that its cold run pays what a user's first search pays."""
+    out = {}
+    for name in names:
+        command = [sys.executable, "-m", "benchmarks.search_cost", "--case", name, "--seed", str(seed),
+                   "--threads", str(threads or 0)]
+        done = subprocess.run(command, capture_output=True, text=True, check=False,
+                              cwd=Path(__file__).resolve().parent.parent)
+        if done.returncode != 0:
+            raise RuntimeError(f"case {name} failed:\n{done.stderr[-3000:]}")
+        out[name] = json.loads(done.stdout.strip().splitlines()[-1])
+    return out
+
+
+PARTS = ("capture", "profiling", "rewrites", "samples", "step comparison", "other")
+
+
+def cases_table(cases: dict) -> str:
+    """Markdown: per case and search, the cost in FP32 epochs and its parts (FP32 epochs too)."""
+    lines = ["| case | FP32 epoch | search | cost (FP32 epochs) | " + " | ".join(PARTS) + " | plan |",
+             "|" + "---|" * (5 + len(PARTS))]
+    for name, row in cases.items():
+        for run_name, _ in RUNS:
+            run = row[run_name]
+            by_part = [f"{run['breakdown_fp32_epochs'].get(p, 0.0):.2f}" for p in PARTS]
+            lines.append(f"| {name} | {row['fp32_epoch_seconds'] * 1e3:.0f} ms | {run_name.replace('_', ' ')} | "
+                         f"**{run['cost_fp32_epochs']:.2f}** | " + " | ".join(by_part) + f" | `{run['chosen_plan']}` |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=20, help="batches in the sample loader")
@@ -216,9 +370,26 @@ def main(argv=None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (0: leave as is)")
     parser.add_argument("--validate", action="store_true", help="also run without pruning and measure it")
     parser.add_argument("--out", default=None, help="JSON path (default benchmarks/results/<device>/search_cost.json)")
+    parser.add_argument("--cases", default="demo,cnn13,bert",
+                        help=f"fixed-cost cases, comma-separated, from {sorted(CASES)} ('' for none)")
+    parser.add_argument("--no-exactness", action="store_true",
+                        help="skip the six-op CNN's exact-vs-predictor searches")
+    parser.add_argument("--case", choices=sorted(CASES), help=argparse.SUPPRESS)  # one case, JSON on stdout
     args = parser.parse_args(argv)
-    result = run(args.batches, args.seed, args.threads or None, args.validate)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.case:
+        print(json.dumps(run_case(args.case, args.seed)))
+        return 0
+    result = {} if args.no_exactness else run(args.batches, args.seed, args.threads or None, args.validate)
+    names = [n for n in args.cases.split(",") if n]
+    if names:
+        result["fixed_cost_cases"] = run_cases(names, args.seed, args.threads or None)
+        result.setdefault("device", "cpu")
+        print(cases_table(result["fixed_cost_cases"]))
     for key, value in result.items():
+        if key == "fixed_cost_cases":
+            continue  # printed as a table above
         if isinstance(value, dict) and key.startswith("predictor_o"):
             print(key)
             for name, figure in value.items():
@@ -226,6 +397,8 @@ def main(argv=None) -> int:
         else:
             print(f"{key:40s} {value:.4g}" if isinstance(value, float) else f"{key:40s} {value}")
     out = Path(args.out or Path(__file__).parent / "results" / torch.device(result["device"]).type / "search_cost.json")
+    if args.no_exactness and out.exists():  # keep the exactness figures of an earlier full run
+        result = {**json.loads(out.read_text()), **result}
     write_json_atomic(out, result)
     print(f"wrote {out}")
     return 0

@@ -169,3 +169,21 @@ def test_ops_of_one_signature_are_profiled_once_per_run():
     assert profiles.measured == 6 and profiles.reused == 2
     keys = list(profiles)
     assert profiles[keys[1]].fp32_s == profiles[keys[2]].fp32_s and profiles[keys[1]].low_s == profiles[keys[2]].low_s
+
+
+# -- the benchmark ---------------------------------------------------------------------------------
+
+def test_the_fixed_cost_benchmark_measures_each_search_and_its_parts():
+    from benchmarks.search_cost import RUNS, cases_table, run_case
+
+    row = run_case("cnn13")
+    assert row["fp32_epoch_seconds"] > 0 and row["batches"] == 20
+    for run_name, _ in RUNS:
+        run = row[run_name]
+        assert run["ops"] == 13 and run["capture_method"] == "symbolic"
+        assert abs(sum(run["breakdown_seconds"].values()) - run["search_seconds"]) < 1e-6
+        assert run["cost_fp32_epochs"] == run["search_seconds"] / row["fp32_epoch_seconds"] > 0
+    # the warm search reads the profiles the cold one measured
+    assert row["warm_cache"]["breakdown_seconds"].get("profiling", 0.0) < row["cold_cache"]["breakdown_seconds"][
+        "profiling"]
+    assert "| cnn13 |" in cases_table({"cnn13": row})
