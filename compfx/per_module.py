@@ -52,7 +52,7 @@ from .search.evaluator import LocalEvaluator
 from .vocabulary import Category, Precision, check_low_dtype, default_low_dtype, dtype_name
 
 __all__ = ["PlannedBlock", "apply_per_module", "analyze_regions", "region_paths", "block_types", "model_key",
-           "PerModuleEvaluator", "prepare_search", "is_regions_analysis", "resharded"]
+           "PerModuleEvaluator", "prepare_search", "is_regions_analysis", "resharded", "restore_blocks"]
 
 log = logging.getLogger("compfx")
 
@@ -239,6 +239,22 @@ class PlannedBlock(nn.Module):
         gm.meta.update(compfx_plan=self.plan, compfx_capture_method=analysis.capture_method)
         return gm
 
+    def release(self) -> nn.Module:
+        """The block this replaced, given back the children, Parameters, buffers, hooks and train/eval mode this
+        module holds now (a Parameter replaced while planned stays replaced); this module keeps no hooks."""
+        block = self._block
+        for name in ("_modules", "_parameters", "_buffers"):
+            table = getattr(block, name)
+            table.clear()
+            table.update(getattr(self, name))
+        block._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
+        for name in _HOOK_DICTS:
+            if hasattr(self, name):
+                object.__setattr__(block, name, getattr(self, name))
+                object.__setattr__(self, name, type(getattr(self, name))())
+        block.training = self.training
+        return block
+
     def extra_repr(self) -> str:
         return (f"block={self.block_type.__name__}, path={self.path!r}, plan={self.plan.fingerprint} "
                 f"({dtype_name(self.plan.low_dtype)}), {len(self._graphs)} graph(s)")
@@ -298,6 +314,25 @@ def apply_per_module(model: nn.Module, plan: Plan, analysis: Analysis, per_modul
     return model
 
 
+def restore_blocks(model: nn.Module) -> nn.Module:
+    """Undo :func:`apply_per_module`: each :class:`PlannedBlock` in ``model`` is replaced by the block it replaced
+    (the same object, see :meth:`PlannedBlock.release`); returns ``model``.
+
+    >>> import torch, compfx
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> first = model[0]
+    >>> a = compfx.analyze(model, torch.randn(3, 4))
+    >>> _ = compfx.apply(model, compfx.Plan.amp(a), analysis=a, per_module=torch.nn.Linear)
+    >>> restore_blocks(model)[0] is first, type(model[2]).__name__
+    (True, 'Linear')
+    """
+    planned = [(path, module) for path, module in model.named_modules() if isinstance(module, PlannedBlock)]
+    for path, block in planned:  # outer blocks first (named_modules' order), so every inner path still resolves
+        parent_path, _, name = path.rpartition(".")
+        model.get_submodule(parent_path)._modules[name] = block.release()
+    return model
+
+
 def _method(analysis: Analysis) -> str:
     """The tracer a block is captured with: the analysis's own when it was a tracer, else each block's first."""
     return analysis.capture_method if analysis.capture_method in ("symbolic", "record", "dynamo") else "auto"
@@ -330,11 +365,13 @@ def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None
     low_dtype = check_low_dtype(low_dtype if low_dtype is not None else default_low_dtype(device))
     args, kwargs = normalize_example_inputs(example_inputs)
     captured: dict[str, Analysis] = {}
+    started: set[str] = set()  # the record tracer calls the block itself, which fires this hook again: once is enough
 
     def capture_block(path):
         def hook(module, block_args, block_kwargs):
-            if path in captured:
+            if path in started:
                 return None
+            started.add(path)
             if isinstance(module, PlannedBlock):
                 captured[path] = module.analysis_for(*block_args, **block_kwargs)
             else:
