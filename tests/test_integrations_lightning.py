@@ -13,6 +13,7 @@ import compfx  # noqa: E402
 import compfx.integrations.planned_training as planned_training  # noqa: E402
 from compfx.errors import BadInputError  # noqa: E402
 from compfx.integrations.lightning import LOG_FILE, PLAN_FILE, CompfxCallback  # noqa: E402
+from compfx.per_module import PlannedBlock  # noqa: E402
 
 
 class Classifier(L.LightningModule):
@@ -68,7 +69,9 @@ def test_lightning_trains_with_the_plan_and_resumes_without_searching(tmp_path, 
     assert callback.searched is True
     assert compfx.Plan.load(tmp_path / PLAN_FILE) == callback.run.plan
     assert (tmp_path / LOG_FILE).stat().st_size > 0
-    assert len(callback.run.module.graphs) >= 1 and "forward" not in vars(module)
+    # the net was planned in place while training; afterwards it is the module's own again, and nothing is patched
+    assert callback.run.regions == ["net"] and callback.run.blocks == {}
+    assert type(module.net) is torch.nn.Sequential and "forward" not in vars(module)
 
     searches = []
     real_optimize = planned_training.optimize
@@ -82,21 +85,47 @@ def test_lightning_trains_with_the_plan_and_resumes_without_searching(tmp_path, 
 
 
 def test_the_planned_module_is_what_training_step_calls(tmp_path):
-    calls = []
+    calls, seen = [], []
 
     class Spy(L.Callback):
         def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
             if batch_idx == 0:
-                callback.run.module.register_forward_pre_hook(lambda m, inputs: calls.append(1))
+                planned = callback.run.blocks["net"]
+                seen.extend([planned, list(pl_module.state_dict())])
+                planned.register_forward_pre_hook(lambda m, inputs: calls.append(1))
 
     callback = CompfxCallback(search_batches=2, loss_fn=ce, config=FAST_SEARCH)
     torch.manual_seed(0)
     module = Classifier()
+    net, keys = module.net, list(module.state_dict())
     trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
                         enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
                         callbacks=[callback, Spy()])
     trainer.fit(module, _loader())
     assert len(calls) == 4 and callback.state_dict()["plan"] == callback.run.plan.to_dict()
+    planned, keys_while_planned = seen
+    assert isinstance(planned, PlannedBlock) and len(planned.graphs) >= 1  # self(x) ran the net's planned graph
+    assert keys_while_planned == keys and planned.get_submodule("0").weight is net[0].weight
+    assert module.net is net and list(module.state_dict()) == keys  # the module's own net is back
+
+
+def test_an_exception_in_training_puts_the_modules_own_net_back(tmp_path):
+    class Failing(Classifier):
+        def training_step(self, batch, batch_idx):
+            assert isinstance(self.net, PlannedBlock)  # the plan runs
+            if batch_idx == 2:
+                raise RuntimeError("a bug in training_step")
+            return super().training_step(batch, batch_idx)
+
+    torch.manual_seed(0)
+    module = Failing()
+    net = module.net
+    trainer = L.Trainer(max_steps=4, accelerator="cpu", devices=1, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False, enable_checkpointing=False, default_root_dir=tmp_path,
+                        callbacks=[CompfxCallback(search_batches=2, loss_fn=ce, config=FAST_SEARCH)])
+    with pytest.raises(RuntimeError, match="a bug in training_step"):
+        trainer.fit(module, _loader())
+    assert module.net is net and type(module.net) is torch.nn.Sequential
 
 
 @pytest.mark.parametrize("precision", ["bf16-mixed", "16-mixed", "bf16-true"])

@@ -1,6 +1,7 @@
 """CompfxCallback in the Hugging Face Trainer: tiny BERT and GPT-2 from configs, 12 steps on the CPU, a plan in
 output_dir, and a resumed run that loads the plan from its checkpoint instead of searching again."""
 
+import collections
 import math
 
 import pytest
@@ -10,6 +11,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import compfx  # noqa: E402
+import safetensors.torch  # noqa: E402  (transformers' own dependency)
 import compfx.integrations.planned_training as planned_training  # noqa: E402
 from compfx.errors import BadInputError  # noqa: E402
 from compfx.integrations.transformers import LOG_FILE, PLAN_FILE, CompfxCallback  # noqa: E402
@@ -38,22 +40,22 @@ def _dataset(kind: str, n: int = 48) -> list[dict]:
 
 
 MODELS = {"bert": _bert, "gpt2": _gpt2}
+#: the submodules each model's forward runs: its base model and head, planned in place while training
+REGIONS = {"bert": ["bert", "dropout", "classifier"], "gpt2": ["transformer", "lm_head"]}
 FAST_SEARCH = compfx.SearchConfig(progress=False, repeats=1, warmup=0, stage1_budget=4, stage2_budget=2)
 
 
 class Spy(transformers.TrainerCallback):
-    """Placed around CompfxCallback: the RNG before and after it, and every call of the planned module."""
+    """Placed around CompfxCallback: the RNG before and after it, and every call of each planned region."""
 
     def __init__(self, compfx_callback=None):
-        self.compfx_callback, self.rng, self.planned_calls = compfx_callback, None, 0
+        self.compfx_callback, self.rng, self.planned_calls = compfx_callback, None, collections.Counter()
 
     def on_train_begin(self, args, state, control, **kwargs):
         self.rng = torch.get_rng_state()
         if self.compfx_callback is not None:
-            self.compfx_callback.run.module.register_forward_pre_hook(self._count)
-
-    def _count(self, module, inputs):
-        self.planned_calls += 1
+            for path, block in self.compfx_callback.run.blocks.items():
+                block.register_forward_pre_hook(lambda module, inputs, path=path: self.planned_calls.update([path]))
 
 
 def _trainer(kind, output_dir, callback, spies=(), **overrides):
@@ -74,18 +76,25 @@ def _losses(trainer) -> list[float]:
 def test_trainer_trains_with_the_plan_and_resumes_without_searching(kind, tmp_path, monkeypatch, one_thread):
     callback = CompfxCallback(search_batches=3, config=FAST_SEARCH)
     trainer, before, after = _trainer(kind, tmp_path, callback)
+    children, keys = dict(trainer.model.named_children()), list(trainer.model.state_dict())
     trainer.train()
 
     losses = _losses(trainer)
     assert len(losses) == 12 and all(math.isfinite(loss) for loss in losses)
     assert callback.searched is True
-    assert after.planned_calls == 12  # every training step ran the planned module
+    assert callback.run.regions == REGIONS[kind]
+    assert after.planned_calls == {path: 12 for path in REGIONS[kind]}  # every training step ran the planned regions
     assert torch.equal(before.rng, after.rng)  # taking the search batches and searching left the RNG as it was
     assert compfx.Plan.load(tmp_path / PLAN_FILE) == callback.run.plan
     assert compfx.Plan.load(tmp_path / "checkpoint-6" / PLAN_FILE) == callback.run.plan
     assert (tmp_path / LOG_FILE).stat().st_size > 0
     assert any(entry.get("compfx_searched") == 1.0 for entry in trainer.state.log_history)
-    assert "forward" not in vars(trainer.model)  # after training the model runs its own forward again
+    # the checkpoint (save_pretrained while the regions were planned) holds the model's own keys
+    assert set(safetensors.torch.load_file(tmp_path / "checkpoint-6" / "model.safetensors")) <= set(keys)
+    # after training the model holds its own submodules again, the same objects, and patches nothing
+    assert dict(trainer.model.named_children()) == children and callback.run.blocks == {}
+    assert all(a is b for a, b in zip(trainer.model.children(), children.values()))
+    assert list(trainer.model.state_dict()) == keys and "forward" not in vars(trainer.model)
 
     searches = []
     real_optimize = planned_training.optimize
@@ -97,7 +106,7 @@ def test_trainer_trains_with_the_plan_and_resumes_without_searching(kind, tmp_pa
     assert searches == [] and resumed_callback.searched is False
     assert resumed_callback.run.source == str(tmp_path / "checkpoint-6" / PLAN_FILE)
     assert resumed_callback.run.plan == callback.run.plan
-    assert spy.planned_calls == 6
+    assert spy.planned_calls == {path: 6 for path in REGIONS[kind]}
     # steps 7-12 of the resumed run are the uninterrupted run's: same plan, same state, the search left no trace
     torch.testing.assert_close(_losses(resumed)[6:], losses[6:])
 
@@ -112,9 +121,10 @@ def test_a_given_plan_of_another_model_is_refused(tmp_path):
     other = torch.nn.Sequential(torch.nn.Linear(4, 2))
     wrong = compfx.Plan.fp32(compfx.analyze(other, torch.randn(2, 4)))
     trainer, _, _ = _trainer("gpt2", tmp_path, CompfxCallback(plan=wrong, config=FAST_SEARCH))
+    children = list(trainer.model.children())
     with pytest.raises(compfx.PlanMismatchError):
         trainer.train()
-    assert "forward" not in vars(trainer.model)
+    assert all(a is b for a, b in zip(trainer.model.children(), children, strict=True))
 
 
 def test_search_batches_must_be_a_positive_int():

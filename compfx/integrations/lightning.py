@@ -9,8 +9,10 @@ Where ``Trainer(precision="bf16-mixed")`` runs every op autocast lists in bf16,
 the callback searches which ops to run low (:func:`compfx.optimize`) on the
 first ``search_batches`` batches of the trainer's train dataloader, with the
 LightningModule's forward (or a submodule's) and the trainer's optimizer; then
-``self(x)`` in ``training_step`` runs the planned module (see
-:class:`~compfx.integrations.planned_training.PlannedForward`). The plan is
+``self(x)`` in ``training_step`` runs the plan: the submodules the forward runs
+are replaced, in the module itself, by planned modules holding the same
+Parameters (see :mod:`compfx.integrations.planned_training`), and put back at
+train end or on an exception. The plan is
 part of the callback's checkpoint state, so ``trainer.fit(..., ckpt_path=...)``
 loads it instead of searching again.
 """
@@ -31,7 +33,7 @@ from ..analyze import model_device
 from ..errors import BadInputError
 from ..plan import Plan
 from ..search.config import SearchConfig
-from .planned_training import LOG_FILE, PLAN_FILE, PlannedForward, PlannedRun, first_batches, plan_model
+from .planned_training import LOG_FILE, PLAN_FILE, PlannedRun, first_batches, plan_model
 
 __all__ = ["CompfxCallback", "PLAN_FILE", "LOG_FILE"]
 
@@ -49,7 +51,10 @@ class CompfxCallback(Callback):
       so the search needs the loss apart); defaults to ``output.loss``.
     * ``module``: the attribute path of the submodule to plan (e.g. ``"model"``
       for a LightningModule that wraps a Hugging Face model); default: the
-      LightningModule's own ``forward``.
+      LightningModule's own ``forward``. The submodules that forward runs (the
+      outermost ones) become :class:`~compfx.per_module.PlannedBlock` s in
+      place (``run.blocks``), until train end or an exception; ops of the
+      forward itself, outside them, run eagerly in FP32.
     * ``config``, ``low_dtype``, ``plan``: as for :func:`compfx.optimize`
       (``keep_search_training`` is set False: the trainer owns the training);
       a given ``plan`` (a :class:`~compfx.Plan` or plan file) skips the search.
@@ -78,7 +83,6 @@ class CompfxCallback(Callback):
         self.plan = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
         self.run: PlannedRun | None = None
         self._restored: Plan | None = None  # the plan a checkpoint's state held
-        self._forward: PlannedForward | None = None
 
     @property
     def searched(self) -> bool | None:
@@ -101,8 +105,7 @@ class CompfxCallback(Callback):
                                 "CompfxCallback searches with one (the one that trains the planned module). Plan a "
                                 "single network with module=... and one optimizer, or use compfx.optimize directly.")
         target = self._target(pl_module)
-        if self._forward is not None:  # a second fit() with the same callback
-            self._forward.remove()
+        self._remove()  # a second fit() with the same callback
         plan, source = ((self.plan, "the plan given to CompfxCallback") if self.plan is not None else
                         (self._restored, "the checkpoint") if self._restored is not None else (None, "searched"))
         root = trainer.default_root_dir
@@ -110,7 +113,6 @@ class CompfxCallback(Callback):
         log = os.path.join(root, LOG_FILE) if trainer.is_global_zero and plan is None else None
         self.run = plan_model(target, batches, optimizer=trainer.optimizers[0], loss_fn=self.loss_fn,
                               low_dtype=self.low_dtype, config=self.config, plan=plan, log=log, source=source)
-        self._forward = PlannedForward(target, self.run.module)
         if trainer.is_global_zero:
             self.run.plan.save(os.path.join(root, PLAN_FILE))
         rank_zero_info(self.run.summary())
@@ -141,6 +143,5 @@ class CompfxCallback(Callback):
                                 "module=\"model\".") from error
 
     def _remove(self) -> None:
-        if self._forward is not None:
-            self._forward.remove()
-            self._forward = None
+        if self.run is not None:
+            self.run.restore()

@@ -1,22 +1,28 @@
 """What the training-loop callbacks share: take the loop's first batches, search (or load) a plan, run it in place.
 
 A trainer (Hugging Face's, Lightning's) owns the loop and calls the model it was
-given; a callback cannot hand it another module. So :class:`PlannedForward`
-makes calls to that model run its :class:`~compfx.apply.PlannedModule`, which
-shares the model's Parameters: the trainer's optimizer, gradient clipping,
-checkpoints and ``save_pretrained`` see the model they know. ``remove()`` gives
-the model its own ``forward`` back.
+given; a callback cannot hand it another module, and patches no method. So the
+model is planned in place, region by region (:mod:`compfx.per_module`): each
+outermost submodule its forward runs (:func:`planned_regions`; for a Hugging
+Face model, its base model and head) is replaced in its parent by a
+:class:`~compfx.per_module.PlannedBlock` that holds the same Parameters and
+runs the plan. The model's class, ``forward``, Parameters and ``state_dict``
+keys stay as they were, so the trainer's optimizer, gradient clipping,
+checkpoints and ``save_pretrained`` see the model they know. What the model's
+own forward computes outside the regions (a Hugging Face model's loss) runs
+eagerly, as it was. :meth:`PlannedRun.restore` puts the original submodules
+(the same objects) back.
 
-:func:`plan_model` is the one place a callback gets its planned module from: a
-search (:func:`compfx.optimize`) on the first batches of the trainer's own
-loader, or a saved plan (a resumed run), checked against the model.
+:func:`plan_model` is the one place a callback gets its plan from: a search
+(:func:`compfx.optimize` with ``per_module``) on the first batches of the
+trainer's own loader, or a saved plan (a resumed run), checked against the
+model.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import os
 import random
@@ -27,17 +33,18 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from ..analyze import analyze, model_device
-from ..apply import PlannedModule
+from ..analyze import model_device
+from ..apply import apply
 from ..errors import BadInputError
 from ..optimize import optimize
+from ..per_module import PlannedBlock, region_paths, restore_blocks
 from ..plan import Plan
 from ..search.config import SearchConfig
 from ..search.result import SearchResult
 from ..search.sampling import check_first_batch, cuda_devices, move_batch
 from ..vocabulary import Precision, dtype_name
 
-__all__ = ["PLAN_FILE", "LOG_FILE", "PlannedForward", "PlannedRun", "first_batches", "plan_model"]
+__all__ = ["PLAN_FILE", "LOG_FILE", "PlannedRun", "first_batches", "planned_regions", "plan_model"]
 
 #: the chosen plan, in the trainer's output folder and in each of its checkpoints
 PLAN_FILE = "compfx-plan.json"
@@ -106,55 +113,63 @@ def first_batches(loader: Iterable, count: int, device: torch.device) -> list:
     return batches
 
 
-class PlannedForward:
-    """Calls to ``model`` run ``planned`` (a :class:`PlannedModule` of it) until :meth:`remove`.
+def planned_regions(model: nn.Module, batch, loss_fn=None) -> tuple[list[str], tuple[type, ...]]:
+    """The regions a callback plans ``model`` by: the outermost submodules its forward runs on ``batch``, and
+    their types (the ``per_module`` of :func:`compfx.optimize`, which finds exactly these regions).
 
-    The model's ``forward`` is shadowed by an instance attribute (the class's is
-    untouched, as are hooks, Parameters and ``state_dict``). While the planned
-    module runs, the shadow is lifted, so a new input signature is captured from
-    the model's own ``forward``. The planned module follows the model's
-    train/eval mode, so a trainer's evaluation runs the plan in eval mode.
+    One forward runs (no grad; parameters, buffers and RNG put back). Submodules
+    the forward does not run (a loss module or metric a training step calls,
+    an unused head) are no region; containers (``nn.ModuleList``) are not run,
+    so their entries are the regions. What the model's own forward computes
+    outside them (a Hugging Face model's loss) runs eagerly, in FP32.
 
-    >>> import torch, compfx
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 2))
-    >>> a = compfx.analyze(model, torch.randn(3, 4))
-    >>> swap = PlannedForward(model, PlannedModule(model, compfx.Plan.uniform(a, "low"), analysis=a))
-    >>> model(torch.randn(3, 4)).dtype, len(swap.planned.graphs)
-    (torch.float32, 1)
-    >>> swap.remove(); "forward" in vars(model)
-    False
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 4), torch.nn.ReLU(), torch.nn.Linear(4, 2))
+    >>> planned_regions(model, (torch.randn(3, 8), torch.randn(3, 2)),
+    ...                 lambda out, batch: torch.nn.functional.mse_loss(out, batch[-1]))
+    (['0', '1', '2'], (<class 'torch.nn.modules.linear.Linear'>, <class 'torch.nn.modules.activation.ReLU'>))
     """
+    ran: set[str] = set()
+    handles = [module.register_forward_pre_hook(lambda *_, path=path: ran.add(path))
+               for path, module in model.named_modules() if path]
+    try:
+        check_first_batch(model, batch, loss_fn, model_device(model))
+    finally:
+        for handle in handles:
+            handle.remove()
+    order = {path: position for position, (path, _) in enumerate(model.named_modules())}
+    regions = sorted((path for path in set(ran) if not any(outer in ran for outer in _ancestors(path))),
+                     key=order.__getitem__)  # registration order, as region_paths gives them
+    if not regions:
+        raise BadInputError(f"{type(model).__name__}'s forward runs no submodule; CompfxCallback plans a model by "
+                            "its submodules (the ones its forward calls), so give it a model built of modules, or "
+                            "use compfx.optimize directly.")
+    types = tuple(dict.fromkeys(type(model.get_submodule(path)) for path in regions))
+    found = [] if isinstance(model, types) else region_paths(model, types)
+    if found != regions:
+        other = next(iter(sorted(set(found) ^ set(regions))), "")
+        raise BadInputError(
+            f"CompfxCallback plans {type(model).__name__} by the submodules its forward runs ({', '.join(regions)}), "
+            f"by their types; but {other or 'the model itself'!r} ({type(model.get_submodule(other)).__name__}) is "
+            "of one of those types and is no such region (its forward does not run it, or it holds or is nested in "
+            "another). Give that module another type, or plan the model with compfx.optimize(..., per_module=...) "
+            "directly.")
+    return regions, types
 
-    def __init__(self, model: nn.Module, planned: PlannedModule):
-        if "forward" in vars(model):
-            raise BadInputError(f"{type(model).__name__}.forward is already replaced on this object (another "
-                                "CompfxCallback, or a wrapper); compfx runs one plan per model. Use one callback.")
-        self.model, self.planned = model, planned
 
-        @functools.wraps(type(model).forward)  # inspect.signature(model.forward) stays the model's
-        def forward(*args, **kwargs):
-            if planned.training != model.training:
-                planned.train(model.training)
-            del model.forward  # the model's own forward while the plan runs (and captures a new signature)
-            try:
-                return planned(*args, **kwargs)
-            finally:
-                model.forward = forward
-
-        self._forward = forward
-        model.forward = forward
-
-    def remove(self) -> None:
-        """The model's own ``forward`` again (idempotent)."""
-        if vars(self.model).get("forward") is self._forward:
-            del self.model.forward
+def _ancestors(path: str) -> list[str]:
+    parts = path.split(".")
+    return [".".join(parts[:n]) for n in range(1, len(parts))]
 
 
 @dataclass
 class PlannedRun:
-    """The planned module a callback trains with, its plan, and the search result (None: a saved plan was loaded)."""
+    """A model a callback trains, planned in place: each region (``regions``, model paths) is a
+    :class:`~compfx.per_module.PlannedBlock` running ``plan``, until :meth:`restore`; ``result`` is the search's
+    (None: a saved plan was loaded)."""
 
-    module: PlannedModule
+    model: nn.Module
+    regions: list[str]
     plan: Plan
     result: SearchResult | None
     source: str  # "searched", or where the plan was loaded from
@@ -163,11 +178,22 @@ class PlannedRun:
     def searched(self) -> bool:
         return self.result is not None
 
+    @property
+    def blocks(self) -> dict[str, PlannedBlock]:
+        """The planned regions by path (empty after :meth:`restore`)."""
+        blocks = {path: self.model.get_submodule(path) for path in self.regions}
+        return {path: block for path, block in blocks.items() if isinstance(block, PlannedBlock)}
+
+    def restore(self) -> None:
+        """Put the model's own submodules back in place of the planned regions (the same objects; idempotent)."""
+        restore_blocks(self.model)
+
     def summary(self) -> str:
         """One line for the trainer's log."""
         counts = {p: sum(v is p for v in self.plan.values()) for p in Precision}
         ops = ", ".join(f"{n} {p}" for p, n in counts.items() if n)
-        head = f"compfx: plan {self.plan.fingerprint} ({dtype_name(self.plan.low_dtype)}): {len(self.plan)} ops ({ops})"
+        head = (f"compfx: plan {self.plan.fingerprint} ({dtype_name(self.plan.low_dtype)}): {len(self.plan)} ops "
+                f"({ops}) in {', '.join(self.regions)}")
         if self.result is None:
             return f"{head}; loaded from {self.source}, no search"
         steps = self.result.step_seconds
@@ -187,32 +213,45 @@ class PlannedRun:
 def plan_model(model: nn.Module, batches: list, *, optimizer: torch.optim.Optimizer, loss_fn=None,
                low_dtype: torch.dtype | None = None, config: SearchConfig | None = None, plan: Plan | None = None,
                log: str | os.PathLike | None = None, source: str = "searched") -> PlannedRun:
-    """Search a plan for ``model`` on ``batches`` (or take ``plan``), and the :class:`PlannedModule` running it.
+    """Plan ``model`` in place, region by region (:func:`planned_regions`): search a plan on ``batches``, or take
+    ``plan``; each region becomes a :class:`~compfx.per_module.PlannedBlock` running it.
 
-    The trainer owns the training, so the search's own training is undone
-    (``keep_search_training=False``): the trainer's step count, learning-rate
-    schedule and checkpoints describe the model, and a resumed run matches an
-    uninterrupted one. A given ``plan`` is checked against the model
-    (:class:`~compfx.errors.PlanMismatchError` when it was made for another).
+    The model keeps its class, ``forward``, Parameters and ``state_dict``
+    keys: the trainer's optimizer, gradient clipping, checkpoints and
+    ``save_pretrained`` see the model they know. :meth:`PlannedRun.restore`
+    puts its own submodules back; if planning fails they are put back before
+    the error propagates. The trainer owns the training, so the search's own
+    training is undone (``keep_search_training=False``): the trainer's step
+    count, schedule and checkpoints describe the model, and a resumed run
+    matches an uninterrupted one. A given ``plan`` is checked against the
+    model's regions (:class:`~compfx.errors.PlanMismatchError` when it was
+    made for another model).
 
     >>> import torch, compfx
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 3))
     >>> batches = [(torch.randn(4, 8), torch.randint(0, 3, (4,)))]
     >>> ce = lambda out, batch: torch.nn.functional.cross_entropy(out, batch[-1])
-    >>> a = compfx.analyze(model, batches[0][0])
+    >>> a = compfx.per_module.analyze_regions(model, batches[0][0], torch.nn.Linear)
     >>> run = plan_model(model, batches, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=ce,
     ...                  plan=compfx.Plan.fp32(a), source="a test")
-    >>> run.searched, run.summary().endswith("loaded from a test, no search")
-    (False, True)
+    >>> run.searched, run.regions, type(model[0]).__name__
+    (False, ['0'], 'PlannedBlock')
+    >>> run.restore(); type(model[0]).__name__
+    'Linear'
     """
-    if plan is None:
-        config = dataclasses.replace(config or SearchConfig(), keep_search_training=False)
-        result = optimize(model, batches, optimizer=optimizer, loss_fn=loss_fn, low_dtype=low_dtype, config=config,
-                          log=log)
-        return PlannedRun(result.module, result.plan, result, "searched")
-    args, kwargs = check_first_batch(model, batches[0], loss_fn, model_device(model))
-    analysis = analyze(model, kwargs if kwargs else args, low_dtype=plan.low_dtype)
-    return PlannedRun(PlannedModule(model, plan, analysis=analysis), plan, None, source)
+    regions, per_module = planned_regions(model, batches[0], loss_fn)
+    try:
+        if plan is None:
+            config = dataclasses.replace(config or SearchConfig(), keep_search_training=False)
+            result = optimize(model, batches, optimizer=optimizer, loss_fn=loss_fn, low_dtype=low_dtype,
+                              config=config, log=log, per_module=per_module)
+            return PlannedRun(model, regions, result.plan, result, "searched")
+        args, kwargs = check_first_batch(model, batches[0], loss_fn, model_device(model))
+        apply(model, plan, kwargs if kwargs else args, per_module=per_module)
+        return PlannedRun(model, regions, plan, None, source)
+    except BaseException:
+        restore_blocks(model)  # the user's model as it was, whatever failed
+        raise
 
 
 def saved_plan(*candidates: str | os.PathLike) -> tuple[Plan, str] | None:

@@ -9,8 +9,10 @@ Where ``TrainingArguments(bf16=True)`` puts every op the autocast list names in
 bf16, the callback searches which ops to run low on this model, data and
 machine (:func:`compfx.optimize`), on the first ``search_batches`` batches of
 the trainer's own train dataloader, with its model and optimizer and the
-model's own loss. The trainer then trains the planned module (see
-:class:`~compfx.integrations.planned_training.PlannedForward`). The plan is
+model's own loss. The trainer then trains the model planned in place: its base
+model and head are replaced by planned modules holding the same Parameters
+(see :mod:`compfx.integrations.planned_training`), and put back at train end;
+the loss its forward computes runs eagerly, in FP32. The plan is
 written to ``output_dir`` and into every checkpoint; a run resumed from a
 checkpoint (``trainer.train(resume_from_checkpoint=...)``) loads it from there
 and does not search again.
@@ -35,7 +37,7 @@ from ..analyze import model_device
 from ..errors import BadInputError
 from ..plan import Plan
 from ..search.config import SearchConfig
-from .planned_training import LOG_FILE, PLAN_FILE, PlannedForward, PlannedRun, first_batches, plan_model, saved_plan
+from .planned_training import LOG_FILE, PLAN_FILE, PlannedRun, first_batches, plan_model, saved_plan
 
 __all__ = ["CompfxCallback", "PLAN_FILE", "LOG_FILE"]
 
@@ -77,9 +79,13 @@ class CompfxCallback(TrainerCallback):
     ``trainer.state.log_history`` (saved with checkpoints), and copies the plan
     into each checkpoint. A resumed run (``global_step > 0`` at train begin)
     loads the plan from ``output_dir/checkpoint-<step>/`` (else from
-    ``output_dir``) instead of searching. ``searched`` says which happened;
-    ``run.module`` is the planned module. After training the model runs its own
-    forward again. ``TrainingArguments(fp16=True)`` / ``bf16=True`` /
+    ``output_dir``) instead of searching. ``searched`` says which happened.
+    While training, the submodules the model's forward runs (its base model and
+    head) are :class:`~compfx.per_module.PlannedBlock` s in the model itself
+    (``run.blocks``; same Parameters and ``state_dict`` keys); at train end the
+    original submodules are put back. The ``Trainer`` has no event for an
+    exception in training: after one, call :meth:`restore` (a next ``train()``
+    does it first). ``TrainingArguments(fp16=True)`` / ``bf16=True`` /
     ``torch_compile=True`` are refused when the trainer is built.
 
     >>> cb = CompfxCallback(search_batches=4, config=SearchConfig(progress=False))
@@ -96,7 +102,6 @@ class CompfxCallback(TrainerCallback):
         self.search_batches, self.config, self.loss_fn, self.low_dtype = search_batches, config, loss_fn, low_dtype
         self.plan = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
         self.run: PlannedRun | None = None
-        self._forward: PlannedForward | None = None
 
     @property
     def searched(self) -> bool | None:
@@ -108,8 +113,7 @@ class CompfxCallback(TrainerCallback):
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
         check_training_arguments(args)
-        if self._forward is not None:  # a second train() on the same trainer
-            self._forward.remove()
+        self.restore()  # a second train() on the same trainer, or after one that failed
         plan, source = self._saved_plan(args, state)
         optimizer = getattr(optimizer, "optimizer", optimizer)  # accelerate's wrapper steps only on sync steps
         batches = first_batches(train_dataloader, self.search_batches, model_device(model))
@@ -117,7 +121,6 @@ class CompfxCallback(TrainerCallback):
         log = os.path.join(args.output_dir, LOG_FILE) if writes and plan is None else None
         self.run = plan_model(model, batches, optimizer=optimizer, loss_fn=self.loss_fn, low_dtype=self.low_dtype,
                               config=self.config, plan=plan, log=log, source=source)
-        self._forward = PlannedForward(model, self.run.module)
         if writes:
             self.run.plan.save(os.path.join(args.output_dir, PLAN_FILE))
         logger.info(self.run.summary())
@@ -131,9 +134,12 @@ class CompfxCallback(TrainerCallback):
                 self.run.plan.save(os.path.join(folder, PLAN_FILE))
 
     def on_train_end(self, args, state, control, **kwargs):
-        if self._forward is not None:
-            self._forward.remove()
-            self._forward = None
+        self.restore()
+
+    def restore(self) -> None:
+        """Put the model's own submodules back in place of the planned ones (idempotent)."""
+        if self.run is not None:
+            self.run.restore()
 
     def _saved_plan(self, args, state) -> tuple[Plan | None, str]:
         """The plan to train with instead of searching: the given one, or a resumed run's."""
