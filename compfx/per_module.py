@@ -184,6 +184,17 @@ class PlannedBlock(nn.Module):
     def forward(self, *args, **kwargs):
         return self.graph_for(*args, **kwargs).forward(*args, **kwargs)  # not graph(...): no second set of hooks
 
+    def __getattr__(self, name: str):
+        """Its Parameters, buffers and children; else the block's own attributes and methods, so code that reads
+        the block (a Hugging Face base model's ``config``, ``get_input_embeddings()``) keeps working."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            block = self.__dict__.get("_block")
+            if block is None or name.startswith("__"):
+                raise
+            return getattr(block, name)
+
     def analysis_for(self, *args, **kwargs) -> Analysis:
         """The block's analysis (block-relative keys) at these inputs in the current mode; captured once each."""
         signature = input_signature(args, kwargs, self.training)
