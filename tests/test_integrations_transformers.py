@@ -130,3 +130,21 @@ def test_a_given_plan_of_another_model_is_refused(tmp_path):
 def test_search_batches_must_be_a_positive_int():
     with pytest.raises(BadInputError, match="search_batches=0"):
         CompfxCallback(search_batches=0)
+
+
+def test_after_an_exception_in_training_restore_puts_the_models_own_submodules_back(tmp_path):
+    class Failing(transformers.TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 2:
+                raise RuntimeError("a bug in a callback")
+
+    callback = CompfxCallback(search_batches=2, config=FAST_SEARCH)
+    trainer, _, _ = _trainer("gpt2", tmp_path, callback, max_steps=4)
+    trainer.add_callback(Failing())
+    children = list(trainer.model.children())
+    with pytest.raises(RuntimeError, match="a bug in a callback"):
+        trainer.train()
+    # the Trainer has no event for an exception: the regions stay planned until restore() (or the next train())
+    assert set(callback.run.blocks) == {"transformer", "lm_head"}
+    callback.restore()
+    assert all(a is b for a, b in zip(trainer.model.children(), children, strict=True))
