@@ -130,15 +130,22 @@ def planned_regions(model: nn.Module, batch, loss_fn=None) -> tuple[list[str], t
     (['0', '1', '2'], (<class 'torch.nn.modules.linear.Linear'>, <class 'torch.nn.modules.activation.ReLU'>))
     """
     ran: set[str] = set()
-    handles = [module.register_forward_pre_hook(lambda *_, path=path: ran.add(path))
+    in_forward = [True]  # loss_fn may call submodules too (a criterion): those are no region
+
+    def record(path: str) -> None:
+        if in_forward[0]:
+            ran.add(path)
+
+    handles = [module.register_forward_pre_hook(lambda *_, path=path: record(path))
                for path, module in model.named_modules() if path]
+    handles.append(model.register_forward_hook(lambda *_: in_forward.__setitem__(0, False)))
     try:
         check_first_batch(model, batch, loss_fn, model_device(model))
     finally:
         for handle in handles:
             handle.remove()
     order = {path: position for position, (path, _) in enumerate(model.named_modules())}
-    regions = sorted((path for path in set(ran) if not any(outer in ran for outer in _ancestors(path))),
+    regions = sorted((path for path in ran if not any(outer in ran for outer in _ancestors(path))),
                      key=order.__getitem__)  # registration order, as region_paths gives them
     if not regions:
         raise BadInputError(f"{type(model).__name__}'s forward runs no submodule; CompfxCallback plans a model by "
