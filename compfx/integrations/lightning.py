@@ -57,7 +57,8 @@ class CompfxCallback(Callback):
       forward itself, outside them, run eagerly in FP32.
     * ``config``, ``low_dtype``, ``plan``: as for :func:`compfx.optimize`
       (``keep_search_training`` is set False: the trainer owns the training);
-      a given ``plan`` (a :class:`~compfx.Plan` or plan file) skips the search.
+      a given ``plan`` (a :class:`~compfx.Plan` or plan file of the regions,
+      as this callback writes them) skips the search.
 
     It writes ``compfx-plan.json`` and the search log ``compfx-search.jsonl``
     to ``trainer.default_root_dir`` (global rank zero), logs a summary line and

@@ -54,7 +54,7 @@ def check_training_arguments(args) -> None:
                 "callback's plan decide precision, or remove CompfxCallback to train with plain AMP.")
     if getattr(args, "torch_compile", False):
         raise BadInputError(
-            "TrainingArguments(torch_compile=True) compiles the model the trainer calls, not the planned module; "
+            "TrainingArguments(torch_compile=True) compiles the model around the regions compfx rewrites at run time; "
             "turn off torch_compile with CompfxCallback (or compile with torch.compile(model, backend='compfx'), "
             "which applies the plan compfx.optimize saved, and no callback).")
 
@@ -71,7 +71,9 @@ class CompfxCallback(TrainerCallback):
     * ``loss_fn(output, batch)``: defaults to the model's own ``output.loss``,
       the loss the trainer trains (give yours with a custom ``compute_loss``).
     * ``low_dtype``: fp16 on CUDA, bf16 elsewhere by default.
-    * ``plan``: a :class:`~compfx.Plan` or a plan file to train with, no search.
+    * ``plan``: a :class:`~compfx.Plan` or a plan file to train with, no search:
+      one of the model's regions, as this callback writes them (another is a
+      :class:`~compfx.errors.PlanMismatchError`).
 
     At train begin (process zero) it writes ``output_dir/compfx-plan.json`` and
     the search log ``output_dir/compfx-search.jsonl`` (``compfx report`` prints
