@@ -33,6 +33,7 @@ all-gathers.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -48,7 +49,7 @@ from .errors import BadInputError, CaptureError
 from .opkey import OpKey
 from .passes import apply_precisions
 from .plan import Assignment, Plan
-from .search.evaluator import LocalEvaluator
+from .search.evaluator import LocalEvaluator, each_batch
 from .vocabulary import Category, Precision, check_low_dtype, default_low_dtype, dtype_name
 
 __all__ = ["PlannedBlock", "apply_per_module", "analyze_regions", "region_paths", "block_types", "model_key",
@@ -473,14 +474,10 @@ class PerModuleEvaluator(LocalEvaluator):
         return 1, []
 
     def run_epoch(self, plan: Assignment):
-        epoch = super().run_epoch(plan)
-        try:
-            while True:
-                self.runner(plan)  # another sample may have switched the blocks between two batches
-                try:
-                    item = next(epoch)
-                except StopIteration as stop:
-                    return stop.value
-                yield item
-        finally:
-            epoch.close()
+        # another sample may have switched the blocks between two batches: switch them back before each
+        return each_batch(super().run_epoch(plan), lambda: self._switched_to(plan))
+
+    @contextlib.contextmanager
+    def _switched_to(self, plan: Assignment):
+        self.runner(plan)
+        yield

@@ -31,9 +31,9 @@ wraps one so that every rank sees the same numbers.
 from __future__ import annotations
 
 import functools
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, Generator, Hashable, Iterator, Protocol, runtime_checkable
+from typing import Any, Callable, ContextManager, Generator, Hashable, Protocol, runtime_checkable
 
 import torch.nn as nn
 
@@ -45,7 +45,7 @@ from .log import Replay, ReplayedState
 from .sampling import FairSampler, restore_state
 
 __all__ = ["Evaluator", "Epoch", "FunctionEvaluator", "ReplayingEvaluator", "LocalEvaluator", "plan_failures",
-           "measured_time"]
+           "measured_time", "each_batch"]
 
 #: A Stage-1 epoch: yields (loss, seconds) per batch, returns the trained state.
 Epoch = Generator[tuple[float, float], None, Any]
@@ -219,7 +219,8 @@ class LocalEvaluator:
         with plan_failures():
             runner = self.runner(plan)
             epoch = self.sampler.epoch(runner, warmup=self.warmup)
-        return _failures_as_plan_failures(_charged(epoch, self.clock, "samples"))
+        charged = each_batch(epoch, lambda: self.clock.phase("samples"), close_around=True)
+        return each_batch(charged, plan_failures)  # each batch's failure is the plan's
 
     def time_step(self, plan: Assignment, *, repeats: int | None = None) -> float:
         """Median seconds of ``repeats`` timed steps (default: the evaluator's) after the warm-up."""
@@ -270,30 +271,17 @@ class LocalEvaluator:
                 return stop.value
 
 
-def _charged(epoch: Epoch, clock: PhaseClock, phase: str) -> Epoch:
-    """``epoch``, with the time spent inside it (each batch, and its closing) charged to ``phase`` of ``clock``."""
+def each_batch(epoch: Epoch, around: Callable[[], ContextManager], *, close_around: bool = False) -> Epoch:
+    """``epoch``, with each of its batches (each ``next``) run inside ``around()``; closing it closes ``epoch``
+    (inside ``around()`` too when ``close_around``: closing a pruned epoch restores the model)."""
     try:
         while True:
-            with clock.phase(phase):
+            with around():
                 try:
                     item = next(epoch)
                 except StopIteration as stop:
                     return stop.value
             yield item
     finally:
-        with clock.phase(phase):  # closing a pruned epoch restores the model: part of the sample
+        with around() if close_around else nullcontext():
             epoch.close()
-
-
-def _failures_as_plan_failures(epoch: Iterator) -> Epoch:
-    """``epoch``, with each batch's failure raised as :class:`PlanFailedError`; closing it closes ``epoch``."""
-    try:
-        while True:
-            with plan_failures():
-                try:
-                    item = next(epoch)
-                except StopIteration as stop:
-                    return stop.value
-            yield item
-    finally:
-        epoch.close()
