@@ -55,3 +55,43 @@ def assert_matches_apply(compiled, model, plan, analysis, inputs, tol):
     assert grads.keys() == ref_grads.keys() and grads
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], **tol, msg=lambda m: f"grad of {name}: {m}")
+
+
+def free_port() -> int:
+    """A TCP port nothing listens on now (for a gloo process group's rendezvous)."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def spawn_ranks(rank_main, world: int, out_dir, timeout_s: float) -> list[dict]:
+    """Run ``rank_main(rank, world, port, out_dir)`` in ``world`` spawned processes; each writes
+    ``out_dir/<rank>.json``. Returns those results; every process is gone when this returns."""
+    import json
+    import pathlib
+    import time
+
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    port = free_port()
+    procs = [context.Process(target=rank_main, args=(r, world, port, str(out_dir)), daemon=True)
+             for r in range(world)]
+    for p in procs:
+        p.start()
+    deadline = time.monotonic() + timeout_s
+    for p in procs:
+        p.join(max(0.0, deadline - time.monotonic()))
+    hung = [p for p in procs if p.is_alive()]
+    for p in hung:
+        p.kill()
+        p.join(5)
+    assert not hung, f"{len(hung)} rank(s) still running after {timeout_s}s (a collective mismatch?)"
+    files = [pathlib.Path(out_dir) / f"{r}.json" for r in range(world)]
+    assert all(f.exists() for f in files), f"a rank died without results (exit codes {[p.exitcode for p in procs]})"
+    results = [json.loads(f.read_text()) for f in files]
+    for r, result in enumerate(results):
+        assert "setup" not in result, f"rank {r} could not join the process group:\n{result['setup']['error']}"
+    return results

@@ -5,14 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn as nn
 import torch.nn.functional as F
 from hypothesis import given, settings
@@ -26,6 +23,7 @@ from compfx.plan import Assignment
 from compfx.search import (FunctionEvaluator, SearchConfig, SearchSpace, allocate_per_device, allocation_starts,
                            recovery_order, run_search, run_stage1, stage1_candidates)
 from compfx.vocabulary import Precision
+from helpers import spawn_ranks
 
 WORLD = 2
 TIMEOUT_S = 420  # for all scenarios; every collective also times out (init_process_group timeout)
@@ -173,12 +171,6 @@ def test_an_all_low_plan_saves_fewer_activation_bytes_than_fp32():
 
 # -- two gloo processes --------------------------------------------------------------------
 
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     """Run every scenario on this rank, one after the other (one process start for them all)."""
     import torch.distributed as dist
@@ -205,24 +197,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 
 def run_ranks(out_dir, world: int = WORLD) -> list[dict]:
     """Run all scenarios on ``world`` gloo processes; every process is gone when this returns."""
-    context = mp.get_context("spawn")
-    port = free_port()
-    procs = [context.Process(target=_rank_main, args=(r, world, port, str(out_dir)), daemon=True)
-             for r in range(world)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-        p.join(5)
-    assert not hung, f"{len(hung)} rank(s) still running after {TIMEOUT_S}s (a collective mismatch?)"
-    results = [json.loads((out_dir / f"{r}.json").read_text()) for r in range(world)]
-    for r, result in enumerate(results):
-        assert "setup" not in result, f"rank {r} could not join the process group:\n{result['setup']['error']}"
-    return results
+    return spawn_ranks(_rank_main, world, out_dir, TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")

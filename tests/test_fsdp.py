@@ -7,16 +7,14 @@ import importlib.util
 import json
 import os
 import pathlib
-import time
 import traceback
 from datetime import timedelta
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 import torch.nn.functional as F
 
-from tests.test_distributed import free_port
+from helpers import spawn_ranks
 from tests.test_per_module import Block, Net, data
 
 WORLD, TIMEOUT_S = 2, 240
@@ -114,28 +112,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 
 @pytest.fixture(scope="module")
 def fsdp_results(tmp_path_factory):
-    out_dir = tmp_path_factory.mktemp("fsdp")
-    context = mp.get_context("spawn")
-    port = free_port()
-    procs = [context.Process(target=_rank_main, args=(r, WORLD, port, str(out_dir)), daemon=True)
-             for r in range(WORLD)]
-    for p in procs:
-        p.start()
-    deadline = time.monotonic() + TIMEOUT_S
-    for p in procs:
-        p.join(max(0.0, deadline - time.monotonic()))
-    hung = [p for p in procs if p.is_alive()]
-    for p in hung:
-        p.kill()
-        p.join(5)
-    assert not hung, f"{len(hung)} rank(s) still running after {TIMEOUT_S}s (a collective mismatch?)"
-    codes = [p.exitcode for p in procs]
-    files = [out_dir / f"{r}.json" for r in range(WORLD)]
-    assert all(f.exists() for f in files), f"a rank died without results (exit codes {codes})"
-    results = [json.loads(f.read_text()) for f in files]
-    for r, result in enumerate(results):
-        assert "setup" not in result, f"rank {r} could not join the process group:\n{result['setup']['error']}"
-    return results
+    return spawn_ranks(_rank_main, WORLD, tmp_path_factory.mktemp("fsdp"), TIMEOUT_S)
 
 
 def scenario(results, name: str) -> list[dict]:
