@@ -274,19 +274,21 @@ class _Search:
         """The chosen plan's step against FP32's and AMP's, for the report.
 
         It is not part of the decision and the user pays for every step of it:
-        one round, and a plan the search already timed is not timed again: a
-        Stage-1 sample that trained at least ``repeats`` batches (accepted, or
-        pruned part-way) gives the median of its timed steps, as Stage 2 gives
-        the median of its ``repeats`` timed steps (the same training step, from the same state).
+        one round of :data:`COMPARE_REPEATS` timed steps per plan, and a plan the
+        search already timed is not timed again: a Stage-1 sample that trained at
+        least that many batches (accepted, or pruned part-way) gives the median of
+        its timed steps, as Stage 2 gives the median of its timed steps (the same
+        training step, from the same state).
         """
+        repeats = min(self.config.repeats, COMPARE_REPEATS)  # as many timed steps as the comparison's own
         stage1 = [decision.stage1.baseline, *decision.stage1.samples]
         timed = {o.plan: statistics.median(o.batch_seconds) for o in stage1
-                 if o.status is not SampleStatus.ERROR and len(o.batch_seconds) >= self.config.repeats}
+                 if o.status is not SampleStatus.ERROR and len(o.batch_seconds) >= repeats}
         timed.update({o.plan: o.seconds for o in decision.stage2.samples
                       if o.status is SampleStatus.ACCEPTED and o.seconds > 0})
         samples_before = self.clock.seconds.get("samples", 0.0)
         with self.clock.phase("step comparison"):
-            time_step = functools.partial(self.local.time_step, repeats=min(self.config.repeats, COMPARE_REPEATS))
+            time_step = functools.partial(self.local.time_step, repeats=repeats)
             steps = compare_step_times(time_step, {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan,
                                                    "chosen": decision.plan}, self.log, rounds=1, known=timed)
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
