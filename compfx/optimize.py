@@ -110,8 +110,9 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         return _Search(model, optimizer, analysis, sampler, config, search_log, inputs, clock).run(started)
 
 
-#: Timed steps per plan in the report's step comparison: a median of three, where the search's own
-#: timings (SearchConfig.repeats) decide between plans; on a CPU, AMP's steps are the slow ones.
+#: Timed steps per plan in the report's step comparison (no warm-up: the median of three drops a slow first
+#: step); the search's own timings (SearchConfig.repeats) decide between plans. On a CPU, AMP's steps are the
+#: slow ones, and the comparison times them.
 COMPARE_REPEATS = 3
 
 _NO_BATCH = object()  # what an empty loader yields first (None is a batch, and a bad one)
@@ -288,7 +289,8 @@ class _Search:
                       if o.status is SampleStatus.ACCEPTED and o.seconds > 0})
         samples_before = self.clock.seconds.get("samples", 0.0)
         with self.clock.phase("step comparison"):
-            time_step = functools.partial(self.local.time_step, repeats=repeats)
+            # no warm-up step: a first step's one-off cost is at most one of the three, and the median drops it
+            time_step = functools.partial(self.local.time_step, repeats=repeats, warmup=0)
             steps = compare_step_times(time_step, {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan,
                                                    "chosen": decision.plan}, self.log, rounds=1, known=timed)
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",

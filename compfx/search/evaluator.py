@@ -222,12 +222,13 @@ class LocalEvaluator:
         charged = each_batch(epoch, lambda: self.clock.phase("samples"), close_around=True)
         return each_batch(charged, plan_failures)  # each batch's failure is the plan's
 
-    def time_step(self, plan: Assignment, *, repeats: int | None = None) -> float:
-        """Median seconds of ``repeats`` timed steps (default: the evaluator's) after the warm-up."""
+    def time_step(self, plan: Assignment, *, repeats: int | None = None, warmup: int | None = None) -> float:
+        """Median seconds of ``repeats`` timed steps after ``warmup`` untimed ones (default: the evaluator's)."""
         with plan_failures():
             runner = self.runner(plan)
             with self.clock.phase("samples"):
-                return self.sampler.step_time(runner, warmup=self.warmup, repeats=repeats or self.repeats).median
+                return self.sampler.step_time(runner, warmup=self.warmup if warmup is None else warmup,
+                                              repeats=repeats or self.repeats).median
 
     def check_loss(self, plan: Assignment, batches: int) -> float:
         with plan_failures():
