@@ -261,3 +261,27 @@ def test_fp8_plan_under_the_compfx_backend_with_inductor_matches_apply():
         torch.testing.assert_close(grads[name], ref_grads[name])
     (record,) = compiled_backend.records
     assert record.precisions[analysis.ops[0].key] is Precision.FP8
+
+
+# ---------------------------------------------------------------------------
+# native float8 GEMMs (a GPU of capability 8.9+: the GPU suite's `pytest -m cuda` runs these)
+
+_NATIVE = torch.cuda.is_available() and torch.cuda.get_device_capability() >= (8, 9)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not _NATIVE, reason="needs a CUDA GPU with float8 GEMMs (capability 8.9+, e.g. H100)")
+@pytest.mark.parametrize("recipe", ["tensorwise", "rowwise"])
+def test_native_fp8_mlp_matches_torchao_on_the_gpu(recipe):
+    model = mlp().cuda()
+    config = float8.Float8LinearConfig.from_recipe_name(recipe)  # not emulated: torch._scaled_mm
+    reference = float8.convert_to_float8_training(copy.deepcopy(model), config=config)
+    x = torch.randn(4, 16, 32, device="cuda")
+    analysis = compfx.analyze(model, x, fp8=True)
+    assert all("native" in op.fp8_reason for op in analysis.ops if op.fp8_eligible)
+    planned = apply(model, compfx.Plan.from_bitstring(analysis, "8f8f8", fp8_recipe=recipe), analysis=analysis)
+    out, grads = forward_and_grads(planned, model, (x,))
+    ref_out, ref_grads = forward_and_grads(reference, reference, (x,))
+    torch.testing.assert_close(out, ref_out)
+    for name in grads:
+        torch.testing.assert_close(grads[name], ref_grads[name], msg=lambda m: f"grad of {name}: {m}")
