@@ -95,3 +95,33 @@ def spawn_ranks(rank_main, world: int, out_dir, timeout_s: float) -> list[dict]:
     for r, result in enumerate(results):
         assert "setup" not in result, f"rank {r} could not join the process group:\n{result['setup']['error']}"
     return results
+
+
+def run_scenarios(rank: int, world: int, port: int, out_dir, scenarios: dict, *, timeout_s: float) -> None:
+    """On one spawned rank: join a gloo group, run each of ``scenarios`` (name -> fn(rank, world)), and write
+    ``out_dir/<rank>.json`` (each scenario's result or traceback; ``setup`` when the group could not start)."""
+    import json
+    import os
+    import traceback
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)  # the ranks share this machine's cores
+    results = {}
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=timeout_s))
+        for name, scenario in scenarios.items():
+            try:
+                results[name] = scenario(rank, world)
+            except BaseException:
+                results[name] = {"error": traceback.format_exc()}
+            dist.barrier()  # a scenario that failed on one rank only must not shift the next one's collectives
+    except BaseException:
+        results["setup"] = {"error": traceback.format_exc()}
+    finally:
+        with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
+            json.dump(results, f)
+        if dist.is_initialized():
+            dist.destroy_process_group()

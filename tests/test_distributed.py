@@ -3,10 +3,6 @@ QSync's per-device allocator (exact, with fake measurements; and once with real 
 
 from __future__ import annotations
 
-import json
-import os
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
@@ -23,7 +19,7 @@ from compfx.plan import Assignment
 from compfx.search import (FunctionEvaluator, SearchConfig, SearchSpace, allocate_per_device, allocation_starts,
                            recovery_order, run_search, run_stage1, stage1_candidates)
 from compfx.vocabulary import Precision
-from helpers import spawn_ranks
+from helpers import run_scenarios, spawn_ranks
 
 WORLD = 2
 TIMEOUT_S = 420  # for all scenarios; every collective also times out (init_process_group timeout)
@@ -173,26 +169,7 @@ def test_an_all_low_plan_saves_fewer_activation_bytes_than_fp32():
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     """Run every scenario on this rank, one after the other (one process start for them all)."""
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)  # two processes share this machine's cores
-    results = {}
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=240))
-        for name, scenario in SCENARIOS.items():
-            try:
-                results[name] = scenario(rank, world)
-            except BaseException:
-                results[name] = {"error": traceback.format_exc()}
-            dist.barrier()  # a scenario that failed on one rank only must not shift the next one's collectives
-    except BaseException:
-        results["setup"] = {"error": traceback.format_exc()}
-    finally:
-        with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-            json.dump(results, f)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    run_scenarios(rank, world, port, out_dir, SCENARIOS, timeout_s=240)
 
 
 def run_ranks(out_dir, world: int = WORLD) -> list[dict]:

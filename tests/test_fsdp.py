@@ -4,17 +4,13 @@ one process, the search under FSDP2 reaching one plan, and examples/torchrun_fsd
 from __future__ import annotations
 
 import importlib.util
-import json
-import os
 import pathlib
-import traceback
-from datetime import timedelta
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from helpers import spawn_ranks
+from helpers import run_scenarios, spawn_ranks
 from tests.test_per_module import Block, Net, data
 
 WORLD, TIMEOUT_S = 2, 240
@@ -88,26 +84,8 @@ SCENARIOS = {"train": train_scenario, "search": search_scenario, "example": exam
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
-    import torch.distributed as dist
-
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(1)
-    results = {}
-    try:
-        dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-        for name, scenario in SCENARIOS.items():
-            try:
-                results[name] = scenario(rank, world)
-            except BaseException:
-                results[name] = {"error": traceback.format_exc()}
-            dist.barrier()
-    except BaseException:
-        results["setup"] = {"error": traceback.format_exc()}
-    finally:
-        with open(os.path.join(out_dir, f"{rank}.json"), "w") as f:
-            json.dump(results, f)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+    """Run every FSDP2 scenario on this rank (one process start for them all)."""
+    run_scenarios(rank, world, port, out_dir, SCENARIOS, timeout_s=120)
 
 
 @pytest.fixture(scope="module")
