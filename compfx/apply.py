@@ -17,7 +17,6 @@ exported is specialised to one.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .analyze import Analysis, analyze, analyze_graph
 from .capture import capture, describe_inputs, input_signature, module_modes
+from .capture.nodes import copy_graph
 from .errors import BadInputError, CaptureError, PlanMismatchError
 from .opkey import OpKey
 from .passes import apply_precisions
@@ -115,7 +115,7 @@ def _planned_graph(model: nn.Module, analysis: Analysis, plan: Plan, categories:
     source = analysis.graph_module
     # Lazy: its Python code is generated when it first runs (or is printed). The search rewrites
     # plans that it only prices, and each pass below would otherwise regenerate the code again.
-    gm = _LazyGraphModule(source, copy.deepcopy(source.graph), class_name=type(model).__name__ + "Mixed")
+    gm = _LazyGraphModule(source, copy_graph(source.graph), class_name=type(model).__name__ + "Mixed")
     apply_precisions(gm, plan, low_dtype=plan.low_dtype, categories=categories, default_precision=Precision.FOLLOW,
                      restore_outputs=restore_output_dtypes, fp8_recipe=plan.fp8_recipe)
     _mirror_state(gm, model)
