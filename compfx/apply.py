@@ -17,7 +17,6 @@ exported is specialised to one.
 
 from __future__ import annotations
 
-import copy
 import logging
 import time
 from dataclasses import dataclass
@@ -29,6 +28,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .analyze import Analysis, analyze, analyze_graph
 from .capture import capture, describe_inputs, input_signature, module_modes
+from .capture.nodes import copy_graph
 from .errors import BadInputError, CaptureError, PlanMismatchError
 from .opkey import OpKey
 from .passes import apply_precisions
@@ -115,7 +115,7 @@ def _planned_graph(model: nn.Module, analysis: Analysis, plan: Plan, categories:
     source = analysis.graph_module
     # Lazy: its Python code is generated when it first runs (or is printed). The search rewrites
     # plans that it only prices, and each pass below would otherwise regenerate the code again.
-    gm = _LazyGraphModule(source, copy.deepcopy(source.graph), class_name=type(model).__name__ + "Mixed")
+    gm = _LazyGraphModule(source, copy_graph(source.graph), class_name=type(model).__name__ + "Mixed")
     apply_precisions(gm, plan, low_dtype=plan.low_dtype, categories=categories, default_precision=Precision.FOLLOW,
                      restore_outputs=restore_output_dtypes, fp8_recipe=plan.fp8_recipe)
     _mirror_state(gm, model)
@@ -263,9 +263,8 @@ class PlannedModule(nn.Module):
         self.specializations.append(Specialization(describe_inputs(args, kwargs), self.training, capture_seconds,
                                                    time.perf_counter() - start, unplanned, missing))
         if unplanned or missing:
-            log.warning("compfx: at inputs %s the model runs %d op(s) the plan does not name (they follow: %s) "
-                        "and lacks %d the plan names; the other ops run as planned", describe_inputs(args, kwargs),
-                        len(unplanned), ", ".join(map(str, unplanned[:3])) or "-", missing)
+            log.warning("compfx: at inputs %s %s; the other ops run as planned", describe_inputs(args, kwargs),
+                        _plan_fit(unplanned, missing))
         self._graphs[signature] = graph
         return graph
 
@@ -309,6 +308,17 @@ class PlannedModule(nn.Module):
     def extra_repr(self) -> str:
         return (f"plan={self.plan.fingerprint} ({dtype_name(self.plan.low_dtype)}), {len(self._graphs)} input "
                 f"signature(s)")
+
+
+def _plan_fit(unplanned: tuple[OpKey, ...], missing: int) -> str:
+    """How a new signature's graph and the plan differ, saying only what is the case."""
+    parts = []
+    if unplanned:
+        parts.append(f"the model runs {len(unplanned)} op(s) the plan does not name (they follow: "
+                     f"{', '.join(map(str, unplanned[:3]))}{', ...' if len(unplanned) > 3 else ''})")
+    if missing:
+        parts.append(f"the model lacks {missing} op(s) the plan names")
+    return " and ".join(parts)
 
 
 def _check_same_parameters(source: fx.GraphModule, model: nn.Module) -> None:

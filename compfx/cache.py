@@ -178,8 +178,12 @@ def _warn_once(path: Path, what: str, reason: str) -> None:
                     "delete it.", what, path, reason)
 
 
-def _load_or_skip(path: Path, fingerprint: str | None = None, low_dtype: torch.dtype | None = None) -> Plan | None:
-    """The plan in ``path``; None (one warning) when it is damaged or contradicts its name; None when it vanished."""
+def _load_or_skip(path: Path) -> Plan | None:
+    """The plan in ``path``; None (one warning) when it is damaged or contradicts its name; None when it vanished.
+
+    Callers pick files by name (:func:`_plan_files`, :func:`plan_path`), so a
+    plan whose content matches its name is the one they asked for.
+    """
     try:
         plan = Plan.from_dict(read_json(path, "cached plan", max_bytes=MAX_PLAN_BYTES),
                               source=f"cached plan {path}")
@@ -188,12 +192,9 @@ def _load_or_skip(path: Path, fingerprint: str | None = None, low_dtype: torch.d
             return None  # deleted by another process since it was listed: not damage
         _warn_once(path, "cached plan", str(error))
         return None
-    named = _PLAN_NAME.fullmatch(path.name)
-    if named is None or plan.fingerprint != named["fingerprint"] or dtype_name(plan.low_dtype) != named["dtype"] \
-            or (fingerprint is not None and plan.fingerprint != fingerprint) \
-            or (low_dtype is not None and plan.low_dtype != low_dtype):
-        _warn_once(path, "cached plan", f"it holds the plan of {plan.fingerprint}-{dtype_name(plan.low_dtype)}, "
-                   "not of its file name")
+    held = f"{plan.fingerprint}-{dtype_name(plan.low_dtype)}.json"
+    if held != path.name:
+        _warn_once(path, "cached plan", f"it holds the plan of {held}, not of its own name")
         return None
     return plan
 
@@ -211,9 +212,9 @@ def find_plan(fingerprint: str, *, low_dtype: torch.dtype | None = None,
                 raise  # the caller's argument is wrong
             _warn_once(folder / f"{fingerprint}-{dtype_name(low_dtype)}.json", "cached plan", str(error))
             return None  # a link out of the folder: never followed
-        return _load_or_skip(path, fingerprint, low_dtype)
+        return _load_or_skip(path)
     for path in _newest_first(_plan_files(folder, fingerprint)):
-        plan = _load_or_skip(path, fingerprint)
+        plan = _load_or_skip(path)
         if plan is not None:
             return plan
     return None
@@ -230,15 +231,16 @@ def find_plan_covering(keys: Iterable[OpKey], *, low_dtype: torch.dtype | None =
     wanted = set(keys)
     if not wanted:
         return None
-    for path in _newest_first(_plan_files(cache_folder(cache_dir))):
-        plan = _load_or_skip(path, low_dtype=low_dtype)
+    for path in _newest_first(_plan_files(cache_folder(cache_dir), low_dtype=low_dtype)):
+        plan = _load_or_skip(path)
         if plan is not None and wanted <= set(plan):
             return plan
     return None
 
 
-def _plan_files(folder: Path, fingerprint: str | None = None) -> list[Path]:
-    """The files in ``folder`` named as plans (of ``fingerprint``), inside it; none when the folder is missing."""
+def _plan_files(folder: Path, fingerprint: str | None = None, low_dtype: torch.dtype | None = None) -> list[Path]:
+    """The files in ``folder`` named as plans (of ``fingerprint``, in ``low_dtype``), inside it; none when the folder
+    is missing. Other plans' files are not read: only a file whose content contradicts its name is damaged."""
     try:
         names = os.listdir(folder)
     except (FileNotFoundError, NotADirectoryError):
@@ -249,7 +251,8 @@ def _plan_files(folder: Path, fingerprint: str | None = None) -> list[Path]:
     paths = []
     for name in names:
         match = _PLAN_NAME.fullmatch(name)
-        if match and (fingerprint is None or match["fingerprint"] == fingerprint):
+        if match and (fingerprint is None or match["fingerprint"] == fingerprint) \
+                and (low_dtype is None or match["dtype"] == dtype_name(low_dtype)):
             try:
                 paths.append(_inside(folder, folder / name))
             except CacheKeyError as error:

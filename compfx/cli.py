@@ -14,6 +14,7 @@ import sys
 import torch
 import torch.nn as nn
 
+from .capture import normalize_example_inputs
 from .errors import BadInputError, CompfxError
 from .vocabulary import dtype_name
 
@@ -23,12 +24,21 @@ __all__ = ["main"]
 _LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, None: None}  # --low-dtype
 
 
+def _import_user_module(name: str):
+    """Import the user's module (``mymodels`` of ``mymodels:gpt``) from the current folder too, as
+    ``python -m compfx`` does: the installed ``compfx`` command's path starts at its own folder instead."""
+    here = os.getcwd()
+    if here not in sys.path and "" not in sys.path:
+        sys.path.insert(0, here)
+    return importlib.import_module(name)
+
+
 def _load_factory(spec: str):
     module_name, _, attr = spec.partition(":")
     if not attr:
         raise BadInputError(f"model spec {spec!r} needs the form MODULE:FACTORY, e.g. compfx.examples:mlp")
     try:
-        factory = getattr(importlib.import_module(module_name), attr)
+        factory = getattr(_import_user_module(module_name), attr)
     except Exception as error:  # noqa: BLE001 - ImportError, AttributeError, or the module's own import failing
         raise BadInputError(f"could not load {spec!r}: {type(error).__name__}: {error}") from error
     if not callable(factory):
@@ -48,6 +58,118 @@ def _build_model(spec: str) -> nn.Module:
         raise BadInputError(f"{spec}() returned a {type(model).__name__}, not an nn.Module; expected a factory that "
                             "returns the model, e.g. compfx.examples:cnn.")
     return model
+
+
+# -- --inputs: the model's example inputs, from the user's function ------------------------
+
+def _add_input_options(parser: argparse.ArgumentParser, *, required: bool, when: str = "") -> None:
+    """``--input-shape`` (random float tensors) or ``--inputs`` (the user's function), one of them."""
+    given = parser.add_mutually_exclusive_group(required=required)
+    given.add_argument("--input-shape", type=_shape, action="append", default=None,
+                       help=f"{when}shape of one positional input, e.g. 8,3,32,32 (repeat for several inputs): random "
+                            "float tensors; --inputs for token ids or keyword inputs")
+    given.add_argument("--inputs", metavar="MODULE:FUNCTION", default=None,
+                       help=f"{when}a function returning the model's example inputs: a tensor, a tuple of positional "
+                            "inputs, or a dict of keyword arguments (a token model's input_ids, ...)")
+
+
+def _one_line(error: BaseException) -> str:
+    return f"{type(error).__name__}: {' '.join(str(error).split())}"
+
+
+def _inputs_function(spec: str):
+    """The function ``--inputs MODULE:FUNCTION`` names."""
+    module_name, _, attr = spec.partition(":")
+    if not module_name or not attr:
+        raise BadInputError(f"--inputs {spec!r}; expected MODULE:FUNCTION, a function that takes no arguments and "
+                            "returns the model's inputs, e.g. --inputs mymodels:example_inputs.")
+    try:
+        function = getattr(_import_user_module(module_name), attr)
+    except Exception as error:  # noqa: BLE001 - ImportError, AttributeError, or the module's own import failing
+        raise BadInputError(f"--inputs {spec}: could not load it ({_one_line(error)}).") from error
+    if not callable(function):
+        raise BadInputError(f"--inputs {spec} is not a function (its type is {type(function).__name__}); expected a "
+                            "function that takes no arguments and returns the model's inputs.")
+    return function
+
+
+def _call_inputs_function(spec: str, function):
+    """``function()``, checked to be what ``compfx.analyze`` takes as example inputs."""
+    try:
+        inputs = function()
+    except Exception as error:  # noqa: BLE001 - the user's function
+        raise BadInputError(f"--inputs {spec}() failed ({_one_line(error)}); expected a function that takes no "
+                            "arguments and returns the model's inputs.") from error
+    valid = (isinstance(inputs, torch.Tensor) or (isinstance(inputs, (tuple, list)) and len(inputs) > 0)
+             or (isinstance(inputs, dict) and len(inputs) > 0 and all(isinstance(k, str) for k in inputs)))
+    if not valid:
+        raise BadInputError(f"--inputs {spec}() returned {_describe(inputs)}; expected the model's inputs: a "
+                            "tensor, a tuple of positional inputs, or a dict of keyword arguments (string keys).")
+    return inputs
+
+
+def _describe(value) -> str:
+    if isinstance(value, (tuple, list, dict)) and not value:
+        return f"an empty {type(value).__name__}"
+    if isinstance(value, dict):
+        return "a dict with non-string keys"
+    return f"a {type(value).__name__}"
+
+
+def _example_inputs(args, seed: int = 0):
+    """The model's inputs: ``--inputs``' function's (torch seeded with ``seed`` for it), else random float tensors
+    of each ``--input-shape``."""
+    if args.inputs is None:
+        generator = torch.Generator().manual_seed(seed)
+        return tuple(torch.randn(*shape, generator=generator) for shape in args.input_shape)
+    function = _inputs_function(args.inputs)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        return _call_inputs_function(args.inputs, function)
+
+
+def _batch_of(inputs):
+    """A batch that :func:`~compfx.search.sampling.split_batch` reads back as exactly ``inputs`` (a tuple batch's
+    last item is its target, so positional inputs get an empty one)."""
+    args, kwargs = normalize_example_inputs(inputs)
+    if args and kwargs:
+        raise BadInputError("--inputs gave positional and keyword inputs; diagnose runs one batch, which holds "
+                            "either: return a dict of keyword arguments, or a tuple of positional inputs.")
+    return dict(kwargs) if kwargs else (*args, None)
+
+
+def _search_batches(args) -> list:
+    """``search --inputs``: the function called ``--batches`` times, torch seeded with ``--seed + i`` before call
+    ``i`` (a function that draws random tokens gives different batches, the same in every run)."""
+    function = _inputs_function(args.inputs)
+    batches = []
+    with torch.random.fork_rng(devices=[]):
+        for i in range(args.batches):
+            torch.manual_seed(args.seed + i)
+            batch = _call_inputs_function(args.inputs, function)
+            if isinstance(batch, (tuple, list)) and len(batch) > 1:
+                raise BadInputError(f"search --inputs {args.inputs}() returned a tuple of {len(batch)} inputs, but a "
+                                    "search reads a tuple batch as (inputs..., target); return a dict of keyword "
+                                    "arguments (with the labels, for a model that returns its own .loss), or give "
+                                    "(inputs..., target) batches with --data MODULE:FACTORY.")
+            batches.append(batch)
+    return batches
+
+
+def _check_search_data(args) -> None:
+    """Exactly one source of batches; the named losses need a target, which --inputs batches have not."""
+    given = [flag for flag, value in (("--data", args.data), ("--inputs", args.inputs),
+                                      ("--input-shape", args.input_shape)) if value is not None]
+    if len(given) != 1:
+        what = {0: "no batches to search on", 2: f"got {' and '.join(given)}, not both"}.get(
+            len(given), f"got {', '.join(given)}")
+        raise BadInputError(f"{what}; give one of --data MODULE:FACTORY (your batches), --inputs MODULE:FUNCTION "
+                            "(the model's inputs, for a model that returns its own loss) or --input-shape S "
+                            "--classes C (synthetic classification batches).")
+    if args.inputs is not None and args.loss in _NAMED_LOSSES:
+        raise BadInputError(f"--loss {args.loss} takes the target from an (inputs, target) batch, and --inputs gives "
+                            "the model's inputs only; use --loss model (the output's .loss) or --loss "
+                            "MODULE:FUNCTION(output, batch), or give (inputs, target) batches with --data.")
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -74,7 +196,7 @@ def _cmd_analyze(args) -> int:
     from .analyze import analyze
 
     model = _build_model(args.model)
-    inputs = tuple(torch.randn(*shape) for shape in args.input_shape)
+    inputs = _example_inputs(args)
     low_dtype = _LOW_DTYPES[args.low_dtype]
     analysis = analyze(model, inputs, device=args.device, low_dtype=low_dtype, capability=args.capability)
     print(analysis.table())
@@ -103,7 +225,9 @@ def _loss_fn(spec: str | None, synthetic: bool):
 
 
 def _sample_loader(args):
-    """The batches to search on: the ``--data`` factory's, or ``--batches`` synthetic classification batches."""
+    """The batches to search on: the ``--data`` factory's, ``--inputs``' or ``--batches`` synthetic ones."""
+    if args.inputs is not None:
+        return _search_batches(args)
     if args.data is None:
         generator = torch.Generator().manual_seed(args.seed)
         return [(torch.randn(*args.input_shape, generator=generator),
@@ -128,15 +252,13 @@ def _cmd_search(args) -> int:
     from .optimize import optimize
     from .search.config import SearchConfig
 
-    if (args.data is None) == (args.input_shape is None):
-        raise BadInputError("give either --data MODULE:FACTORY (your batches) or --input-shape S --classes C "
-                            "(synthetic classification batches), not both and not neither.")
+    _check_search_data(args)
     if args.input_shape is not None and args.classes is None:
         raise BadInputError("--input-shape needs --classes C: synthetic batches are (inputs, class index) pairs.")
     _check_writable_file(args.log, "--log")
     _check_writable_file(args.plan, "--plan")
     model = _build_model(args.model)
-    loss_fn = _loss_fn(args.loss, synthetic=args.data is None)
+    loss_fn = _loss_fn(args.loss, synthetic=args.input_shape is not None)
     loader = _sample_loader(args)
     optimizer = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[args.optimizer](model.parameters(), lr=args.lr)
     config = SearchConfig(threshold=args.threshold, seed=args.seed, progress=not args.no_progress)
@@ -167,11 +289,11 @@ def _cmd_plan_show(args) -> int:
     plan = Plan.load(args.plan)
     analysis = None
     if args.model is not None:
-        if not args.input_shape:
-            raise BadInputError("--model needs --input-shape (the model is captured on inputs of that shape to "
+        if not args.input_shape and args.inputs is None:
+            raise BadInputError("--model needs --input-shape or --inputs (the model is captured on those inputs to "
                                 "check the plan against it), e.g. --input-shape 8,1,8,8.")
         model = _build_model(args.model)
-        analysis = analyze(model, tuple(torch.randn(*shape) for shape in args.input_shape), low_dtype=plan.low_dtype)
+        analysis = analyze(model, _example_inputs(args), low_dtype=plan.low_dtype)
         plan.validate(analysis)  # a PlanMismatchError says how the plan and the model differ
     counts = ", ".join(f"{sum(p == precision for p in plan.values())} {precision}"
                        for precision in sorted({str(p) for p in plan.values()}))
@@ -194,11 +316,17 @@ def _add_search_parsers(sub) -> None:
                    help="MODULE:FACTORY returning the batches to search on (a list of batches or a DataLoader)")
     p.add_argument("--input-shape", type=_shape, default=None,
                    help="synthetic data instead of --data: the input batch's shape, e.g. 32,1,8,8")
+    p.add_argument("--inputs", metavar="MODULE:FUNCTION", default=None,
+                   help="instead of --data: a function returning one batch of the model's inputs, as for analyze: a "
+                        "dict of keyword arguments (a token model's input_ids and labels, so that it returns its "
+                        "own .loss) or a tensor; called --batches times, torch seeded with --seed + i before call i; "
+                        "the loss is the output's .loss, or --loss MODULE:FUNCTION(output, batch)")
     p.add_argument("--classes", type=int, default=None, help="synthetic data: number of classes of the targets")
-    p.add_argument("--batches", type=int, default=8, help="synthetic data: number of batches (default 8)")
+    p.add_argument("--batches", type=int, default=8,
+                   help="synthetic data or --inputs: number of batches (default 8)")
     p.add_argument("--loss", default=None,
                    help=f"{', '.join(_NAMED_LOSSES)}, model (the output's .loss) or MODULE:FUNCTION(output, batch); "
-                        "default cross_entropy for synthetic data, model with --data")
+                        "default cross_entropy for synthetic data, model with --data or --inputs")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
     p.add_argument("--lr", type=float, default=0.01)
     p.add_argument("--low-dtype", choices=["fp16", "bf16"], default=None)
@@ -216,8 +344,7 @@ def _add_search_parsers(sub) -> None:
         "show", help="print a plan file (with --model: against the model's analysis)")
     show.add_argument("plan", help="a plan file, e.g. written by compfx search --plan F or Plan.save")
     show.add_argument("--model", default=None, help="MODULE:FACTORY: check the plan against this model")
-    show.add_argument("--input-shape", type=_shape, action="append", default=None,
-                      help="with --model: shape of one positional input (repeat for several inputs)")
+    _add_input_options(show, required=False, when="with --model: ")
     show.set_defaults(func=_cmd_plan_show)
 
 
@@ -227,21 +354,19 @@ def _cmd_diagnose(args) -> int:
 
     model = _build_model(args.model)
     plan = Plan.load(args.plan) if args.plan else None
-    generator = torch.Generator().manual_seed(args.seed)
-    inputs = tuple(torch.randn(*shape, generator=generator) for shape in args.input_shape)
+    inputs = _example_inputs(args, args.seed)
     low_dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, None: None}[args.low_dtype]
-    print(diagnose(model, inputs if len(inputs) > 1 else inputs[0], plan=plan, low_dtype=low_dtype))
+    print(diagnose(model, _batch_of(inputs), plan=plan, low_dtype=low_dtype))
     return 0
 
 
 def _add_diagnose_parser(sub) -> None:
     p = sub.add_parser("diagnose", help="per-op overflow, underflow and error of a plan against FP32, on random inputs")
     p.add_argument("model", help="MODULE:FACTORY returning an nn.Module, e.g. compfx.examples:cnn")
-    p.add_argument("--input-shape", type=_shape, action="append", required=True,
-                   help="shape of one positional input, e.g. 8,3,32,32 (repeat for several inputs)")
+    _add_input_options(p, required=True)
     p.add_argument("--plan", default=None, help="a plan file (default: what autocast does, Plan.amp)")
     p.add_argument("--low-dtype", choices=["fp16", "bf16"], default=None, help="without --plan (default: the device's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (torch's, for --inputs)")
     p.set_defaults(func=_cmd_diagnose)
 
 
@@ -257,8 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("analyze", help="classify each op of a model and check Tensor Core eligibility")
     p.add_argument("model", help="MODULE:FACTORY returning an nn.Module, e.g. compfx.examples:cnn")
-    p.add_argument("--input-shape", type=_shape, action="append", required=True,
-                   help="shape of one positional input, e.g. 8,3,32,32 (repeat for several inputs)")
+    _add_input_options(p, required=True)
     p.add_argument("--device", default=None, help="target device (default: the model's)")
     p.add_argument("--low-dtype", choices=["fp16", "bf16"], default=None)
     p.add_argument("--capability", type=_capability, default=None,

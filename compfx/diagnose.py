@@ -27,8 +27,11 @@ from typing import Any, Callable, Iterable, Mapping
 
 import torch
 import torch.fx as fx
+import torch.fx._pytree as fx_pytree
 import torch.nn as nn
 from tabulate import tabulate
+from torch.fx._lazy_graph_module import _LazyGraphModule
+from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
 from .analyze import analyze
@@ -189,7 +192,7 @@ def planned_module(module: nn.Module, batch, *, plan: Plan | None = None,
         raise BadInputError(f"diagnose() takes an nn.Module or a compfx PlannedModule; got {type(module).__name__}.")
     if isinstance(module, fx.GraphModule) and "compfx_plan" in module.meta:
         raise BadInputError("diagnose() got a graph from compfx.apply(); it needs the model it came from to run the "
-                            "FP32 shadow. Pass compfx.apply.PlannedModule(model, plan, analysis=...) or the model "
+                            "FP32 shadow. Pass compfx.PlannedModule(model, plan, analysis=...) or the model "
                             "with plan=.")
     args, kwargs = split_batch(batch)
     if plan is not None:
@@ -326,9 +329,14 @@ def _record(gm: fx.GraphModule, args: tuple, kwargs: dict, backward_from: Backwa
 
 
 def _bind(gm: fx.GraphModule, placeholders: list[fx.Node], args: tuple, kwargs: dict) -> list:
-    """The placeholder values for ``gm.forward(*args, **kwargs)``, in placeholder order."""
+    """The placeholder values for ``gm.forward(*args, **kwargs)``, in placeholder order, bound as its generated
+    code binds them: through the input spec of a recorded or exported graph, by name for a traced one."""
+    codegen = gm.graph._codegen
+    if isinstance(codegen, _PyTreeCodeGen) and codegen.pytree_info is not None:
+        return fx_pytree.tree_flatten_spec((list(args), kwargs), codegen.pytree_info.in_spec)
     if not kwargs:
         return list(args)
+    _LazyGraphModule.force_recompile(gm)  # until then its forward is (*args, **kwargs)
     bound = inspect.signature(gm.forward).bind(*args, **kwargs)
     bound.apply_defaults()
     return [bound.arguments[p.target] if p.target in bound.arguments else p.args[0] for p in placeholders]

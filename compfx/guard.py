@@ -101,7 +101,7 @@ class Guard:
                  log: SearchLog | str | os.PathLike | None = None, max_rounds: int = 8, min_scale: float = 1.0):
         if not isinstance(planned, PlannedModule):
             raise BadInputError(f"Guard watches a compfx PlannedModule (optimize(...).module, or "
-                                f"compfx.apply.PlannedModule(model, plan, analysis=...)); got {type(planned).__name__}. "
+                                f"compfx.PlannedModule(model, plan, analysis=...)); got {type(planned).__name__}. "
                                 "It repairs the module's plan in place, so it needs the module that runs one.")
         _check_count(check_every, "check_every")
         if shadow_every is not None:

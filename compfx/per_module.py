@@ -34,7 +34,6 @@ all-gathers.
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
 import logging
 from typing import Hashable, Iterable, Mapping
@@ -45,6 +44,7 @@ import torch.nn as nn
 
 from .analyze import Analysis, analyze_graph, model_device
 from .capture import buffers_restored, capture, describe_inputs, input_signature, normalize_example_inputs
+from .capture.nodes import copy_graph
 from .errors import BadInputError, CaptureError
 from .opkey import OpKey
 from .passes import apply_precisions
@@ -243,7 +243,7 @@ class PlannedBlock(nn.Module):
             log.warning("compfx: block %r runs %d op(s) the plan does not name (they follow: %s)", self.path,
                         len(unplanned), ", ".join(map(str, unplanned[:3])))
         source = analysis.graph_module
-        gm = fx.GraphModule(source, copy.deepcopy(source.graph), class_name=self.block_type.__name__ + "Mixed")
+        gm = fx.GraphModule(source, copy_graph(source.graph), class_name=self.block_type.__name__ + "Mixed")
         apply_precisions(gm, precisions, low_dtype=self.plan.low_dtype, categories=categories,
                          default_precision=Precision.FOLLOW, restore_outputs=self.restore_output_dtypes)
         _read_state_through(gm, self)

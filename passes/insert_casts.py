@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from compfx.capture import get_attribute, has_side_effects
+from compfx.capture.nodes import copy_graph
 from compfx.cast_policy import (CAST_META, AutocastRegion, castable_inputs, precision_dtype, runs_as_is,
                                 runs_under_autocast, shares_cast)
 from compfx.errors import PassError
@@ -96,7 +97,7 @@ def insert_casts(
 
 def _copy_graph(gm: fx.GraphModule) -> fx.Graph:
     """A copy of ``gm.graph`` to rewrite; dynamo's plain attributes on nodes (``_dynamo_source``) come along."""
-    graph = copy.deepcopy(gm.graph)
+    graph = copy_graph(gm.graph)
     graph.owning_module = gm  # purity checks of call_module nodes look the module up
     for old, new in zip(gm.graph.nodes, graph.nodes):  # deepcopy keeps node order
         for name, value in vars(old).items():

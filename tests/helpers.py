@@ -1,10 +1,16 @@
-"""Small pieces the optimize-level tests share: losses, a deterministic cost, seeded batches.
+"""Small pieces the tests share: losses, a deterministic cost, seeded batches, the warnings compfx causes.
 
 The tiny models stay in their test files: each is shaped for what its tests
 check (an op that overflows, one that fails in low precision, a norm layer...).
 """
 
 from __future__ import annotations
+
+import contextlib
+import sysconfig
+import traceback
+import warnings
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -125,3 +131,52 @@ def run_scenarios(rank: int, world: int, port: int, out_dir, scenarios: dict, *,
             json.dump(results, f)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+
+def _owner_of(filename: str) -> str:
+    """Whose code a stack frame runs: "compfx" (its modules, and the graphs it generates), "library" (Python's
+    standard library, torch, typing_extensions: code that passes its caller's warning on), or "other"."""
+    import compfx
+    import compfx.passes
+    import typing_extensions
+
+    if filename.startswith("<eval_with_key"):
+        return "compfx"
+    if filename.startswith("<"):
+        return "library"
+    path = str(Path(filename).resolve())
+    ours = (Path(compfx.__file__).parent, Path(compfx.passes.__file__).parent)
+    libraries = (Path(sysconfig.get_paths()["stdlib"]), Path(torch.__file__).parent, Path(typing_extensions.__file__))
+    if path.startswith(tuple(str(p.resolve()) for p in ours)):
+        return "compfx"
+    return "library" if path.startswith(tuple(str(p.resolve()) for p in libraries)) else "other"
+
+
+def compfx_warning_origin(stack: list[traceback.FrameSummary]) -> str | None:
+    """Where compfx caused a warning, or None: the innermost frame of ``stack`` (the warning's) that is not library
+    code decides (compfx deep-copying a graph that makes torch warn is compfx's; a model's own warning is not)."""
+    for frame in reversed(stack):
+        owner = _owner_of(frame.filename)
+        if owner == "compfx":
+            return f"{frame.filename}:{frame.lineno}"
+        if owner == "other":
+            return None
+    return None
+
+
+@contextlib.contextmanager
+def warnings_from_compfx():
+    """Collect every warning compfx's own code causes (each time, as 'always' would show it, with where compfx
+    caused it); the others pass silently."""
+    found: list[str] = []
+
+    def collect(message, category, filename, lineno, file=None, line=None):
+        origin = compfx_warning_origin(traceback.extract_stack()[:-1])
+        if origin is not None:
+            found.append(f"{category.__name__}: {message} ({filename}:{lineno}, caused at {origin})")
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("always")
+        warnings.showwarning = collect
+        yield found

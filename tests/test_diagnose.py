@@ -143,3 +143,32 @@ def test_cli_diagnose_prints_the_table(capsys, tmp_path):
     assert main(["diagnose", "compfx.examples:cnn", "--input-shape", "4,1,8,8", "--plan",
                  str(tmp_path / "plan.json")]) == 2
     assert "compfx: error:" in capsys.readouterr().err
+
+
+def tiny_gpt2():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+                                     eos_token_id=0)
+    return transformers.GPT2LMHeadModel(config).eval()  # eval: no dropout, so the shadow's loss is the model's
+
+
+def test_diagnose_takes_a_plain_hugging_face_model_with_a_dict_batch_and_a_plan():
+    model = tiny_gpt2()
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    analysis = compfx.analyze(model, batch)
+    plan = compfx.Plan.amp(analysis)
+    with torch.no_grad():
+        own_loss = float(model(**batch).loss)
+
+    diagnosis = compfx.diagnose(model, batch, plan=plan)  # a recorded graph, called with keyword inputs
+
+    assert diagnosis.plan == plan and [row.key for row in diagnosis.rows] == list(analysis.keys)
+    assert diagnosis.finite and diagnosis.shadow_loss == pytest.approx(own_loss, rel=1e-5)
+    assert diagnosis.row(compfx.OpKey("lm_head", "linear", 0)).dtype == plan.low_dtype
+    assert diagnosis.rows == compfx.diagnose(PlannedModule(model, plan, analysis=analysis), batch).rows
+    # without a plan (Plan.amp), and a tuple batch (inputs..., target) with a loss_fn: what optimize takes too
+    assert compfx.diagnose(model, batch).plan == plan
+    lm_loss = lambda output, b: F.cross_entropy(output.logits.flatten(0, 1), b[-1].flatten())  # noqa: E731
+    assert compfx.diagnose(model, (ids, ids), loss_fn=lm_loss, plan=None).finite

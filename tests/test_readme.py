@@ -1,4 +1,5 @@
-"""The README's Python examples run, in order, as a reader would paste them (in an empty folder)."""
+"""The README's Python examples run, in order, as a reader would paste them (in an empty folder), and compfx's own
+code causes no warning on them."""
 
 from __future__ import annotations
 
@@ -6,6 +7,8 @@ import re
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import warnings_from_compfx
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -27,9 +30,11 @@ def test_every_python_example_in_the_readme_runs(tmp_path, monkeypatch):
     blocks = python_blocks(README.read_text())
     assert len(blocks) >= 2
     namespace: dict = {}
-    for number, block in enumerate(blocks, 1):
-        try:
-            exec(compile(block, f"README.md python block {number}", "exec"), namespace)
-        except Exception as error:  # pragma: no cover - the message says which block
-            pytest.fail(f"README python block {number} failed: {type(error).__name__}: {error}\n{block}")
+    with warnings_from_compfx() as warned:
+        for number, block in enumerate(blocks, 1):
+            try:
+                exec(compile(block, f"README.md python block {number}", "exec"), namespace)
+            except Exception as error:  # pragma: no cover - the message says which block
+                pytest.fail(f"README python block {number} failed: {type(error).__name__}: {error}\n{block}")
     assert (tmp_path / "search.jsonl").exists() and (tmp_path / "plan.json").exists()
+    assert warned == []  # compfx's own code causes no warning on the README's examples

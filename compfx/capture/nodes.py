@@ -10,6 +10,7 @@ these questions here, so they get the same answers.
 
 from __future__ import annotations
 
+import copy
 import functools
 import inspect
 import operator
@@ -32,6 +33,7 @@ __all__ = [
     "has_side_effects",
     "writes_input",
     "is_in_place",
+    "copy_graph",
 ]
 
 
@@ -205,3 +207,25 @@ def is_in_place(target) -> bool:
     """
     name = target if isinstance(target, str) else getattr(target, "__name__", "")
     return (name.endswith("_") and not name.endswith("__")) or target in _IN_PLACE_OPERATORS
+
+
+def copy_graph(graph: fx.Graph) -> fx.Graph:
+    """A copy of ``graph`` to rewrite: new nodes (each with a shallow copy of its ``meta``), as ``copy.deepcopy``
+    makes, but sharing the input and output specs of a recorded or exported graph instead of deep-copying them.
+
+    The specs are immutable, and copying one builds ``torch.utils._pytree.LeafSpec`` objects, which say
+    ``FutureWarning: isinstance(treespec, LeafSpec) is deprecated`` each time: several times per planned graph.
+
+    >>> import torch
+    >>> gm = torch.fx.symbolic_trace(torch.nn.Linear(2, 2))
+    >>> copied = copy_graph(gm.graph)
+    >>> [n.op for n in copied.nodes] == [n.op for n in gm.graph.nodes], next(iter(copied.nodes)) is next(iter(gm.graph.nodes))
+    (True, False)
+    """
+    new = fx.Graph(tracer_cls=graph._tracer_cls)
+    copied = new.graph_copy(graph, val_map={}, return_output_node=True)
+    new._codegen = copy.copy(graph._codegen)  # its pytree_info (names and specs) is a NamedTuple: shared, never changed
+    if copied is not None:
+        output_value, old_output = copied
+        new.output(output_value, type_expr=getattr(old_output, "type", None)).meta = copy.copy(old_output.meta)
+    return new
