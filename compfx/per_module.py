@@ -245,7 +245,8 @@ class PlannedBlock(nn.Module):
         source = analysis.graph_module
         gm = fx.GraphModule(source, copy.deepcopy(source.graph), class_name=self.block_type.__name__ + "Mixed")
         apply_precisions(gm, precisions, low_dtype=self.plan.low_dtype, categories=categories,
-                         default_precision=Precision.FOLLOW, restore_outputs=self.restore_output_dtypes)
+                         default_precision=Precision.FOLLOW, restore_outputs=self.restore_output_dtypes,
+                         padded=[op.key for op in analysis.ops if model_key(self.path, op.key) in self.plan.padded])
         _read_state_through(gm, self)
         gm.train(self.training)
         gm.meta.update(compfx_plan=self.plan, compfx_capture_method=analysis.capture_method)
