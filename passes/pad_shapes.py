@@ -62,7 +62,8 @@ from .propagate_dtypes import DtypePropagator
 __all__ = ["pad_shapes", "op_padding", "padding_of_call", "OpPadding", "PAD_META", "PADDED_META"]
 
 PASS_NAME = "pad_shapes"
-#: ``node.meta`` flag on every node this pass inserts (pads, narrows, reshapes).
+#: ``node.meta`` entry on every node this pass inserts: ``"operand"`` on the way into the padded op (reshapes,
+#: pads), ``"result"`` on the way out (narrows, ``contiguous``, the reshape back).
 PAD_META = "compfx_pad"
 #: ``gm.meta`` entry: the keys of the ops this pass padded in the graph.
 PADDED_META = "compfx_padded"
@@ -235,7 +236,7 @@ def pad_shapes(gm: fx.GraphModule, padded: Iterable[OpKey]) -> fx.GraphModule:
     """Pad the ops whose keys are in ``padded`` (see the module docstring); returns ``gm``.
 
     Which ops it padded goes into ``gm.meta["compfx_padded"]``; every node it
-    inserts carries ``meta["compfx_pad"]``, the op's module stack and source
+    inserts carries ``meta["compfx_pad"]`` (``"operand"`` or ``"result"``), the op's module stack and source
     location, and its value (``val`` / ``example_value``, ``tensor_meta``).
     A padded key whose op meets the rule at this graph's shapes, or has a
     symbolic dim, is left as it is. Everything is worked out before the graph
@@ -290,7 +291,7 @@ class _Rewrite:
             for slot, steps in self.padding.operands:
                 current = _get_slot(kind, args, kwargs, slot)
                 for step, value in zip(steps, self.operand_values[slot]):
-                    current = self._insert(graph, step, current, value, values)
+                    current = self._insert(graph, step, current, value, values, "operand")
                 _set_slot(kind, args, kwargs, slot, current)
         node.args, node.kwargs = tuple(args), kwargs
         values.record(node, self.op_value, like=node)
@@ -298,17 +299,18 @@ class _Rewrite:
         current = node
         for step, value in zip(self.padding.output, self.output_values):
             with graph.inserting_after(current):
-                current = self._insert(graph, step, current, value, values)
+                current = self._insert(graph, step, current, value, values, "result")
         for user in users:
             user.replace_input_with(node, current)
 
-    def _insert(self, graph: fx.Graph, step: _Step, source: fx.Node, value, values: DtypePropagator) -> fx.Node:
+    def _insert(self, graph: fx.Graph, step: _Step, source: fx.Node, value, values: DtypePropagator,
+                side: str) -> fx.Node:
         name = f"{self.node.name}_{getattr(step.target, '__name__', step.target)}"
         new = graph.create_node(step.op, step.target, (source, *step.args), {}, name=name)
         for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):  # FX does not propagate metadata
             if key in self.node.meta:
                 new.meta[key] = copy.copy(self.node.meta[key])
-        new.meta[PAD_META] = True
+        new.meta[PAD_META] = side
         values.record(new, value, like=self.node)
         return new
 

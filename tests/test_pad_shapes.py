@@ -201,6 +201,7 @@ def test_inserted_nodes_carry_the_ops_metadata_and_true_values():
         real = interpreter.seen[node]
         for recorded in (node.meta["val"], node.meta["tensor_meta"]):
             assert tuple(recorded.shape) == tuple(real.shape) and recorded.dtype == real.dtype, node.name
+    assert [n.meta[PAD_META] for n in inserted] == ["operand"] * 4 + ["result"] * 4
     assert tuple(op.meta["val"].shape) == (16, 16)  # the op itself now computes the padded tile
     assert tuple(inserted[-1].meta["val"].shape) == (3, 5, 13)  # what its consumers see: the unpadded shape
 
@@ -221,6 +222,16 @@ def test_parameters_optimizer_and_state_dict_are_the_models_own():
     assert model.weight.shape == reference.weight.shape and not torch.equal(model.weight, reference.weight)
     assert [len(g["params"]) for g in optimizer.state_dict()["param_groups"]] == [2]
     reference.load_state_dict(planned.state_dict())  # a checkpoint of the planned module loads into the model
+
+
+def test_diagnose_compares_a_padded_op_as_the_model_sees_it():
+    model, x = nn.Sequential(nn.Linear(16, 10), nn.Linear(10, 3)), torch.randn(5, 16)
+    analysis = compfx.analyze(model, x)
+    plan = compfx.Plan.amp(analysis).with_padding([op.key for op in analysis.ops], analysis=analysis)
+    diagnosis = compfx.diagnose(PlannedModule(model, plan, analysis=analysis), x)
+    for op in analysis.ops:  # sliced back, each output and gradient pairs with the FP32 shadow's
+        row = diagnosis.row(op.key)
+        assert 0 < row.error < 2e-2 and row.grad_error is not None and row.grad_error < 2e-2, row
 
 
 def test_an_op_that_already_meets_the_rule_is_never_padded():
