@@ -457,15 +457,21 @@ class PerModuleEvaluator(LocalEvaluator):
 
     def runner(self, plan: Assignment) -> nn.Module:
         """The model, with ``plan`` switched into its blocks."""
-        chosen = self.plan(plan)
+        return self.runner_of(self.plan(plan))
+
+    def runner_of(self, plan: Plan) -> nn.Module:
+        """:meth:`runner` for a :class:`~compfx.plan.Plan`."""
         categories = {op.key: op.category for op in self.analysis.ops}
         for module in self.model.modules():
             if isinstance(module, PlannedBlock):
-                module.use_plan(chosen, categories)
+                module.use_plan(plan, categories)
         return self.model
 
     def module(self, plan: Assignment) -> nn.Module:
         return self.runner(plan)
+
+    def module_of(self, plan: Plan) -> nn.Module:
+        return self.runner_of(plan)
 
     def program(self, plan: Assignment) -> Hashable:
         """Every plan is a program of its own (the blocks build their graphs on first use)."""
