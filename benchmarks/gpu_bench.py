@@ -26,8 +26,15 @@ carries on with the group's remaining rows). A group runs as many of its rows,
 in order, as its estimated cost lets fit in the time left; the rest are left for
 the next call.
 
+The padding row (``padding=True``: :data:`PADDING_TASK`) is one model with an unfit
+shape, GPT-2's vocabulary of 50,257, trained under one plan with and without
+Tensor Core shape padding, in turns, by :mod:`benchmarks.padding`; its
+``padding`` entry holds both timings and the verdict.
+
 >>> [task.id for task in suite_groups(["gpt"], ["fp32", "compfx-fp16"], compiled=True)[1]]
 ['gpt/fp32+compile', 'gpt/compfx-fp16+compile']
+>>> [task.id for task in suite_groups(["gpt"], ["fp32"], compiled=False, padding=True)[-1]]
+['gpt_vocab50257/padding-fp16']
 >>> parse_mode("amp-bf16")
 ('amp', 'bf16')
 """
@@ -47,7 +54,7 @@ from pathlib import Path
 from typing import Callable, Iterable
 
 __all__ = ["SUITE_MODELS", "SMOKE_MODELS", "MODES", "EPOCH_DATA", "Task", "Settings", "parse_mode", "suite_groups",
-           "needs_run", "run_groups", "measure_row", "worker_main"]
+           "needs_run", "run_groups", "measure_row", "worker_main", "PADDING_TASK"]
 
 SUITE_MODELS = ("alexnet_cifar", "vgg16_cifar", "resnet", "bert_squad", "gpt")
 SMOKE_MODELS = ("alexnet_cifar", "bert_squad")  # one CNN, one transformer: the smoke run must stay well under a minute
@@ -72,8 +79,9 @@ ROOT = Path(__file__).resolve().parent.parent
 def parse_mode(label: str) -> tuple[str, str]:
     """``"amp-fp16"`` -> ``("amp", "fp16")``; ``"fp32"`` -> ``("fp32", "auto")``."""
     mode, _, low = label.partition("-")
-    if mode not in ("fp32", "amp", "compfx") or (mode != "fp32" and low not in ("fp16", "bf16")):
-        raise ValueError(f"mode {label!r}; expected fp32, amp-fp16, amp-bf16, compfx-fp16 or compfx-bf16")
+    if mode not in ("fp32", "amp", "compfx", "padding") or (mode != "fp32" and low not in ("fp16", "bf16")):
+        raise ValueError(f"mode {label!r}; expected fp32, amp-fp16, amp-bf16, compfx-fp16, compfx-bf16 (or the "
+                         "padding row's padding-fp16)")
     return mode, low or "auto"
 
 
@@ -91,9 +99,11 @@ class Task:
 
     @property
     def kind(self) -> str:
-        """What dominates its cost: "compile", "search" (eager compfx) or "eager"."""
+        """What dominates its cost: "compile", "search" (eager compfx), "padding" (the padding row) or "eager"."""
         if self.compiled:
             return "compile"
+        if self.mode.startswith("padding"):
+            return "padding"
         return "search" if self.mode.startswith("compfx") else "eager"
 
     @property
@@ -128,12 +138,12 @@ class Settings:
     def estimate_s(self, task: Task | None) -> float:
         """A guess of a row's seconds (``None``: a worker's start), to decide what fits; not a measurement."""
         if self.smoke:
-            return {None: 5.0, "eager": 1.0, "search": 3.0, "compile": 4.0}[task and task.kind]
+            return {None: 5.0, "eager": 1.0, "search": 3.0, "compile": 4.0, "padding": 8.0}[task and task.kind]
         if task is None:
             return 25.0  # Python, torch, the CUDA context, the FLOP count
         transformer = task.model in _TRANSFORMERS  # BERT-base and GPT-2 small: longer searches and compiles
         return {"eager": 15.0, "search": 180.0 if transformer else 60.0,
-                "compile": 120.0 if transformer else 60.0}[task.kind]
+                "compile": 120.0 if transformer else 60.0, "padding": 60.0}[task.kind]
 
     def timeout_s(self, task: Task) -> float:
         """A row's own limit: past it the row is stopped and recorded as a timeout."""
@@ -141,18 +151,23 @@ class Settings:
             return self.row_limit_s
         if self.smoke:  # generous: CI machines are shared, and a smoke row that times out fails CI
             return 300.0
-        return {"eager": 180.0, "search": 480.0, "compile": 360.0}[task.kind]
+        return {"eager": 180.0, "search": 480.0, "compile": 360.0, "padding": 240.0}[task.kind]
+
+
+#: The padding row: GPT-2's vocabulary (50,257, not a multiple of 8) under one plan, with and without padding.
+PADDING_TASK = Task("gpt_vocab50257", "padding-fp16")
 
 
 def suite_groups(models: Iterable[str], modes: Iterable[str], *, compiled: bool = True,
-                 smoke: bool = False) -> list[list[Task]]:
-    """Every model's eager group, then (``compiled``) every model's compiled group, in that order.
+                 smoke: bool = False, padding: bool = False) -> list[list[Task]]:
+    """Every model's eager group, (``padding``) the padding row's, then (``compiled``) every model's compiled
+    group, in that order.
 
-    ``smoke`` keeps the CI run short: one group of every eager row and the first model's compiled FP32 and
-    compfx rows (each worker's start costs seconds of imports on a small CPU).
+    ``smoke`` keeps the CI run short: one group of every eager row, the padding row and the first model's
+    compiled FP32 and compfx rows (each worker's start costs seconds of imports on a small CPU).
     """
     models, modes = list(models), list(modes)
-    eager = [[Task(model, mode) for mode in modes] for model in models]
+    eager = [[Task(model, mode) for mode in modes] for model in models] + ([[PADDING_TASK]] if padding else [])
     built = [[Task(model, mode, compiled=True) for mode in modes] for model in models] if compiled else []
     if smoke:  # one worker: every eager row, then the first model's compiled FP32 and compfx rows
         return [[task for group in eager + built[:1] for task in group
@@ -350,6 +365,8 @@ def measure_row(task: Task, settings: Settings, plans: dict | None = None) -> di
     from .models import get_spec
 
     mode, low_dtype = parse_mode(task.mode)
+    if mode == "padding":
+        return _padding_row(task, settings, low_dtype)
     spec = get_spec(task.model)
     config = spec.config(settings.config)
     flops = _flops(spec, settings)
@@ -376,6 +393,21 @@ def measure_row(task: Task, settings: Settings, plans: dict | None = None) -> di
     torch._dynamo.reset()
     _release_memory()
     return row
+
+
+def _padding_row(task: Task, settings: Settings, low_dtype: str) -> dict:
+    """The padding row (:mod:`benchmarks.padding`): its step is the padded plan's; ``padding`` holds both."""
+    from .padding import run
+
+    start = time.time()
+    result = run(smoke=settings.smoke, device=settings.device, low=low_dtype,
+                 rounds=2 if settings.smoke else 5, steps=settings.batches)
+    step_s = result["padded_median_ms"] / 1e3
+    _release_memory()
+    return {"id": task.id, "model": task.model, "mode_label": task.mode, "compiled": False, "status": "ok",
+            "config": settings.config, "device": settings.device, "low_dtype": low_dtype,
+            "batch_size": result["model"]["batch_size"], "step_s": step_s, "steps_per_s": 1.0 / step_s,
+            "row_seconds": time.time() - start, "padding": result}
 
 
 def worker_main(task_file: str, events_file: str) -> int:

@@ -22,7 +22,7 @@ from pathlib import Path
 from tabulate import tabulate
 
 __all__ = ["ratios", "markdown", "summary_lines", "row_line", "readme_section", "device_results", "NO_GPU_YET",
-           "RUN_COMMANDS", "FP8_NOTE", "fp8_text"]
+           "RUN_COMMANDS", "FP8_NOTE", "fp8_text", "padding_text"]
 
 _MB = 1024 * 1024
 
@@ -233,6 +233,10 @@ def markdown(state: dict) -> str:
         "",
         _search_table(rows) if any(r.get("search_s") is not None for r in rows.values()) else "No search measured.",
         "",
+        "## Shape padding",
+        "",
+        padding_text(rows),
+        "",
         "## FP8",
         "",
         fp8_text(state.get("fp8")),
@@ -242,6 +246,17 @@ def markdown(state: dict) -> str:
         "\n".join(f"- {item}" for item in left) if left else "Nothing: every selected row was measured.",
         "",
     ])
+
+
+def padding_text(rows: dict) -> str:
+    """The padding row (``benchmarks/padding.py``): one plan with and without Tensor Core shape padding."""
+    found = [row for row in _ordered(rows) if row.get("padding")]
+    if not found:
+        failed = [row for row in rows.values() if str(row.get("mode_label", "")).startswith("padding")]
+        return f"{failed[0]['status']}: {failed[0].get('error', '')}" if failed else "Not measured in this call."
+    from .padding import markdown as padding_markdown  # the benchmark's own table, not a second one
+
+    return "\n\n".join(padding_markdown(row["padding"]).split("\n", 1)[1].strip() for row in found)
 
 
 def fp8_text(fp8: dict | None) -> str:
@@ -316,6 +331,8 @@ def readme_section(results_root: str | Path, *, relative_to: str | Path | None =
         if any(row.get("compiled") and row.get("status") == "ok" for row in rows.values()):
             parts += ["", "Under `torch.compile` (Inductor; compfx through `compfx.compile_with_plan`):", "",
                       _readme_table(rows, compiled=True)]
+        if any(row.get("padding") for row in rows.values()):
+            parts += ["", "Shape padding (one plan with and without padding, in turns):", "", padding_text(rows)]
         parts += ["", "FP8: " + fp8_text(state.get("fp8")), ""]
     parts += ["To measure another GPU:", "", "```", RUN_COMMANDS, "```"]
     return "\n".join(parts).rstrip("\n")

@@ -3,7 +3,8 @@
 ::
 
     python -m benchmarks.gpu_suite [--smoke] [--out ROOT] [--budget-min 8.5] [--parts env,cuda-tests,bench,fp8]
-                                   [--merge-from ROOT] [--models ...] [--modes ...] [--no-compile] [--retry-failed]
+                                   [--merge-from ROOT] [--models ...] [--modes ...] [--no-compile] [--no-padding]
+                                   [--retry-failed]
 
 Parts, in this order, each time-boxed in its own subprocess (:mod:`benchmarks.timebox`), so a hung kernel or a
 slow compile cannot eat the rest:
@@ -17,7 +18,9 @@ slow compile cannot eat the rest:
    fp16 + GradScaler, AMP bf16 and compfx (searched), eager and under ``torch.compile``: steps/s, peak memory,
    MFU against the probe, the search's cost and share of a 100-epoch run, the plan's casts
    (:mod:`benchmarks.gpu_bench`). Rows are measured model by model, each group in one worker process, and only
-   while the budget lasts; a later call with ``--merge-from`` measures the rows still missing.
+   while the budget lasts; a later call with ``--merge-from`` measures the rows still missing. One more row
+   (``--no-padding`` leaves it out) trains a GPT with GPT-2's vocabulary of 50,257 under one plan with and
+   without Tensor Core shape padding, in turns (:mod:`benchmarks.padding`).
 4. ``fp8``: bf16 AMP against torchao float8 (every linear) against compfx's searched FP8 / bf16 / FP32 plan on
    the GPT-shaped decoder (:mod:`benchmarks.fp8`), in what is left of the budget (at most 5 minutes). It needs
    torchao, which the GPU machine lacks: carry its wheel (README, "GPU results"); without it the part records
@@ -95,6 +98,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--models", nargs="+", help=f"bench models (default: {' '.join(SUITE_MODELS)})")
     parser.add_argument("--modes", nargs="+", default=list(MODES), help=f"bench modes (default: {' '.join(MODES)})")
     parser.add_argument("--no-compile", action="store_true", help="skip the torch.compile rows")
+    parser.add_argument("--no-padding", action="store_true", help="skip the shape-padding row")
     parser.add_argument("--retry-failed", action="store_true", help="run again rows that failed or hit their limit")
     parser.add_argument("--fresh", action="store_true", help="merge nothing: start a new result")
     parser.add_argument("--note", default="", help="free text kept with this call, e.g. the commit measured "
@@ -295,7 +299,8 @@ def main(argv=None) -> int:
             results.write()
         left = []
         if "bench" in args.parts:
-            groups = suite_groups(args.models, args.modes, compiled=not args.no_compile, smoke=args.smoke)
+            groups = suite_groups(args.models, args.modes, compiled=not args.no_compile, smoke=args.smoke,
+                                  padding=not args.no_padding)
             left = run_groups(groups, settings, rows=results.rows, budget_end=budget_end, workdir=workdir,
                               record=results.record_row, retry_failed=args.retry_failed,
                               log=lambda line: print(line, flush=True))

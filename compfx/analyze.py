@@ -23,7 +23,7 @@ from .errors import BadInputError
 from .float8 import fp8_eligible
 from .opkey import KEY_META, OpKey
 from .oplists import classify
-from .tensor_cores import tc_eligible
+from .tensor_cores import pad_eligible, tc_eligible
 from .vocabulary import Category, check_low_dtype, default_low_dtype, dtype_name
 
 __all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "describe_op", "model_device", "check_device",
@@ -45,6 +45,10 @@ class OpInfo:
     #: Can it run FP8 (:mod:`compfx.float8`)? Only set by ``analyze(..., fp8=True)``; the search decides "should".
     fp8_eligible: bool = False
     fp8_reason: str = "FP8 not analysed (analyze(..., fp8=True))"
+    #: Does the op miss the Tensor Core rule for the low dtype, in a way zero-padding would fix
+    #: (:func:`compfx.tensor_cores.pad_eligible`)? Judged from shapes on any device; the search decides "should".
+    pad_eligible: bool = False
+    pad_reason: str = ""
 
     @property
     def kind(self) -> str:
@@ -104,14 +108,25 @@ class Analysis:
         return self.ops[self.index(key)]
 
     def table(self, precisions: Mapping[OpKey, str] | None = None, tablefmt: str = "simple") -> str:
-        """The analysis as a text table (plus a precision column when given a plan)."""
+        """The analysis as a text table (plus a precision column when given a plan).
+
+        A "pad" column appears when some op is :attr:`OpInfo.pad_eligible`: what
+        padding would change ("padded" in front when ``precisions`` is a plan
+        that pads the op).
+        """
         headers = ["#", "op key", "category", "TC", "reason", "input shapes"]
+        padding = any(op.pad_eligible for op in self.ops)
+        if padding:
+            headers.append("pad")
         if precisions is not None:
             headers.append("precision")
+        padded = getattr(precisions, "padded", frozenset())
         rows = []
         for i, op in enumerate(self.ops):
             row = [i, str(op.key), op.category, "yes" if op.tc_eligible else "no", op.reason,
                    " ".join("x".join(map(str, s)) for s in op.input_shapes)]
+            if padding:
+                row.append(("padded: " if op.key in padded else "") + op.pad_reason if op.pad_eligible else "")
             if precisions is not None:
                 row.append(precisions.get(op.key, "-"))
             rows.append(row)
@@ -120,8 +135,10 @@ class Analysis:
     def summary(self) -> str:
         counts = {c: sum(op.category is c for op in self.ops) for c in Category}
         tc = sum(op.tc_eligible for op in self.ops)
+        pad = sum(op.pad_eligible for op in self.ops)
         return (f"{len(self.ops)} ops on {self.device} (low dtype {dtype_name(self.low_dtype)}): "
-                f"{counts[Category.WHITELIST]} whitelist ({tc} tensor-core eligible), "
+                f"{counts[Category.WHITELIST]} whitelist ({tc} tensor-core eligible"
+                + (f", {pad} would meet the rule if padded" if pad else "") + "), "
                 f"{counts[Category.BLACKLIST]} blacklist, {counts[Category.OTHER]} other; "
                 f"Stage 1 adjusts {len(self.stage1_adjustable)}.")
 
@@ -197,10 +214,13 @@ def describe_op(node: fx.Node, *, device: torch.device, low_dtype: torch.dtype,
     key: OpKey = node.meta[KEY_META]
     category = classify(key.kind, device.type, overrides)
     input_shapes = _shapes(_input_values(node))
+    groups = _conv_groups(node) if key.kind.startswith("conv") else 1
     eligible, reason = tc_eligible(key.kind, category, input_shapes, low_dtype=low_dtype, device=device,
-                                   capability=capability,
-                                   groups=_conv_groups(node) if key.kind.startswith("conv") else 1)
-    info = OpInfo(key, category, eligible, reason, input_shapes, _shapes(node.meta.get("val")))
+                                   capability=capability, groups=groups)
+    can_pad, pad_reason = pad_eligible(key.kind, category, input_shapes, groups=groups,
+                                       is_module_call=node.op == "call_module")
+    info = OpInfo(key, category, eligible, reason, input_shapes, _shapes(node.meta.get("val")),
+                  pad_eligible=can_pad, pad_reason=pad_reason)
     if not fp8:
         return info
     can, why = fp8_eligible(key.kind, input_shapes, device=device, capability=capability,

@@ -111,13 +111,13 @@ def apply(
 
 def _planned_graph(model: nn.Module, analysis: Analysis, plan: Plan, categories: Mapping[OpKey, Category],
                    *, restore_output_dtypes: bool) -> fx.GraphModule:
-    """A copy of the analysis's graph with the plan's casts (ops the plan does not name follow)."""
+    """A copy of the analysis's graph with the plan's casts and padding (ops the plan does not name follow)."""
     source = analysis.graph_module
     # Lazy: its Python code is generated when it first runs (or is printed). The search rewrites
     # plans that it only prices, and each pass below would otherwise regenerate the code again.
     gm = _LazyGraphModule(source, copy_graph(source.graph), class_name=type(model).__name__ + "Mixed")
     apply_precisions(gm, plan, low_dtype=plan.low_dtype, categories=categories, default_precision=Precision.FOLLOW,
-                     restore_outputs=restore_output_dtypes, fp8_recipe=plan.fp8_recipe)
+                     restore_outputs=restore_output_dtypes, fp8_recipe=plan.fp8_recipe, padded=plan.padded)
     _mirror_state(gm, model)
     gm.meta.update(compfx_plan=plan, compfx_capture_method=analysis.capture_method)
     return gm

@@ -34,6 +34,19 @@ eligible, so the fp32 alternative would turn the default into "no mixed
 precision at all", and CoMP's Stage 1 is what decides, by measurement,
 whether those ops should go back to fp32.
 
+**Shape padding.** The backend applies the plan's padding (``plan.padded``,
+:mod:`compfx.passes.pad_shapes`) before AOT autograd, as it applies the casts:
+those ops were padded because the search measured that it pays. Inductor has
+a padding of its own (``torch._inductor.config.shape_padding``, its ``pad_mm``
+pass on CUDA, on by default), which pads misaligned ``mm`` / ``bmm`` / ``addmm``
+where its own benchmark says so. So that no op is padded twice, and none the
+plan left unpadded is padded behind its back, a graph in which the plan pads
+an op is compiled with ``shape_padding=False`` (whatever ``inductor_options``
+say); a graph the plan pads nothing
+in (every graph of a plan without padding, and the default plan) keeps
+Inductor's setting as it is (``inductor_options={"shape_padding": ...}`` sets
+it). ``GraphRecord.padded`` lists the ops padded in each graph.
+
 **Graph breaks** give several graphs; each gets the plan's entries for its
 own ops. A plan key missing from a graph is fine (it lives in another graph);
 a graph op without a plan entry runs as ``"follow"`` and is logged once. Two
@@ -85,6 +98,7 @@ from .cast_policy import compute_dtype
 from .errors import BadInputError, PlanMismatchError
 from .opkey import KEY_META, OpKey, normalize_module_path
 from .passes import apply_precisions
+from .passes.pad_shapes import PADDED_META
 from .plan import Plan
 from .vocabulary import Precision, check_low_dtype, default_low_dtype
 
@@ -122,6 +136,7 @@ class GraphRecord:
     origin: str = ""
     plan_fingerprint: str = ""
     plan_path: str | None = None
+    padded: tuple[OpKey, ...] = ()
 
 
 # ---------------------------------------------------------------------------
@@ -305,15 +320,18 @@ class CompfxBackend:
                            ", ".join(map(str, unplanned[:3])))
         # Every op has a precision here (unplanned ones "follow"); the passes raise PassError themselves.
         # insert_casts keeps dynamo's node attributes (_dynamo_source), which AOT autograd needs.
-        gm = apply_precisions(gm, precisions, low_dtype=plan.low_dtype, fp8_recipe=plan.fp8_recipe)
+        gm = apply_precisions(gm, precisions, low_dtype=plan.low_dtype, fp8_recipe=plan.fp8_recipe,
+                              padded=plan.padded)
+        padded = tuple(gm.meta.get(PADDED_META, ()))
         self.records.append(GraphRecord(
             compile_id=str(gm.meta.get("dynamo_compile_id")) if "dynamo_compile_id" in gm.meta else None,
             plan_source=source, precisions=precisions, unplanned=unplanned,
             compute_dtypes={key: compute_dtype(node, gm.get_submodule) for key, node in _keyed_nodes(gm).items()},
             origin=choice.origin, plan_fingerprint=plan.fingerprint,
-            plan_path=str(choice.path) if choice.path is not None else None,
+            plan_path=str(choice.path) if choice.path is not None else None, padded=padded,
         ))
-        return self._compile_inner(gm, example_inputs)
+        # The plan padded these ops: Inductor must not pad them (or any other op of this graph) again.
+        return self._compile_inner(gm, example_inputs, {"shape_padding": False} if padded else {})
 
     def _plan_for(self, gm: fx.GraphModule, keys, example_inputs, offsets) -> "_Choice":
         if self.plan is not None:
@@ -384,12 +402,13 @@ class CompfxBackend:
             lines.append(f"graph {record.compile_id or '?'}: {record.origin} plan {record.plan_fingerprint}"
                          + (f" from {record.plan_path}" if record.plan_path else "")
                          + f" ({len(record.precisions)} ops: {counts['low']} low, {counts['fp32']} fp32, "
-                         f"{counts['follow']} follow; {len(record.unplanned)} without an entry)")
+                         f"{counts['follow']} follow; {len(record.unplanned)} without an entry)"
+                         + (f"; {len(record.padded)} padded" if record.padded else ""))
         return "\n".join(lines) if lines else (
             "no graph compiled yet (after a call, that means dynamo ran the model eagerly: an nn.LSTM/GRU/RNN "
             "without torch._dynamo.config.allow_rnn = True, or a graph break at the start of forward)")
 
-    def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence):
+    def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence, patches: Mapping[str, object] = {}):
         if callable(self.inner):
             return self.inner(gm, example_inputs)
         if self.inner == "inductor":
@@ -397,7 +416,7 @@ class CompfxBackend:
 
             # config_patches (not config.patch here): compile_fx also applies them to the
             # backward graph, which AOT autograd compiles later, at the first .backward().
-            return compile_fx(gm, example_inputs, config_patches=dict(self.inductor_patches))
+            return compile_fx(gm, example_inputs, config_patches={**self.inductor_patches, **patches})
         return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
 
     def _log_once(self, topic: str, message: str, *args) -> None:

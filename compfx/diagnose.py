@@ -39,6 +39,7 @@ from .apply import PlannedModule
 from .capture import input_signature
 from .errors import BadInputError
 from .opkey import KEY_META, OpKey
+from .passes.pad_shapes import PAD_META
 from .plan import Plan
 from .search.sampling import (StateSnapshot, check_loss, cuda_devices, model_loss, restore_state, split_batch)
 from .vocabulary import Precision, dtype_name, short_dtype_name
@@ -310,7 +311,7 @@ def _record(gm: fx.GraphModule, args: tuple, kwargs: dict, backward_from: Backwa
         output = interpreter.run(*_bind(gm, placeholders, args, kwargs))
     keyed = [n for n in gm.graph.nodes if KEY_META in n.meta]
     values = interpreter.values
-    outputs = {n.meta[KEY_META]: _floats(values[n]) for n in keyed}
+    outputs = {n.meta[KEY_META]: _floats(values[_sliced_back(n)]) for n in keyed}
     producers = {n.meta[KEY_META]: tuple(p.meta[KEY_META] for p in _sources(n) if KEY_META in p.meta) for n in keyed}
     origins = {n.meta[KEY_META] for n in keyed
                if not _all_finite(outputs[n.meta[KEY_META]])
@@ -326,6 +327,14 @@ def _record(gm: fx.GraphModule, args: tuple, kwargs: dict, backward_from: Backwa
             if not origins:  # after a forward overflow every gradient is meaningless
                 origins |= origins_back
     return _Run([n.meta[KEY_META] for n in keyed], outputs, grads, origins, producers, loss, start)
+
+
+def _sliced_back(node: fx.Node) -> fx.Node:
+    """The node holding ``node``'s output as the model sees it: a padded op's is its last slice (the FP32 shadow
+    is not padded, so that is what compares)."""
+    while len(node.users) == 1 and next(iter(node.users)).meta.get(PAD_META) == "result":
+        node = next(iter(node.users))
+    return node
 
 
 def _bind(gm: fx.GraphModule, placeholders: list[fx.Node], args: tuple, kwargs: dict) -> list:

@@ -31,6 +31,8 @@ from .per_module import PerModuleEvaluator, is_regions_analysis, prepare_search
 from .search import (SINGLE_PROCESS, LocalEvaluator, Recorder, Replay, ReplayingEvaluator, SearchConfig,
                      SearchLog, SearchResult, SearchSpace, compare_step_times, decision_settings, measured_time,
                      run_search)
+from .search.log import SampleRecord
+from .search.padding import PaddingDecision, decide_padding, padding_candidates, padding_gate
 from .search.result import RESULT
 from .search.sampling import FairSampler, check_first_batch, cuda_devices
 from .vocabulary import SampleStatus, Stage, dtype_name
@@ -243,13 +245,14 @@ class _Search:
                 recorder = Recorder(self.log, replay=self.replay, predictor=predictor, progress=progress)
                 decision = run_search(self.space, self.evaluator, config, report=recorder, predictor=predictor,
                                       strategy=self.strategy)
-                steps = self._compare_steps(decision)
+                padding = self._decide_padding(decision, predictor is not None, recorder)
+                steps = self._compare_steps(decision, padding)
                 self.local.leave_state(decision.stage1.best, keep_training=config.keep_search_training)
             self._note_specializations()
-            self._save_plan(self.local.plan(decision.plan))
+            self._save_plan(padding.plan)
             search_seconds = time.perf_counter() - started
             result = SearchResult(
-                module=self.local.runner(decision.plan), plan=self.local.plan(decision.plan),
+                module=self.local.runner_of(padding.plan), plan=padding.plan,
                 stage1_plan=self.local.plan(decision.stage1.best.plan), analysis=self.analysis, log=self.log,
                 stage1_mode=decision.stage1.mode, loss0=decision.stage1.loss0,
                 fp32_epoch_seconds=decision.stage1.baseline.duration, search_seconds=search_seconds,
@@ -271,7 +274,29 @@ class _Search:
         self.strategy.finish()
         return result
 
-    def _compare_steps(self, decision) -> dict[str, float]:
+    def _decide_padding(self, decision, cost_model: bool, report) -> PaddingDecision:
+        """Pad the chosen plan's Tensor Core misfits where that pays (:mod:`compfx.search.padding`)."""
+        plan = self.local.plan(decision.plan)
+        if self.strategy is not SINGLE_PROCESS or is_regions_analysis(self.analysis):
+            # each rank would decide on its own timings; per_module plans are keyed by block
+            reason = "padding not searched " + ("with per_module" if is_regions_analysis(self.analysis)
+                                                else "under torch.distributed") + ": the plan pads nothing"
+            self.log.note(Stage.SEARCH, reason)
+            return PaddingDecision(plan, reason=reason)
+        from .costmodel import profile_padding  # the cost model loads when first needed, as in _predictor
+
+        candidates = padding_candidates(self.analysis, plan)
+        device = self.analysis.device
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        with self.clock.phase("profiling"):
+            gate = padding_gate(plan, cost=self.local.cost_fn, seconds=_step_seconds(decision), analysis=self.analysis,
+                                capability=capability, candidates=candidates,
+                                profiles=functools.partial(profile_padding, self.analysis,
+                                                           cache_dir=self.config.cache_dir) if cost_model else None)
+        return decide_padding(plan, candidates, can_pay=gate, time_plan=self.local.time_plan,
+                              cost=self.local.cost_fn, report=report)
+
+    def _compare_steps(self, decision, padding: PaddingDecision) -> dict[str, float]:
         """The chosen plan's step against FP32's and AMP's, for the report.
 
         It is not part of the decision and the user pays for every step of it:
@@ -291,8 +316,15 @@ class _Search:
         with self.clock.phase("step comparison"):
             # no warm-up step: a first step's one-off cost is at most one of the three, and the median drops it
             time_step = functools.partial(self.local.time_step, repeats=repeats, warmup=0)
-            steps = compare_step_times(time_step, {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan,
-                                                   "chosen": decision.plan}, self.log, rounds=1, known=timed)
+            plans = {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan, "chosen": decision.plan}
+            if padding.kept:  # the padded plan's steps were timed by the padding decision, in turns with its own
+                del plans["chosen"]
+            steps = compare_step_times(time_step, plans, self.log, rounds=1, known=timed)
+            if padding.kept:
+                steps["chosen"] = statistics.median(padding.seconds["padded"])
+                self.log.append(SampleRecord(Stage.COMPARE, str(decision.plan), SampleStatus.ACCEPTED,
+                                             seconds=steps["chosen"], reason="chosen, padded",
+                                             extra={"round_medians": list(padding.seconds["padded"])}))
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
                         target="step comparison")
         return steps
@@ -339,6 +371,14 @@ class _Search:
                 self.plan_cache = f"not saved: {error}"
                 log.warning("compfx: the chosen plan was not saved to the plan cache: %s", error)
         self.log.note(Stage.SEARCH, f"plan cache: {self.plan_cache}", plan_path=str(self.plan_path or ""))
+
+
+def _step_seconds(decision) -> float:
+    """A measured step of the chosen plan (Stage 2's timing, else its Stage-1 batches'), for pricing padding."""
+    if decision.stage2.best.seconds > 0:
+        return decision.stage2.best.seconds
+    batches = decision.stage1.best.batch_seconds
+    return statistics.median(batches) if batches else 1.0
 
 
 def _breakdown(clock: PhaseClock, total: float) -> dict[str, float]:

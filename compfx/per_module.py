@@ -245,7 +245,8 @@ class PlannedBlock(nn.Module):
         source = analysis.graph_module
         gm = fx.GraphModule(source, copy_graph(source.graph), class_name=self.block_type.__name__ + "Mixed")
         apply_precisions(gm, precisions, low_dtype=self.plan.low_dtype, categories=categories,
-                         default_precision=Precision.FOLLOW, restore_outputs=self.restore_output_dtypes)
+                         default_precision=Precision.FOLLOW, restore_outputs=self.restore_output_dtypes,
+                         padded=[op.key for op in analysis.ops if model_key(self.path, op.key) in self.plan.padded])
         _read_state_through(gm, self)
         gm.train(self.training)
         gm.meta.update(compfx_plan=self.plan, compfx_capture_method=analysis.capture_method)
@@ -456,15 +457,21 @@ class PerModuleEvaluator(LocalEvaluator):
 
     def runner(self, plan: Assignment) -> nn.Module:
         """The model, with ``plan`` switched into its blocks."""
-        chosen = self.plan(plan)
+        return self.runner_of(self.plan(plan))
+
+    def runner_of(self, plan: Plan) -> nn.Module:
+        """:meth:`runner` for a :class:`~compfx.plan.Plan`."""
         categories = {op.key: op.category for op in self.analysis.ops}
         for module in self.model.modules():
             if isinstance(module, PlannedBlock):
-                module.use_plan(chosen, categories)
+                module.use_plan(plan, categories)
         return self.model
 
     def module(self, plan: Assignment) -> nn.Module:
         return self.runner(plan)
+
+    def module_of(self, plan: Plan) -> nn.Module:
+        return self.runner_of(plan)
 
     def program(self, plan: Assignment) -> Hashable:
         """Every plan is a program of its own (the blocks build their graphs on first use)."""

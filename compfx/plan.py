@@ -12,6 +12,11 @@ Three forms of one plan:
 
 A plan with ``fp8`` ops also carries how they scale (``plan.fp8_recipe``, a
 :class:`~compfx.vocabulary.Float8Recipe`); its file says so too.
+
+A plan may also pad ops (``plan.padded``, set with :meth:`Plan.with_padding`):
+those ops run with their unfit dims zero-padded to the Tensor Core multiple
+(:mod:`compfx.passes.pad_shapes`). Only ops the analysis marks
+``pad_eligible`` can be padded; padding changes no precision.
 """
 
 from __future__ import annotations
@@ -95,10 +100,10 @@ class Plan(Mapping[OpKey, Precision]):
     '101'
     """
 
-    __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe")
+    __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe", "padded")
 
     def __init__(self, entries: Mapping[OpKey, Precision | str], *, low_dtype: torch.dtype, fingerprint: str,
-                 fp8_recipe: Float8Recipe | str | None = None):
+                 fp8_recipe: Float8Recipe | str | None = None, padded: Iterable[OpKey] = ()):
         checked = {}
         for key, precision in entries.items():
             if not isinstance(key, OpKey):
@@ -119,6 +124,7 @@ class Plan(Mapping[OpKey, Precision]):
         if any(p is Precision.FP8 for p in checked.values()):  # a recipe only means something with FP8 ops
             recipe = Float8Recipe.parse(fp8_recipe or Float8Recipe.TENSORWISE, "fp8_recipe")
         object.__setattr__(self, "fp8_recipe", recipe)
+        object.__setattr__(self, "padded", _checked_padding(padded, checked))
 
     def __setattr__(self, name, value):
         raise AttributeError("Plan is immutable; use plan.with_precisions(...)")
@@ -132,7 +138,7 @@ class Plan(Mapping[OpKey, Precision]):
         return self
 
     def __reduce__(self):  # pickling (spawned workers): the entries as a plain dict
-        return (_rebuilt_plan, (dict(self._entries), self.low_dtype, self.fingerprint, self.fp8_recipe))
+        return (_rebuilt_plan, (dict(self._entries), self.low_dtype, self.fingerprint, self.fp8_recipe, self.padded))
 
     # -- Mapping -------------------------------------------------------------
     def __getitem__(self, key: OpKey) -> Precision:
@@ -148,15 +154,18 @@ class Plan(Mapping[OpKey, Precision]):
         if not isinstance(other, Plan):
             return NotImplemented
         return (dict(self._entries) == dict(other._entries) and self.low_dtype == other.low_dtype
-                and self.fingerprint == other.fingerprint and self.fp8_recipe == other.fp8_recipe)
+                and self.fingerprint == other.fingerprint and self.fp8_recipe == other.fp8_recipe
+                and self.padded == other.padded)
 
     def __hash__(self) -> int:
-        return hash((frozenset(self._entries.items()), self.low_dtype, self.fingerprint, self.fp8_recipe))
+        return hash((frozenset(self._entries.items()), self.low_dtype, self.fingerprint, self.fp8_recipe,
+                     self.padded))
 
     def __repr__(self) -> str:
         counts = ", ".join(f"{sum(v is p for v in self._entries.values())} {p}" for p in Precision)
         recipe = f", fp8_recipe={self.fp8_recipe}" if self.fp8_recipe else ""
-        return f"Plan({len(self)} ops: {counts}; low_dtype={dtype_name(self.low_dtype)}{recipe})"
+        padded = f", {len(self.padded)} padded" if self.padded else ""
+        return f"Plan({len(self)} ops: {counts}{padded}; low_dtype={dtype_name(self.low_dtype)}{recipe})"
 
     # -- constructors --------------------------------------------------------
     @classmethod
@@ -205,7 +214,31 @@ class Plan(Mapping[OpKey, Precision]):
         if unknown:
             raise PlanMismatchError(f"with_precisions() got keys not in this plan: {unknown[:5]}")
         return Plan({**self._entries, **updates}, low_dtype=self.low_dtype, fingerprint=self.fingerprint,
-                    fp8_recipe=self.fp8_recipe)
+                    fp8_recipe=self.fp8_recipe, padded=self.padded)
+
+    def with_padding(self, keys: Iterable[OpKey], *, analysis=None) -> "Plan":
+        """A copy that pads exactly the ops ``keys`` (``with_padding(())``: none); precisions are unchanged.
+
+        Every key must be in the plan and not at ``fp8`` (the float8 path has
+        its own shape rule). Given the ``analysis``, each op must be
+        ``pad_eligible`` there too; :meth:`validate` (which :func:`compfx.apply`
+        and :class:`~compfx.apply.PlannedModule` call) checks that in any case.
+        A refused key is a :class:`~compfx.errors.PlanMismatchError`.
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 10), torch.nn.ReLU(), torch.nn.Linear(10, 16))
+        >>> a = compfx.analyze(model, torch.randn(8, 16))
+        >>> [str(op.key) for op in a.ops if op.pad_eligible]
+        ['0:linear#0', '2:linear#0']
+        >>> plan = compfx.Plan.amp(a).with_padding([a.ops[0].key], analysis=a)
+        >>> sorted(map(str, plan.padded))
+        ['0:linear#0']
+        """
+        plan = Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint,
+                    fp8_recipe=self.fp8_recipe, padded=keys)
+        if analysis is not None:
+            plan._check_padding(analysis)
+        return plan
 
     # -- views ---------------------------------------------------------------
     def assignment(self, analysis) -> Assignment:
@@ -245,6 +278,17 @@ class Plan(Mapping[OpKey, Precision]):
                 "analysis (Plan.from_bitstring(analysis, ...)), or search again."
             )
         self._check_fp8(analysis)
+        self._check_padding(analysis)
+
+    def _check_padding(self, analysis) -> None:
+        """Refuse padding an op the analysis did not mark ``pad_eligible`` (it meets the rule, or cannot be padded)."""
+        infos = {op.key: op for op in analysis.ops}
+        refused = [infos[key] for key in sorted(self.padded, key=str) if key in infos and not infos[key].pad_eligible]
+        if refused:
+            detail = "; ".join(f"{op.key}: {op.pad_reason or 'not analysed for padding'}" for op in refused[:3])
+            raise PlanMismatchError(
+                f"this plan pads {len(refused)} op(s) that padding cannot help ({detail}). Pad only ops the analysis "
+                "marks pad_eligible: plan.with_padding([op.key for op in analysis.ops if op.pad_eligible]).")
 
     def _check_fp8(self, analysis) -> None:
         """Refuse ``fp8`` on an op the analysis did not mark FP8-eligible (:mod:`compfx.float8`)."""
@@ -266,6 +310,7 @@ class Plan(Mapping[OpKey, Precision]):
             "torch_version": str(torch.__version__),  # a plain str: TorchVersion does not unpickle under weights_only
             "ops": {str(k): str(v) for k, v in self._entries.items()},
             **({"fp8_recipe": str(self.fp8_recipe)} if self.fp8_recipe else {}),
+            **({"padded": sorted(map(str, self.padded))} if self.padded else {}),
         }
 
     @classmethod
@@ -301,7 +346,8 @@ class Plan(Mapping[OpKey, Precision]):
             if recipe is not None and recipe not in {r.value for r in Float8Recipe}:
                 raise PlanFileError(f"{source} has fp8_recipe {recipe!r}; expected one of "
                                     f"{[r.value for r in Float8Recipe]}. Fix the file or search again.")
-            return cls(entries, low_dtype=dtype_from_name(low), fingerprint=fingerprint, fp8_recipe=recipe)
+            return cls(entries, low_dtype=dtype_from_name(low), fingerprint=fingerprint, fp8_recipe=recipe,
+                       padded=_padded_from_file(data.get("padded", []), source))
         except (KeyError, TypeError, AttributeError, ValueError) as error:
             if isinstance(error, PlanMismatchError):
                 raise PlanFileError(f"{source} holds an invalid plan: {error}") from error
@@ -322,6 +368,32 @@ class Plan(Mapping[OpKey, Precision]):
         return cls.from_dict(data, source=f"plan file {os.fspath(path)}")
 
 
-def _rebuilt_plan(entries, low_dtype, fingerprint, fp8_recipe) -> Plan:
+def _rebuilt_plan(entries, low_dtype, fingerprint, fp8_recipe, padded=()) -> Plan:
     """A pickled :class:`Plan` again (see ``Plan.__reduce__``)."""
-    return Plan(entries, low_dtype=low_dtype, fingerprint=fingerprint, fp8_recipe=fp8_recipe)
+    return Plan(entries, low_dtype=low_dtype, fingerprint=fingerprint, fp8_recipe=fp8_recipe, padded=padded)
+
+
+def _checked_padding(keys: Iterable[OpKey], entries: Mapping[OpKey, Precision]) -> frozenset:
+    """``keys`` as a frozenset, each an op of the plan that is not at ``fp8``; :class:`PlanMismatchError` otherwise."""
+    if isinstance(keys, (str, OpKey)):
+        raise PlanMismatchError(f"padded={keys!r}; expected a collection of OpKeys, e.g. [analysis.ops[0].key].")
+    padded = frozenset(keys)
+    wrong = [k for k in padded if not isinstance(k, OpKey)]
+    if wrong:
+        raise PlanMismatchError(f"padded holds {wrong[0]!r}, which is not an OpKey")
+    unknown = sorted(str(k) for k in padded if k not in entries)
+    if unknown:
+        raise PlanMismatchError(f"padded names op(s) not in this plan: {unknown[:5]}")
+    fp8 = sorted(str(k) for k in padded if entries[k] is Precision.FP8)
+    if fp8:
+        raise PlanMismatchError(f"padded names op(s) at 'fp8': {fp8[:5]}; the float8 path needs dims divisible by 16 "
+                                "and is not padded. Give them 'low' to pad them, or leave them unpadded.")
+    return padded
+
+
+def _padded_from_file(value, source: str) -> frozenset:
+    """The ``padded`` list of a plan file as OpKeys (a file without one pads nothing)."""
+    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
+        raise PlanFileError(f"{source} has padded {value!r}; expected a list of op keys. Fix the file or search "
+                            "again.")
+    return frozenset(OpKey.parse(k) for k in value)

@@ -58,11 +58,14 @@ def op_table(analysis, plan, stage1_plan=None, tablefmt: str = "simple") -> str:
     """Per-op table: key, category, Tensor Core eligibility, Stage-1 and chosen precision.
 
     With FP8 analysed, an "FP8" column says whether each op can run it; an op at
-    FP8 shows its recipe (``fp8 tensorwise``).
+    FP8 shows its recipe (``fp8 tensorwise``). When some op could be padded to
+    the Tensor Core multiple, a "pad" column says "padded" (the plan pads it)
+    or "can" (``pad_eligible``, left unpadded).
     """
     headers = ["#", "op key", "category", "TC", "chosen"]
     if stage1_plan is not None:
         headers.insert(4, "stage 1")
+    padding = bool(plan.padded) or any(getattr(op, "pad_eligible", False) for op in analysis.ops)
     rows = []
     for i, op in enumerate(analysis.ops):
         row = [i, str(op.key), op.category, "yes" if op.tc_eligible else "no", _precision(plan, op.key)]
@@ -70,9 +73,13 @@ def op_table(analysis, plan, stage1_plan=None, tablefmt: str = "simple") -> str:
             row.insert(4, _precision(stage1_plan, op.key))
         if analysis.fp8:
             row.insert(4, "yes" if op.fp8_eligible else "no")
+        if padding:
+            row.append("padded" if op.key in plan.padded else "can" if getattr(op, "pad_eligible", False) else "")
         rows.append(row)
     if analysis.fp8:
         headers.insert(4, "FP8")
+    if padding:
+        headers.append("pad")
     return tabulate(rows, headers=headers, tablefmt=tablefmt)
 
 
@@ -144,6 +151,10 @@ def render_report(summary, tablefmt: str = "simple") -> str:
         f"step time      chosen {_ms(chosen)}; FP32 {_ms(steps.get('fp32'))} ({_ratio(chosen, steps.get('fp32'))}); "
         f"AMP {_ms(steps.get('amp'))} ({_ratio(chosen, steps.get('amp'))})  [median, same batches]",
     ]
+    eligible = sum(bool(getattr(op, "pad_eligible", False)) for op in a.ops)
+    if eligible or summary.plan.padded:
+        lines.append(f"padding        {len(summary.plan.padded)} of {eligible} op(s) that miss the Tensor Core "
+                     "rule padded (kept only where the measured step is faster; see the notes)")
     if getattr(summary, "plan_cache", ""):
         lines.append(f"plan cache     {summary.plan_cache}")
     error = prediction_error(log)

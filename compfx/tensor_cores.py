@@ -10,6 +10,9 @@ Hardware facts behind the rules:
   Performance" guide; CoMP section 3.2 uses the same rule).
 
 Eligibility is "can we"; whether it pays off is measured by the search.
+Padding is the same split (Campo; Inductor's ``pad_mm``): :func:`pad_eligible`
+says, from shapes alone, whether zero-padding the dims that miss the rule would
+make an op meet it; the search measures whether the padded op is faster.
 """
 
 from __future__ import annotations
@@ -31,6 +34,11 @@ __all__ = [
     "GEMM_KINDS",
     "CONV_KINDS",
     "TC_MULTIPLE",
+    "gemm_mnk",
+    "conv_channels",
+    "padded_size",
+    "pad_eligible",
+    "PAD_KINDS",
 ]
 
 #: Dimension multiple that fp16/bf16 Tensor Core kernels need.
@@ -86,7 +94,7 @@ def conv_channels_reason(in_channels: int, out_channels: int) -> str | None:
     return _multiple_reason("in_channels", in_channels) or _multiple_reason("out_channels", out_channels)
 
 
-def _gemm_mnk(kind: str, shapes: Sequence[Shape]) -> tuple[tuple[int, int, int], tuple[str, str, str]]:
+def gemm_mnk(kind: str, shapes: Sequence[Shape]) -> tuple[tuple[int, int, int], tuple[str, str, str]]:
     """GEMM dims (M, N, K) and their names, read from the operand shapes of one GEMM-family op."""
     if kind == "linear":  # input (..., K), weight (N, K): leading dims fold into M
         x, w = shapes[0], shapes[1]
@@ -105,11 +113,12 @@ def gemm_reason(kind: str, input_shapes: Sequence[Shape]) -> str | None:
     cuBLAS runs fp16/bf16 GEMMs on Tensor Cores when M, N and K are multiples
     of 8 (16-byte aligned rows of 2-byte elements).
     """
-    (m, n, k), names = _gemm_mnk(kind, input_shapes)
+    (m, n, k), names = gemm_mnk(kind, input_shapes)
     return gemm_dims_reason(m, n, k, names)
 
 
-def _conv_channels(kind: str, shapes: Sequence[Shape], groups: int = 1) -> tuple[int, int]:
+def conv_channels(kind: str, shapes: Sequence[Shape], groups: int = 1) -> tuple[int, int]:
+    """(in_channels, out_channels) of a convolution, read from its weight's shape."""
     weight = shapes[1]
     if kind.startswith("conv_transpose"):  # weight (in, out/groups, ...)
         return weight[0], weight[1] * groups
@@ -122,7 +131,7 @@ def conv_reason(kind: str, input_shapes: Sequence[Shape], groups: int = 1) -> st
     cuDNN runs fp16/bf16 convolutions as implicit GEMMs on Tensor Cores when
     the input and output channel counts are multiples of 8.
     """
-    return conv_channels_reason(*_conv_channels(kind, input_shapes, groups))
+    return conv_channels_reason(*conv_channels(kind, input_shapes, groups))
 
 
 def tc_eligible(
@@ -158,3 +167,64 @@ def tc_eligible(
     else:
         reason = conv_reason(kind, input_shapes, groups)
     return (reason is None), (reason or f"dims are multiples of {TC_MULTIPLE}")
+
+
+#: Ops the padding pass (:mod:`compfx.passes.pad_shapes`) knows how to pad: their operands' dims are read as
+#: :func:`gemm_mnk` and :func:`conv_channels` read them. Batched GEMMs with a bias operand (addmm, baddbmm,
+#: addbmm) and transposed convolutions are not padded.
+PAD_KINDS = frozenset("linear matmul mm bmm conv1d conv2d conv3d".split())
+
+
+def padded_size(size: int) -> int:
+    """``size`` rounded up to the Tensor Core multiple (zero-padding adds the difference).
+
+    >>> padded_size(1001), padded_size(1000), padded_size(3)
+    (1008, 1000, 8)
+    """
+    return -(-size // TC_MULTIPLE) * TC_MULTIPLE
+
+
+def _padding_misses(kind: str, shapes: Sequence[Shape], groups: int) -> list[tuple[str, int]]:
+    """The dims that miss the rule, as (name, size), in the order the rule checks them."""
+    if kind in CONV_KINDS:
+        sizes = zip(("in_channels", "out_channels"), conv_channels(kind, shapes, groups))
+    else:
+        (m, n, k), names = gemm_mnk(kind, shapes)
+        sizes = zip(names, (m, n, k))
+    return [(name, size) for name, size in sizes if size % TC_MULTIPLE]
+
+
+def pad_eligible(kind: str, category: Category | str, input_shapes: Sequence[Shape], *, groups: int = 1,
+                 is_module_call: bool = False) -> tuple[bool, str]:
+    """``(eligible, reason)``: does this op miss the Tensor Core rule, and would zero-padding make it meet it?
+
+    Judged from the shapes alone, on any device: the rule is the same
+    everywhere, and whether padding *pays* (it only can where Tensor Cores
+    exist) is measured by the search. An op that already meets the rule is
+    not eligible, so it is never padded. Padding a GEMM's K or a convolution's
+    input channels adds zero products; padding M, N or output channels adds
+    rows or columns that are sliced off again.
+
+    >>> pad_eligible("linear", "whitelist", [(64, 768), (50257, 768)])
+    (True, 'out_features 50257 -> 50264')
+    >>> pad_eligible("linear", "whitelist", [(64, 768), (1000, 768)])
+    (False, 'dims are multiples of 8 already')
+    >>> pad_eligible("conv2d", "whitelist", [(8, 3, 32, 32), (64, 3, 3, 3)])
+    (True, 'in_channels 3 -> 8')
+    """
+    if category != Category.WHITELIST:
+        return False, "only whitelist ops run low on Tensor Cores"
+    if kind not in PAD_KINDS:
+        return False, f"no padding rule for {kind} (only linear, matmul, mm, bmm and conv1d/2d/3d are padded)"
+    if is_module_call:
+        return False, "a leaf module call: its weight is not a graph input the pass can pad"
+    if len(input_shapes) < 2 or any(s is None for s in input_shapes[:2]):
+        return False, "input shapes unknown"
+    if any(len(s) < 2 for s in input_shapes[:2]):
+        return False, "a 1-D operand (a matrix-vector product): nothing to pad into a Tensor Core tile"
+    if kind in CONV_KINDS and groups != 1:
+        return False, f"grouped convolution (groups={groups}): its channels are not padded"
+    misses = _padding_misses(kind, input_shapes, groups)
+    if not misses:
+        return False, f"dims are multiples of {TC_MULTIPLE} already"
+    return True, ", ".join(f"{name} {size} -> {padded_size(size)}" for name, size in misses)

@@ -68,6 +68,22 @@ def test_smoke_run_writes_json_and_markdown_with_fp32_amp_and_compfx_rows(smoke)
     assert (folder / "cuda-tests.txt").exists()
 
 
+def test_smoke_run_has_the_padding_row_with_and_without_padding(smoke):
+    done, _, folder = smoke
+    state = json.loads((folder / "gpu-suite-smoke.json").read_text())
+    row = state["bench"]["rows"]["gpt_vocab50257/padding-fp16"]
+    assert row["status"] == "ok", row.get("error")
+    padding = row["padding"]
+    assert padding["model"]["vocab"] % 8 and padding["padded_ops"] == {"head:linear#0": "out_features 131 -> 136"}
+    assert len(padding["unpadded_ms"]) == len(padding["padded_ms"]) == padding["rounds"] >= 2
+    assert all(ms > 0 for ms in padding["unpadded_ms"] + padding["padded_ms"])
+    assert padding["verdict"] in ("padded faster", "padded slower", "no measurable difference")
+    assert padding["times_mean_nothing"] is True and "no tensor cores" in padding["note"]  # a CPU says so
+    assert row["steps_per_s"] == pytest.approx(1e3 / padding["padded_median_ms"])
+    markdown = (folder / "gpu-suite-smoke.md").read_text()
+    assert "## Shape padding" in markdown and "| Plan.amp, padded |" in markdown
+
+
 def test_smoke_output_ends_with_one_line_per_row(smoke):
     done, _, folder = smoke
     state = json.loads((folder / "gpu-suite-smoke.json").read_text())

@@ -19,6 +19,8 @@ One module per job:
 * :mod:`~compfx.costmodel.profile`: :func:`profile_ops` times each op at FP32
   and at the low dtype, as the cast pass would run it (the rules are
   :mod:`compfx.cast_policy`'s), cached through :mod:`compfx.cache`;
+  :func:`profile_padding` times an op unpadded and padded (Campo's input
+  padding: does padding pay for this op alone?);
 * :mod:`~compfx.costmodel.cast_cost`: :func:`fit_cast_cost` fits the cost of a cast;
 * :mod:`~compfx.costmodel.predictor`: :class:`Predictor` prices a rewritten
   graph from its metadata (the dtypes :mod:`compfx.passes` wrote, the casts
@@ -39,10 +41,10 @@ True
 from .cast_cost import CastCost, fit_cast_cost
 from .predictor import (MEASURED_STEP, PREDICTED_STEP, STALE_PROFILE_RATIO, STALE_PROFILES, Prediction, Predictor,
                         SearchPredictor)
-from .profile import OpProfile, OpProfiles, profile_ops
+from .profile import OpProfile, OpProfiles, PaddingProfile, profile_ops, profile_padding
 
 __all__ = [
-    "OpProfile", "OpProfiles", "profile_ops",
+    "OpProfile", "OpProfiles", "profile_ops", "PaddingProfile", "profile_padding",
     "CastCost", "fit_cast_cost",
     "Prediction", "Predictor", "SearchPredictor",
     "PREDICTED_STEP", "MEASURED_STEP", "STALE_PROFILES", "STALE_PROFILE_RATIO",

@@ -39,7 +39,7 @@ from ..measure import Conditions, check_clock, environment_key, measure_conditio
 from ..opkey import KEY_META, OpKey
 from ..vocabulary import check_low_dtype, dtype_name
 
-__all__ = ["OpProfile", "OpProfiles", "profile_ops", "OP_PROFILE_FORMAT"]
+__all__ = ["OpProfile", "OpProfiles", "profile_ops", "PaddingProfile", "profile_padding", "OP_PROFILE_FORMAT"]
 
 #: ``format`` of an op-profile cache entry.
 OP_PROFILE_FORMAT = "compfx-op-profile"
@@ -213,11 +213,21 @@ class _OpBench:
         return {i for i, (position, value) in enumerate(zip(positions, pytree.tree_leaves(self.values), strict=True))
                 if castable(self.kind, position, value, mutated)}
 
-    def make_step(self, dtype: torch.dtype, *, clone_first: bool = False) -> Callable[[], None]:
+    def padding(self):
+        """How the padding pass would pad this op at its recorded shapes (an ``OpPadding``), or None."""
+        from ..passes.pad_shapes import padding_of_call  # the pass's own rule, so the profile times what it builds
+
+        args, kwargs = self.values
+        groups = args[6] if self.kind.startswith("conv") and len(args) > 6 else kwargs.get("groups", 1)
+        return padding_of_call(self.kind, args, kwargs, groups=groups) if self.module is None else None
+
+    def make_step(self, dtype: torch.dtype, *, clone_first: bool = False, padding=None) -> Callable[[], None]:
         """A closure running the op forward and backward at ``dtype`` (FP32 = no casts).
 
         ``clone_first`` feeds the op a copy of its first input made inside the
         step: an in-place op cannot write into a leaf that requires grad.
+        ``padding`` (an ``OpPadding``) runs the op padded and sliced back, as
+        :mod:`compfx.passes.pad_shapes` does, after the casts.
         """
         leaves, spec = pytree.tree_flatten(self.values)
         casts = self.cast_positions() if dtype != torch.float32 else set()
@@ -234,7 +244,7 @@ class _OpBench:
             if clone_first:
                 inputs[0] = inputs[0].clone()
             args, kwargs = pytree.tree_unflatten(inputs, spec)
-            out = call(*args, **kwargs)
+            out = padding.run(call, args, kwargs) if padding is not None else call(*args, **kwargs)
             return [o for o in pytree.tree_leaves(out) if isinstance(o, torch.Tensor) and o.requires_grad]
 
         def step():
@@ -303,19 +313,92 @@ def _profile_one(gm, node, device, low_dtype, cache: "_EntryCache", timing: Mapp
 
 
 def _op_entry_key(signature: Mapping, dtype: torch.dtype, casts: Iterable[int], device: torch.device,
-                  clock: str) -> dict:
+                  clock: str, padded: str = "") -> dict:
     return {"signature": signature, "dtype": dtype_name(dtype), "cast_inputs": sorted(casts),
-            **environment_key(device=device, clock=clock), "version": CACHE_VERSION}
+            **environment_key(device=device, clock=clock), "version": CACHE_VERSION,
+            **({"padded": padded} if padded else {})}  # unpadded entries keep the keys they always had
 
 
-def _measure(bench: _OpBench, dtype: torch.dtype, timing: Mapping) -> float:
+def _measure(bench: _OpBench, dtype: torch.dtype, timing: Mapping, padding=None) -> float:
     try:
-        return time_fastest(bench.make_step(dtype), device=bench.device, **timing)
+        return time_fastest(bench.make_step(dtype, padding=padding), device=bench.device, **timing)
     except RuntimeError as error:
         if "in-place" not in str(error):
             raise
         # x.relu_() on a leaf that requires grad: time it on a copy made inside the step
-        return time_fastest(bench.make_step(dtype, clone_first=True), device=bench.device, **timing)
+        return time_fastest(bench.make_step(dtype, clone_first=True, padding=padding), device=bench.device, **timing)
+
+
+# -- padding: does the padded op beat the unpadded one? ---------------------------------------------
+
+@dataclass(frozen=True)
+class PaddingProfile:
+    """Forward+backward seconds of one op at the low dtype, as it is and padded (:mod:`compfx.passes.pad_shapes`).
+
+    ``skipped`` says why it could not be timed (then it is not predicted to pay).
+
+    >>> from compfx.opkey import OpKey
+    >>> PaddingProfile(OpKey.parse("head:linear#0"), low_s=4e-3, padded_s=3e-3).pays
+    True
+    """
+
+    key: OpKey
+    low_s: float
+    padded_s: float
+    skipped: str = ""
+
+    @property
+    def pays(self) -> bool:
+        """Is the padded op alone faster (the cost model's "can it pay")?"""
+        return not self.skipped and self.padded_s < self.low_s
+
+
+def profile_padding(analysis, keys: Iterable[OpKey], *, repeats: int = 3, warmup: int = 1, block_s: float = 5e-4,
+                    budget_s: float = 5e-3, clock: str = "wall", cache_dir: str | os.PathLike | None = None,
+                    use_cache: bool = True, conditions: Conditions | None = None) -> dict[OpKey, PaddingProfile]:
+    """Time each op of ``keys`` forward+backward in isolation at the analysis's low dtype, unpadded and padded.
+
+    As in Inductor's ``pad_mm`` (``_should_pad``), the padded op includes its
+    pads and slices, and the answer is cached by the op's signature (with the
+    profiles of :func:`profile_ops`, whose low-dtype entries the unpadded
+    timings share). The arguments are :func:`profile_ops`'.
+
+    >>> import torch, compfx
+    >>> from compfx.costmodel import profile_padding
+    >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(16, 10)), torch.randn(8, 16))
+    >>> p = profile_padding(a, [a.ops[0].key], repeats=2, use_cache=False)[a.ops[0].key]
+    >>> p.low_s > 0 and p.padded_s > 0
+    True
+    """
+    device = torch.device(analysis.device)
+    check_clock(clock, device=device)
+    timing = dict(repeats=repeats, warmup=warmup, block_s=block_s, budget_s=budget_s, clock=clock)
+    if use_cache and conditions is None:
+        conditions = measure_conditions(device=device, clock=clock)
+    cache = _EntryCache(profile_folder(cache_dir) if use_cache else None, False, conditions)
+    nodes = {n.meta[KEY_META]: n for n in analysis.graph_module.graph.nodes if KEY_META in n.meta}
+    return {key: _profile_padding_one(analysis.graph_module, nodes[key], device, analysis.low_dtype, cache, timing)
+            for key in keys}
+
+
+def _profile_padding_one(gm, node, device, low_dtype, cache: "_EntryCache", timing: Mapping) -> PaddingProfile:
+    key: OpKey = node.meta[KEY_META]
+    try:
+        bench = _OpBench(gm, node, device)
+        signature, casts, padding = bench.signature(), bench.cast_positions(), bench.padding()
+    except Exception as error:  # noqa: BLE001 - an op we cannot describe is not predicted to pay
+        return PaddingProfile(key, 0.0, 0.0, f"could not build inputs: {type(error).__name__}: {error}")
+    if padding is None:
+        return PaddingProfile(key, 0.0, 0.0, "nothing to pad at the recorded shapes")
+    seconds = {}
+    for padded in (None, padding):
+        entry_key = _op_entry_key(signature, low_dtype, casts, device, timing["clock"],
+                                  padded.reason if padded is not None else "")
+        seconds[padded is not None], reason = cache.seconds(
+            entry_key, lambda padded=padded: _measure(bench, low_dtype, timing, padded))
+        if reason:
+            return PaddingProfile(key, 0.0, 0.0, reason)
+    return PaddingProfile(key, seconds[False], seconds[True])
 
 
 class _EntryCache:

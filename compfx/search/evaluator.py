@@ -171,8 +171,8 @@ class LocalEvaluator:
         self.fp8_recipe = fp8_recipe  # how the plans' fp8 ops scale (None: the default recipe)
         self.clock = clock or PhaseClock()  # where the search's time goes: "rewrites" and "samples" are counted here
         self._plans: dict[Assignment, Plan] = {}
-        self._modules: dict[Assignment, nn.Module] = {}
-        self._runners: dict[Assignment, nn.Module] = {}
+        self._modules: dict[Plan, nn.Module] = {}  # by Plan: a plan's padding is not in its Assignment
+        self._runners: dict[Plan, nn.Module] = {}
         self._captures = None  # the model's captures per input signature, shared by every plan's runner
 
     # -- plans and the modules that run them -------------------------------------------
@@ -184,28 +184,32 @@ class LocalEvaluator:
 
     def module(self, plan: Assignment) -> nn.Module:
         """The model rewritten to run ``plan`` (built once per plan; it shares the model's Parameters)."""
+        return self.module_of(self.plan(plan))
+
+    def module_of(self, plan: Plan) -> nn.Module:
+        """:meth:`module` for a :class:`Plan` (the cost model prices plans; the padding decision pads them)."""
         if plan not in self._modules:
             from ..apply import apply  # the apply stage imports the passes: load it when first needed
 
             with self.clock.phase("rewrites"):
-                self._modules[plan] = apply(self.model, self.plan(plan), analysis=self.analysis)
+                self._modules[plan] = apply(self.model, plan, analysis=self.analysis)
         return self._modules[plan]
-
-    def module_of(self, plan: Plan) -> nn.Module:
-        """:meth:`module` for a :class:`Plan` (the cost model prices plans)."""
-        return self.module(plan.assignment(self.analysis))
 
     def runner(self, plan: Assignment) -> nn.Module:
         """What the samples train: a :class:`~compfx.apply.PlannedModule` of ``plan``, which runs it at every input
         signature the loader has (a ragged last batch, varying sequence lengths); its first graph is :meth:`module`'s."""
+        return self.runner_of(self.plan(plan))
+
+    def runner_of(self, plan: Plan) -> nn.Module:
+        """:meth:`runner` for a :class:`Plan` (a padded one: what the padding decision times and the search returns)."""
         if plan not in self._runners:
             from ..apply import PlannedModule, SignatureCaptures
 
-            graph = self.module(plan)
+            graph = self.module_of(plan)
             with self.clock.phase("rewrites"):
                 if self._captures is None:
                     self._captures = SignatureCaptures(self.model, self.analysis)
-                self._runners[plan] = PlannedModule(self.model, self.plan(plan), analysis=self.analysis,
+                self._runners[plan] = PlannedModule(self.model, plan, analysis=self.analysis,
                                                     captures=self._captures, graph=graph)
         return self._runners[plan]
 
@@ -225,10 +229,17 @@ class LocalEvaluator:
     def time_step(self, plan: Assignment, *, repeats: int | None = None, warmup: int | None = None) -> float:
         """Median seconds of ``repeats`` timed steps after ``warmup`` untimed ones (default: the evaluator's)."""
         with plan_failures():
-            runner = self.runner(plan)
-            with self.clock.phase("samples"):
-                return self.sampler.step_time(runner, warmup=self.warmup if warmup is None else warmup,
-                                              repeats=repeats or self.repeats).median
+            return self._time(self.runner(plan), repeats=repeats, warmup=warmup)
+
+    def time_plan(self, plan: Plan, *, repeats: int | None = None, warmup: int | None = None) -> float:
+        """:meth:`time_step` for a :class:`Plan` (the padding decision times padded plans)."""
+        with plan_failures():
+            return self._time(self.runner_of(plan), repeats=repeats, warmup=warmup)
+
+    def _time(self, runner: nn.Module, *, repeats: int | None, warmup: int | None) -> float:
+        with self.clock.phase("samples"):
+            return self.sampler.step_time(runner, warmup=self.warmup if warmup is None else warmup,
+                                          repeats=repeats or self.repeats).median
 
     def check_loss(self, plan: Assignment, batches: int) -> float:
         with plan_failures():
