@@ -49,6 +49,7 @@ def apply(
     restore_output_dtypes: bool = True,
     leaf_modules: Iterable[type | str] = (),
     per_module: type | Iterable[type] = (),
+    verify: bool = True,
 ) -> fx.GraphModule | nn.Module:
     """Return ``model`` rewritten to run each op at the precision ``plan`` gives it.
 
@@ -66,7 +67,9 @@ def apply(
     :class:`compfx.per_module.PlannedBlock` holding the same Parameters, and
     ``model`` itself is returned (FSDP2, activation checkpointing and hooks keep
     working on its blocks; code outside them runs eagerly, as it was). Without
-    ``analysis``, only the blocks are captured (each on its own).
+    ``analysis``, only the blocks are captured (each on its own). A capture made
+    here is verified against the model (see :func:`compfx.analyze`) unless
+    ``verify`` is False.
 
     >>> import torch, compfx
     >>> from compfx.apply import apply
@@ -84,13 +87,13 @@ def apply(
     if analysis is None and per_module and example_inputs is not None:
         from .per_module import analyze_regions  # each block on its own: the rest need not be capturable
 
-        analysis = analyze_regions(model, example_inputs, per_module, low_dtype=plan.low_dtype)
+        analysis = analyze_regions(model, example_inputs, per_module, low_dtype=plan.low_dtype, verify=verify)
     if analysis is None:
         if example_inputs is None:
             raise BadInputError("apply() needs example_inputs to capture the model, or analysis=<the Analysis "
                                 "the plan was made from>.")
         analysis = analyze(model, example_inputs, low_dtype=plan.low_dtype, leaf_modules=leaf_modules,
-                           fp8=plan.fp8_recipe is not None)
+                           fp8=plan.fp8_recipe is not None, verify=verify)
     plan.validate(analysis)
     if plan.low_dtype != analysis.low_dtype:
         raise PlanMismatchError(
