@@ -34,6 +34,7 @@ import torch
 import torch.fx as fx
 
 from compfx.capture import get_attribute, has_side_effects
+from compfx.capture.checkpoints import CHECKPOINT_META
 from compfx.cast_policy import (CAST_META, AutocastRegion, castable_inputs, precision_dtype, runs_as_is,
                                 runs_under_autocast, shares_cast)
 from compfx.errors import PassError
@@ -242,8 +243,11 @@ class _CastInserter:
 
 
 def _copy_location(cast: fx.Node, consumer: fx.Node) -> None:
-    """FX does not propagate metadata: an inserted cast gets its consumer's module stack and source location."""
+    """FX does not propagate metadata: an inserted cast gets its consumer's module stack, source location and
+    checkpointed region (it is recomputed with its consumer)."""
     for name in ("nn_module_stack", "stack_trace", "source_fn_stack"):
         if name in consumer.meta:
             cast.meta[name] = copy.copy(consumer.meta[name])
+    if CHECKPOINT_META in consumer.meta:  # the region itself, not a copy: its nodes are those that name it
+        cast.meta[CHECKPOINT_META] = consumer.meta[CHECKPOINT_META]
     cast.meta[CAST_META] = True

@@ -29,7 +29,9 @@ When the two runs differ in values only, eager is run a second time: if eager
 does not reproduce itself either (a kernel or Python code that varies run to
 run), bitwise equality is impossible, and the graph is compared within twice
 eager's own spread instead; the result says so (``exact`` is False, ``notes``
-says why) and :func:`compfx.capture.capture` warns.
+says why) and :func:`compfx.capture.capture` warns. So it does when the model
+itself has no backward on the example inputs (an op without a derivative, in
+an inference-only model): only the forwards are compared.
 """
 
 from __future__ import annotations
@@ -120,14 +122,27 @@ class _Difference(Exception):
 
 def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict, *,
                    method: str) -> CaptureVerification:
-    """Run ``model`` and ``gm`` forward and backward on ``(args, kwargs)`` and compare them (see the module doc)."""
+    """Run ``model`` and ``gm`` forward and backward on ``(args, kwargs)`` and compare them (see the module doc).
+
+    >>> import torch
+    >>> from compfx.capture import capture
+    >>> model, x = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5)), torch.randn(2, 4)
+    >>> result = verify_capture(model, capture(model, x), (x,), {}, method="symbolic")
+    >>> result.faithful, result.exact, result.gradients, result.saved_graph == result.saved_eager
+    (True, True, 2, True)
+    """
     start = time.perf_counter()
     notes: list[str] = []
     with _state_kept(model, gm) as replay:
         try:
             eager = replay.run(model, args, kwargs)
+        except _NoBackward as error:  # an inference-only model (an op without a derivative): forward only
+            replay.backward = False
+            notes.append(f"only the forward was compared: the model itself has no backward on these inputs "
+                         f"({first_line(error.__cause__)})")
+            eager = replay.run(model, args, kwargs)
         except Exception as error:  # noqa: BLE001 - the model's own failure: nothing to compare with
-            raise EagerRunError(f"the model itself fails on a forward and backward of the example inputs with "
+            raise EagerRunError(f"the model itself fails on a forward of the example inputs with "
                                 f"{first_line(error)}") from error
         try:
             graph = replay.run(gm, args, kwargs)
@@ -153,6 +168,10 @@ def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
                          "bitwise")
             exact = False
     return _result(method, None, eager, graph, start, exact=exact, notes=tuple(notes))
+
+
+class _NoBackward(Exception):
+    """The eager model's backward fails (an op without a derivative): compare forwards only."""
 
 
 def _result(method, mismatch, eager: _Run, graph: _Run, start: float, *, exact: bool = False,
@@ -220,9 +239,12 @@ def _spread(first: _Run, second: _Run) -> dict[str, float]:
 # -- running one side, leaving the caller's state alone -------------------------------------------
 
 class _Replay:
-    """Runs the model or the graph forward and backward from the same starting state each time."""
+    """Runs the model or the graph forward and backward (if ``backward``) from the same starting state each time."""
+
+    backward = True
 
     def __init__(self, model: nn.Module, rng_devices: list[int], buffers: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.model = model
         self.parameters = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
         self._rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in rng_devices])
@@ -244,9 +266,14 @@ class _Replay:
             output = fn(*args, **kwargs)
         result.saved, result.saved_requiring_grad = counted
         outputs = _output_tensors(output)
-        roots = [(name, t) for name, t in outputs.items() if t.requires_grad]
-        if roots:
+        roots = [(name, t) for name, t in outputs.items() if t.requires_grad] if self.backward else []
+        if roots and fn is not self.model:
             torch.autograd.backward([t for _, t in roots], [_probe(t, i) for i, (_, t) in enumerate(roots)])
+        elif roots:
+            try:
+                torch.autograd.backward([t for _, t in roots], [_probe(t, i) for i, (_, t) in enumerate(roots)])
+            except Exception as error:  # noqa: BLE001 - the model's own: its backward is not ours to judge
+                raise _NoBackward() from error
         for name, tensor in outputs.items():
             result.tensors[f"output{name}"] = tensor.detach()
             result.requires_grad[f"output{name}"] = tensor.requires_grad
@@ -258,7 +285,7 @@ class _Replay:
                 result.tensors[f"gradient of input{pytree.keystr(path)}"] = leaf.grad
         for name, buffer in self.buffers.items():
             result.tensors[f"buffer {name!r} after the step"] = buffer.detach().clone()
-        result.outputs, result.gradients = len(outputs), len(self.parameters)
+        result.outputs, result.gradients = len(outputs), len(self.parameters) if self.backward else 0
         return result
 
     def _reset(self) -> None:
