@@ -279,6 +279,32 @@ def test_reentrant_checkpointing_keeps_its_no_gradient_pitfall_as_eager_does():
     assert model.blocks[0].fc1.weight.grad is None and model.head.weight.grad is not None
 
 
+class ComposableCheckpointed(nn.Module):
+    """torch.distributed's composable checkpoint(module): hooks, no checkpoint() call in forward."""
+
+    def __init__(self):
+        super().__init__()
+        from torch.distributed._composable import checkpoint as checkpoint_module
+
+        self.blocks = nn.ModuleList(checkpoint_module(Block()) for _ in range(3))
+
+    def forward(self, x):
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+@pytest.mark.parametrize("method", TRACERS)
+def test_composable_checkpointing_is_kept_too(method):
+    torch.manual_seed(0)
+    model, x = ComposableCheckpointed(), torch.randn(8, 16)
+    analysis = compfx.analyze(model, x, method=method)
+    assert len(checkpointed_nodes(analysis.graph_module.graph)) == 3 and analysis.verification.exact
+    eager_saved, _ = _saved_requiring_grad(lambda: model(x))
+    saved, _ = _saved_requiring_grad(lambda: compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis)(x))
+    assert saved <= eager_saved + SAVED_TENSOR_SLACK
+
+
 def test_a_graph_that_drops_checkpointing_is_not_faithful():
     torch.manual_seed(0)
     model, x = CheckpointedMLP(), torch.randn(8, 16)

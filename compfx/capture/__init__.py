@@ -79,7 +79,7 @@ from .signature import (
     with_input_check,
 )
 from .symbolic import reads_its_state_in_python, symbolic_capture
-from .verify import VERIFICATION_META, CaptureVerification, EagerRunError, verify_capture
+from .verify import VERIFICATION_META, CaptureVerification, verify_capture
 
 
 __all__ = [
@@ -192,7 +192,7 @@ def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.Graph
             leaf_modules = ()
         try:
             gm = _trace(tracer, model, args, kwargs, leaf_modules)
-        except (BadInputError, EagerRunError):
+        except BadInputError:
             raise
         except ValueBranchError as error:
             # No tracer can make one graph of it; our message names the line.

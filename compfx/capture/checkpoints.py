@@ -16,9 +16,11 @@ region through ``checkpoint(..., use_reentrant=True)``. Parameters are read
 inside the region (through the graph's module), as in eager, so a region whose
 inputs need no gradient gives its parameters none, exactly as eager does.
 
-Nested checkpoints become one region, the outermost. Checkpointing that does
-not go through ``checkpoint`` (a module's own saved-tensor hooks) is not seen:
-the capture verification then finds more tensors saved than eager saves.
+Nested checkpoints become one region, the outermost. Checkpointing entered
+without ``checkpoint`` (``torch.distributed``'s composable ``checkpoint(module)``)
+is found by its saved-tensor hook and kept with the default settings. Other
+recomputation (a module's own saved-tensor hooks) is not seen: the capture
+verification then finds more tensors saved than eager saves.
 """
 
 from __future__ import annotations
@@ -62,13 +64,14 @@ class CheckpointRegions:
     """What a tracer asks while it runs: which checkpointed region (if any) the op it writes down is in."""
 
     def __init__(self):
-        self._by_frame: dict[int, tuple[CheckpointedRegion, Any]] = {}  # id(frame) -> (region, frame kept alive)
+        self._seen: dict[int, tuple[CheckpointedRegion, Any]] = {}  # id(frame or hook) -> (region, it, kept alive)
         self._reentrant: list[CheckpointedRegion] = []
         self.count = 0
 
     def current(self) -> CheckpointedRegion | None:
         """The outermost region the running code is in: a reentrant one the tracer opened, else the outermost
-        ``checkpoint(..., use_reentrant=False)`` frame on the Python stack."""
+        ``checkpoint(..., use_reentrant=False)`` frame on the Python stack, else checkpointing entered without that
+        function (``torch.distributed``'s composable ``checkpoint(module)``), whose saved-tensor hook is on top."""
         if self._reentrant:
             return self._reentrant[0]
         outermost = None
@@ -78,13 +81,22 @@ class CheckpointRegions:
                 outermost = frame
             frame = frame.f_back
         if outermost is None:
-            return None
-        found = self._by_frame.get(id(outermost))
+            return self._hooked_region()
+        found = self._seen.get(id(outermost))
         if found is None or found[1] is not outermost:
             local = outermost.f_locals
             options = {"preserve_rng_state": local.get("preserve", True),
                        **{name: local[name] for name in _CHECKPOINT_OPTIONS if name in local}}
-            found = self._by_frame[id(outermost)] = (self._new(False, options), outermost)
+            found = self._seen[id(outermost)] = (self._new(False, options), outermost)
+        return found[0]
+
+    def _hooked_region(self) -> CheckpointedRegion | None:
+        pack = _top_pack_hook()
+        if pack is None or not getattr(pack, "__qualname__", "").startswith("_checkpoint_hook."):
+            return None
+        found = self._seen.get(id(pack))
+        if found is None or found[1] is not pack:
+            found = self._seen[id(pack)] = (self._new(False, {"preserve_rng_state": True}), pack)
         return found[0]
 
     @contextlib.contextmanager
@@ -114,6 +126,15 @@ class CheckpointRegions:
     def _new(self, use_reentrant: bool, options: dict) -> CheckpointedRegion:
         self.count += 1
         return CheckpointedRegion(self.count - 1, use_reentrant, options)
+
+
+def _top_pack_hook():
+    """The pack function of the innermost ``saved_tensors_hooks`` in force, or None."""
+    try:
+        hooks = torch._C._autograd._top_saved_tensors_default_hooks(False)
+    except (AttributeError, TypeError, RuntimeError):  # a torch without it: only checkpoint() frames are seen
+        return None
+    return hooks[0] if hooks else None
 
 
 def is_reentrant_checkpoint(call) -> bool:

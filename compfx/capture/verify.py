@@ -45,13 +45,13 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from ..errors import CaptureError
+from ..errors import BadInputError
 from ._sites import first_line
 from .model_state import get_attribute
 from .nodes import writes_input
 from .record import is_kv_cache
 
-__all__ = ["CaptureVerification", "verify_capture", "SAVED_TENSOR_SLACK", "VERIFICATION_META", "EagerRunError"]
+__all__ = ["CaptureVerification", "verify_capture", "SAVED_TENSOR_SLACK", "VERIFICATION_META"]
 
 #: How many more tensors that require grad than eager the graph may save for backward. The tracers write the same
 #: ops as eager runs, so the counts are equal on every model the tests cover; a graph that dropped one
@@ -110,10 +110,6 @@ class _Run:
     gradients: int = 0
 
 
-class EagerRunError(CaptureError):
-    """The eager model fails on the example inputs' forward and backward: there is nothing to compare with."""
-
-
 class _Difference(Exception):
     def __init__(self, text: str, *, values_only: bool):
         super().__init__(text)
@@ -142,8 +138,10 @@ def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
                          f"({first_line(error.__cause__)})")
             eager = replay.run(model, args, kwargs)
         except Exception as error:  # noqa: BLE001 - the model's own failure: nothing to compare with
-            raise EagerRunError(f"the model itself fails on a forward of the example inputs with "
-                                f"{first_line(error)}") from error
+            raise BadInputError(
+                f"{type(model).__name__} fails on the example inputs even without compfx ({first_line(error)}), when "
+                "compfx runs it to check its capture. Give example inputs that forward() accepts (the shapes, dtypes "
+                "and device of a real batch).") from error
         try:
             graph = replay.run(gm, args, kwargs)
         except Exception as error:  # noqa: BLE001 - a graph that fails is unfaithful; say how
