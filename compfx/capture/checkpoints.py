@@ -155,9 +155,19 @@ def checkpointed_nodes(graph: fx.Graph) -> dict[CheckpointedRegion, list[fx.Node
     regions = {}
     for region, nodes in marked.items():
         first, last = order[nodes[0]], order[nodes[-1]]
-        regions[region] = [n for n in graph.nodes if first <= order[n] <= last and n.op not in ("placeholder", "get_attr", "output")
-                           and n.meta.get(CHECKPOINT_META, region) is region]
+        inside = [n for n in graph.nodes if first <= order[n] <= last and n.op not in ("placeholder", "get_attr", "output")
+                  and n.meta.get(CHECKPOINT_META, region) is region]
+        while inside and _switches_grad_mode(inside[0]):
+            inside.pop(0)
+        regions[region] = inside
     return regions
+
+
+def _switches_grad_mode(node: fx.Node) -> bool:
+    """A tracer writes a grad-mode switch when the next op runs, so the switch back after a ``no_grad`` block that
+    ended before ``checkpoint`` was called (Hugging Face's rotary embedding) lands at the start of the region; it
+    belongs before it: ``checkpoint`` must be entered with autograd on, as in eager."""
+    return node.op == "call_function" and node.target in (torch._C._set_grad_enabled, torch.is_grad_enabled)
 
 
 class CheckpointedGraph(fx.Graph):

@@ -22,8 +22,8 @@ Backward starts from the same random gradient on each output for both runs
 Nothing of the caller's changes: gradients, ``requires_grad``, train/eval
 modes, buffers, parameters the graph writes in place, the RNG (forked), grad
 mode and the deterministic-algorithms setting are all as they were. The run is
-made with deterministic algorithms on, so that kernels with atomics (CUDA's
-``index_add``) give the same bits twice.
+made with deterministic algorithms on where CUDA is involved, so that kernels
+with atomics (CUDA's ``index_add``) give the same bits twice (CPU kernels do).
 
 When the two runs differ in values only, eager is run a second time: if eager
 does not reproduce itself either (a kernel or Python code that varies run to
@@ -312,7 +312,8 @@ def _state_kept(model: nn.Module, gm: fx.GraphModule):
                      torch.is_deterministic_algorithms_warn_only_enabled())
     try:
         with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad(), _warnings_quiet():
-            torch.use_deterministic_algorithms(True, warn_only=True)
+            if devices:  # CUDA kernels with atomics (index_add, scatter_add) vary run to run; CPU ones do not
+                torch.use_deterministic_algorithms(True, warn_only=True)
             yield _Replay(model, devices, saved)
     finally:
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
