@@ -147,25 +147,33 @@ def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
         except Exception as error:  # noqa: BLE001 - a graph that fails is unfaithful; say how
             return CaptureVerification(method, f"the graph fails on the example inputs with {first_line(error)}",
                                        False, seconds=time.perf_counter() - start)
+        exact = True
         try:
             _compare(eager, graph)
-            exact = True
         except _Difference as difference:
             if not difference.values_only:
                 return _result(method, str(difference), eager, graph, start)
-            spread = _spread(eager, replay.run(model, args, kwargs))
-            if not spread:
-                return _result(method, str(difference), eager, graph, start)
             try:
-                _compare(eager, graph, atol={name: 2 * value for name, value in spread.items()})
+                notes.append(_within_eager_spread(eager, graph, replay.run(model, args, kwargs), difference))
             except _Difference as beyond:
-                return _result(method, f"{beyond} (beyond eager's own run-to-run difference)", eager, graph, start)
-            worst = max(spread, key=spread.get)
-            notes.append(f"eager does not reproduce itself (two eager runs differ in {len(spread)} tensor(s), most in "
-                         f"{worst}, by {spread[worst]:.3g}), so the graph was compared within twice that spread, not "
-                         "bitwise")
+                return _result(method, str(beyond), eager, graph, start)
             exact = False
     return _result(method, None, eager, graph, start, exact=exact, notes=tuple(notes))
+
+
+def _within_eager_spread(eager: _Run, graph: _Run, again: _Run, difference: _Difference) -> str:
+    """The graph differs from eager in values: if a second eager run differs too, compare within twice eager's own
+    spread and return the note that says so; else (eager reproduces itself) raise ``difference``."""
+    spread = _spread(eager, again)
+    if not spread:
+        raise difference
+    try:
+        _compare(eager, graph, atol={name: 2 * value for name, value in spread.items()})
+    except _Difference as beyond:
+        raise _Difference(f"{beyond} (beyond eager's own run-to-run difference)", values_only=True) from None
+    worst = max(spread, key=spread.get)
+    return (f"eager does not reproduce itself (two eager runs differ in {len(spread)} tensor(s), most in {worst}, by "
+            f"{spread[worst]:.3g}), so the graph was compared within twice that spread, not bitwise")
 
 
 class _NoBackward(Exception):
