@@ -28,7 +28,7 @@ import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .analyze import Analysis, analyze, analyze_graph
-from .capture import capture, describe_inputs, input_signature, module_modes
+from .capture import capture, describe_inputs, input_signature, keep_checkpoints, module_modes
 from .errors import BadInputError, CaptureError, PlanMismatchError
 from .opkey import OpKey
 from .passes import apply_precisions
@@ -123,7 +123,7 @@ def _planned_graph(model: nn.Module, analysis: Analysis, plan: Plan, categories:
                      restore_outputs=restore_output_dtypes, fp8_recipe=plan.fp8_recipe)
     _mirror_state(gm, model)
     gm.meta.update(compfx_plan=plan, compfx_capture_method=analysis.capture_method)
-    return gm
+    return keep_checkpoints(gm)  # whatever copy of the graph the passes made, its checkpointed regions recompute
 
 
 @dataclass(frozen=True)

@@ -44,7 +44,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .analyze import Analysis, analyze_graph, model_device
-from .capture import buffers_restored, capture, describe_inputs, input_signature, normalize_example_inputs
+from .capture import (buffers_restored, capture, describe_inputs, input_signature, keep_checkpoints,
+                      normalize_example_inputs)
 from .errors import BadInputError, CaptureError
 from .opkey import OpKey
 from .passes import apply_precisions
@@ -249,7 +250,7 @@ class PlannedBlock(nn.Module):
         _read_state_through(gm, self)
         gm.train(self.training)
         gm.meta.update(compfx_plan=self.plan, compfx_capture_method=analysis.capture_method)
-        return gm
+        return keep_checkpoints(gm)  # whatever copy of the graph the passes made, its checkpointed regions recompute
 
     def release(self) -> nn.Module:
         """The block this replaced, given back the children, Parameters, buffers, hooks and train/eval mode this

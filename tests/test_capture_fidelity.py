@@ -18,7 +18,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import compfx
 from compfx.capture import capture
-from compfx.capture.checkpoints import CHECKPOINT_META, checkpointed_nodes
+from compfx.capture.checkpoints import CHECKPOINT_META, CheckpointedGraph, checkpointed_nodes
 from compfx.capture.functions import FunctionCall
 from compfx.capture.verify import SAVED_TENSOR_SLACK, verify_capture
 from compfx.cast_policy import is_cast
@@ -264,6 +264,20 @@ def test_checkpointed_regions_stay_checkpointed_and_recompute(method, use_reentr
     assert low_saved <= eager_saved + SAVED_TENSOR_SLACK
     low(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_a_planned_graph_keeps_its_regions_whatever_copy_of_the_graph_the_passes_rewrote():
+    torch.manual_seed(0)
+    model, x = CheckpointedMLP(), torch.randn(8, 16)
+    analysis = compfx.analyze(model, x)
+    plain = copy.deepcopy(analysis.graph_module.graph)
+    plain.__class__ = torch.fx.Graph  # a copy made as fx.Graph copies: the nodes keep their regions, the class is lost
+    analysis.graph_module.graph = plain
+    eager_saved, _ = _saved_requiring_grad(lambda: model(x))
+    planned = compfx.apply(model, _all_low(analysis), analysis=analysis)
+    assert isinstance(planned.graph, CheckpointedGraph)
+    saved, _ = _saved_requiring_grad(lambda: planned(x))
+    assert saved <= eager_saved + SAVED_TENSOR_SLACK
 
 
 def test_reentrant_checkpointing_keeps_its_no_gradient_pitfall_as_eager_does():

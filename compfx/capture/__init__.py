@@ -84,6 +84,7 @@ from .verify import VERIFICATION_META, CaptureVerification, verify_capture
 
 __all__ = [
     "capture",
+    "keep_checkpoints",
     "CaptureVerification",
     "VERIFICATION_META",
     "CAPTURE_METHODS",
