@@ -18,7 +18,7 @@ import torch.nn as nn
 from tabulate import tabulate
 from torch.utils import _pytree as pytree
 
-from .capture import capture, input_signature, module_modes, normalize_example_inputs, op_nodes
+from .capture import VERIFICATION_META, capture, input_signature, module_modes, normalize_example_inputs, op_nodes
 from .errors import BadInputError
 from .float8 import fp8_eligible
 from .opkey import KEY_META, OpKey
@@ -81,6 +81,12 @@ class Analysis:
     @property
     def keys(self) -> tuple[OpKey, ...]:
         return tuple(op.key for op in self.ops)
+
+    @property
+    def verification(self):
+        """What :func:`compfx.capture.capture` found when it checked this graph against the model (a
+        :class:`~compfx.capture.CaptureVerification`), or None if it was not checked."""
+        return self.graph_module.meta.get(VERIFICATION_META)
 
     @property
     def fingerprint(self) -> str:
@@ -249,6 +255,7 @@ def analyze(
     capability: tuple[int, int] | None = None,
     method: str = "auto",
     fp8: bool = False,
+    verify: bool = True,
 ) -> Analysis:
     """Capture ``model`` and classify each op (whitelist / blacklist / other, TC eligibility).
 
@@ -259,6 +266,10 @@ def analyze(
     ``method`` picks the tracer (see :func:`compfx.capture`). ``fp8=True`` also
     marks the ops that can run FP8 (``OpInfo.fp8_eligible``, ``fp8_reason``; see
     :mod:`compfx.float8`); a plan may give ``"fp8"`` only to those.
+    The capture is verified (``capture(..., verify=True)``): the graph must give
+    the model's outputs, every parameter's gradient and its saved-tensor count
+    on the example inputs, or the next tracer is tried; ``Analysis.verification``
+    says what was found. ``verify=False`` skips that forward and backward.
 
     >>> import torch, compfx
     >>> model = torch.nn.Sequential(torch.nn.Linear(16, 10), torch.nn.Softmax(-1))
@@ -275,7 +286,7 @@ def analyze(
     low_dtype = check_low_dtype(low_dtype if low_dtype is not None else default_low_dtype(device))
     capability = check_capability(capability)
     leaf_modules = tuple(leaf_modules)
-    gm = capture(model, example_inputs, leaf_modules=leaf_modules, method=method)
+    gm = capture(model, example_inputs, leaf_modules=leaf_modules, method=method, verify=verify)
     analysis = analyze_graph(gm, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability,
                              fp8=fp8)
     args, kwargs = normalize_example_inputs(example_inputs)

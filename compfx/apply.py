@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .analyze import Analysis, analyze, analyze_graph
-from .capture import capture, describe_inputs, input_signature, module_modes
+from .capture import capture, describe_inputs, input_signature, keep_checkpoints, module_modes
 from .capture.nodes import copy_graph
 from .errors import BadInputError, CaptureError, PlanMismatchError
 from .opkey import OpKey
@@ -49,6 +49,7 @@ def apply(
     restore_output_dtypes: bool = True,
     leaf_modules: Iterable[type | str] = (),
     per_module: type | Iterable[type] = (),
+    verify: bool = True,
 ) -> fx.GraphModule | nn.Module:
     """Return ``model`` rewritten to run each op at the precision ``plan`` gives it.
 
@@ -66,7 +67,9 @@ def apply(
     :class:`compfx.per_module.PlannedBlock` holding the same Parameters, and
     ``model`` itself is returned (FSDP2, activation checkpointing and hooks keep
     working on its blocks; code outside them runs eagerly, as it was). Without
-    ``analysis``, only the blocks are captured (each on its own).
+    ``analysis``, only the blocks are captured (each on its own). A capture made
+    here is verified against the model (see :func:`compfx.analyze`) unless
+    ``verify`` is False.
 
     >>> import torch, compfx
     >>> from compfx.apply import apply
@@ -84,13 +87,13 @@ def apply(
     if analysis is None and per_module and example_inputs is not None:
         from .per_module import analyze_regions  # each block on its own: the rest need not be capturable
 
-        analysis = analyze_regions(model, example_inputs, per_module, low_dtype=plan.low_dtype)
+        analysis = analyze_regions(model, example_inputs, per_module, low_dtype=plan.low_dtype, verify=verify)
     if analysis is None:
         if example_inputs is None:
             raise BadInputError("apply() needs example_inputs to capture the model, or analysis=<the Analysis "
                                 "the plan was made from>.")
         analysis = analyze(model, example_inputs, low_dtype=plan.low_dtype, leaf_modules=leaf_modules,
-                           fp8=plan.fp8_recipe is not None)
+                           fp8=plan.fp8_recipe is not None, verify=verify)
     plan.validate(analysis)
     if plan.low_dtype != analysis.low_dtype:
         raise PlanMismatchError(
@@ -120,7 +123,7 @@ def _planned_graph(model: nn.Module, analysis: Analysis, plan: Plan, categories:
                      restore_outputs=restore_output_dtypes, fp8_recipe=plan.fp8_recipe, padded=plan.padded)
     _mirror_state(gm, model)
     gm.meta.update(compfx_plan=plan, compfx_capture_method=analysis.capture_method)
-    return gm
+    return keep_checkpoints(gm)  # whatever copy of the graph the passes made, its checkpointed regions recompute
 
 
 @dataclass(frozen=True)

@@ -103,9 +103,10 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         inputs = check_first_batch(model, first, loss_fn, device)  # bad inputs fail here, before any work
         args, kwargs = inputs
         with clock.phase("capture"):
-            analysis = (prepare_search(model, kwargs if kwargs else args, per_module, device=device, low_dtype=low_dtype)
+            analysis = (prepare_search(model, kwargs if kwargs else args, per_module, device=device, low_dtype=low_dtype,
+                                       verify=config.verify_capture)
                         if per_module else analyze(model, kwargs if kwargs else args, device=device, low_dtype=low_dtype,
-                                                          fp8=config.fp8))
+                                                   fp8=config.fp8, verify=config.verify_capture))
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,
                               grad_scaler=config.scaler_on(analysis.low_dtype))
         search_log = SearchLog.open(log, _log_header(analysis, config), resume=resume)

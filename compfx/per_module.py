@@ -43,7 +43,8 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .analyze import Analysis, analyze_graph, model_device
-from .capture import buffers_restored, capture, describe_inputs, input_signature, normalize_example_inputs
+from .capture import (buffers_restored, capture, describe_inputs, input_signature, keep_checkpoints,
+                      normalize_example_inputs)
 from .capture.nodes import copy_graph
 from .errors import BadInputError, CaptureError
 from .opkey import OpKey
@@ -250,7 +251,7 @@ class PlannedBlock(nn.Module):
         _read_state_through(gm, self)
         gm.train(self.training)
         gm.meta.update(compfx_plan=self.plan, compfx_capture_method=analysis.capture_method)
-        return gm
+        return keep_checkpoints(gm)  # whatever copy of the graph the passes made, its checkpointed regions recompute
 
     def release(self) -> nn.Module:
         """The block this replaced, given back the children, Parameters, buffers, hooks and train/eval mode this
@@ -318,7 +319,8 @@ def apply_per_module(model: nn.Module, plan: Plan, analysis: Analysis, per_modul
         parent_path, _, name = path.rpartition(".")
         parent = model.get_submodule(parent_path)
         parent._modules[name] = PlannedBlock(block, path, plan, categories=categories,
-                                             restore_output_dtypes=restore_output_dtypes, method=_method(analysis))
+                                             restore_output_dtypes=restore_output_dtypes,
+                                             method=_method(analysis, path))
     outside = [key for key, precision in plan.items() if precision is not Precision.FOLLOW and not _in_region(key, paths)]
     if outside:
         log.warning("compfx: %d plan entries name ops outside the per_module regions (e.g. %s); that code runs "
@@ -346,9 +348,16 @@ def restore_blocks(model: nn.Module) -> nn.Module:
     return model
 
 
-def _method(analysis: Analysis) -> str:
-    """The tracer a block is captured with: the analysis's own when it was a tracer, else each block's first."""
-    return analysis.capture_method if analysis.capture_method in ("symbolic", "record", "dynamo") else "auto"
+def _method(analysis: Analysis, path: str) -> str:
+    """The tracer a block is captured with: the analysis's own when it was a tracer, the one that captured that
+    block in a regions analysis (the one verification passed), else each block's first."""
+    if analysis.capture_method in ("symbolic", "record", "dynamo"):
+        return analysis.capture_method
+    return analysis.graph_module.meta.get(_BLOCK_METHODS, {}).get(path, "auto")
+
+
+#: ``gm.meta`` entry of a regions analysis's placeholder graph: the tracer that captured each block, by path.
+_BLOCK_METHODS = "compfx_block_methods"
 
 
 # -- the analysis of the regions alone --------------------------------------------------
@@ -358,7 +367,7 @@ REGIONS_METHOD = "per_module"
 
 
 def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None,
-                    low_dtype: torch.dtype | None = None) -> Analysis:
+                    low_dtype: torch.dtype | None = None, verify: bool = True) -> Analysis:
     """The ops of the ``per_module`` blocks of ``model``, keyed by model path, in the order the blocks run.
 
     ``model`` runs once on ``example_inputs`` (no grad; its buffers and the
@@ -366,7 +375,9 @@ def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None
     received, when it is first called. The rest of the model is not captured
     at all, so a model that cannot be captured whole plans its blocks. Under
     FSDP2 the capture happens inside each block's call, where its Parameters
-    are unsharded.
+    are unsharded. Each block's capture is verified against the block (see
+    :func:`compfx.analyze`) unless ``verify`` is False; the blocks' graphs are
+    captured again later with the tracer that passed.
 
     >>> import torch
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -389,7 +400,7 @@ def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None
                 captured[path] = module.analysis_for(*block_args, **block_kwargs)
             else:
                 gm = capture(module, (block_args, block_kwargs),
-                             modes={name: m.training for name, m in module.named_modules()})
+                             modes={name: m.training for name, m in module.named_modules()}, verify=verify)
                 captured[path] = analyze_graph(gm, device=device, low_dtype=low_dtype)
             return None
         return hook
@@ -407,6 +418,7 @@ def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None
                             "they compute; give inputs that run every block, or name other types in per_module.")
     ops = tuple(dataclasses.replace(op, key=model_key(path, op.key)) for path in captured for op in captured[path].ops)
     placeholder = fx.GraphModule(nn.Module(), fx.Graph())  # no graph of the whole model exists: none is needed
+    placeholder.meta[_BLOCK_METHODS] = {path: captured[path].capture_method for path in captured}
     return Analysis(ops, device, low_dtype, placeholder, REGIONS_METHOD)
 
 
@@ -417,13 +429,13 @@ def _cuda_indices(device: torch.device) -> list[int]:
 # -- the search ------------------------------------------------------------------------------
 
 def prepare_search(model: nn.Module, example_inputs, per_module, *, device=None,
-                   low_dtype: torch.dtype | None = None) -> Analysis:
+                   low_dtype: torch.dtype | None = None, verify: bool = True) -> Analysis:
     """What ``compfx.optimize(..., per_module=...)`` searches over: :func:`analyze_regions`, with every block of
     ``model`` made a :class:`PlannedBlock` (running FP32, as it was) so that each plan can be switched into it.
 
     Blocks planned already (``compfx.apply(..., per_module=...)`` before ``fully_shard``) are kept as they are.
     """
-    analysis = analyze_regions(model, example_inputs, per_module, device=device, low_dtype=low_dtype)
+    analysis = analyze_regions(model, example_inputs, per_module, device=device, low_dtype=low_dtype, verify=verify)
     apply_per_module(model, Plan.fp32(analysis), analysis, per_module)
     resharded(model)
     return analysis

@@ -26,7 +26,6 @@ output dtypes is :mod:`compfx.passes.restore_output_dtypes`'s job.
 
 from __future__ import annotations
 
-import copy
 import functools
 from typing import Any, Mapping
 
@@ -34,7 +33,7 @@ import torch
 import torch.fx as fx
 
 from compfx.capture import get_attribute, has_side_effects
-from compfx.capture.nodes import copy_graph
+from compfx.capture.nodes import copy_graph, inherit_location
 from compfx.cast_policy import (CAST_META, AutocastRegion, castable_inputs, precision_dtype, runs_as_is,
                                 runs_under_autocast, shares_cast)
 from compfx.errors import PassError
@@ -243,8 +242,6 @@ class _CastInserter:
 
 
 def _copy_location(cast: fx.Node, consumer: fx.Node) -> None:
-    """FX does not propagate metadata: an inserted cast gets its consumer's module stack and source location."""
-    for name in ("nn_module_stack", "stack_trace", "source_fn_stack"):
-        if name in consumer.meta:
-            cast.meta[name] = copy.copy(consumer.meta[name])
+    """An inserted cast sits where its consumer does (module stack, source, checkpointed region)."""
+    inherit_location(cast, consumer)
     cast.meta[CAST_META] = True

@@ -42,7 +42,6 @@ with a symbolic dim (``torch.compile(dynamic=True)``).
 
 from __future__ import annotations
 
-import copy
 import logging
 import math
 from dataclasses import dataclass
@@ -52,6 +51,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
+from compfx.capture.nodes import inherit_location
 from compfx.errors import PassError
 from compfx.opkey import KEY_META, OpKey
 from compfx.tensor_cores import CONV_KINDS, conv_channels, gemm_mnk, pad_eligible, padded_size
@@ -307,9 +307,7 @@ class _Rewrite:
                 side: str) -> fx.Node:
         name = f"{self.node.name}_{getattr(step.target, '__name__', step.target)}"
         new = graph.create_node(step.op, step.target, (source, *step.args), {}, name=name)
-        for key in ("nn_module_stack", "stack_trace", "source_fn_stack"):  # FX does not propagate metadata
-            if key in self.node.meta:
-                new.meta[key] = copy.copy(self.node.meta[key])
+        inherit_location(new, self.node)  # padded and sliced back inside the op's checkpointed region too
         new.meta[PAD_META] = side
         values.record(new, value, like=self.node)
         return new

@@ -228,3 +228,16 @@ def test_paper_figures_sit_beside_matching_paper_config_rows_only():
     assert paper["time_a100_s"] == 5.08 and paper["peak_memory_mb"] == 813.91 and paper["accuracy_pct"] == 70.88
     assert small is None
     assert attach_paper_figures({"model": "gpt", "config": "paper", "mode": "fp32"})["paper"] is None
+
+
+def test_verify_cost_measures_the_check_in_seconds_and_fp32_steps(tmp_path, capsys):
+    from benchmarks.verify_cost import main as verify_cost
+
+    out = tmp_path / "verify_cost.json"
+    assert verify_cost(["--tiny", "--rounds", "1", "--steps", "1", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    assert result["rounds"] == 1 and result["per_round"][0]["exact"]
+    assert result["verification"]["median"] > 0 and result["fp32_step"]["median"] > 0
+    assert math.isclose(result["verification_in_steps"]["median"],
+                        result["per_round"][0]["verification"] / result["per_round"][0]["fp32_step"])
+    assert "FP32 steps" in capsys.readouterr().out

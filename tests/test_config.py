@@ -45,7 +45,7 @@ def test_every_field_but_the_opted_out_ones_decides():
     deciding = {f.name for f in dataclasses.fields(SearchConfig) if f.metadata.get(DECIDES, True)}
     assert deciding == set(CHANGED)  # a new SearchConfig field needs a row here
     assert set(decision_settings(LOGGED)) == deciding
-    assert {"progress", "keep_search_training", "cache_plan", "cache_dir"}.isdisjoint(deciding)
+    assert {"progress", "keep_search_training", "cache_plan", "cache_dir", "verify_capture"}.isdisjoint(deciding)
 
 
 def test_decision_settings_are_json_values():
@@ -84,7 +84,7 @@ def test_resume_with_a_changed_deciding_setting_is_refused(logged_search, field)
 
 
 @pytest.mark.parametrize("field, value", [("progress", True), ("keep_search_training", False), ("cache_plan", False),
-                                          ("cache_dir", "elsewhere")])
+                                          ("cache_dir", "elsewhere"), ("verify_capture", False)])
 def test_resume_with_a_setting_that_cannot_change_the_decision_is_accepted(logged_search, field, value, tmp_path):
     path, setup = logged_search
     model, opt, loader = setup()

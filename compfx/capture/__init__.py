@@ -67,6 +67,7 @@ from .nodes import (
     produces_float,
     writes_input,
 )
+from .checkpoints import keep_checkpoints
 from .record import is_kv_cache, record_capture
 from .signature import (
     ExampleInputs,
@@ -78,10 +79,14 @@ from .signature import (
     with_input_check,
 )
 from .symbolic import reads_its_state_in_python, symbolic_capture
+from .verify import VERIFICATION_META, CaptureVerification, verify_capture
 
 
 __all__ = [
     "capture",
+    "keep_checkpoints",
+    "CaptureVerification",
+    "VERIFICATION_META",
     "CAPTURE_METHODS",
     "CAPTURE_DEFAULTS",
     "capture_defaults",
@@ -120,6 +125,7 @@ def capture(
     leaf_modules: Iterable[type | str] = (),
     method: str = "auto",
     modes: Mapping[str, bool] | None = None,
+    verify: bool = False,
 ) -> fx.GraphModule:
     """Trace ``model`` to a functional FX graph; every numerical op gets an OpKey.
 
@@ -141,6 +147,15 @@ def capture(
     instead of the current ones (:func:`module_modes`); the model's own modes
     are put back afterwards, whatever happens.
 
+    ``verify=True`` checks each tracer's graph against the model before taking
+    it (:func:`~compfx.capture.verify.verify_capture`: one forward and backward
+    of each on the example inputs, outputs, every gradient and the tensors
+    saved for backward compared bitwise); a graph that would train differently
+    is passed over for the next tracer, and :class:`~compfx.errors.CaptureError`
+    names the first difference when no tracer is faithful. The result is in
+    ``gm.meta["compfx_capture_verification"]``. :func:`compfx.analyze` (and so
+    ``optimize``, ``apply`` and the callbacks) verifies by default.
+
     >>> import torch, compfx
     >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(2, 4))
     >>> [str(n.meta["compfx_key"]) for n in compfx.op_nodes(gm)]
@@ -155,61 +170,119 @@ def capture(
         if modes is not None:
             for name, module in model.named_modules():
                 module.training = modes.get(name, module.training)
-        gm = _capture_with(model, args, kwargs, leaf_modules, method)
-    missing = complete_metadata(gm)
-    if missing:
-        raise CaptureError(
-            f"{gm.meta['compfx_capture_method']} capture left no example value on "
-            f"{', '.join(n.name for n in missing[:5])}; compfx needs shapes and dtypes on every node. "
-            "Try the other method= or report this model."
-        )
+        gm = _capture_with(model, args, kwargs, leaf_modules, method, verify)
     assign_op_keys(gm, include=is_numerical_op)
     return gm
 
 
-def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
-    """The method choice: each tracer ``method`` allows, in order, until one gives a graph."""
-    failures: list[str] = []
-    if method in ("auto", "symbolic"):
+#: The tracers ``method="auto"`` tries, in order.
+_TRACERS = ("symbolic", "record", "dynamo")
+
+
+def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.GraphModule:
+    """The method choice: each tracer ``method`` allows, in order, until one gives a graph (that, with ``verify``,
+    trains exactly as the model does: :func:`~compfx.capture.verify.verify_capture`)."""
+    attempts = _Attempts(model)
+    for tracer in _TRACERS if method == "auto" else (method,):
+        if tracer != "symbolic" and tuple(leaf_modules):
+            warnings.warn(
+                f"compfx captures {type(model).__name__} by running it (recording, or dynamo), which inlines every "
+                "module: leaf_modules is ignored and those modules' ops get keys of their own.",
+                stacklevel=4,
+            )
+            leaf_modules = ()
         try:
-            gm = symbolic_capture(model, args, kwargs, leaf_modules)
-            gm.meta["compfx_capture_method"] = "symbolic"
-            return gm
+            gm = _trace(tracer, model, args, kwargs, leaf_modules)
         except BadInputError:
             raise
         except ValueBranchError as error:
             # No tracer can make one graph of it; our message names the line.
             raise CaptureError(str(error)) from error.__cause__
-        except CaptureError as error:
-            if method == "symbolic":
-                _check_runs_eagerly(model, args, kwargs, error)  # wrong example inputs: say so
-                raise CaptureError(_capture_advice(model, [str(error)])) from error
-            failures.append(str(error))
-    if tuple(leaf_modules):
-        warnings.warn(
-            f"compfx captures {type(model).__name__} by running it (recording, or dynamo), which inlines every "
-            "module: leaf_modules is ignored and those modules' ops get keys of their own.",
-            stacklevel=3,
-        )
-    if method in ("auto", "record"):
-        try:
-            gm = record_capture(model, args, kwargs)
-            gm.meta["compfx_capture_method"] = "record"
-            return with_input_check(gm)
-        except ValueBranchError as error:
-            raise CaptureError(str(error)) from error.__cause__
-        except CaptureError as error:
-            _check_runs_eagerly(model, args, kwargs, error)  # wrong example inputs: say so, skip dynamo
-            if method == "record":
-                raise CaptureError(_capture_advice(model, [str(error)])) from error
-            failures.append(str(error))
-    try:
-        gm = dynamo_capture(model, args, kwargs)
-    except Exception as error:
-        failures.append(f"dynamo export failed with {first_line(error)} at {error_site(error)}")
-        raise CaptureError(_capture_advice(model, failures)) from error
-    gm.meta["compfx_capture_method"] = "dynamo"
-    return with_input_check(gm)
+        except Exception as error:  # noqa: BLE001 - dynamo fails with anything; the others with CaptureError
+            if tracer == "record" or (tracer == method and tracer == "symbolic"):
+                _check_runs_eagerly(model, args, kwargs, error)  # wrong example inputs: say so, skip dynamo
+            attempts.failed(tracer, error)
+            continue
+        if verify:
+            verification = verify_capture(model, gm, args, kwargs, method=tracer)
+            gm.meta[VERIFICATION_META] = verification
+            if not verification.faithful:
+                attempts.unfaithful(verification)
+                continue
+            if verification.notes:  # where bitwise equality could not be checked, say so
+                warnings.warn(f"compfx: {verification.summary()}", stacklevel=4)
+        return gm
+    raise attempts.error() from attempts.cause()
+
+
+def _trace(tracer: str, model, args, kwargs, leaf_modules) -> fx.GraphModule:
+    if tracer == "symbolic":
+        gm = keep_checkpoints(symbolic_capture(model, args, kwargs, leaf_modules))
+    elif tracer == "record":
+        gm = with_input_check(keep_checkpoints(record_capture(model, args, kwargs)))
+    else:
+        gm = with_input_check(dynamo_capture(model, args, kwargs))
+    gm.meta["compfx_capture_method"] = tracer
+    missing = complete_metadata(gm)
+    if missing:
+        raise CaptureError(
+            f"{tracer} capture left no example value on {', '.join(n.name for n in missing[:5])}; compfx needs "
+            "shapes and dtypes on every node")
+    return gm
+
+
+class _Attempts:
+    """What each tracer gave, for the error when none gave a faithful graph."""
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.tried: list[str] = []
+        self.failures: list[tuple[str, str, tuple[bool, int]]] = []  # (tracer, what happened, how far it got)
+        self.errors: list[BaseException] = []
+        self.mismatches: list[CaptureVerification] = []
+
+    def failed(self, tracer: str, error: BaseException) -> None:
+        self.tried.append(tracer)
+        text = str(error) if isinstance(error, CaptureError) else (
+            f"dynamo export failed with {first_line(error)} at {error_site(error)}")
+        reads_value = "data-dependent" in text or "data dependent" in text.lower() or "reads a tensor's value" in text
+        self.failures.append((tracer, text, (reads_value, getattr(error, "progress", None) or 0)))
+        self.errors.append(error)
+
+    def unfaithful(self, verification: CaptureVerification) -> None:
+        self.tried.append(verification.method)
+        self.mismatches.append(verification)
+
+    def _furthest_first(self) -> list[int]:
+        return sorted(range(len(self.failures)), key=lambda i: self.failures[i][2], reverse=True)
+
+    def cause(self) -> BaseException | None:
+        """The exception behind the error's lead (None when it is a graph that trains differently)."""
+        return None if self.mismatches else self.errors[self._furthest_first()[0]]
+
+    def error(self) -> CaptureError:
+        """One line: what blocked capture (the first graph that trains differently, else the failure of the
+        tracer that got furthest, a read of a tensor's value first), which tracers were tried, what to do."""
+        name, tried = type(self.model).__name__, ", ".join(self.tried)
+        others = [f"{tracer}: {text}" for tracer, text, _ in self.failures]
+        if self.mismatches:
+            first, *rest = self.mismatches
+            others = [m.summary() for m in rest] + others
+            return CaptureError(
+                f"compfx could not capture {name} faithfully (tried {tried}): the {first.method} graph would train "
+                f"differently from the model: {first.mismatch}. compfx does not plan a graph that changes what "
+                "training computes; rewrite that part of forward() (gradient hooks on intermediate tensors and "
+                "saved-tensor hooks are not captured), or report this model. "
+                + (f"Other tracers: {'; '.join(others)}." if others else ""))
+        order = self._furthest_first()
+        lead = self.failures[order[0]]
+        rest = [others[i] for i in order[1:]]
+        return CaptureError(
+            f"compfx could not capture {name} as one FX graph (tried {tried})"
+            f"{f'; {lead[0]} got furthest' if len(self.failures) > 1 else ''}: {lead[1]}. "
+            "Check that forward() runs on the example inputs, replace branches on tensor values with "
+            "torch.where, or keep the offending submodule opaque with capture(..., leaf_modules=[...])."
+            + (f" Other tracers: {'; '.join(rest)}." if rest else ""))
 
 
 @contextlib.contextmanager
@@ -259,11 +332,3 @@ def _check_runs_eagerly(model: nn.Module, args: tuple, kwargs: dict, capture_err
             f"{type(model).__name__} fails on the example inputs even without compfx ({first_line(error)}); they "
             f"were {described}. Give example inputs that forward() accepts (the shapes, dtypes and device of a real "
             "batch).") from capture_error
-
-
-def _capture_advice(model: nn.Module, failures: list[str]) -> str:
-    return (
-        f"compfx could not capture {type(model).__name__} as one FX graph: {'; '.join(failures)}. "
-        "Check that forward() runs on the example inputs, replace branches on tensor values with "
-        "torch.where, or keep the offending submodule opaque with capture(..., leaf_modules=[...])."
-    )

@@ -15,7 +15,7 @@ import torch
 
 from ..errors import CaptureError
 
-__all__ = ["user_line", "error_site", "first_line", "ValueBranchError"]
+__all__ = ["user_line", "error_site", "first_line", "ValueBranchError", "with_progress"]
 
 
 _SKIPPED_DIRS = (  # torch's folder and compfx's (this file's grandparent)
@@ -58,3 +58,11 @@ def first_line(error: BaseException) -> str:
 
 class ValueBranchError(CaptureError):
     """The model branches on tensor values; no tracer can make one graph of that."""
+
+
+def with_progress(error: CaptureError, nodes: int) -> CaptureError:
+    """``error``, noting how far its tracer got (``nodes`` written before it failed) unless a tracer noted it
+    already: when every tracer fails, :func:`compfx.capture.capture` leads with the one that got furthest."""
+    if getattr(error, "progress", None) is None:
+        error.progress = nodes
+    return error

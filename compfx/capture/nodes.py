@@ -21,6 +21,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 
 from ..opkey import KEY_META, normalize_kind
+from .checkpoints import CHECKPOINT_META
 
 __all__ = [
     "DATA_MOVEMENT_KINDS",
@@ -229,3 +230,13 @@ def copy_graph(graph: fx.Graph) -> fx.Graph:
         output_value, old_output = copied
         new.output(output_value, type_expr=getattr(old_output, "type", None)).meta = copy.copy(old_output.meta)
     return new
+
+
+def inherit_location(new: fx.Node, origin: fx.Node) -> None:
+    """Give a node a pass inserts for ``origin`` the place ``origin`` has: its module stack, source location and
+    checkpointed region (it is recomputed with ``origin``). FX does not propagate metadata."""
+    for name in ("nn_module_stack", "stack_trace", "source_fn_stack"):
+        if name in origin.meta:
+            new.meta[name] = copy.copy(origin.meta[name])
+    if CHECKPOINT_META in origin.meta:  # the region itself, not a copy: its nodes are those that name it
+        new.meta[CHECKPOINT_META] = origin.meta[CHECKPOINT_META]

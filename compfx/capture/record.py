@@ -26,7 +26,9 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
-from ._sites import ValueBranchError, error_site, first_line, user_line
+from ._sites import ValueBranchError, error_site, first_line, user_line, with_progress
+from .checkpoints import CheckpointRegions, is_reentrant_checkpoint
+from .functions import NOT_TRACED, FunctionCall, functions_as_calls, unrepresentable_argument
 from .model_state import named_tensors
 from .nodes import has_side_effects, is_in_place
 
@@ -90,13 +92,15 @@ def _run_forward(model: nn.Module, recorder: _CallRecorder, fake_mode: FakeTenso
 
     hook = model.register_forward_hook(check_state)
     try:
-        with recorder.tracking_modules(model), fake_mode, recorder, warnings.catch_warnings():
+        with (recorder.tracking_modules(model), fake_mode, recorder, functions_as_calls(recorder.record_function),
+              warnings.catch_warnings()):
             warnings.simplefilter("ignore")  # the eager run says the same
             output = torch.func.functional_call(model, state, args, kwargs, tie_weights=False, strict=False)
-    except CaptureError:
-        raise
+    except CaptureError as error:
+        raise with_progress(error, len(recorder.graph.nodes))
     except Exception as error:
-        raise CaptureError(f"the recording run failed with {first_line(error)} at {error_site(error)}") from error
+        raise with_progress(CaptureError(f"the recording run failed with {first_line(error)} at {error_site(error)}"),
+                            len(recorder.graph.nodes)) from error
     finally:
         hook.remove()
     if reassigned:
@@ -218,6 +222,8 @@ class _CallRecorder(TorchFunctionMode):
         self.module_stack: list[tuple[str, type]] = []
         self._grad_mode_at_start = self._graph_grad_mode = torch.is_grad_enabled()
         self._saved_grad_mode: fx.Node | None = None
+        self.regions = CheckpointRegions()  # which ops run inside torch.utils.checkpoint
+        self._inside_function = False  # running a custom Function's forward, which is one call of the graph
 
     # -- what the graph knows ----------------------------------------------------------
     def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
@@ -259,6 +265,8 @@ class _CallRecorder(TorchFunctionMode):
     # -- the mode ---------------------------------------------------------------------
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if self._inside_function:
+            return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
         if name == "__iter__":  # iterating a tensor unbinds it (one graph node, not a Python loop over fakes)
             items = func(*args, **kwargs)
@@ -271,6 +279,27 @@ class _CallRecorder(TorchFunctionMode):
             raise self._value_read_error(name, error) from error
         if _writes(name, kwargs) or _holds_tensor(result):
             self._record(func, name, args, kwargs, result)
+        return result
+
+    def record_function(self, call: FunctionCall, args, kwargs):
+        """``SomeFunction.apply`` on the forward's fakes: one node that calls it (its own backward kept); a
+        reentrant ``checkpoint`` runs its function in a checkpointed region instead."""
+        if self._inside_function or not any(isinstance(t, FakeTensor) for t in pytree.tree_leaves((args, kwargs))):
+            return NOT_TRACED
+        if is_reentrant_checkpoint(call):
+            return self.regions.run_reentrant(args)
+        unrepresentable = unrepresentable_argument(args, kwargs)
+        if unrepresentable is not None:
+            raise CaptureError(f"the custom autograd Function {call.function.__qualname__} at {user_line()} takes a "
+                               f"{unrepresentable} argument, which a graph cannot hold")
+        self._inside_function = True
+        try:
+            result = call(*args, **kwargs)
+        except DataDependentOutputException as error:
+            raise self._value_read_error(call.__name__, error) from error
+        finally:
+            self._inside_function = False
+        self._record(call, call.__name__, args, kwargs, result)
         return result
 
     def _value_read_error(self, name: str, error: Exception) -> CaptureError:
@@ -314,6 +343,7 @@ class _CallRecorder(TorchFunctionMode):
 
     def _annotate(self, node: fx.Node, value) -> None:
         node.meta["val"] = value
+        self.regions.mark(node)
         if self.module_stack:
             node.meta["nn_module_stack"] = {path: (path, cls) for path, cls in self.module_stack}
 
@@ -326,7 +356,9 @@ class _CallRecorder(TorchFunctionMode):
             self._saved_grad_mode = self.graph.call_function(torch.is_grad_enabled)
             self._saved_grad_mode.meta["val"] = self._grad_mode_at_start
         target = self._saved_grad_mode if mode == self._grad_mode_at_start else mode
-        self.graph.call_function(torch._C._set_grad_enabled, (target,)).meta["val"] = None
+        switch = self.graph.call_function(torch._C._set_grad_enabled, (target,))
+        switch.meta["val"] = None
+        self.regions.mark(switch)
         self._graph_grad_mode = mode
 
     def finish_grad_mode(self) -> None:

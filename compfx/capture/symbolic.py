@@ -24,7 +24,9 @@ from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError, CaptureError
-from ._sites import ValueBranchError, error_site, first_line, user_line
+from ._sites import ValueBranchError, error_site, first_line, user_line, with_progress
+from .checkpoints import CheckpointRegions, is_reentrant_checkpoint
+from .functions import NOT_TRACED, FunctionCall, functions_as_calls
 from .model_state import get_attribute, named_tensors
 from .nodes import has_side_effects
 
@@ -43,15 +45,16 @@ def symbolic_capture(model: nn.Module, args: tuple, kwargs: dict, leaf_modules) 
     provided, concrete_args = _bind_inputs(model, args, kwargs)
     tracer = _SpecializingTracer(leaf_modules, FakeTensorMode(allow_non_fake_inputs=True), provided)
     try:
-        graph = tracer.trace(model, concrete_args=concrete_args or None)
-    except CaptureError:
-        raise
+        with functions_as_calls(tracer.trace_function):
+            graph = tracer.trace(model, concrete_args=concrete_args or None)
+    except CaptureError as error:
+        raise with_progress(error, tracer.nodes_traced())
     except Exception as error:  # torch.fx TraceError and friends: say where
         module = tracer.innermost_module()
-        raise CaptureError(
+        raise with_progress(CaptureError(
             f"symbolic tracing failed with {first_line(error)} at {error_site(error)}"
             + (f" inside module {module}" if module else "")
-        ) from error
+        ), tracer.nodes_traced()) from error
     tracer.restore_grad_mode_before(graph)
     for node in graph.nodes:
         value = tracer.values.get(node)
@@ -113,6 +116,7 @@ class _SpecializingTracer(fx.Tracer):
         self._grad_mode_at_start = torch.is_grad_enabled()
         self._graph_grad_mode = self._grad_mode_at_start
         self._saved_grad_mode: fx.Node | None = None
+        self.regions = CheckpointRegions()  # which ops run inside torch.utils.checkpoint
 
     # While computing values the tracer's patches must stay out of the way.
     def getattr(self, attr, attr_val, parameter_proxy_cache):
@@ -137,6 +141,26 @@ class _SpecializingTracer(fx.Tracer):
         path, module_type = list(self.module_stack.values())[-1]
         name = getattr(module_type, "__name__", str(module_type))
         return f"{path or '<root>'} ({name})"
+
+    def nodes_traced(self) -> int:
+        """How far tracing got: the nodes written so far (a failure's progress, to compare tracers by)."""
+        graph = getattr(self, "graph", None)
+        return len(graph.nodes) if graph is not None else 0
+
+    # -- custom autograd Functions and checkpointed regions ---------------------
+    def trace_function(self, call: FunctionCall, args, kwargs):
+        """``SomeFunction.apply`` on proxies: one node that calls it (its own backward kept); a reentrant
+        ``checkpoint`` runs its function in a checkpointed region instead."""
+        if self._computing or not any(isinstance(a, fx.Proxy) for a in pytree.tree_leaves((args, kwargs))):
+            return NOT_TRACED
+        if is_reentrant_checkpoint(call):
+            return self.regions.run_reentrant(args)
+        return self.create_proxy("call_function", call, args, kwargs)
+
+    def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
+        node = super().create_node(kind, target, args, kwargs, name, type_expr)
+        self.regions.mark(node)
+        return node
 
     # -- values ---------------------------------------------------------------
     def proxy(self, node: fx.Node) -> fx.Proxy:

@@ -254,7 +254,8 @@ def plan_model(model: nn.Module, batches: list, *, optimizer: torch.optim.Optimi
                               config=config, log=log, per_module=per_module)
             return PlannedRun(model, regions, result.plan, result, "searched")
         args, kwargs = check_first_batch(model, batches[0], loss_fn, model_device(model))
-        apply(model, plan, kwargs if kwargs else args, per_module=per_module)
+        apply(model, plan, kwargs if kwargs else args, per_module=per_module,
+              verify=(config or SearchConfig()).verify_capture)
         return PlannedRun(model, regions, plan, None, source)
     except BaseException:
         restore_blocks(model)  # the user's model as it was, whatever failed

@@ -84,6 +84,11 @@ class SearchConfig:
       ``"rowwise"`` or ``"rowwise_with_gw_hp"``, torchao's recipe names). Where
       float8 GEMMs are emulated (no GPU of compute capability 8.9+) FP8 is slow,
       so give a ``cost_fn`` that prices it as the target hardware would.
+    * ``verify_capture``: before searching, check that the captured graph trains
+      exactly as the model does (:func:`compfx.capture.verify.verify_capture`: one
+      forward and backward of each; a graph that would train differently is refused
+      with :class:`~compfx.errors.CaptureError`). False skips the check, at the risk
+      of training something other than the model; it does not change the decision.
 
     Every field's type is checked strictly: a bool is ``True`` or ``False`` (not
     ``"no"``), a number is a real int or float (not a bool), finite and in range.
@@ -115,6 +120,7 @@ class SearchConfig:
     cache_dir: str | os.PathLike | None = field(default=None, metadata={DECIDES: False})
     fp8: bool = False
     fp8_recipe: str = "tensorwise"
+    verify_capture: bool = field(default=True, metadata={DECIDES: False})
 
     def __post_init__(self):
         self._real("threshold", low=1, example="1.01 (accept plans whose loss is within 1% of FP32's)")
@@ -122,7 +128,7 @@ class SearchConfig:
                           ("stage2_check_batches", 0)):
             self._int(name, low)
         self._int("seed", _SEED_MIN, _SEED_MAX, "what torch.manual_seed accepts")
-        for name in ("progress", "keep_search_training", "prune", "per_device", "cache_plan", "fp8"):
+        for name in ("progress", "keep_search_training", "prune", "per_device", "cache_plan", "fp8", "verify_capture"):
             if not isinstance(getattr(self, name), bool):
                 _refuse(name, getattr(self, name), "True or False")
         if self.grad_scaler is not None and not isinstance(self.grad_scaler, bool):

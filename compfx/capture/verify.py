@@ -1,0 +1,382 @@
+"""Capture verifies itself: the graph must train exactly as the model does before anything is planned.
+
+:func:`verify_capture` runs the eager model and the captured graph once each on
+the example inputs, forward and backward, from the same RNG state, and
+compares bitwise (``torch.testing.assert_close`` with zero tolerance):
+
+* every output tensor, and whether it requires grad;
+* the gradient of **every** parameter (``None`` included: a parameter that
+  eager trains and the graph does not is the silent failure this catches), and
+  of inputs that require grad;
+* every buffer after the step (running statistics);
+* how many tensors that require grad (activations, parameters) are saved for
+  backward, counted with ``torch.autograd.graph.saved_tensors_hooks``: the
+  graph may save at most :data:`SAVED_TENSOR_SLACK` more than eager, so
+  activation checkpointing that the graph dropped is a difference too. Saved
+  tensors that need no gradient (masks, indices) are counted and reported, not
+  compared: a graph may build an attention mask that eager leaves to SDPA's
+  ``is_causal`` (Hugging Face does so under tracing), with the same results.
+
+Backward starts from the same random gradient on each output for both runs
+(the gradient of a sum would hide differences, e.g. all of softmax's).
+Nothing of the caller's changes: gradients, ``requires_grad``, train/eval
+modes, buffers, parameters the graph writes in place, the RNG (forked), grad
+mode and the deterministic-algorithms setting are all as they were. The run is
+made with deterministic algorithms on where CUDA is involved, so that kernels
+with atomics (CUDA's ``index_add``) give the same bits twice (CPU kernels do).
+
+When the two runs differ in values only, eager is run a second time: if eager
+does not reproduce itself either (a kernel or Python code that varies run to
+run), bitwise equality is impossible, and the graph is compared within twice
+eager's own spread instead; the result says so (``exact`` is False, ``notes``
+says why) and :func:`compfx.capture.capture` warns. So it does when the model
+itself has no backward on the example inputs (an op without a derivative, in
+an inference-only model): only the forwards are compared.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from dataclasses import dataclass, field
+
+import torch
+import torch.fx as fx
+import torch.nn as nn
+from torch.utils import _pytree as pytree
+
+from ..errors import BadInputError
+from ._sites import first_line
+from .model_state import get_attribute
+from .nodes import writes_input
+from .record import is_kv_cache
+
+__all__ = ["CaptureVerification", "verify_capture", "SAVED_TENSOR_SLACK", "VERIFICATION_META"]
+
+#: How many more tensors that require grad than eager the graph may save for backward. The tracers write the same
+#: ops as eager runs, so the counts are equal on every model the tests cover; a graph that dropped one
+#: checkpointed block saves at least that block's activations more.
+SAVED_TENSOR_SLACK = 2
+
+#: ``gm.meta`` entry: the :class:`CaptureVerification` of the graph.
+VERIFICATION_META = "compfx_capture_verification"
+
+
+@dataclass(frozen=True)
+class CaptureVerification:
+    """What running the captured graph against the eager model showed.
+
+    ``mismatch`` is the first difference, in words (None: none);
+    ``exact`` is True when everything compared was bitwise equal; ``notes`` say
+    why equality was not exact where it could not be. ``outputs`` and
+    ``gradients`` count the tensors compared, ``saved_eager`` / ``saved_graph``
+    the tensors each run saved for backward (all of them; the comparison counts
+    those that require grad), ``seconds`` what the check cost.
+    """
+
+    method: str
+    mismatch: str | None
+    exact: bool
+    notes: tuple[str, ...] = ()
+    outputs: int = 0
+    gradients: int = 0
+    saved_eager: int = 0
+    saved_graph: int = 0
+    seconds: float = 0.0
+
+    @property
+    def faithful(self) -> bool:
+        """Does the graph compute what the model computes (bitwise, or within eager's own run-to-run spread)?"""
+        return self.mismatch is None
+
+    def summary(self) -> str:
+        if not self.faithful:
+            return f"{self.method} graph differs from eager: {self.mismatch}"
+        how = "bitwise equal to eager" if self.exact else "equal to eager within eager's own run-to-run spread"
+        return (f"{self.method} graph {how} in {self.outputs} output(s) and {self.gradients} gradient(s); saves "
+                f"{self.saved_graph} tensor(s) for backward (eager {self.saved_eager}); checked in {self.seconds:.2f} s"
+                + "".join(f"; {note}" for note in self.notes))
+
+
+@dataclass
+class _Run:
+    """One forward and backward: its tensors by what they are (``None``: no gradient), and what it saved."""
+
+    tensors: dict[str, torch.Tensor | None] = field(default_factory=dict)
+    requires_grad: dict[str, bool] = field(default_factory=dict)
+    saved: int = 0
+    saved_requiring_grad: int = 0
+    outputs: int = 0
+    gradients: int = 0
+
+
+class _Difference(Exception):
+    def __init__(self, text: str, *, values_only: bool):
+        super().__init__(text)
+        self.values_only = values_only
+
+
+def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: dict, *,
+                   method: str) -> CaptureVerification:
+    """Run ``model`` and ``gm`` forward and backward on ``(args, kwargs)`` and compare them (see the module doc).
+
+    >>> import torch
+    >>> from compfx.capture import capture
+    >>> model, x = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5)), torch.randn(2, 4)
+    >>> result = verify_capture(model, capture(model, x), (x,), {}, method="symbolic")
+    >>> result.faithful, result.exact, result.gradients, result.saved_graph == result.saved_eager
+    (True, True, 2, True)
+    """
+    start = time.perf_counter()
+    notes: list[str] = []
+    with _state_kept(model, gm) as replay:
+        try:
+            eager = replay.run(model, args, kwargs)
+        except _NoBackward as error:  # an inference-only model (an op without a derivative): forward only
+            replay.backward = False
+            notes.append(f"only the forward was compared: the model itself has no backward on these inputs "
+                         f"({first_line(error.__cause__)})")
+            eager = replay.run(model, args, kwargs)
+        except Exception as error:  # noqa: BLE001 - the model's own failure: nothing to compare with
+            raise BadInputError(
+                f"{type(model).__name__} fails on the example inputs even without compfx ({first_line(error)}), when "
+                "compfx runs it to check its capture. Give example inputs that forward() accepts (the shapes, dtypes "
+                "and device of a real batch).") from error
+        try:
+            graph = replay.run(gm, args, kwargs)
+        except Exception as error:  # noqa: BLE001 - a graph that fails is unfaithful; say how
+            return CaptureVerification(method, f"the graph fails on the example inputs with {first_line(error)}",
+                                       False, seconds=time.perf_counter() - start)
+        exact = True
+        try:
+            _compare(eager, graph)
+        except _Difference as difference:
+            if not difference.values_only:
+                return _result(method, str(difference), eager, graph, start)
+            try:
+                notes.append(_within_eager_spread(eager, graph, replay.run(model, args, kwargs), difference))
+            except _Difference as beyond:
+                return _result(method, str(beyond), eager, graph, start)
+            exact = False
+    return _result(method, None, eager, graph, start, exact=exact, notes=tuple(notes))
+
+
+def _within_eager_spread(eager: _Run, graph: _Run, again: _Run, difference: _Difference) -> str:
+    """The graph differs from eager in values: if a second eager run differs too, compare within twice eager's own
+    spread and return the note that says so; else (eager reproduces itself) raise ``difference``."""
+    spread = _spread(eager, again)
+    if not spread:
+        raise difference
+    try:
+        _compare(eager, graph, atol={name: 2 * value for name, value in spread.items()})
+    except _Difference as beyond:
+        raise _Difference(f"{beyond} (beyond eager's own run-to-run difference)", values_only=True) from None
+    worst = max(spread, key=spread.get)
+    return (f"eager does not reproduce itself (two eager runs differ in {len(spread)} tensor(s), most in {worst}, by "
+            f"{spread[worst]:.3g}), so the graph was compared within twice that spread, not bitwise")
+
+
+class _NoBackward(Exception):
+    """The eager model's backward fails (an op without a derivative): compare forwards only."""
+
+
+def _result(method, mismatch, eager: _Run, graph: _Run, start: float, *, exact: bool = False,
+            notes: tuple = ()) -> CaptureVerification:
+    return CaptureVerification(method, mismatch, exact and mismatch is None, notes, eager.outputs, eager.gradients,
+                               eager.saved, graph.saved, time.perf_counter() - start)
+
+
+# -- comparing two runs ---------------------------------------------------------------------------
+
+def _compare(eager: _Run, graph: _Run, atol: dict[str, float] | None = None) -> None:
+    """Raise :class:`_Difference` naming the first thing ``graph`` does differently from ``eager``."""
+    atol = atol or {}
+    missing = [name for name in eager.tensors if name not in graph.tensors]
+    extra = [name for name in graph.tensors if name not in eager.tensors]
+    if missing or extra:
+        raise _Difference(f"the graph returns {', '.join(extra) or 'nothing'} where eager returns "
+                          f"{', '.join(missing) or 'nothing'}", values_only=False)
+    for name, expected in eager.tensors.items():
+        actual = graph.tensors[name]
+        if (expected is None) != (actual is None):
+            raise _Difference(_none_difference(name, graph_has=actual is not None), values_only=False)
+        if name in eager.requires_grad and eager.requires_grad[name] != graph.requires_grad[name]:
+            raise _Difference(f"{name} {'requires' if graph.requires_grad[name] else 'does not require'} grad in the "
+                              f"graph, but {'does' if eager.requires_grad[name] else 'does not'} in eager",
+                              values_only=False)
+        if expected is None:
+            continue
+        if expected.shape != actual.shape or expected.dtype != actual.dtype:
+            raise _Difference(f"{name} is {actual.dtype} {tuple(actual.shape)} in the graph, {expected.dtype} "
+                              f"{tuple(expected.shape)} in eager", values_only=False)
+        try:
+            torch.testing.assert_close(actual, expected, rtol=0, atol=atol.get(name, 0.0), equal_nan=True)
+        except AssertionError as error:
+            details = [line.strip() for line in str(error).splitlines()[1:] if line.strip()]
+            raise _Difference(f"{name} differs from eager's: {'; '.join(details[:2])}", values_only=True) from None
+    if graph.saved_requiring_grad > eager.saved_requiring_grad + SAVED_TENSOR_SLACK:
+        raise _Difference(f"the graph saves {graph.saved_requiring_grad} tensors that require grad for backward where "
+                          f"eager saves {eager.saved_requiring_grad} (a region eager recomputes, such as "
+                          "torch.utils.checkpoint's, is not recomputed by the graph)", values_only=False)
+
+
+def _none_difference(name: str, *, graph_has: bool) -> str:
+    if name.startswith("gradient of parameter"):
+        parameter = name[len("gradient of parameter "):]
+        return (f"parameter {parameter} gets a gradient from the graph but none in eager" if graph_has else
+                f"parameter {parameter} gets no gradient from the graph, but eager gives it one (the graph "
+                "does not carry autograd through some op upstream of it)")
+    return f"{name} is {'set' if graph_has else 'missing'} in the graph but {'missing' if graph_has else 'set'} in eager"
+
+
+def _spread(first: _Run, second: _Run) -> dict[str, float]:
+    """Largest absolute difference per tensor between two runs of the same model, where they differ at all."""
+    spread = {}
+    for name, a in first.tensors.items():
+        b = second.tensors.get(name)
+        if a is None or b is None or a.shape != b.shape or a.dtype != b.dtype or not a.is_floating_point():
+            continue
+        if not torch.equal(a, b):
+            difference = (a.double() - b.double()).abs().nan_to_num(nan=0.0, posinf=0.0)
+            spread[name] = float(difference.max()) if difference.numel() else 0.0
+    return spread
+
+
+# -- running one side, leaving the caller's state alone -------------------------------------------
+
+class _Replay:
+    """Runs the model or the graph forward and backward (if ``backward``) from the same starting state each time."""
+
+    backward = True
+
+    def __init__(self, model: nn.Module, rng_devices: list[int], buffers: list[tuple[torch.Tensor, torch.Tensor]]):
+        self.model = model
+        self.parameters = dict(model.named_parameters())
+        self.buffers = dict(model.named_buffers())
+        self._rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in rng_devices])
+        self._rng_devices = rng_devices
+        self._buffer_values = buffers
+
+    def run(self, fn, args: tuple, kwargs: dict) -> _Run:
+        self._reset()
+        args, kwargs = _fresh_inputs((args, kwargs))
+        result = _Run()
+        counted = [0, 0]
+
+        def pack(tensor):
+            counted[0] += 1
+            counted[1] += tensor.requires_grad
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            output = fn(*args, **kwargs)
+        result.saved, result.saved_requiring_grad = counted
+        outputs = _output_tensors(output)
+        roots = [(name, t) for name, t in outputs.items() if t.requires_grad] if self.backward else []
+        if roots and fn is not self.model:
+            torch.autograd.backward([t for _, t in roots], [_probe(t, i) for i, (_, t) in enumerate(roots)])
+        elif roots:
+            try:
+                torch.autograd.backward([t for _, t in roots], [_probe(t, i) for i, (_, t) in enumerate(roots)])
+            except Exception as error:  # noqa: BLE001 - the model's own: its backward is not ours to judge
+                raise _NoBackward() from error
+        for name, tensor in outputs.items():
+            result.tensors[f"output{name}"] = tensor.detach()
+            result.requires_grad[f"output{name}"] = tensor.requires_grad
+        for name, parameter in self.parameters.items():
+            result.tensors[f"gradient of parameter {name!r}"] = parameter.grad
+            parameter.grad = None
+        for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
+            if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
+                result.tensors[f"gradient of input{pytree.keystr(path)}"] = leaf.grad
+        for name, buffer in self.buffers.items():
+            result.tensors[f"buffer {name!r} after the step"] = buffer.detach().clone()
+        result.outputs, result.gradients = len(outputs), len(self.parameters) if self.backward else 0
+        return result
+
+    def _reset(self) -> None:
+        """The state the caller left: buffers, RNG, no gradients."""
+        with torch.no_grad():
+            for buffer, value in self._buffer_values:
+                buffer.copy_(value)
+        torch.set_rng_state(self._rng[0])
+        for device, state in zip(self._rng_devices, self._rng[1]):
+            torch.cuda.set_rng_state(state, device)
+        for parameter in self.parameters.values():
+            parameter.grad = None
+
+
+@contextlib.contextmanager
+def _state_kept(model: nn.Module, gm: fx.GraphModule):
+    """A :class:`_Replay`; afterwards every gradient, ``requires_grad``, mode, buffer, written parameter, the RNG,
+    grad mode and the deterministic-algorithms setting are as before."""
+    parameters = list(dict.fromkeys(model.parameters()))
+    grads = [(p, p.grad, p.requires_grad) for p in parameters]
+    modes = [(m, m.training) for m in (*model.modules(), *gm.modules())]
+    tensors = list({id(t): t for t in (*model.buffers(), *gm.buffers(), *_written_parameters(gm))}.values())
+    saved = [(t, t.detach().clone()) for t in tensors]
+    devices = sorted({t.device.index or 0 for t in (*parameters, *tensors) if t.is_cuda})
+    deterministic = (torch.are_deterministic_algorithms_enabled(),
+                     torch.is_deterministic_algorithms_warn_only_enabled())
+    try:
+        with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad(), _warnings_quiet():
+            if devices:  # CUDA kernels with atomics (index_add, scatter_add) vary run to run; CPU ones do not
+                torch.use_deterministic_algorithms(True, warn_only=True)
+            yield _Replay(model, devices, saved)
+    finally:
+        torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
+        with torch.no_grad():
+            for tensor, value in saved:
+                tensor.copy_(value)
+        for parameter, grad, requires_grad in grads:
+            parameter.grad = grad
+            parameter.requires_grad_(requires_grad)
+        for module, training in modes:
+            module.training = training
+
+
+@contextlib.contextmanager
+def _warnings_quiet():
+    """Deterministic mode warns about every op without a deterministic kernel, and the two runs repeat the model's
+    own warnings: neither is news to the user."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
+def _written_parameters(gm: fx.GraphModule) -> list[torch.Tensor]:
+    """Parameters the graph updates in place (``self.w.add_(...)``): put back after the check."""
+    written = []
+    for node in gm.graph.nodes:
+        if node.op in ("call_function", "call_method") and writes_input(node) and node.args:
+            target = node.args[0]
+            if isinstance(target, fx.Node) and target.op == "get_attr":
+                value = get_attribute(gm, target.target)
+                if isinstance(value, nn.Parameter):
+                    written.append(value)
+    return written
+
+
+def _fresh_inputs(inputs):
+    """A copy of every input tensor (a forward may write its inputs), a leaf that requires grad where it did."""
+    def fresh(leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        copy = leaf.detach().clone()
+        return copy.requires_grad_(leaf.requires_grad) if copy.is_floating_point() or copy.is_complex() else copy
+    return pytree.tree_map(fresh, inputs)
+
+
+def _output_tensors(output) -> dict[str, torch.Tensor]:
+    """The output's tensors by path (a Hugging Face KV cache is no output: the graph returns None there)."""
+    output = pytree.tree_map(lambda leaf: None if is_kv_cache(leaf) else leaf, output)
+    return {pytree.keystr(path): leaf for path, leaf in pytree.tree_flatten_with_path(output)[0]
+            if isinstance(leaf, torch.Tensor)}
+
+
+def _probe(output: torch.Tensor, index: int) -> torch.Tensor:
+    """The gradient backward starts from at the ``index``-th output: random, and the same in every run."""
+    generator = torch.Generator(device=output.device).manual_seed(index)
+    return torch.randn(output.shape, generator=generator, device=output.device, dtype=output.dtype)
