@@ -360,3 +360,43 @@ def test_dynamo_capture_keeps_a_plain_tensor_attribute_as_a_constant():
     gm = capture(model, x, method="dynamo")
     torch.testing.assert_close(gm(x), model(x), rtol=0, atol=0)
     assert gm.get_parameter("fc.weight") is model.fc.weight  # the model's own parameters, not copies
+
+
+class _TwoInputs(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(4, 4)
+
+    def forward(self, x, y):
+        return self.proj(x) * 2 + y
+
+
+@pytest.mark.parametrize("method", ["symbolic", "record", "dynamo"])
+def test_a_tensor_passed_in_two_places_is_captured_as_two_inputs(method):
+    """Example inputs that pass one tensor twice (labels=input_ids) must not make a graph that reads one argument
+    from the other's place: a later call passes two different tensors."""
+    import compfx
+
+    torch.manual_seed(0)
+    model, x = _TwoInputs(), torch.randn(2, 4)
+    analysis = compfx.analyze(model, (x, x), method=method)
+    planned = compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis)
+    a, b = torch.randn(2, 4), torch.randn(2, 4)
+    torch.testing.assert_close(planned(a, b), model(a, b), rtol=0, atol=0)
+
+
+def test_a_hugging_face_model_given_labels_equal_to_its_input_ids_reads_each_from_its_own_argument():
+    transformers = pytest.importorskip("transformers")
+    import compfx
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=1, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0, eos_token_id=0)).eval()
+    ids = torch.randint(0, 64, (2, 8))
+    analysis = compfx.analyze(model, {"input_ids": ids, "labels": ids})
+    planned = compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis)
+    other_ids, other_labels = torch.randint(0, 64, (2, 8)), torch.randint(0, 64, (2, 8))
+    got = planned(input_ids=other_ids, labels=other_labels)
+    want = model(input_ids=other_ids, labels=other_labels)
+    torch.testing.assert_close(got.logits, want.logits, rtol=0, atol=0)
+    torch.testing.assert_close(got.loss, want.loss, rtol=0, atol=0)

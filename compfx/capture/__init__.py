@@ -73,6 +73,7 @@ from .signature import (
     ExampleInputs,
     check_input_shapes,
     describe_inputs,
+    distinct_input_tensors,
     input_signature,
     module_modes,
     normalize_example_inputs,
@@ -98,6 +99,7 @@ __all__ = [
     "reads_its_state_in_python",
     "key_dynamo_graph",
     "buffers_restored",
+    "distinct_input_tensors",
     "normalize_example_inputs",
     "ExampleInputs",
     "DATA_MOVEMENT_KINDS",
@@ -165,7 +167,7 @@ def capture(
         raise BadInputError(f"capture() takes an nn.Module; got {type(model).__name__}.")
     if method not in CAPTURE_METHODS:
         raise BadInputError(f"method={method!r}; expected one of {', '.join(map(repr, CAPTURE_METHODS))}.")
-    args, kwargs = normalize_example_inputs(example_inputs)
+    args, kwargs = distinct_input_tensors(*normalize_example_inputs(example_inputs))  # one input, one placeholder
     with _modes_restored(model), _fake_tensor_failures_quiet():
         if modes is not None:
             for name, module in model.named_modules():

@@ -58,6 +58,32 @@ def normalize_example_inputs(example_inputs) -> ExampleInputs:
     )
 
 
+def distinct_input_tensors(args: tuple, kwargs: Mapping) -> ExampleInputs:
+    """The example inputs with every tensor its own: a tensor passed in two places (``labels=input_ids``) is
+    cloned for the second, so that a graph captures two inputs and reads each from its own argument.
+
+    Traced as one tensor, both arguments would become the first placeholder that met it, and a later call that
+    passes two different tensors would compute on the wrong one.
+
+    >>> import torch
+    >>> ids = torch.zeros(2, 3, dtype=torch.long)
+    >>> _, kw = distinct_input_tensors((), {"input_ids": ids, "labels": ids})
+    >>> kw["input_ids"] is ids, kw["labels"] is ids, torch.equal(kw["labels"], ids)
+    (True, False, True)
+    """
+    seen: set[int] = set()
+
+    def own(leaf):
+        if not isinstance(leaf, torch.Tensor):
+            return leaf
+        if id(leaf) not in seen:
+            seen.add(id(leaf))
+            return leaf
+        return leaf.detach().clone().requires_grad_(leaf.requires_grad)
+
+    return pytree.tree_map(own, (tuple(args), dict(kwargs)))
+
+
 def module_modes(model: nn.Module, training: bool | None = None) -> dict[str, bool]:
     """Each module's train/eval mode by path; all ``training`` when it is given (what ``model.train(training)`` sets).
 
