@@ -52,6 +52,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError, CaptureError
 from ..opkey import assign_op_keys
+from ..rng import rng_preserved
 from ._sites import ValueBranchError, error_site, first_line
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
 from .model_state import buffers_restored, get_attribute, named_tensors
@@ -151,7 +152,8 @@ def capture(
     if method not in CAPTURE_METHODS:
         raise BadInputError(f"method={method!r}; expected one of {', '.join(map(repr, CAPTURE_METHODS))}.")
     args, kwargs = normalize_example_inputs(example_inputs)
-    with _modes_restored(model), _fake_tensor_failures_quiet():
+    # rng_preserved: a forward that draws random numbers, or reseeds, leaves the caller's generators as they were
+    with _modes_restored(model), _fake_tensor_failures_quiet(), rng_preserved(*_devices_of(model)):
         if modes is not None:
             for name, module in model.named_modules():
                 module.training = modes.get(name, module.training)
@@ -165,6 +167,10 @@ def capture(
         )
     assign_op_keys(gm, include=is_numerical_op)
     return gm
+
+
+def _devices_of(model: nn.Module) -> set[torch.device]:
+    return {t.device for t in (*model.parameters(), *model.buffers())}
 
 
 def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
