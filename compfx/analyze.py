@@ -26,8 +26,8 @@ from .oplists import classify
 from .tensor_cores import tc_eligible
 from .vocabulary import Category, check_low_dtype, default_low_dtype, dtype_name
 
-__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "describe_op", "model_device", "check_device",
-           "check_capability"]
+__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "fingerprint_of", "describe_op", "model_device",
+           "check_device", "check_capability"]
 
 Shape = tuple[int, ...]
 
@@ -56,6 +56,11 @@ class OpInfo:
         return self.category is Category.BLACKLIST or (self.category is Category.WHITELIST and not self.tc_eligible)
 
 
+def fingerprint_of(keys) -> str:
+    """The fingerprint of a graph whose ops carry ``keys``, in order (what :attr:`Analysis.fingerprint` is)."""
+    return hashlib.sha256("\n".join(map(str, keys)).encode()).hexdigest()[:16]
+
+
 @dataclass(frozen=True, eq=False)
 class Analysis:
     """Per-op analysis of one captured model (``ops`` in graph order)."""
@@ -81,7 +86,7 @@ class Analysis:
     @property
     def fingerprint(self) -> str:
         """Hash of the op keys: equal for the same model structure, whatever the device."""
-        return hashlib.sha256("\n".join(map(str, self.keys)).encode()).hexdigest()[:16]
+        return fingerprint_of(self.keys)
 
     @property
     def stage1_ops(self) -> tuple[OpInfo, ...]:
