@@ -18,7 +18,7 @@ import torch.nn as nn
 from tabulate import tabulate
 from torch.utils import _pytree as pytree
 
-from .capture import capture, input_signature, module_modes, normalize_example_inputs, op_nodes
+from .capture import capture, get_attribute, input_signature, module_modes, normalize_example_inputs, op_nodes
 from .errors import BadInputError
 from .float8 import fp8_eligible
 from .opkey import KEY_META, OpKey
@@ -26,7 +26,7 @@ from .oplists import classify
 from .tensor_cores import tc_eligible
 from .vocabulary import Category, check_low_dtype, default_low_dtype, dtype_name
 
-__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "fingerprint_of", "describe_op", "model_device",
+__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "fingerprint_of", "parameter_shapes", "describe_op", "model_device",
            "check_device", "check_capability"]
 
 Shape = tuple[int, ...]
@@ -59,6 +59,28 @@ class OpInfo:
 def fingerprint_of(keys) -> str:
     """The fingerprint of a graph whose ops carry ``keys``, in order (what :attr:`Analysis.fingerprint` is)."""
     return hashlib.sha256("\n".join(map(str, keys)).encode()).hexdigest()[:16]
+
+
+def parameter_shapes(gm: fx.GraphModule, example_inputs=()) -> list[list[int]]:
+    """The distinct shapes of the parameters a graph reads, sorted: what tells apart two models whose ops are
+    named alike (the same layers at other widths). Parameters are ``get_attr`` nodes in compfx's captures and
+    graph inputs (``example_inputs``) in the graphs ``torch.compile`` hands a backend.
+
+    >>> import torch, compfx
+    >>> a = compfx.analyze(torch.nn.Linear(4, 8), torch.randn(2, 4))
+    >>> parameter_shapes(a.graph_module)
+    [[8], [8, 4]]
+    """
+    found = {tuple(t.shape) for t in example_inputs if isinstance(t, nn.Parameter)}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            try:
+                value = get_attribute(gm, node.target)
+            except AttributeError:
+                continue
+            if isinstance(value, nn.Parameter):
+                found.add(tuple(value.shape))
+    return [list(shape) for shape in sorted(found)]
 
 
 @dataclass(frozen=True, eq=False)

@@ -103,7 +103,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import cache
-from .analyze import analyze_graph, fingerprint_of
+from .analyze import analyze_graph, fingerprint_of, parameter_shapes
 from .capture import key_dynamo_graph, named_tensors, op_nodes
 from .cast_policy import compute_dtype
 from .errors import BadInputError, PlanMismatchError
@@ -304,6 +304,7 @@ class CompfxBackend:
         self.records: list[GraphRecord] = []
         self._offsets = _CallIndexOffsets()
         self._searched_offsets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its offsets
+        self._previous_searched: cache.SearchedPlan | None = None  # the searched model of the graph compiled last
         self._logged: set[str] = set()
         self._matched = False  # has any compiled graph had an op the given plan names?
 
@@ -352,11 +353,17 @@ class CompfxBackend:
                 or self._default(gm, example_inputs, frame, device, low_dtype))
 
     def _searched_here(self, gm, example_inputs, frame, device, low_dtype) -> "_Choice | None":
-        """The plan this process searched for the graph's model (known by ``model=`` or by the graph's parameters)."""
+        """The plan this process searched for the graph's model: known by ``model=``, by the graph's parameters,
+        or, for a graph that reads none (a loss split off at a graph break), as the model whose graph dynamo
+        compiled just before, when every op of this one continues that model's plan."""
+        chained = False
         if self.model is not None:
             searched = cache.searched_plan_of(self.model.parameters())
         else:
             searched = cache.searched_plan_of(t for t in example_inputs if isinstance(t, torch.Tensor))
+            if searched is None and not any(isinstance(t, nn.Parameter) for t in example_inputs):
+                searched, chained = self._previous_searched, True
+        self._previous_searched = None
         if searched is None or searched.plan.low_dtype != low_dtype:
             return None
         plan, model = searched.plan, searched.model
@@ -365,9 +372,15 @@ class CompfxBackend:
         if not self._same_device(plan, device, where):
             return None
         offsets = self._searched_offsets.setdefault(model, _CallIndexOffsets())
-        keys = _keyed(gm, example_inputs, model, offsets, frame)
-        if keys and not any(key in plan for key in keys):
-            return None  # none of its ops is the searched model's: not a graph of it
+        counts = Counter(offsets.for_frame(frame))
+        keys = tuple(key_backend_graph(gm, example_inputs, model=model, index_offsets=counts))
+        planned = [key in plan for key in keys]
+        # known by its parameters (or model=), one op of the plan's will do; known only by following one of the
+        # model's graphs, every op must continue the plan
+        if keys and not (all(planned) if chained else any(planned)):
+            return None  # not a graph of the searched model
+        offsets.count(frame, keys)
+        self._previous_searched = searched
         if searched.path is not None:
             self._warn_if_replaced(plan, searched.path)
         return _Choice(plan, "searched", where, keys, searched.path)
@@ -387,6 +400,12 @@ class CompfxBackend:
                            "fingerprint but names other ops (%d of its %d are not this graph's); it was edited or "
                            "written for another model, and is not used. Delete it, or search again.", found.path,
                            len(set(plan) - set(whole)), len(plan), level=logging.WARNING)
+            return None
+        if found.parameter_shapes is not None and found.parameter_shapes != parameter_shapes(gm, example_inputs):
+            self._log_once(f"shapes:{found.path}", "compfx backend: the cached plan %s names this graph's ops but was "
+                           "searched for a model whose parameters have other shapes (the same layers at other widths, "
+                           "say); it is not used. Search this model, or pass its plan.", found.path,
+                           level=logging.WARNING)
             return None
         if not self._same_device(plan, device, f"the cached plan {found.path}"):
             return None

@@ -217,10 +217,15 @@ def plan_path(fingerprint: str, low_dtype: torch.dtype, *, cache_dir: str | os.P
     return _inside(folder, folder / f"{fingerprint}-{dtype_name(low_dtype)}.json")
 
 
-def save_plan(plan: Plan, *, cache_dir: str | os.PathLike | None = None) -> Path:
+def save_plan(plan: Plan, *, cache_dir: str | os.PathLike | None = None,
+              parameter_shapes: list[list[int]] | None = None) -> Path:
     """Store ``plan`` under its fingerprint and low dtype (replacing an older one); returns the file.
 
-    The file records this search (``searched``: when, host, process). Saves
+    The file records this search (``searched``: when, host, process) and,
+    given them, the shapes of the parameters the model's forward reads
+    (:func:`compfx.analyze.parameter_shapes`): the compile backend runs the plan
+    only for a graph that reads parameters of those shapes, not for another
+    model whose ops are named alike (the same layers at other widths). Saves
     to one folder take turns; replacing a *different* plan that another process
     searched warns and is recorded in the file (``replaced``; see the module
     docstring). A fingerprint that is not a hash is refused
@@ -233,7 +238,8 @@ def save_plan(plan: Plan, *, cache_dir: str | os.PathLike | None = None) -> Path
     remove_abandoned_temp_files(path.parent)
     searched = _this_search()
     with _folder_lock(path.parent):
-        data = {**plan.to_dict(), "searched": searched}
+        data = {**plan.to_dict(), "searched": searched,
+                **({"parameter_shapes": parameter_shapes} if parameter_shapes is not None else {})}
         previous = _load_or_skip(path, plan.fingerprint, plan.low_dtype) if path.is_file() else None
         if previous is not None:
             differing = _differing_ops(previous.plan, plan)
@@ -323,6 +329,7 @@ class CachedPlan:
     searched: Mapping = field(default_factory=dict)  # at, host, pid ({} in files of older compfx versions)
     torch_version: str | None = None
     replaced: Mapping | None = None  # the other process's search this one replaced, when their plans differ
+    parameter_shapes: list | None = None  # of the model it was searched for (None in older files)
 
     def describe(self, *, with_file: bool = True) -> str:
         """Where it came from, in words: file, when, host and process, device type, torch release.
@@ -359,7 +366,8 @@ def _load_or_skip(path: Path, fingerprint: str | None = None,
         _warn_once(path, "cached plan", f"it holds the plan of {plan.fingerprint}-{dtype_name(plan.low_dtype)}, "
                    "not of its file name")
         return None
-    return CachedPlan(plan, path, dict(data.get("searched") or {}), data.get("torch_version"), data.get("replaced"))
+    return CachedPlan(plan, path, dict(data.get("searched") or {}), data.get("torch_version"), data.get("replaced"),
+                      data.get("parameter_shapes"))
 
 
 def find_plan(fingerprint: str, *, low_dtype: torch.dtype | None = None,

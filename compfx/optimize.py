@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from . import cache
-from .analyze import analyze, model_device
+from .analyze import analyze, model_device, parameter_shapes
 from .errors import BadInputError, CompfxError
 from .float8 import require_torchao
 from .measure import PhaseClock
@@ -364,7 +364,8 @@ class _Search:
             self.plan_cache = "saved by rank 0"
         else:
             try:
-                self.plan_path = cache.save_plan(plan, cache_dir=self.config.cache_dir)
+                shapes = None if is_regions_analysis(self.analysis) else parameter_shapes(self.analysis.graph_module)
+                self.plan_path = cache.save_plan(plan, cache_dir=self.config.cache_dir, parameter_shapes=shapes)
                 self.plan_cache = (f"saved to {self.plan_path}; torch.compile(model, backend=\"compfx\") runs this "
                                    "plan")
             except CompfxError as error:

@@ -48,9 +48,10 @@ PLAN_VERSION = 1
 #: A plan file is about 40 bytes per op; anything larger than this is not a plan compfx wrote.
 MAX_PLAN_BYTES = 32 << 20
 #: Top-level keys of a plan file: those every file has, and those it may have (a cached plan says who searched it,
-#: and which other search's plan it replaced: see :mod:`compfx.cache`). Any other key is refused.
+#: which other search's plan it replaced, and the parameter shapes of its model: see :mod:`compfx.cache`). Any
+#: other key is refused.
 _REQUIRED_KEYS = ("format", "version", "low_dtype", "fingerprint", "ops")
-_OPTIONAL_KEYS = ("torch_version", "device_type", "fp8_recipe", "searched", "replaced")
+_OPTIONAL_KEYS = ("torch_version", "device_type", "fp8_recipe", "searched", "replaced", "parameter_shapes")
 #: What ``searched`` and ``replaced`` hold: when, on which host, by which process (and how many ops differ).
 _SEARCH_FIELDS = {"at": str, "host": str, "pid": int, "differing_ops": int}
 
@@ -342,6 +343,11 @@ class Plan(Mapping[OpKey, Precision]):
                                 "'cpu' or 'cuda'. Fix the file or search again.")
         for name in ("searched", "replaced"):
             _check_search_record(data.get(name), name, source)
+        shapes = data.get("parameter_shapes")
+        if shapes is not None and not (isinstance(shapes, list) and all(
+                isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in shapes)):
+            raise PlanFileError(f"{source} has parameter_shapes {str(shapes)[:80]}; expected a list of shapes (lists "
+                                "of sizes), as the plan cache writes it. Fix the file or search again.")
         _check_torch_version(data.get("torch_version"), source)
         try:
             entries = {OpKey.parse(k): v for k, v in ops.items()}
