@@ -1,6 +1,6 @@
-"""Hardening (issue 15): hostile and damaged files, bad inputs, resume side effects, the plan cache end to end.
+"""Hardening: hostile and damaged files, bad inputs, resume side effects, the plan cache end to end.
 
-The table ``CASES`` holds every bad input of the issue's section 6 plus the path
+The table ``CASES`` holds every bad input we know of, plus the path
 traversal, cache and tamper cases: each must raise its ``CompfxError`` subclass
 with a message that says what to do, and leave the caller's model, optimizer
 and RNG exactly as they were. The other tests cover what is not an exception:
@@ -36,7 +36,8 @@ from compfx.measure import Conditions
 from compfx.plan import Plan
 from compfx.search import FunctionEvaluator, SearchConfig, SearchSpace, run_stage1
 from compfx.search.log import DIGEST, SearchLog
-from compfx.search.sampling import snapshot_state
+from compfx.apply import PlannedModule
+from compfx.search.sampling import restore_state, snapshot_state
 from test_reliability import Tiny
 from tests.helpers import nll
 
@@ -74,7 +75,8 @@ class Ctx:
         self.analysis = compfx.analyze(self.model, self.x)
         self.tmp = tmp_path
         # made here, before the case measures the RNG: building models and inputs draws from it
-        self.other_plan = Plan.amp(compfx.analyze(Other(), self.x))
+        self.other_model = Other()
+        self.other_plan = Plan.amp(compfx.analyze(self.other_model, self.x))
         self.meta_model = Tiny().to("meta")
         self.wrong_x = torch.randn(6, 5)
 
@@ -93,11 +95,87 @@ class Ctx:
 
 
 def _compile_foreign(c: Ctx):
-    """An explicit plan of another model given to backend(): dynamo wraps the refusal; unwrap it."""
+    """An explicit plan of another model given to backend(): the refusal reaches the caller as itself."""
+    torch._dynamo.reset()
     try:
         torch.compile(c.model, backend=backend(c.other_plan, inner="eager"))(c.x)
-    except torch._dynamo.exc.BackendCompilerFailed as error:
-        raise error.inner_exception from error
+    finally:
+        torch._dynamo.reset()
+
+
+def _with_env(name: str, value: str, call):
+    old = os.environ.get(name)
+    os.environ[name] = value
+    try:
+        return call()
+    finally:
+        if old is None:
+            del os.environ[name]
+        else:
+            os.environ[name] = old
+
+
+class _IterRaisesStopIteration:
+    def __iter__(self):
+        raise StopIteration
+
+
+def _emptied_optimizer(c: Ctx):
+    c.opt.param_groups[0]["params"], kept = [], c.opt.param_groups[0]["params"]
+    try:
+        return c.optimize()
+    finally:
+        c.opt.param_groups[0]["params"] = kept
+
+
+def _guard(c: Ctx, **settings):
+    return compfx.Guard(PlannedModule(c.model, Plan.amp(c.analysis), analysis=c.analysis), **settings)
+
+
+def _guard_step_twice(c: Ctx):
+    guard = _guard(c)
+    loss = guard.planned(c.x).sum()
+    loss.backward()
+    before = snapshot_state(c.model, c.opt)
+    guard.step(c.opt, loss)
+    restore_state(before)  # undo the first, legitimate step: the case is about the second
+    try:
+        guard.step(c.opt, loss)  # no new backward
+    finally:
+        c.model.zero_grad(set_to_none=True)
+
+
+def _guard_foreign_optimizer(c: Ctx):
+    guard = _guard(c)
+    guard.planned(c.x).sum().backward()
+    try:
+        guard.step(torch.optim.SGD(c.other_model.parameters(), lr=0.1), torch.tensor(1.0))
+    finally:
+        c.model.zero_grad(set_to_none=True)
+
+
+def _guard_bad_state(c: Ctx):
+    guard = _guard(c)
+    state = {**guard.state_dict(), "plan": Plan.fp32(c.analysis).to_dict(), "steps": "x"}
+    try:
+        guard.load_state_dict(state)
+    finally:
+        assert guard.plan == Plan.amp(c.analysis), "the module's plan was replaced before the state was refused"
+
+
+def _lightning_load_none(c: Ctx):
+    from compfx.integrations.lightning import CompfxCallback
+
+    CompfxCallback().load_state_dict(None)
+
+
+def _symlinked_log(c: Ctx):
+    target = c.file("notes.txt", "the user's notes")
+    (c.tmp / "log.jsonl").symlink_to(target)
+    try:
+        return c.optimize(log=c.tmp / "log.jsonl")
+    finally:
+        assert target.read_text() == "the user's notes"
 
 
 def _meta(c: Ctx):
@@ -232,6 +310,36 @@ CASES = {  # name -> (call(ctx), error class, words the message must hold)
                                    "without resume=True"),
     "read log with one line dropped": (lambda c: SearchLog.read(_tampered(c, lambda lines: lines.pop(1))),
                                        LogIntegrityError, "line 2"),
+    # paths that are not paths, files that are not regular, links
+    "plan load None": (lambda c: Plan.load(None), BadInputError, "not a path"),
+    "plan save None": (lambda c: Plan.amp(c.analysis).save(None), BadInputError, "not a path"),
+    "plan load NUL in path": (lambda c: Plan.load(str(c.tmp / "p\0.json")), BadInputError, "NUL"),
+    "plan save NUL in path": (lambda c: Plan.amp(c.analysis).save(str(c.tmp / "p\0.json")), BadInputError, "NUL"),
+    "optimize log /dev/null": (lambda c: c.optimize(log="/dev/null"), FileWriteError, "not a file compfx can write"),
+    "optimize log a symlink": (_symlinked_log, FileWriteError, "symbolic link"),
+    "optimize log over a file of the user's": (lambda c: c.optimize(log=c.file("notes.txt", "mine")),
+                                               FileWriteError, "does not overwrite it"),
+    "plan save over a file of the user's": (lambda c: Plan.amp(c.analysis).save(c.file("notes.json", '{"a": 1}')),
+                                            FileWriteError, "does not overwrite it"),
+    "COMPFX_CACHE_DIR ~nouser": (lambda c: _with_env(cache.CACHE_DIR_ENV, "~nouser_compfx/c",
+                                                     lambda: c.optimize(config=SearchConfig(**QUICK))),
+                                 CacheKeyError, "cannot be expanded"),
+    "cache_dir with NUL": (lambda c: c.optimize(config=SearchConfig(**QUICK, cache_dir="a\0b")), CacheKeyError,
+                           "NUL"),
+    # loaders and optimizers
+    "loader __iter__ raises StopIteration": (lambda c: c.optimize(loader=_IterRaisesStopIteration()), BadInputError,
+                                             "__iter__ raised StopIteration"),
+    "optimizer with its parameters emptied": (_emptied_optimizer, BadInputError, "holds no parameters"),
+    "diagnose a meta-device model": (lambda c: compfx.diagnose(c.meta_model, c.x), BadInputError, "meta device"),
+    "diagnose integer batches": (lambda c: compfx.diagnose(c.model, torch.ones(6, 4, dtype=torch.long)),
+                                 BadInputError, "before diagnose"),
+    "lightning load_state_dict(None)": (_lightning_load_none, PlanFileError, "expected the mapping"),
+    # the guard's use
+    "guard drift_threshold True": (lambda c: _guard(c, drift_threshold=True), BadInputError, "not a bool"),
+    "guard min_scale NaN": (lambda c: _guard(c, min_scale=math.nan), BadInputError, "min_scale=nan"),
+    "guard step without a new backward": (_guard_step_twice, BadInputError, "without a backward"),
+    "guard step with another model's optimizer": (_guard_foreign_optimizer, BadInputError, "not the guarded"),
+    "guard state with a bad counter": (_guard_bad_state, PlanFileError, "expected counts"),
 }
 
 
