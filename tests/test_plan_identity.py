@@ -139,8 +139,8 @@ def test_each_graph_of_a_searched_model_split_at_a_graph_break_runs_its_plan(com
 
 
 def test_a_piece_of_another_model_split_at_a_graph_break_runs_no_cached_plan(compfx_backend):
-    """Every op of each graph of ``Broken(48)`` is named as one of the cached ``Broken(32)``'s; the covering lookup
-    ran the other model's plan on them."""
+    """Every op of each graph of ``Broken(48)`` is named as one of the cached ``Broken(32)``'s: a lookup by op
+    names would run the other model's plan on them."""
     torch.manual_seed(0)
     result = searched(Broken(32))
     other = Broken(48)
