@@ -367,8 +367,9 @@ class CompfxBackend:
         if searched is None or searched.plan.low_dtype != low_dtype:
             return None
         plan, model = searched.plan, searched.model
-        where = (f"the plan this process searched for {type(model).__name__} on {plan.device_type or '?'} under torch "
-                 f"{torch.__version__}" + (f" (saved to {searched.path})" if searched.path else ""))
+        where = (f"the plan this process searched for {type(model).__name__} (searched {searched.at} by process "
+                 f"{os.getpid()}, on {plan.device_type or '?'}, under torch {torch.__version__})"
+                 + (f", saved to {searched.path}" if searched.path else ""))
         if not self._same_device(plan, device, where):
             return None
         offsets = self._searched_offsets.setdefault(model, _CallIndexOffsets())

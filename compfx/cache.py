@@ -438,17 +438,18 @@ class SearchedPlan:
     plan: Plan
     model: nn.Module
     path: Path | None
+    at: str = ""  # when it was remembered (the search's end), ISO 8601
 
 
-_searched: dict[int, tuple[weakref.ref, weakref.ref, Plan, Path | None]] = {}  # id(parameter) -> refs, plan, path
+_searched: dict[int, tuple] = {}  # id(parameter) -> (parameter ref, model ref, plan, path, at)
 
 
 def remember_plan(model: nn.Module, plan: Plan, path: Path | None) -> None:
     """Remember that this process searched ``plan`` for ``model`` (:func:`searched_plan_of` finds it by the model's
     parameters; nothing keeps the model alive)."""
-    model_ref = weakref.ref(model)
+    model_ref, at = weakref.ref(model), _this_search()["at"]
     for parameter in model.parameters():
-        _searched[id(parameter)] = (weakref.ref(parameter), model_ref, plan, path)
+        _searched[id(parameter)] = (weakref.ref(parameter), model_ref, plan, path, at)
 
 
 def searched_plan_of(tensors: Iterable) -> SearchedPlan | None:
@@ -465,10 +466,10 @@ def searched_plan_of(tensors: Iterable) -> SearchedPlan | None:
         entry = _searched.get(id(tensor))
         if entry is None:
             continue
-        parameter_ref, model_ref, plan, path = entry
+        parameter_ref, model_ref, plan, path, at = entry
         model = model_ref()
         if parameter_ref() is tensor and model is not None:
-            return SearchedPlan(plan, model, path)
+            return SearchedPlan(plan, model, path, at)
         if parameter_ref() is None or model is None:
             del _searched[id(tensor)]  # the model is gone; its id may be reused
     return None
