@@ -47,8 +47,10 @@ fingerprint and file); :meth:`CompfxBackend.report` prints the records. An
 explicit plan whose keys match none of the ops of the first graphs compiled was
 made for another model and is refused with a
 :class:`~compfx.errors.PlanMismatchError` that reaches the caller of the
-compiled model as itself (it is also an ``IndexError``, which dynamo passes
-through instead of wrapping it in ``BackendCompilerFailed``).
+compiled model as itself: the backend hands dynamo a graph that raises it
+when called (dynamo would wrap an error raised while compiling in its
+``BackendCompilerFailed``), so every call of that graph refuses the plan and
+nothing of the model runs.
 
 **Default plan** (no plan given or cached): ``Plan.amp`` of the graph, i.e.
 whitelist -> low, blacklist -> fp32, other -> follow. Whitelisted ops that are
@@ -314,7 +316,10 @@ class CompfxBackend:
 
     # -- dynamo calls this once per graph -------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence):
-        choice = self._plan_for(gm, example_inputs, _frame_id(gm))
+        try:
+            choice = self._plan_for(gm, example_inputs, _frame_id(gm))
+        except PlanMismatchError as refusal:
+            return _refusing(refusal)
         keys, plan, source = choice.keys, choice.plan, choice.source
         precisions = {key: plan.get(key, Precision.FOLLOW) for key in keys}
         unplanned = tuple(key for key in keys if key not in plan)
@@ -460,7 +465,7 @@ class CompfxBackend:
         if not keys or self._matched or any(key in self.plan for key in keys):
             self._matched = self._matched or any(key in self.plan for key in keys)
             return
-        raise _PlanRefusedInCompile(
+        raise PlanMismatchError(
             f"the plan given to compfx.backend (fingerprint {self.plan.fingerprint}, {len(self.plan)} ops) has no "
             f"entry for any of this graph's {len(keys)} ops (e.g. {', '.join(map(str, list(keys)[:3]))}); it was "
             "made for another model. Pass this model's plan (compfx.optimize(...).plan, or Plan.load of its file), "
@@ -516,10 +521,13 @@ class _Choice:
     path: object = None
 
 
-class _PlanRefusedInCompile(PlanMismatchError, IndexError):
-    """The backend's refusal of a given plan of another model. It is also an ``IndexError`` (a ``LookupError``:
-    the plan has no entry for the graph's ops) because dynamo passes an ``IndexError`` raised by a backend on
-    to the caller as itself, where it wraps any other exception in ``BackendCompilerFailed``."""
+def _refusing(refusal: PlanMismatchError) -> Callable:
+    """A compiled graph that raises ``refusal`` whenever it is called: raised there, not while dynamo compiles,
+    it reaches the caller as itself."""
+    def refuse(*args, **kwargs):
+        raise refusal.with_traceback(None)
+
+    return refuse
 
 
 def _keyed(gm: fx.GraphModule, example_inputs, model, offsets: _CallIndexOffsets, frame) -> tuple[OpKey, ...]:
