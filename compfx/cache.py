@@ -2,7 +2,9 @@
 
 Plans, found again by op-key fingerprint: :func:`compfx.optimize` saves the
 plan it chose (:func:`save_plan`, unless ``SearchConfig(cache_plan=False)``),
-and the compile backend calls :func:`find_cached` when it is given no plan.
+and the compile backend calls :func:`find_cached` when it is given no plan
+(never :func:`find_plan_covering`, a lookup by op names that is only an
+explicit opt-in).
 One file per ``(fingerprint, low dtype)``: ``<fingerprint>-<dtype>.json``. In
 the process that searched it, a plan is also remembered with the model it was
 searched for (:func:`remember_plan`, :func:`searched_plan_of`): the backend
@@ -92,6 +94,7 @@ import torch.nn as nn
 
 from .errors import CacheKeyError, FileWriteError, PlanFileError
 from .files import TEMP_SUFFIX, read_json, write_json_atomic
+from .opkey import OpKey
 from .plan import MAX_PLAN_BYTES, Plan
 from .vocabulary import LOW_DTYPES, dtype_name
 
@@ -102,6 +105,7 @@ except ImportError:  # pragma: no cover - Windows: saves are atomic, but not ser
 
 __all__ = ["CACHE_DIR_ENV", "FINGERPRINT_PATTERN", "MAX_ENTRY_BYTES", "TEMP_MAX_AGE_S", "default_cache_dir",
            "cache_folder", "unwritable", "check_fingerprint", "plan_path", "save_plan", "find_plan", "find_cached",
+           "find_plan_covering",
            "CachedPlan", "remember_plan", "searched_plan_of", "SearchedPlan", "profile_folder", "entry_path",
            "read_entry", "write_entry", "discard_entry", "remove_abandoned_temp_files"]
 
@@ -395,6 +399,26 @@ def find_cached(fingerprint: str, *, low_dtype: torch.dtype | None = None,
         plan = _load_or_skip(path, fingerprint)
         if plan is not None:
             return plan
+    return None
+
+
+def find_plan_covering(keys: Iterable[OpKey], *, low_dtype: torch.dtype | None = None,
+                       cache_dir: str | os.PathLike | None = None) -> Plan | None:
+    """The newest cached plan that has an entry for every key in ``keys``, or None: an explicit opt-in.
+
+    A lookup by op names alone: any cached model whose ops include these names
+    matches, another model's too (a smaller model, the same layers at other
+    widths, a piece of another model). The compile backend never uses it (see
+    :mod:`compfx.backend`); call it only where you know the keys are a piece
+    of a model you searched, and pass the plan to ``compfx.backend`` yourself.
+    """
+    wanted = set(keys)
+    if not wanted:
+        return None
+    for path in _newest_first(_plan_files(cache_folder(cache_dir))):
+        found = _load_or_skip(path, low_dtype=low_dtype)
+        if found is not None and wanted <= set(found.plan):
+            return found.plan
     return None
 
 
