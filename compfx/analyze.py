@@ -18,7 +18,8 @@ import torch.nn as nn
 from tabulate import tabulate
 from torch.utils import _pytree as pytree
 
-from .capture import VERIFICATION_META, capture, input_signature, module_modes, normalize_example_inputs, op_nodes
+from .capture import (VERIFICATION_META, capture, get_attribute, input_signature, module_modes, normalize_example_inputs,
+                      op_nodes)
 from .errors import BadInputError
 from .float8 import fp8_eligible
 from .opkey import KEY_META, OpKey
@@ -26,8 +27,8 @@ from .oplists import classify
 from .tensor_cores import pad_eligible, tc_eligible
 from .vocabulary import Category, check_low_dtype, default_low_dtype, dtype_name
 
-__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "describe_op", "model_device", "check_device",
-           "check_capability"]
+__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "fingerprint_of", "parameter_shapes", "describe_op", "model_device",
+           "check_device", "check_capability"]
 
 Shape = tuple[int, ...]
 
@@ -58,6 +59,33 @@ class OpInfo:
     def adjustable_in_stage1(self) -> bool:
         """CoMP Stage 1 tries this op at both precisions (blacklist, or whitelist without TC)."""
         return self.category is Category.BLACKLIST or (self.category is Category.WHITELIST and not self.tc_eligible)
+
+
+def fingerprint_of(keys) -> str:
+    """The fingerprint of a graph whose ops carry ``keys``, in order (what :attr:`Analysis.fingerprint` is)."""
+    return hashlib.sha256("\n".join(map(str, keys)).encode()).hexdigest()[:16]
+
+
+def parameter_shapes(gm: fx.GraphModule, example_inputs=()) -> list[list[int]]:
+    """The distinct shapes of the parameters a graph reads, sorted: what tells apart two models whose ops are
+    named alike (the same layers at other widths). Parameters are ``get_attr`` nodes in compfx's captures and
+    graph inputs (``example_inputs``) in the graphs ``torch.compile`` hands a backend.
+
+    >>> import torch, compfx
+    >>> a = compfx.analyze(torch.nn.Linear(4, 8), torch.randn(2, 4))
+    >>> parameter_shapes(a.graph_module)
+    [[8], [8, 4]]
+    """
+    found = {tuple(t.shape) for t in example_inputs if isinstance(t, nn.Parameter)}
+    for node in gm.graph.nodes:
+        if node.op == "get_attr":
+            try:
+                value = get_attribute(gm, node.target)
+            except AttributeError:
+                continue
+            if isinstance(value, nn.Parameter):
+                found.add(tuple(value.shape))
+    return [list(shape) for shape in sorted(found)]
 
 
 @dataclass(frozen=True, eq=False)
@@ -91,7 +119,7 @@ class Analysis:
     @property
     def fingerprint(self) -> str:
         """Hash of the op keys: equal for the same model structure, whatever the device."""
-        return hashlib.sha256("\n".join(map(str, self.keys)).encode()).hexdigest()[:16]
+        return fingerprint_of(self.keys)
 
     @property
     def stage1_ops(self) -> tuple[OpInfo, ...]:

@@ -11,21 +11,46 @@ For every graph dynamo hands over, the backend
    parameters to placeholders; the keys come from ``nn_module_stack``, and
    values from ``meta["example_value"]``),
 2. picks the plan: the one it was given (a :class:`~compfx.plan.Plan` or a
-   path), else a plan that ``compfx.optimize()`` saved for this model in the
-   plan cache (:mod:`compfx.cache`), else the default plan below,
+   path), else the plan searched for this model (see "Plan identity" below),
+   else the default plan below,
 3. inserts the plan's casts (:func:`compfx.passes.apply_precisions`)
    *before* AOT autograd, so AOT derives a backward through the casts and
    training works,
 4. hands the graph to ``inner``: ``"inductor"``, ``"aot_eager"``,
    ``"eager"``, any registered backend name, or a backend callable.
 
+**Plan identity.** Without a given plan, a graph runs a searched plan only
+when it is a graph of the model that plan was searched for:
+
+* ``"searched"``: in the process that ran :func:`compfx.optimize`, a graph that
+  reads the searched model's parameters (or any graph of a backend built with
+  ``model=`` that model) runs that search's plan, a graph split off at a graph
+  break included: the model is known, so its ops are named as the search named
+  them, call indices continued across its graphs;
+* ``"cache"``: otherwise, the plan cached under the graph's whole-model
+  fingerprint (:func:`compfx.cache.find_cached`), and only when its ops are
+  exactly the graph's and it was searched on the graph's device type. A graph
+  whose ops are a subset of a cached model's (a smaller model, or a piece of
+  another model split at a graph break) runs the default plan: no lookup
+  "covers" it with another model's plan.
+
+Whenever a searched or cached plan runs, the ``compfx`` logger says once, at
+INFO, which file, searched when, by which process, on which device type and
+under which torch release. A cached plan of this fingerprint that is not used
+(other ops, another device type) is a WARNING, never silent, as is one whose
+file replaced a different plan of another process's search (see
+:mod:`compfx.cache`), and a given plan made for another device type.
+
 **Which plan ran** is recorded per graph (:class:`GraphRecord`: ``origin``
-``"given"``, ``"cache"``, ``"cache-covering"`` or ``"default"``, the plan's
-fingerprint and file) and logged once per plan at INFO on the ``compfx``
-logger; :meth:`CompfxBackend.report` prints the records. An explicit plan
-whose keys match none of the ops of the first graphs compiled was made for
-another model and is refused (:class:`~compfx.errors.PlanMismatchError`, which dynamo wraps in its
-``BackendCompilerFailed``).
+``"given"``, ``"searched"``, ``"cache"`` or ``"default"``, the plan's
+fingerprint and file); :meth:`CompfxBackend.report` prints the records. An
+explicit plan whose keys match none of the ops of the first graphs compiled was
+made for another model and is refused with a
+:class:`~compfx.errors.PlanMismatchError` that reaches the caller of the
+compiled model as itself: the backend hands dynamo a graph that raises it
+when called (dynamo would wrap an error raised while compiling in its
+``BackendCompilerFailed``), so every call of that graph refuses the plan and
+nothing of the model runs.
 
 **Default plan** (no plan given or cached): ``Plan.amp`` of the graph, i.e.
 whitelist -> low, blacklist -> fp32, other -> follow. Whitelisted ops that are
@@ -83,6 +108,7 @@ from __future__ import annotations
 import logging
 import os
 import warnings
+import weakref
 from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, Mapping, Sequence
@@ -92,7 +118,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import cache
-from .analyze import analyze_graph
+from .analyze import analyze_graph, fingerprint_of, parameter_shapes
 from .capture import key_dynamo_graph, named_tensors, op_nodes
 from .cast_policy import compute_dtype
 from .errors import BadInputError, PlanMismatchError
@@ -121,11 +147,11 @@ class GraphRecord:
     (``"follow"`` for ops the plan does not name, which are also listed in
     ``unplanned``); ``compute_dtypes`` is the dtype of each op's first
     floating-point input in the rewritten graph, i.e. what the casts achieved.
-    Which plan it was: ``origin`` (``"given"``, ``"cache"`` for the cached plan
-    of this graph's fingerprint, ``"cache-covering"`` for a cached whole-model
-    plan that covers a graph split off at a graph break, ``"default"`` for
-    ``Plan.amp`` of the graph), ``plan_fingerprint``, ``plan_path`` (the file it
-    was read from, or None), and ``plan_source``, the same in words.
+    Which plan it was: ``origin`` (``"given"``, ``"searched"`` for the plan this
+    process searched for the graph's model, ``"cache"`` for the cached plan of
+    this graph's fingerprint, ``"default"`` for ``Plan.amp`` of the graph; see
+    the module docstring), ``plan_fingerprint``, ``plan_path`` (the file it was
+    read from or saved to, or None), and ``plan_source``, the same in words.
     """
 
     compile_id: str | None
@@ -294,6 +320,8 @@ class CompfxBackend:
         self.inductor_patches = {"emulate_precision_casts": emulate_precision_casts, **(inductor_options or {})}
         self.records: list[GraphRecord] = []
         self._offsets = _CallIndexOffsets()
+        self._searched_offsets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its offsets
+        self._previous_searched: cache.SearchedPlan | None = None  # the searched model of the graph compiled last
         self._logged: set[str] = set()
         self._matched = False  # has any compiled graph had an op the given plan names?
 
@@ -303,13 +331,11 @@ class CompfxBackend:
 
     # -- dynamo calls this once per graph -------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence):
-        frame = _frame_id(gm)
-        offsets = self._offsets.for_frame(frame)
-        keys = key_backend_graph(gm, example_inputs, model=self.model, index_offsets=offsets)
-        choice = self._plan_for(gm, keys, example_inputs, offsets)
-        keys = choice.keys
-        self._offsets.count(frame, keys)
-        plan, source = choice.plan, choice.source
+        try:
+            choice = self._plan_for(gm, example_inputs, _frame_id(gm))
+        except PlanMismatchError as refusal:
+            return _refusing(refusal)
+        keys, plan, source = choice.keys, choice.plan, choice.source
         precisions = {key: plan.get(key, Precision.FOLLOW) for key in keys}
         unplanned = tuple(key for key in keys if key not in plan)
         self._log_once(f"source:{source}", "compfx backend: graph %s runs plan %s from %s",
@@ -333,41 +359,119 @@ class CompfxBackend:
         # The plan padded these ops: Inductor must not pad them (or any other op of this graph) again.
         return self._compile_inner(gm, example_inputs, {"shape_padding": False} if padded else {})
 
-    def _plan_for(self, gm: fx.GraphModule, keys, example_inputs, offsets) -> "_Choice":
-        if self.plan is not None:
-            self._check_plan_matches(keys)
-            return _Choice(self.plan, "given", self.plan_source, keys)
+    def _plan_for(self, gm: fx.GraphModule, example_inputs, frame) -> "_Choice":
         device = _graph_device(example_inputs)
+        if self.plan is not None:
+            keys = _keyed(gm, example_inputs, self.model, self._offsets, frame)
+            self._check_plan_matches(keys)
+            if self.plan.device_type not in (None, device.type):
+                self._log_once(f"device:given:{self.plan.fingerprint}", "the plan given to compfx.backend was made for "
+                               "%s and this graph runs on %s: it runs as given, but its precisions were chosen by "
+                               "measurements there; search on this device to choose here.", self.plan.device_type,
+                               device.type, level=logging.WARNING)
+            return _Choice(self.plan, "given", self.plan_source, keys)
         low_dtype = self.low_dtype or default_low_dtype(device)
-        if any(offsets.values()):
-            # Call indices continued from earlier graphs (a graph break) -- or from another model compiled
-            # through this same backend object (backend="compfx" serves them all). A graph that is a whole
-            # model, keyed from index 0, finds the plan optimize() saved for that model.
-            whole = key_backend_graph(gm, example_inputs, model=self.model)
-            found = self._cached(gm, whole, device, low_dtype)
-            if found is not None:
-                return found
-            keys = key_backend_graph(gm, example_inputs, model=self.model, index_offsets=offsets)
-        found = self._cached(gm, keys, device, low_dtype)
-        if found is not None:
-            return found
-        covering = cache.find_plan_covering(keys, low_dtype=low_dtype, cache_dir=self.cache_dir)
-        if covering is not None:
-            path = cache.plan_path(covering.fingerprint, covering.low_dtype, cache_dir=self.cache_dir)
-            return _Choice(covering, "cache-covering",
-                           f"plan cache, whole-model plan {covering.fingerprint} covering this graph ({path})", keys,
-                           path)
-        analysis = analyze_graph(gm, device=device, low_dtype=low_dtype)
-        return _Choice(Plan.amp(analysis), "default", "default AMP-equivalent plan (no plan given or cached)", keys)
+        return (self._searched_here(gm, example_inputs, frame, device, low_dtype)
+                or self._cached(gm, example_inputs, device, low_dtype)
+                or self._default(gm, example_inputs, frame, device, low_dtype))
 
-    def _cached(self, gm, keys, device, low_dtype) -> "_Choice | None":
-        """The cached plan of this graph's fingerprint (keyed as ``keys``), or None."""
-        analysis = analyze_graph(gm, device=device, low_dtype=low_dtype)
-        cached = cache.find_plan(analysis.fingerprint, low_dtype=low_dtype, cache_dir=self.cache_dir)
-        if cached is None:
+    def _searched_here(self, gm, example_inputs, frame, device, low_dtype) -> "_Choice | None":
+        """The plan this process searched for the graph's model: known by ``model=``, by the graph's parameters,
+        or, for a graph that reads none (a loss split off at a graph break), as the model whose graph dynamo
+        compiled just before, when every op of this one continues that model's plan."""
+        chained = False
+        if self.model is not None:
+            searched = cache.searched_plan_of(self.model.parameters())
+        else:
+            searched = cache.searched_plan_of(t for t in example_inputs if isinstance(t, torch.Tensor))
+            if searched is None and not any(isinstance(t, nn.Parameter) for t in example_inputs):
+                searched, chained = self._previous_searched, True
+        self._previous_searched = None
+        if searched is None or searched.plan.low_dtype != low_dtype:
             return None
-        path = cache.plan_path(cached.fingerprint, low_dtype, cache_dir=self.cache_dir)
-        return _Choice(cached, "cache", f"plan cache ({path})", tuple(keys), path)
+        plan, model = searched.plan, searched.model
+        where = (f"the plan this process searched for {type(model).__name__} (searched {searched.at} by process "
+                 f"{os.getpid()}, on {plan.device_type or '?'}, under torch {torch.__version__})"
+                 + (f", saved to {searched.path}" if searched.path else ""))
+        if not self._same_device(plan, device, where):
+            return None
+        offsets = self._searched_offsets.setdefault(model, _CallIndexOffsets())
+        counts = Counter(offsets.for_frame(frame))
+        keys = tuple(key_backend_graph(gm, example_inputs, model=model, index_offsets=counts))
+        planned = [key in plan for key in keys]
+        # known by its parameters (or model=), one op of the plan's will do; known only by following one of the
+        # model's graphs, every op must continue the plan
+        if keys and not (all(planned) if chained else any(planned)):
+            return None  # not a graph of the searched model
+        offsets.count(frame, keys)
+        self._previous_searched = searched
+        if searched.path is not None:
+            self._warn_if_replaced(plan, searched.path)
+        return _Choice(plan, "searched", where, keys, searched.path)
+
+    def _cached(self, gm, example_inputs, device, low_dtype) -> "_Choice | None":
+        """The cached plan of this graph's whole-model fingerprint, when its ops are exactly the graph's and it was
+        searched on this device type; a cached plan that is not used is warned about, never skipped silently."""
+        whole = tuple(key_backend_graph(gm, example_inputs, model=self.model))  # call indices from 0
+        if not whole:
+            return None
+        found = cache.find_cached(fingerprint_of(whole), low_dtype=low_dtype, cache_dir=self.cache_dir)
+        if found is None:
+            return None
+        plan = found.plan
+        if set(plan) != set(whole):
+            self._log_once(f"ops:{found.path}", "compfx backend: the cached plan %s is filed under this graph's "
+                           "fingerprint but names other ops (%d of its %d are not this graph's); it was edited or "
+                           "written for another model, and is not used. Delete it, or search again.", found.path,
+                           len(set(plan) - set(whole)), len(plan), level=logging.WARNING)
+            return None
+        if found.parameter_shapes is not None and found.parameter_shapes != parameter_shapes(gm, example_inputs):
+            self._log_once(f"shapes:{found.path}", "compfx backend: the cached plan %s names this graph's ops but was "
+                           "searched for a model whose parameters have other shapes (the same layers at other widths, "
+                           "say); it is not used. Search this model, or pass its plan.", found.path,
+                           level=logging.WARNING)
+            return None
+        if not self._same_device(plan, device, f"the cached plan {found.path}"):
+            return None
+        if found.replaced:
+            self._log_once(f"replaced:{found.path}", "compfx backend: the cached plan %s replaced a different plan of "
+                           "this model (%d op(s) differ) searched %s by process %s on %s; torch.compile cannot tell "
+                           "which data each search used. Pass the plan you mean: compfx.compile_with_plan(model, "
+                           "result.plan).", found.path, found.replaced.get("differing_ops", 0),
+                           found.replaced.get("at", "?"), found.replaced.get("pid", "?"),
+                           found.replaced.get("host", "?"), level=logging.WARNING)
+        return _Choice(plan, "cache", f"the plan cache ({found.describe()})", whole, found.path)
+
+    def _default(self, gm, example_inputs, frame, device, low_dtype) -> "_Choice":
+        keys = _keyed(gm, example_inputs, self.model, self._offsets, frame)
+        analysis = analyze_graph(gm, device=device, low_dtype=low_dtype)
+        return _Choice(Plan.amp(analysis), "default", "default AMP-equivalent plan (no plan given or searched for "
+                       "this model)", keys)
+
+    def _same_device(self, plan: Plan, device: torch.device, where: str) -> bool:
+        """Whether a searched or cached plan may run on ``device``: never one searched on another device type."""
+        if plan.device_type == device.type:
+            return True
+        if plan.device_type is None:
+            self._log_once(f"unrecorded:{where}", "compfx backend: %s does not record the device it was searched on "
+                           "(an older compfx wrote it); it runs, on %s. Search again to replace it.", where,
+                           device.type, level=logging.WARNING)
+            return True
+        self._log_once(f"device:{where}", "compfx backend: %s was searched on %s, and this graph runs on %s; it is not "
+                       "used (its precisions were chosen by measurements there): the graph runs the default plan. "
+                       "Search on this device (compfx.optimize), or pass the plan to compfx.backend to run it anyway.",
+                       where, plan.device_type, device.type, level=logging.WARNING)
+        return False
+
+    def _warn_if_replaced(self, plan: Plan, path) -> None:
+        """Warn (once) when the file this process saved its plan to now holds another search's plan."""
+        if f"replaced:{path}" in self._logged:
+            return
+        found = cache.find_cached(plan.fingerprint, low_dtype=plan.low_dtype, cache_dir=os.path.dirname(path))
+        if found is not None and found.plan != plan:
+            self._log_once(f"replaced:{path}", "compfx backend: the plan cache file %s now holds another search's plan "
+                           "for this model (%s); this process runs the plan it searched itself.", path,
+                           found.describe(with_file=False), level=logging.WARNING)
 
     def _check_plan_matches(self, keys) -> None:
         """Refuse an explicit plan that names none of the ops compiled so far: it was made for another model.
@@ -419,10 +523,10 @@ class CompfxBackend:
             return compile_fx(gm, example_inputs, config_patches={**self.inductor_patches, **patches})
         return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
 
-    def _log_once(self, topic: str, message: str, *args) -> None:
+    def _log_once(self, topic: str, message: str, *args, level: int = logging.INFO) -> None:
         if topic not in self._logged:
             self._logged.add(topic)
-            log.info(message, *args)
+            log.log(level, message, *args)
 
 
 @dataclass(frozen=True)
@@ -434,6 +538,22 @@ class _Choice:
     source: str
     keys: Sequence[OpKey]
     path: object = None
+
+
+def _refusing(refusal: PlanMismatchError) -> Callable:
+    """A compiled graph that raises ``refusal`` whenever it is called: raised there, not while dynamo compiles,
+    it reaches the caller as itself."""
+    def refuse(*args, **kwargs):
+        raise refusal.with_traceback(None)
+
+    return refuse
+
+
+def _keyed(gm: fx.GraphModule, example_inputs, model, offsets: _CallIndexOffsets, frame) -> tuple[OpKey, ...]:
+    """The graph's ops keyed for ``model`` (None: as dynamo names them), indices continued from ``offsets``."""
+    keys = tuple(key_backend_graph(gm, example_inputs, model=model, index_offsets=offsets.for_frame(frame)))
+    offsets.count(frame, keys)
+    return keys
 
 
 def _keyed_nodes(gm: fx.GraphModule) -> dict[OpKey, fx.Node]:

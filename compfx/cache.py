@@ -2,9 +2,13 @@
 
 Plans, found again by op-key fingerprint: :func:`compfx.optimize` saves the
 plan it chose (:func:`save_plan`, unless ``SearchConfig(cache_plan=False)``),
-and the compile backend calls :func:`find_plan` (and, for graphs that dynamo
-split at a graph break, :func:`find_plan_covering`) when it is given no plan.
-One file per ``(fingerprint, low dtype)``: ``<fingerprint>-<dtype>.json``.
+and the compile backend calls :func:`find_cached` when it is given no plan
+(never :func:`find_plan_covering`, a lookup by op names that is only an
+explicit opt-in).
+One file per ``(fingerprint, low dtype)``: ``<fingerprint>-<dtype>.json``. In
+the process that searched it, a plan is also remembered with the model it was
+searched for (:func:`remember_plan`, :func:`searched_plan_of`): the backend
+runs it for that model's graphs, a graph split off at a graph break included.
 
 Profiles (:mod:`compfx.costmodel`), under ``profiles/``: one small JSON file
 per key (op signature, dtype, device, torch version, ...), named by a hash of
@@ -34,6 +38,22 @@ What the cache guarantees:
   content contradicts its file name) is skipped with one warning per file and
   version of it, and rewritten when measured (or searched) again. A file
   deleted by another process between listing and reading is skipped silently.
+* **Who searched it.** A cached plan records when, on which host and by which
+  process it was searched (``searched``), the device type and the torch
+  release; the compile backend says so whenever it runs it (:meth:`CachedPlan.describe`).
+* **Two searches of one model never overwrite each other silently.** Saves
+  to one folder take turns (a lock on ``<folder>/.lock``, where the OS has
+  ``flock``). The newest search's plan is kept; one that replaces a
+  *different* plan searched by another process warns, naming that search, and
+  the file records it (``replaced``), so that the backend warns whenever it
+  runs that file: it cannot tell which data each search used. A process runs
+  the plan it searched itself for the model object it searched, whatever the
+  file holds by then. Give concurrent searches of one architecture on different
+  data their own ``SearchConfig(cache_dir=...)`` to keep both.
+* **A path that cannot be a folder is refused at once.** ``cache_dir`` and
+  ``$COMPFX_CACHE_DIR`` are expanded (``~``) and checked when the folder is
+  asked for (:func:`cache_folder`): a NUL character, or a ``~user`` that does not
+  exist, is a :class:`~compfx.errors.CacheKeyError`, never a ``RuntimeError``.
 * **Leftovers are cleaned.** Temp files of writers killed mid-write
   (``.<name>.<random>.tmp`` beside a cache file's name) older than
   :data:`TEMP_MAX_AGE_S` are removed the first time a process writes to the folder.
@@ -54,17 +74,23 @@ compfx.errors.CacheKeyError: plan fingerprint '../outside/pwned' is not a finger
 
 from __future__ import annotations
 
+import contextlib
+import datetime
 import hashlib
 import json
 import logging
 import os
 import re
+import socket
 import sys
 import time
+import weakref
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Iterable, Mapping
 
 import torch
+import torch.nn as nn
 
 from .errors import CacheKeyError, FileWriteError, PlanFileError
 from .files import TEMP_SUFFIX, read_json, write_json_atomic
@@ -72,9 +98,16 @@ from .opkey import OpKey
 from .plan import MAX_PLAN_BYTES, Plan
 from .vocabulary import LOW_DTYPES, dtype_name
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: saves are atomic, but not serialised
+    fcntl = None
+
 __all__ = ["CACHE_DIR_ENV", "FINGERPRINT_PATTERN", "MAX_ENTRY_BYTES", "TEMP_MAX_AGE_S", "default_cache_dir",
-           "cache_folder", "check_fingerprint", "plan_path", "save_plan", "find_plan", "find_plan_covering",
-           "profile_folder", "entry_path", "read_entry", "write_entry", "discard_entry", "remove_abandoned_temp_files"]
+           "cache_folder", "unwritable", "check_fingerprint", "plan_path", "save_plan", "find_plan", "find_cached",
+           "find_plan_covering",
+           "CachedPlan", "remember_plan", "searched_plan_of", "SearchedPlan", "profile_folder", "entry_path",
+           "read_entry", "write_entry", "discard_entry", "remove_abandoned_temp_files"]
 
 #: Environment variable that moves the plan cache.
 CACHE_DIR_ENV = "COMPFX_CACHE_DIR"
@@ -94,23 +127,65 @@ _TEMP_NAME = re.compile(r"\.(?:%s|%s)\.[a-z0-9_]{8}%s" % (_PLAN_NAME.pattern, _E
 log = logging.getLogger("compfx")
 
 
+def _expanded(text, source: str) -> Path:
+    """``text`` as a folder path, ``~`` expanded; :class:`CacheKeyError` when it cannot be one."""
+    if not isinstance(text, str) or not text:
+        raise CacheKeyError(f"{source}={text!r}; expected a folder path (str or os.PathLike) or None for the default "
+                            f"(${CACHE_DIR_ENV}, else ~/.cache/compfx/plans).")
+    if "\0" in text:
+        raise CacheKeyError(f"{source}={text!r} holds a NUL character, which no folder name can; give the folder's "
+                            "path without it.")
+    try:
+        return Path(text).expanduser()
+    except RuntimeError as error:  # "~nouser/c", or "~" without a home directory
+        raise CacheKeyError(f"{source}={text!r} starts with a '~' that cannot be expanded ({error}: no such user, or "
+                            "no home directory); give the folder's full path.") from error
+
+
 def default_cache_dir() -> Path:
     """``$COMPFX_CACHE_DIR``, else the user's cache directory + ``compfx/plans``."""
     configured = os.environ.get(CACHE_DIR_ENV)
     if configured:
-        return Path(configured).expanduser()
+        return _expanded(configured, f"${CACHE_DIR_ENV}")
     if sys.platform == "win32" and os.environ.get("LOCALAPPDATA"):
         return Path(os.environ["LOCALAPPDATA"]) / "compfx" / "plans"
-    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    base = os.environ.get("XDG_CACHE_HOME")
+    if not base:
+        try:
+            base = Path.home() / ".cache"
+        except RuntimeError as error:
+            raise CacheKeyError(f"this process has no home directory for the default plan cache ({error}); set "
+                                f"${CACHE_DIR_ENV} or pass cache_dir=.") from error
     return Path(base) / "compfx" / "plans"
 
 
 def cache_folder(cache_dir: str | os.PathLike | None = None) -> Path:
-    """``cache_dir`` (``~`` expanded), or the default cache folder when it is None."""
-    if cache_dir is not None and not isinstance(cache_dir, (str, os.PathLike)):
+    """``cache_dir`` (``~`` expanded), or the default cache folder when it is None; a path that cannot be a
+    folder (not a path, a NUL character, an unknown ``~user``) is a :class:`CacheKeyError`."""
+    if cache_dir is None:
+        return default_cache_dir()
+    if not isinstance(cache_dir, (str, os.PathLike)):
         raise CacheKeyError(f"cache_dir={cache_dir!r}; expected a folder path (str or os.PathLike) or None for "
                             f"the default (${CACHE_DIR_ENV}, else ~/.cache/compfx/plans).")
-    return Path(cache_dir).expanduser() if cache_dir is not None else default_cache_dir()
+    return _expanded(os.fspath(cache_dir), "cache_dir")
+
+
+def unwritable(folder: Path) -> str | None:
+    """Why this process cannot write files into ``folder`` (it, or its nearest existing parent); None when it
+    can. Nothing is created.
+
+    >>> import tempfile, pathlib
+    >>> unwritable(pathlib.Path(tempfile.mkdtemp()) / "new" / "cache") is None
+    True
+    """
+    existing = Path(folder)
+    while not os.path.lexists(existing) and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        return f"{existing} is not a folder"
+    if not os.access(existing, os.W_OK | os.X_OK):
+        return f"this process may not write in {existing}"
+    return None
 
 
 def check_fingerprint(fingerprint) -> str:
@@ -146,19 +221,90 @@ def plan_path(fingerprint: str, low_dtype: torch.dtype, *, cache_dir: str | os.P
     return _inside(folder, folder / f"{fingerprint}-{dtype_name(low_dtype)}.json")
 
 
-def save_plan(plan: Plan, *, cache_dir: str | os.PathLike | None = None) -> Path:
+def save_plan(plan: Plan, *, cache_dir: str | os.PathLike | None = None,
+              parameter_shapes: list[list[int]] | None = None) -> Path:
     """Store ``plan`` under its fingerprint and low dtype (replacing an older one); returns the file.
 
-    A fingerprint that is not a hash is refused (:class:`CacheKeyError`); a
-    folder that cannot be written is a :class:`~compfx.errors.FileWriteError`.
+    The file records this search (``searched``: when, host, process) and,
+    given them, the shapes of the parameters the model's forward reads
+    (:func:`compfx.analyze.parameter_shapes`): the compile backend runs the plan
+    only for a graph that reads parameters of those shapes, not for another
+    model whose ops are named alike (the same layers at other widths). Saves
+    to one folder take turns; replacing a *different* plan that another process
+    searched warns and is recorded in the file (``replaced``; see the module
+    docstring). A fingerprint that is not a hash is refused
+    (:class:`CacheKeyError`); a folder that cannot be written is a
+    :class:`~compfx.errors.FileWriteError`.
     """
     if not isinstance(plan, Plan):
         raise CacheKeyError(f"save_plan() takes a compfx.Plan; got {type(plan).__name__}.")
     path = plan_path(plan.fingerprint, plan.low_dtype, cache_dir=cache_dir)
     remove_abandoned_temp_files(path.parent)
-    write_json_atomic(path, plan.to_dict(), "cached plan")
+    searched = _this_search()
+    with _folder_lock(path.parent):
+        data = {**plan.to_dict(), "searched": searched,
+                **({"parameter_shapes": parameter_shapes} if parameter_shapes is not None else {})}
+        previous = _load_or_skip(path) if path.is_file() else None
+        if previous is not None:
+            differing = _differing_ops(previous.plan, plan)
+            if not differing:
+                data.update({"replaced": previous.replaced} if previous.replaced else {})
+            elif (previous.searched.get("host"), previous.searched.get("pid")) != (searched["host"], searched["pid"]):
+                data["replaced"] = {**previous.searched, "differing_ops": differing}
+                log.warning("compfx: the plan cache file %s held a different plan for this model (%d op(s) differ), %s; "
+                            "it is replaced by this search's plan. torch.compile(backend=\"compfx\") runs the newest "
+                            "and warns that it replaced another; to keep both, give each search its own "
+                            "SearchConfig(cache_dir=...), or pass the plan: compfx.compile_with_plan(model, plan).",
+                            path, differing, previous.describe(with_file=False))
+        write_json_atomic(path, data, "cached plan")
     log.info("compfx: saved plan %s to %s", plan.fingerprint, path)
     return path
+
+
+def _this_search() -> dict:
+    return {"at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+            "host": socket.gethostname(), "pid": os.getpid()}
+
+
+def _differing_ops(old: Plan, new: Plan) -> int:
+    keys = set(old) | set(new)
+    return sum(old.get(k) != new.get(k) for k in keys) + int(old.fp8_recipe != new.fp8_recipe and not keys)
+
+
+#: The file in a cache folder whose lock serialises saves (see the module docstring).
+LOCK_NAME = ".lock"
+#: How long a save waits for another process's save before it goes on without the lock (and says so).
+LOCK_WAIT_S = 30.0
+
+
+@contextlib.contextmanager
+def _folder_lock(folder: Path):
+    """An exclusive lock on ``folder/.lock`` while the body runs (none where the OS has no ``flock``)."""
+    if fcntl is None:
+        yield
+        return
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        fd = os.open(_inside(folder, folder / LOCK_NAME),
+                     os.O_RDWR | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0), 0o666)
+    except OSError as error:
+        raise FileWriteError(f"could not write the plan cache {folder}: {error.strerror or error}; expected a folder "
+                             "this process can write. Pass another cache_dir, or fix its permissions.") from error
+    try:
+        deadline = time.monotonic() + LOCK_WAIT_S
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                if time.monotonic() > deadline:
+                    log.warning("compfx: another process has held the plan cache lock %s for %.0f s; saving without "
+                                "it.", folder / LOCK_NAME, LOCK_WAIT_S)
+                    break
+                time.sleep(0.05)
+        yield
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 # -- reading, whatever another process or a damaged file does ------------------------------
@@ -178,15 +324,43 @@ def _warn_once(path: Path, what: str, reason: str) -> None:
                     "delete it.", what, path, reason)
 
 
-def _load_or_skip(path: Path) -> Plan | None:
+@dataclass(frozen=True)
+class CachedPlan:
+    """A plan read from the cache, with its file and what the file says about the search that made it."""
+
+    plan: Plan
+    path: Path
+    searched: Mapping = field(default_factory=dict)  # at, host, pid ({} in files of older compfx versions)
+    torch_version: str | None = None
+    replaced: Mapping | None = None  # the other process's search this one replaced, when their plans differ
+    parameter_shapes: list | None = None  # of the model it was searched for (None in older files)
+
+    def describe(self, *, with_file: bool = True) -> str:
+        """Where it came from, in words: file, when, host and process, device type, torch release.
+
+        >>> import torch
+        >>> plan = Plan({}, low_dtype=torch.bfloat16, fingerprint="0123456789abcdef", device_type="cpu")
+        >>> CachedPlan(plan, Path("p.json"), {"at": "2025-01-02T03:04:05+00:00", "host": "h", "pid": 7}, "2.13.0").describe()
+        'p.json, searched 2025-01-02T03:04:05+00:00 by process 7 on h, on cpu, under torch 2.13.0'
+        """
+        parts = [str(self.path)] if with_file else []
+        searched = self.searched
+        parts.append(f"searched {searched.get('at', 'at an unrecorded time')}"
+                     + (f" by process {searched['pid']} on {searched.get('host', '?')}" if "pid" in searched else ""))
+        parts.append(f"on {self.plan.device_type or 'an unrecorded device'}")
+        parts.append(f"under torch {self.torch_version or 'unrecorded'}")
+        return ", ".join(parts)
+
+
+def _load_or_skip(path: Path) -> CachedPlan | None:
     """The plan in ``path``; None (one warning) when it is damaged or contradicts its name; None when it vanished.
 
     Callers pick files by name (:func:`_plan_files`, :func:`plan_path`), so a
     plan whose content matches its name is the one they asked for.
     """
     try:
-        plan = Plan.from_dict(read_json(path, "cached plan", max_bytes=MAX_PLAN_BYTES),
-                              source=f"cached plan {path}")
+        data = read_json(path, "cached plan", max_bytes=MAX_PLAN_BYTES)
+        plan = Plan.from_dict(data, source=f"cached plan {path}")
     except PlanFileError as error:
         if isinstance(error.__cause__, FileNotFoundError):
             return None  # deleted by another process since it was listed: not damage
@@ -196,12 +370,20 @@ def _load_or_skip(path: Path) -> Plan | None:
     if held != path.name:
         _warn_once(path, "cached plan", f"it holds the plan of {held}, not of its own name")
         return None
-    return plan
+    return CachedPlan(plan, path, dict(data.get("searched") or {}), data.get("torch_version"), data.get("replaced"),
+                      data.get("parameter_shapes"))
 
 
 def find_plan(fingerprint: str, *, low_dtype: torch.dtype | None = None,
               cache_dir: str | os.PathLike | None = None) -> Plan | None:
     """The cached plan for ``fingerprint`` (any low dtype when ``low_dtype`` is None, newest first), or None."""
+    found = find_cached(fingerprint, low_dtype=low_dtype, cache_dir=cache_dir)
+    return found.plan if found is not None else None
+
+
+def find_cached(fingerprint: str, *, low_dtype: torch.dtype | None = None,
+                cache_dir: str | os.PathLike | None = None) -> CachedPlan | None:
+    """:func:`find_plan` with the plan's file and what it says about its search (a :class:`CachedPlan`)."""
     check_fingerprint(fingerprint)
     folder = cache_folder(cache_dir)
     if low_dtype is not None:
@@ -222,19 +404,21 @@ def find_plan(fingerprint: str, *, low_dtype: torch.dtype | None = None,
 
 def find_plan_covering(keys: Iterable[OpKey], *, low_dtype: torch.dtype | None = None,
                        cache_dir: str | os.PathLike | None = None) -> Plan | None:
-    """The newest cached plan that has an entry for every key in ``keys``, or None.
+    """The newest cached plan that has an entry for every key in ``keys``, or None: an explicit opt-in.
 
-    For graphs that dynamo split at a graph break: such a graph holds part of
-    the model, so its own fingerprint matches no saved plan, but the plan of
-    the whole model covers its keys.
+    A lookup by op names alone: any cached model whose ops include these names
+    matches, another model's too (a smaller model, the same layers at other
+    widths, a piece of another model). The compile backend never uses it (see
+    :mod:`compfx.backend`); call it only where you know the keys are a piece
+    of a model you searched, and pass the plan to ``compfx.backend`` yourself.
     """
     wanted = set(keys)
     if not wanted:
         return None
     for path in _newest_first(_plan_files(cache_folder(cache_dir), low_dtype=low_dtype)):
-        plan = _load_or_skip(path)
-        if plan is not None and wanted <= set(plan):
-            return plan
+        found = _load_or_skip(path)
+        if found is not None and wanted <= set(found.plan):
+            return found.plan
     return None
 
 
@@ -269,6 +453,52 @@ def _newest_first(paths: Iterable[Path]) -> list[Path]:
         except OSError:
             continue
     return [path for _, path in sorted(stamped, key=lambda item: item[0], reverse=True)]
+
+
+# -- plans searched in this process -------------------------------------------------
+
+@dataclass(frozen=True)
+class SearchedPlan:
+    """A plan this process searched, with the model it was searched for and the file it was saved to (or None)."""
+
+    plan: Plan
+    model: nn.Module
+    path: Path | None
+    at: str = ""  # when it was remembered (the search's end), ISO 8601
+
+
+_searched: dict[int, tuple] = {}  # id(parameter) -> (parameter ref, model ref, plan, path, at)
+
+
+def remember_plan(model: nn.Module, plan: Plan, path: Path | None) -> None:
+    """Remember that this process searched ``plan`` for ``model`` (:func:`searched_plan_of` finds it by the model's
+    parameters; nothing keeps the model alive)."""
+    model_ref, at = weakref.ref(model), _this_search()["at"]
+    for parameter in model.parameters():
+        _searched[id(parameter)] = (weakref.ref(parameter), model_ref, plan, path, at)
+
+
+def searched_plan_of(tensors: Iterable) -> SearchedPlan | None:
+    """The plan this process searched for the model whose parameters are among ``tensors``, or None.
+
+    >>> import torch
+    >>> model = torch.nn.Linear(2, 2)
+    >>> plan = Plan({}, low_dtype=torch.bfloat16, fingerprint="0123456789abcdef")
+    >>> remember_plan(model, plan, None)
+    >>> searched_plan_of([torch.zeros(1), model.weight]).model is model, searched_plan_of([torch.zeros(1)])
+    (True, None)
+    """
+    for tensor in tensors:
+        entry = _searched.get(id(tensor))
+        if entry is None:
+            continue
+        parameter_ref, model_ref, plan, path, at = entry
+        model = model_ref()
+        if parameter_ref() is tensor and model is not None:
+            return SearchedPlan(plan, model, path, at)
+        if parameter_ref() is None or model is None:
+            del _searched[id(tensor)]  # the model is gone; its id may be reused
+    return None
 
 
 # -- leftovers ---------------------------------------------------------------------

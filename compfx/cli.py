@@ -1,13 +1,19 @@
 """Command line: ``python -m compfx analyze|search|report|plan show|demo ...``.
 
 Every mistake on the command line ends with one ``compfx: error: ...`` line
-(or argparse's usage message) and exit code 2, never a traceback.
+(or argparse's usage message) and exit code 2, never a traceback, and is
+found before any work: numbers are checked where they are parsed (an input
+shape too large to allocate, ``--classes 0``, a negative ``--lr``, a seed
+``torch.manual_seed`` does not take, an impossible ``--capability``), output
+paths before the search starts, and a factory that raises, or calls
+``sys.exit``, is reported as the factory's failure.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import math
 import os
 import sys
 
@@ -22,6 +28,10 @@ __all__ = ["main"]
 
 
 _LOW_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, None: None}  # --low-dtype
+#: Most elements of one --input-shape tensor: 2**31 float32s are 8 GiB, and many kernels index with 32 bits.
+MAX_INPUT_ELEMENTS = 1 << 31
+#: The seeds torch.manual_seed (and torch.Generator) accept.
+_SEED_RANGE = (-(1 << 63), (1 << 64) - 1)
 
 
 def _import_user_module(name: str):
@@ -39,8 +49,8 @@ def _load_factory(spec: str):
         raise BadInputError(f"model spec {spec!r} needs the form MODULE:FACTORY, e.g. compfx.examples:mlp")
     try:
         factory = getattr(_import_user_module(module_name), attr)
-    except Exception as error:  # noqa: BLE001 - ImportError, AttributeError, or the module's own import failing
-        raise BadInputError(f"could not load {spec!r}: {type(error).__name__}: {error}") from error
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - ImportError, AttributeError, the module's own import
+        raise BadInputError(f"could not load {spec!r}: {_one_line(error)}") from error
     if not callable(factory):
         raise BadInputError(f"{spec!r} is a {type(factory).__name__}, not a factory; expected a function or class "
                             "that takes no arguments and returns an nn.Module, e.g. compfx.examples:cnn.")
@@ -51,8 +61,8 @@ def _build_model(spec: str) -> nn.Module:
     factory = _load_factory(spec)
     try:
         model = factory()
-    except Exception as error:  # noqa: BLE001 - the user's factory
-        raise BadInputError(f"{spec}() failed ({type(error).__name__}: {error}); expected a factory that takes no "
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's factory (sys.exit() included)
+        raise BadInputError(f"{spec}() failed ({_one_line(error)}); expected a factory that takes no "
                             "arguments and returns an nn.Module.") from error
     if not isinstance(model, nn.Module):
         raise BadInputError(f"{spec}() returned a {type(model).__name__}, not an nn.Module; expected a factory that "
@@ -74,6 +84,9 @@ def _add_input_options(parser: argparse.ArgumentParser, *, required: bool, when:
 
 
 def _one_line(error: BaseException) -> str:
+    """What went wrong, on one line (the user's exception text may span several)."""
+    if isinstance(error, SystemExit):
+        return f"it called sys.exit({error.code!r})"
     return f"{type(error).__name__}: {' '.join(str(error).split())}"
 
 
@@ -85,7 +98,7 @@ def _inputs_function(spec: str):
                             "returns the model's inputs, e.g. --inputs mymodels:example_inputs.")
     try:
         function = getattr(_import_user_module(module_name), attr)
-    except Exception as error:  # noqa: BLE001 - ImportError, AttributeError, or the module's own import failing
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - ImportError, AttributeError, the module's own import
         raise BadInputError(f"--inputs {spec}: could not load it ({_one_line(error)}).") from error
     if not callable(function):
         raise BadInputError(f"--inputs {spec} is not a function (its type is {type(function).__name__}); expected a "
@@ -97,7 +110,7 @@ def _call_inputs_function(spec: str, function):
     """``function()``, checked to be what ``compfx.analyze`` takes as example inputs."""
     try:
         inputs = function()
-    except Exception as error:  # noqa: BLE001 - the user's function
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's function
         raise BadInputError(f"--inputs {spec}() failed ({_one_line(error)}); expected a function that takes no "
                             "arguments and returns the model's inputs.") from error
     valid = (isinstance(inputs, torch.Tensor) or (isinstance(inputs, (tuple, list)) and len(inputs) > 0)
@@ -179,6 +192,9 @@ def _shape(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"{text!r} is not a shape like 8,3,32,32") from error
     if not shape or any(d <= 0 for d in shape):
         raise argparse.ArgumentTypeError(f"{text!r} is not a shape like 8,3,32,32 (positive sizes)")
+    if math.prod(shape) > MAX_INPUT_ELEMENTS:  # checked before anything is allocated
+        raise argparse.ArgumentTypeError(f"{text!r} has {math.prod(shape):,} elements, more than the {MAX_INPUT_ELEMENTS:,} "
+                                         "an example input may have; give the shape of one real batch, e.g. 8,3,32,32")
     return shape
 
 
@@ -187,9 +203,40 @@ def _capability(text: str) -> tuple[int, int]:
         major, minor = (int(d) for d in text.split(","))
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability like 8,0 (major,minor)") from error
-    if major < 0 or minor < 0:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability like 8,0 (major,minor)")
+    if not (1 <= major <= 20 and 0 <= minor <= 9):  # CUDA's run from 1.0; 12.x is the newest today
+        raise argparse.ArgumentTypeError(f"{text!r} is not a compute capability like 8,0 (major 1-20, minor 0-9)")
     return major, minor
+
+
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from error
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number (1 or more)")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from error
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a positive finite number, e.g. 0.01")
+    return value
+
+
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from error
+    if not _SEED_RANGE[0] <= value <= _SEED_RANGE[1]:
+        raise argparse.ArgumentTypeError(f"{text!r} is outside what torch.manual_seed takes "
+                                         f"([{_SEED_RANGE[0]}, {_SEED_RANGE[1]}])")
+    return value
 
 
 def _cmd_analyze(args) -> int:
@@ -236,16 +283,20 @@ def _sample_loader(args):
     factory = _load_factory(args.data)
     try:
         return factory()
-    except Exception as error:  # noqa: BLE001 - the user's factory
-        raise BadInputError(f"{args.data}() failed ({type(error).__name__}: {error}); expected a factory that takes "
+    except (Exception, SystemExit) as error:  # noqa: BLE001 - the user's factory (sys.exit() included)
+        raise BadInputError(f"{args.data}() failed ({_one_line(error)}); expected a factory that takes "
                             "no arguments and returns the batches (a list or a DataLoader).") from error
 
 
-def _check_writable_file(path: str | None, flag: str) -> None:
-    """Refuse a folder before the search, not after it (the search may take minutes)."""
-    if path is not None and os.path.isdir(path):
-        raise BadInputError(f"{flag} {path} is a folder; expected the path of a file to write, e.g. {flag} "
-                            f"{os.path.join(path, 'search.jsonl' if flag == '--log' else 'plan.json')}.")
+def _check_output_paths(args) -> None:
+    """Refuse, before the search (which may take minutes), a --log or --plan it could not write at the end."""
+    from .files import check_writable
+    from .plan import is_plan_file
+    from .search.log import SearchLog
+
+    SearchLog.check_path(args.log)
+    if args.plan is not None:
+        check_writable(args.plan, "plan file", replaces=is_plan_file, hint="Pass another --plan.")
 
 
 def _cmd_search(args) -> int:
@@ -255,13 +306,12 @@ def _cmd_search(args) -> int:
     _check_search_data(args)
     if args.input_shape is not None and args.classes is None:
         raise BadInputError("--input-shape needs --classes C: synthetic batches are (inputs, class index) pairs.")
-    _check_writable_file(args.log, "--log")
-    _check_writable_file(args.plan, "--plan")
+    config = SearchConfig(threshold=args.threshold, seed=args.seed, progress=not args.no_progress)  # checks them
+    _check_output_paths(args)
     model = _build_model(args.model)
     loss_fn = _loss_fn(args.loss, synthetic=args.input_shape is not None)
     loader = _sample_loader(args)
     optimizer = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[args.optimizer](model.parameters(), lr=args.lr)
-    config = SearchConfig(threshold=args.threshold, seed=args.seed, progress=not args.no_progress)
     result = optimize(model, loader, optimizer=optimizer, loss_fn=loss_fn, low_dtype=_LOW_DTYPES[args.low_dtype],
                       config=config, log=args.log)
     print(result.report())
@@ -321,17 +371,17 @@ def _add_search_parsers(sub) -> None:
                         "dict of keyword arguments (a token model's input_ids and labels, so that it returns its "
                         "own .loss) or a tensor; called --batches times, torch seeded with --seed + i before call i; "
                         "the loss is the output's .loss, or --loss MODULE:FUNCTION(output, batch)")
-    p.add_argument("--classes", type=int, default=None, help="synthetic data: number of classes of the targets")
-    p.add_argument("--batches", type=int, default=8,
+    p.add_argument("--classes", type=_positive_int, default=None, help="synthetic data: number of classes of the targets")
+    p.add_argument("--batches", type=_positive_int, default=8,
                    help="synthetic data or --inputs: number of batches (default 8)")
     p.add_argument("--loss", default=None,
                    help=f"{', '.join(_NAMED_LOSSES)}, model (the output's .loss) or MODULE:FUNCTION(output, batch); "
                         "default cross_entropy for synthetic data, model with --data or --inputs")
     p.add_argument("--optimizer", choices=["sgd", "adamw"], default="sgd")
-    p.add_argument("--lr", type=float, default=0.01)
+    p.add_argument("--lr", type=_positive_float, default=0.01)
     p.add_argument("--low-dtype", choices=["fp16", "bf16"], default=None)
     p.add_argument("--threshold", type=float, default=1.01, help="loss guard: x FP32's loss (default 1.01)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=_seed, default=0)
     p.add_argument("--log", default=None, help="write the search log (JSON Lines) here, for compfx report")
     p.add_argument("--plan", default=None, help="write the chosen plan (JSON) here")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
@@ -366,7 +416,7 @@ def _add_diagnose_parser(sub) -> None:
     _add_input_options(p, required=True)
     p.add_argument("--plan", default=None, help="a plan file (default: what autocast does, Plan.amp)")
     p.add_argument("--low-dtype", choices=["fp16", "bf16"], default=None, help="without --plan (default: the device's)")
-    p.add_argument("--seed", type=int, default=0, help="seed of the random inputs (torch's, for --inputs)")
+    p.add_argument("--seed", type=_seed, default=0, help="seed of the random inputs (torch's, for --inputs)")
     p.set_defaults(func=_cmd_diagnose)
 
 

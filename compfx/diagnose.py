@@ -34,14 +34,15 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from .analyze import analyze
+from .analyze import analyze, model_device
 from .apply import PlannedModule
 from .capture import input_signature
 from .errors import BadInputError
 from .opkey import KEY_META, OpKey
 from .passes.pad_shapes import PAD_META
 from .plan import Plan
-from .search.sampling import (StateSnapshot, check_loss, cuda_devices, model_loss, restore_state, split_batch)
+from .search.sampling import (StateSnapshot, check_first_batch, check_loss, cuda_devices, model_loss, restore_state,
+                              split_batch)
 from .vocabulary import Precision, dtype_name, short_dtype_name
 
 __all__ = ["diagnose", "diagnose_inputs", "Diagnosis", "OpDiagnosis", "planned_module", "shadow_graph_of",
@@ -159,11 +160,16 @@ def diagnose(module: nn.Module, batch, *, loss_fn: LossFn | None = None, plan: P
     >>> d.origins, d.row(d.origins[0]).overflow > 0
     ((OpKey('1:linear#0'),), True)
     """
-    planned = planned_module(module, batch, plan=plan, low_dtype=low_dtype)
-    args, kwargs = split_batch(batch)
     loss_fn = loss_fn if loss_fn is not None else _default_loss
     if not callable(loss_fn):
         raise BadInputError(f"loss_fn={loss_fn!r}; expected a callable (output, batch) -> scalar tensor, or None.")
+    model = module._model if isinstance(module, PlannedModule) else module
+    if isinstance(model, nn.Module) and not (isinstance(model, fx.GraphModule) and "compfx_plan" in model.meta):
+        # bad inputs (a meta-device model, integer batches for float layers) fail here, as a BadInputError, before
+        # any work; the model, its buffers and the RNG are left as they were
+        check_first_batch(model, batch, loss_fn, model_device(model), where="the batch, in FP32, before diagnose")
+    planned = planned_module(module, batch, plan=plan, low_dtype=low_dtype)
+    args, kwargs = split_batch(batch)
 
     def from_loss(output):
         return [check_loss(loss_fn(output, batch))], None

@@ -27,13 +27,22 @@ past ``drift_threshold``, moves the op that adds the most error to FP32.
 :meth:`Guard.state_dict` holds the repaired plan: save it with the model's and
 the optimizer's, and :meth:`Guard.load_state_dict` puts the repairs back into
 a resumed run's module.
+
+The guard checks its use: its settings are checked like ``SearchConfig``'s
+(a bool is not a number, NaN is refused); ``step`` refuses an optimizer that
+holds none of the module's parameters or another model's, and a call without a
+``backward`` since the last one (which would step twice on one gradient), each
+with a :class:`~compfx.errors.BadInputError` before anything changes. A
+``log`` path is added to, never truncated: an existing file must be a search log.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
+import weakref
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Mapping
 
@@ -67,7 +76,10 @@ class Repair:
 
     @classmethod
     def from_dict(cls, data: Mapping) -> "Repair":
-        return cls(OpKey.parse(data["key"]), int(data["step"]), str(data["reason"]), Precision(data["was"]))
+        step = data["step"]
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+            raise ValueError(f"step {step!r} is not a count")
+        return cls(OpKey.parse(data["key"]), step, str(data["reason"]), Precision(data["was"]))
 
 
 class Guard:
@@ -107,9 +119,12 @@ class Guard:
         if shadow_every is not None:
             _check_count(shadow_every, "shadow_every")
         _check_count(max_rounds, "max_rounds")
-        if not isinstance(drift_threshold, (int, float)) or not 0 < drift_threshold < math.inf:
-            raise BadInputError(f"drift_threshold={drift_threshold!r}; expected a positive number, e.g. 0.05 for "
-                                "5% relative difference from the FP32 shadow.")
+        if not _is_real(drift_threshold) or not 0 < drift_threshold < math.inf:
+            raise BadInputError(f"drift_threshold={drift_threshold!r}; expected a positive finite number (not a bool), "
+                                "e.g. 0.05 for 5% relative difference from the FP32 shadow.")
+        if not _is_real(min_scale) or not 0 <= min_scale < math.inf:
+            raise BadInputError(f"min_scale={min_scale!r}; expected a finite number >= 0 (not a bool): the GradScaler "
+                                "scale below which non-finite gradients count as the plan's, e.g. 1.0.")
         if scaler is not None and not all(hasattr(scaler, m) for m in ("unscale_", "step", "update", "get_scale")):
             raise BadInputError(f"scaler={type(scaler).__name__}; expected a torch.amp.GradScaler (or None).")
         if loss_fn is not None and not callable(loss_fn):
@@ -117,7 +132,10 @@ class Guard:
         self.planned, self.scaler, self.loss_fn = planned, scaler, loss_fn
         self.check_every, self.shadow_every, self.drift_threshold = check_every, shadow_every, float(drift_threshold)
         self.max_rounds, self.min_scale = max_rounds, float(min_scale)
-        self.log = SearchLog(log) if isinstance(log, (str, os.PathLike)) else log
+        if log is not None and not isinstance(log, (str, os.PathLike, SearchLog)):
+            raise BadInputError(f"log={log!r}; expected a search log's path, a compfx.SearchLog, or None.")
+        # a path is added to (the search's own log, say), never truncated
+        self.log = SearchLog.append_to(log) if isinstance(log, (str, os.PathLike)) else log
         self.repairs: list[Repair] = []
         self.steps = 0  # guard.step calls so far
         self.skipped = 0  # optimizer steps the guard skipped (non-finite values)
@@ -130,6 +148,19 @@ class Guard:
         self._rng = None
         self._hooks = [planned.register_forward_pre_hook(self._before_forward, with_kwargs=True),
                        planned.register_forward_hook(self._after_forward)]
+        # a backward since the last step: set when a gradient reaches one of the module's parameters
+        self._parameters = {id(p) for p in planned._model.parameters()}
+        self._backward_seen = False
+        trained = [p for p in planned._model.parameters() if p.requires_grad]
+        self._needs_backward = bool(trained)
+        this = weakref.ref(self)  # the hooks live on the user's Parameters: they must not keep the guard alive
+
+        def seen(_parameter):
+            guard = this()
+            if guard is not None:
+                guard._backward_seen = True
+
+        self._hooks += [p.register_post_accumulate_grad_hook(seen) for p in trained]
 
     @property
     def plan(self) -> Plan:
@@ -173,10 +204,8 @@ class Guard:
         step is skipped and the plan repaired (see the module docstring).
         ``batch`` is only needed for a loss comparison with the FP32 shadow.
         """
-        if not isinstance(optimizer, torch.optim.Optimizer):
-            raise BadInputError(f"guard.step() takes the optimizer first; got {type(optimizer).__name__}.")
-        if not isinstance(loss, torch.Tensor):
-            raise BadInputError(f"guard.step() takes this step's loss tensor; got {type(loss).__name__}.")
+        self._check_step(optimizer, loss)
+        self._backward_seen = False
         self.steps += 1
         if self.scaler is not None:
             _unscale(self.scaler, optimizer)
@@ -197,6 +226,23 @@ class Guard:
         self.skipped += 1
         self._repair_nonfinite("non-finite loss" if bad_loss else "non-finite gradients", backward=not bad_loss)
         return False
+
+    def _check_step(self, optimizer, loss) -> None:
+        """Refuse a step the guard cannot vouch for, before anything changes."""
+        if not isinstance(optimizer, torch.optim.Optimizer):
+            raise BadInputError(f"guard.step() takes the optimizer first; got {type(optimizer).__name__}.")
+        if not isinstance(loss, torch.Tensor):
+            raise BadInputError(f"guard.step() takes this step's loss tensor; got {type(loss).__name__}.")
+        held = [p for group in optimizer.param_groups for p in group["params"]]
+        foreign = sum(id(p) not in self._parameters for p in held)
+        if not held or foreign:
+            what = "no parameters" if not held else f"{foreign} parameter(s) that are not the guarded module's"
+            raise BadInputError(f"guard.step() got an optimizer holding {what}; the guard skips or takes the step of "
+                                "the module it watches, so pass the optimizer built on that model's parameters.")
+        if self._needs_backward and not self._backward_seen:
+            raise BadInputError("guard.step() was called without a backward since the last step (no gradient reached "
+                                "the module's parameters): it would step again on the same gradients. Call "
+                                "loss.backward() (or scaler.scale(loss).backward()) before every guard.step().")
 
     def _optimizer_step(self, optimizer) -> None:
         if self.scaler is None:
@@ -288,19 +334,30 @@ class Guard:
         if not isinstance(state, Mapping) or not {"plan", "repairs", "steps"} <= set(state):
             raise PlanFileError("Guard.load_state_dict() got something that is not a Guard.state_dict() (expected "
                                 "'plan', 'repairs' and 'steps' entries).")
+        counters = {name: state.get(name, 0) for name in ("steps", "skipped", "scaler_skips")}
+        bad = {name: value for name, value in counters.items()
+               if not isinstance(value, int) or isinstance(value, bool) or value < 0}
+        if bad:
+            raise PlanFileError(f"the guard's state has {bad}; expected counts (ints >= 0). It is damaged; load the "
+                                "checkpoint it came from.")
         plan = Plan.from_dict(state["plan"], source="the guard's state")
         try:
+            if not isinstance(state["repairs"], list):
+                raise TypeError(f"'repairs' is a {type(state['repairs']).__name__}, not a list")
             repairs = [Repair.from_dict(r) for r in state["repairs"]]
-        except (KeyError, TypeError, ValueError) as error:
+        except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise PlanFileError(f"the guard's state has a damaged repair record ({error}).") from error
-        self.planned.replan(plan)
+        self.planned.replan(plan)  # validates the plan before it replaces anything: all or nothing
         self.repairs = repairs
-        self.steps = int(state["steps"])
-        self.skipped, self.scaler_skips = int(state.get("skipped", 0)), int(state.get("scaler_skips", 0))
+        self.steps, self.skipped, self.scaler_skips = counters["steps"], counters["skipped"], counters["scaler_skips"]
 
     def __repr__(self) -> str:
         return (f"Guard(steps={self.steps}, repairs={[str(r.key) for r in self.repairs]}, skipped={self.skipped}, "
                 f"scaler_skips={self.scaler_skips})")
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and not math.isnan(value)
 
 
 def _check_count(value, name: str) -> None:

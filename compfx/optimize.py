@@ -22,19 +22,20 @@ import torch
 import torch.nn as nn
 
 from . import cache
-from .analyze import analyze, model_device
+from .analyze import analyze, model_device, parameter_shapes
 from .errors import BadInputError, CompfxError
 from .float8 import require_torchao
 from .measure import PhaseClock
 from .memory import saved_activation_bytes
 from .per_module import PerModuleEvaluator, is_regions_analysis, prepare_search
+from .rng import rng_preserved
 from .search import (SINGLE_PROCESS, LocalEvaluator, Recorder, Replay, ReplayingEvaluator, SearchConfig,
                      SearchLog, SearchResult, SearchSpace, compare_step_times, decision_settings, measured_time,
                      run_search)
 from .search.log import SampleRecord
 from .search.padding import PaddingDecision, decide_padding, padding_candidates, padding_gate
 from .search.result import RESULT
-from .search.sampling import FairSampler, check_first_batch, cuda_devices
+from .search.sampling import FairSampler, check_first_batch, cuda_devices, loader_batches
 from .vocabulary import SampleStatus, Stage, dtype_name
 
 __all__ = ["optimize"]
@@ -54,7 +55,13 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
 
     ``sample_loader`` is re-iterable (a list of batches or a ``DataLoader``); a
     batch is a dict of keyword arguments, or a tuple ``(inputs..., target)``
-    (see :mod:`compfx.search.sampling`). ``loss_fn(output, batch)`` defaults to
+    (see :mod:`compfx.search.sampling`). Every sample walks one epoch of it:
+    ``len(sample_loader)`` batches, or, for a loader without a length (an
+    ``IterableDataset`` stream, which may never end), at most
+    :data:`~compfx.search.sampling.MAX_EPOCH_BATCHES` (a warning says when an
+    epoch reaches them). An exception the loader raises reaches you as itself,
+    after the model, optimizer and RNG are restored; it is never taken for a
+    failing plan. ``loss_fn(output, batch)`` defaults to
     the model's own loss (``output.loss``). The model trains on the device it
     is on; ``low_dtype`` defaults to fp16 on CUDA and bf16 elsewhere. ``log``
     is a path for the JSON Lines search log (or a :class:`SearchLog`).
@@ -74,8 +81,10 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
     The returned module starts in training mode; after ``.eval()`` it captures
     graphs of eval mode. The chosen plan is saved to the plan cache
     (``result.plan_path``), so that ``torch.compile(model, backend="compfx")``
-    runs it; ``SearchConfig(cache_plan=False)`` opts out. The caller's RNG (CPU and CUDA) is the same afterwards, whether
-    the search finished, failed, resumed or was interrupted.
+    runs it; ``SearchConfig(cache_plan=False)`` opts out. The caller's RNG (CPU and CUDA, Python's and NumPy's)
+    is the same afterwards, whether the search finished, failed, resumed or was interrupted, and even when the
+    model's forward reseeds. Arguments, the log path and the cache folder are checked before any work: a bad one
+    is a :class:`~compfx.errors.CompfxError` and nothing has changed.
 
     >>> import torch, compfx
     >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
@@ -93,10 +102,13 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
     """
     started = time.perf_counter()
     _check_arguments(model, sample_loader, optimizer, config, loss_fn, resume)
+    SearchLog.check_path(log, resume=resume)  # a log it cannot write fails now, not after the search
+    _check_cache_folder(config)
     device = model_device(model)
     clock = PhaseClock()  # where the search's time goes (SearchResult.cost_breakdown)
-    with _train_mode(model):  # the search trains; the captured graph is specialised to this mode
-        first = next(iter(sample_loader), _NO_BATCH)
+    # rng_preserved: the caller's generators, even when the model's forward reseeds them
+    with _train_mode(model), rng_preserved(device):  # the search trains; the graph is specialised to this mode
+        first = next(loader_batches(sample_loader, 1), _NO_BATCH)
         if first is _NO_BATCH:
             raise BadInputError("sample_loader yielded no batches; the search trains on it, so give it some "
                                 "(CoMP's Stage 1 uses one epoch of it).")
@@ -138,10 +150,14 @@ def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
         raise BadInputError(f"optimizer={type(optimizer).__name__}; expected a torch.optim.Optimizer built on "
                             "model.parameters(), e.g. torch.optim.AdamW(model.parameters()).")
     own = {id(p) for p in model.parameters()}
-    foreign = sum(id(p) not in own for g in optimizer.param_groups for p in g["params"])
+    held = [p for g in optimizer.param_groups for p in g["params"]]
+    foreign = sum(id(p) not in own for p in held)
     if foreign:
         raise BadInputError(f"{foreign} of the optimizer's parameters are not this model's; build the optimizer "
                             "on model.parameters() (after moving the model to its device).")
+    if not held:
+        raise BadInputError("the optimizer holds no parameters, so the search would train nothing and compare plans "
+                            "on an untrained loss; build it on model.parameters() (or the parameters you train).")
     if isinstance(loader, Iterator):
         raise BadInputError("sample_loader is a one-shot iterator, but every search sample walks it again; pass a "
                             "list of batches or a DataLoader.")
@@ -150,6 +166,20 @@ def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
                             "SearchConfig(threshold=1.01).")
     if config.fp8:
         require_torchao()  # before any work: FP8 needs compfx[fp8]
+
+
+def _check_cache_folder(config: SearchConfig) -> None:
+    """The cache folder (plans, and the cost model's profiles) before any work: a path that cannot be one is a
+    :class:`~compfx.errors.CacheKeyError`; one this process cannot write is warned about now (the search still
+    runs; its plan is then not saved)."""
+    if not config.cache_plan and config.predictor == "off":
+        return
+    folder = cache.cache_folder(config.cache_dir)
+    problem = cache.unwritable(folder)
+    if problem and config.cache_plan:
+        log.warning("compfx: the plan cache %s cannot be written (%s); the search runs, but its plan will not be "
+                    "saved there. Pass SearchConfig(cache_dir=<a folder you can write>), or cache_plan=False.",
+                    folder, problem)
 
 
 @contextlib.contextmanager
@@ -359,18 +389,23 @@ class _Search:
         """
         if not self.config.cache_plan:
             self.plan_cache = "not saved (SearchConfig(cache_plan=False))"
-        elif self.config.per_device:
+            self.log.note(Stage.SEARCH, f"plan cache: {self.plan_cache}", plan_path="")
+            return
+        if self.config.per_device:
             self.plan_cache = "not saved: per-device plans differ by rank, and the cache holds one plan per model"
         elif _distributed() and torch.distributed.get_rank() != 0:
             self.plan_cache = "saved by rank 0"
         else:
             try:
-                self.plan_path = cache.save_plan(plan, cache_dir=self.config.cache_dir)
+                shapes = None if is_regions_analysis(self.analysis) else parameter_shapes(self.analysis.graph_module)
+                self.plan_path = cache.save_plan(plan, cache_dir=self.config.cache_dir, parameter_shapes=shapes)
                 self.plan_cache = (f"saved to {self.plan_path}; torch.compile(model, backend=\"compfx\") runs this "
                                    "plan")
             except CompfxError as error:
                 self.plan_cache = f"not saved: {error}"
                 log.warning("compfx: the chosen plan was not saved to the plan cache: %s", error)
+        # this process runs it for this model under torch.compile(backend="compfx"), whatever the file holds later
+        cache.remember_plan(self.model, plan, self.plan_path)
         self.log.note(Stage.SEARCH, f"plan cache: {self.plan_cache}", plan_path=str(self.plan_path or ""))
 
 

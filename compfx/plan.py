@@ -11,7 +11,19 @@ Three forms of one plan:
   reports, and :meth:`Plan.from_bitstring`.
 
 A plan with ``fp8`` ops also carries how they scale (``plan.fp8_recipe``, a
-:class:`~compfx.vocabulary.Float8Recipe`); its file says so too.
+:class:`~compfx.vocabulary.Float8Recipe`); its file says so too. A plan built
+from an analysis knows the device type it was made for (``plan.device_type``).
+
+**Plan files have one reading** (:meth:`Plan.from_dict`): a key named twice in
+one object, an op key that is not written the one way compfx writes it
+(``"0:linear#00"``, digits that are not ASCII) and a top-level key compfx does
+not write are refused with a :class:`~compfx.errors.PlanFileError` naming them.
+Where the file says it was written by another torch release, or for another
+device type than the model it is applied to, the plan still applies (op keys
+and casts do not depend on either) and a warning says that its precisions were
+measured elsewhere, so a search on this setup may choose differently. (The
+compile backend's plan cache is stricter: it never runs a cached plan searched on
+another device type; see :mod:`compfx.backend`.)
 
 A plan may also pad ops (``plan.padded``, set with :meth:`Plan.with_padding`):
 those ops run with their unfit dims zero-padded to the Tensor Core multiple
@@ -22,13 +34,14 @@ those ops run with their unfit dims zero-padded to the Tensor Core multiple
 from __future__ import annotations
 
 import os
+import warnings
 from types import MappingProxyType
 from typing import Iterable, Iterator, Mapping
 
 import torch
 
 from .errors import PlanFileError, PlanMismatchError
-from .files import read_json, write_json_atomic
+from .files import checked_path, read_json, write_json_atomic
 from .opkey import OpKey
 from .vocabulary import LOW_DTYPES, Category, Float8Recipe, Precision, check_low_dtype, dtype_from_name, dtype_name
 
@@ -39,6 +52,13 @@ _FORMAT = "compfx-plan"
 PLAN_VERSION = 1
 #: A plan file is about 40 bytes per op; anything larger than this is not a plan compfx wrote.
 MAX_PLAN_BYTES = 32 << 20
+#: Top-level keys of a plan file: those every file has, and those it may have (a cached plan says who searched it,
+#: which other search's plan it replaced, and the parameter shapes of its model: see :mod:`compfx.cache`). Any
+#: other key is refused.
+_REQUIRED_KEYS = ("format", "version", "low_dtype", "fingerprint", "ops")
+_OPTIONAL_KEYS = ("torch_version", "device_type", "fp8_recipe", "padded", "searched", "replaced", "parameter_shapes")
+#: What ``searched`` and ``replaced`` hold: when, on which host, by which process (and how many ops differ).
+_SEARCH_FIELDS = {"at": str, "host": str, "pid": int, "differing_ops": int}
 
 #: What ``torch.autocast`` does with each category: its lists run low or FP32, the rest follow.
 AMP_PRECISION = MappingProxyType({Category.WHITELIST: Precision.LOW, Category.BLACKLIST: Precision.FP32,
@@ -100,10 +120,11 @@ class Plan(Mapping[OpKey, Precision]):
     '101'
     """
 
-    __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe", "padded")
+    __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe", "padded", "device_type")
 
     def __init__(self, entries: Mapping[OpKey, Precision | str], *, low_dtype: torch.dtype, fingerprint: str,
-                 fp8_recipe: Float8Recipe | str | None = None, padded: Iterable[OpKey] = ()):
+                 fp8_recipe: Float8Recipe | str | None = None, padded: Iterable[OpKey] = (),
+                 device_type: str | None = None):
         checked = {}
         for key, precision in entries.items():
             if not isinstance(key, OpKey):
@@ -125,6 +146,11 @@ class Plan(Mapping[OpKey, Precision]):
             recipe = Float8Recipe.parse(fp8_recipe or Float8Recipe.TENSORWISE, "fp8_recipe")
         object.__setattr__(self, "fp8_recipe", recipe)
         object.__setattr__(self, "padded", _checked_padding(padded, checked))
+        if device_type is not None and not _is_device_type(device_type):
+            raise PlanMismatchError(f"device_type={device_type!r}; expected a torch device type such as 'cpu' or "
+                                    "'cuda', or None.")
+        # where it was made for (metadata: plans equal in their precisions are equal, wherever they were made)
+        object.__setattr__(self, "device_type", device_type)
 
     def __setattr__(self, name, value):
         raise AttributeError("Plan is immutable; use plan.with_precisions(...)")
@@ -138,7 +164,8 @@ class Plan(Mapping[OpKey, Precision]):
         return self
 
     def __reduce__(self):  # pickling (spawned workers): the entries as a plain dict
-        return (_rebuilt_plan, (dict(self._entries), self.low_dtype, self.fingerprint, self.fp8_recipe, self.padded))
+        return (_rebuilt_plan, (dict(self._entries), self.low_dtype, self.fingerprint, self.fp8_recipe, self.padded,
+                                self.device_type))
 
     # -- Mapping -------------------------------------------------------------
     def __getitem__(self, key: OpKey) -> Precision:
@@ -172,7 +199,7 @@ class Plan(Mapping[OpKey, Precision]):
     def uniform(cls, analysis, precision: Precision | str, *, fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
         """Every op at one precision."""
         return cls({op.key: precision for op in analysis.ops}, low_dtype=analysis.low_dtype,
-                   fingerprint=analysis.fingerprint, fp8_recipe=fp8_recipe)
+                   fingerprint=analysis.fingerprint, fp8_recipe=fp8_recipe, device_type=analysis.device.type)
 
     @classmethod
     def fp32(cls, analysis) -> "Plan":
@@ -183,7 +210,7 @@ class Plan(Mapping[OpKey, Precision]):
     def amp(cls, analysis) -> "Plan":
         """What ``torch.autocast`` does: whitelist low, blacklist FP32, the rest follow."""
         return cls({op.key: AMP_PRECISION[op.category] for op in analysis.ops}, low_dtype=analysis.low_dtype,
-                   fingerprint=analysis.fingerprint)
+                   fingerprint=analysis.fingerprint, device_type=analysis.device.type)
 
     @classmethod
     def from_assignment(cls, analysis, assignment: Iterable, *,
@@ -196,7 +223,7 @@ class Plan(Mapping[OpKey, Precision]):
                 "expected one per op of analysis.ops."
             )
         return cls({op.key: p for op, p in zip(analysis.ops, assignment)}, low_dtype=analysis.low_dtype,
-                   fingerprint=analysis.fingerprint, fp8_recipe=fp8_recipe)
+                   fingerprint=analysis.fingerprint, fp8_recipe=fp8_recipe, device_type=analysis.device.type)
 
     @classmethod
     def from_bitstring(cls, analysis, bits: str, *, fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
@@ -214,7 +241,7 @@ class Plan(Mapping[OpKey, Precision]):
         if unknown:
             raise PlanMismatchError(f"with_precisions() got keys not in this plan: {unknown[:5]}")
         return Plan({**self._entries, **updates}, low_dtype=self.low_dtype, fingerprint=self.fingerprint,
-                    fp8_recipe=self.fp8_recipe, padded=self.padded)
+                    fp8_recipe=self.fp8_recipe, padded=self.padded, device_type=self.device_type)
 
     def with_padding(self, keys: Iterable[OpKey], *, analysis=None) -> "Plan":
         """A copy that pads exactly the ops ``keys`` (``with_padding(())``: none); precisions are unchanged.
@@ -235,7 +262,7 @@ class Plan(Mapping[OpKey, Precision]):
         ['0:linear#0']
         """
         plan = Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint,
-                    fp8_recipe=self.fp8_recipe, padded=keys)
+                    fp8_recipe=self.fp8_recipe, padded=keys, device_type=self.device_type)
         if analysis is not None:
             plan._check_padding(analysis)
         return plan
@@ -279,6 +306,11 @@ class Plan(Mapping[OpKey, Precision]):
             )
         self._check_fp8(analysis)
         self._check_padding(analysis)
+        device = getattr(analysis, "device", None)  # a log's analysis (compfx report) has no device
+        if self.device_type is not None and device is not None and self.device_type != device.type:
+            warnings.warn(f"this plan was made for {self.device_type} and runs on {device.type}: its "
+                          "precisions apply, but they were chosen by measurements there; search again on this "
+                          "device (compfx.optimize) to choose by measurements here.", UserWarning, stacklevel=3)
 
     def _check_padding(self, analysis) -> None:
         """Refuse padding an op the analysis did not mark ``pad_eligible`` (it meets the rule, or cannot be padded)."""
@@ -308,6 +340,7 @@ class Plan(Mapping[OpKey, Precision]):
             "low_dtype": dtype_name(self.low_dtype),
             "fingerprint": self.fingerprint,
             "torch_version": str(torch.__version__),  # a plain str: TorchVersion does not unpickle under weights_only
+            **({"device_type": self.device_type} if self.device_type else {}),
             "ops": {str(k): str(v) for k, v in self._entries.items()},
             **({"fp8_recipe": str(self.fp8_recipe)} if self.fp8_recipe else {}),
             **({"padded": sorted(map(str, self.padded))} if self.padded else {}),
@@ -317,12 +350,22 @@ class Plan(Mapping[OpKey, Precision]):
     def from_dict(cls, data: Mapping, source: str = "plan") -> "Plan":
         """The plan a :meth:`to_dict` mapping describes; anything else is a :class:`PlanFileError` naming ``source``.
 
-        Checked before use: the format and ``version``, ``low_dtype`` among
-        :data:`~compfx.vocabulary.LOW_DTYPES`' names, ``fingerprint`` a string,
-        ``ops`` a mapping of op keys to precisions.
+        Checked before use: the format and ``version``, no top-level key compfx
+        does not write, ``low_dtype`` among :data:`~compfx.vocabulary.LOW_DTYPES`'
+        names, ``fingerprint`` a string, ``ops`` a mapping of op keys, each
+        written as compfx writes it (``str(OpKey)``), to precisions;
+        ``torch_version`` and ``device_type`` strings (another torch release
+        than this one's is warned about: the plan applies, its measurements were
+        taken there), ``searched`` and ``replaced`` what the plan cache writes,
+        ``padded`` a list of op keys written the same way.
         """
         if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
             raise PlanFileError(f"{source} is not a compfx plan (no '\"format\": \"{_FORMAT}\"' entry).")
+        unknown = sorted(map(str, set(data) - set(_REQUIRED_KEYS) - set(_OPTIONAL_KEYS)))
+        if unknown:
+            raise PlanFileError(f"{source} has top-level key(s) {unknown} that compfx does not write (a plan file holds "
+                                f"{list(_REQUIRED_KEYS)} and may hold {list(_OPTIONAL_KEYS)}); it was edited, or "
+                                "written by another tool. Remove them, or search again.")
         version = data.get("version")
         if type(version) is not int or version != PLAN_VERSION:
             raise PlanFileError(f"{source} has version {version!r}; this compfx reads plan version {PLAN_VERSION}. "
@@ -340,6 +383,19 @@ class Plan(Mapping[OpKey, Precision]):
         if not isinstance(ops, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ops.items()):
             raise PlanFileError(f"{source} has no 'ops' mapping of op keys to precisions (strings); it is damaged. "
                                 "Search again.")
+        _check_op_keys(ops, source)
+        device_type = data.get("device_type")
+        if device_type is not None and not _is_device_type(device_type):
+            raise PlanFileError(f"{source} has device_type {device_type!r}; expected a torch device type such as "
+                                "'cpu' or 'cuda'. Fix the file or search again.")
+        for name in ("searched", "replaced"):
+            _check_search_record(data.get(name), name, source)
+        shapes = data.get("parameter_shapes")
+        if shapes is not None and not (isinstance(shapes, list) and all(
+                isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in shapes)):
+            raise PlanFileError(f"{source} has parameter_shapes {str(shapes)[:80]}; expected a list of shapes (lists "
+                                "of sizes), as the plan cache writes it. Fix the file or search again.")
+        _check_torch_version(data.get("torch_version"), source)
         try:
             entries = {OpKey.parse(k): v for k, v in ops.items()}
             recipe = data.get("fp8_recipe")
@@ -347,30 +403,99 @@ class Plan(Mapping[OpKey, Precision]):
                 raise PlanFileError(f"{source} has fp8_recipe {recipe!r}; expected one of "
                                     f"{[r.value for r in Float8Recipe]}. Fix the file or search again.")
             return cls(entries, low_dtype=dtype_from_name(low), fingerprint=fingerprint, fp8_recipe=recipe,
-                       padded=_padded_from_file(data.get("padded", []), source))
+                       padded=_padded_from_file(data.get("padded", []), source), device_type=device_type)
         except (KeyError, TypeError, AttributeError, ValueError) as error:
             if isinstance(error, PlanMismatchError):
                 raise PlanFileError(f"{source} holds an invalid plan: {error}") from error
             raise PlanFileError(f"{source} is a damaged compfx plan ({type(error).__name__}: {error}).") from error
 
     def save(self, path: str | os.PathLike) -> None:
-        """Write the plan as JSON, atomically; :class:`~compfx.errors.FileWriteError` when it cannot be written."""
-        write_json_atomic(path, self.to_dict(), "plan file")
+        """Write the plan as JSON, atomically; :class:`~compfx.errors.FileWriteError` when it cannot be written.
+
+        It replaces an existing plan file, never another file: a path that
+        holds something else (not a compfx plan), a symbolic link, a FIFO or a
+        device is refused and left as it was.
+        """
+        write_json_atomic(path, self.to_dict(), "plan file", replaces=is_plan_file)
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
         """Read a plan written by :meth:`save`.
 
         A missing, oversized (over :data:`MAX_PLAN_BYTES`, checked before
-        reading), binary, corrupt or invalid file raises :class:`PlanFileError`.
+        reading), binary, corrupt or invalid file raises :class:`PlanFileError`,
+        as does a path that is not a regular file (a FIFO is refused, not waited
+        on); a path that is not one (None, a NUL character) is a
+        :class:`~compfx.errors.BadInputError`.
         """
-        data = read_json(path, "plan file", max_bytes=MAX_PLAN_BYTES)
+        data = read_json(checked_path(path, "plan file"), "plan file", max_bytes=MAX_PLAN_BYTES)
         return cls.from_dict(data, source=f"plan file {os.fspath(path)}")
 
 
-def _rebuilt_plan(entries, low_dtype, fingerprint, fp8_recipe, padded=()) -> Plan:
-    """A pickled :class:`Plan` again (see ``Plan.__reduce__``)."""
-    return Plan(entries, low_dtype=low_dtype, fingerprint=fingerprint, fp8_recipe=fp8_recipe, padded=padded)
+def is_plan_file(head: bytes) -> bool:
+    """Whether the first bytes of a file are those of a compfx plan file (what :meth:`Plan.save` may replace)."""
+    return f'"{_FORMAT}"'.encode() in head
+
+
+def _is_device_type(name) -> bool:
+    """A torch device type without an index ('cpu', 'cuda', 'mps', ...)."""
+    if not isinstance(name, str) or not name.isidentifier():
+        return False
+    try:
+        return torch.device(name).type == name
+    except (RuntimeError, ValueError):
+        return False
+
+
+def _check_op_keys(ops: Mapping, source: str) -> None:
+    """Every op key written the one way compfx writes it, so that no two spellings name one op."""
+    bad = []
+    for text in ops:
+        try:
+            canonical = str(OpKey.parse(text))
+        except ValueError:
+            canonical = None
+        if canonical != text or not text.isascii():
+            bad.append(text)
+    if bad:
+        raise PlanFileError(f"{source} has op key(s) {bad[:3]} not written as compfx writes them ('module:kind#index', "
+                            "the index in ASCII digits without leading zeros, e.g. '0:linear#0'); two spellings "
+                            "could name one op. Fix the key(s), or search again.")
+
+
+def _check_search_record(record, name: str, source: str) -> None:
+    """``searched`` / ``replaced``: absent, or a mapping of the fields the plan cache writes, of their types."""
+    if record is None:
+        return
+    wrong = not isinstance(record, Mapping) or any(
+        key not in _SEARCH_FIELDS or type(value) is not _SEARCH_FIELDS[key] for key, value in record.items())
+    if wrong:
+        raise PlanFileError(f"{source} has {name} {record!r}; expected what the plan cache writes there (a mapping of "
+                            f"{', '.join(f'{k}: {t.__name__}' for k, t in _SEARCH_FIELDS.items())}). Fix the file "
+                            "or search again.")
+
+
+_warned_versions: set[str] = set()
+
+
+def _check_torch_version(version, source: str) -> None:
+    """A str; when it is another torch release than this one, warn once per file (the plan applies, its
+    measurements were taken under that release)."""
+    if version is None:
+        return
+    if not isinstance(version, str) or not version:
+        raise PlanFileError(f"{source} has torch_version {version!r}; expected the torch version string it was "
+                            "written under. Fix the file or search again.")
+    if _release(version) != _release(str(torch.__version__)) and source not in _warned_versions:
+        _warned_versions.add(source)
+        warnings.warn(f"{source} was written under torch {version}; this is torch {torch.__version__}. Its "
+                      "precisions apply as they are, but they were measured under that release: search again to "
+                      "choose by measurements under this one.", UserWarning, stacklevel=4)
+
+
+def _release(version: str) -> str:
+    """'2.13.0+cu130' -> '2.13.0': builds of one release run the same kernels' code."""
+    return version.split("+", 1)[0].strip()
 
 
 def _checked_padding(keys: Iterable[OpKey], entries: Mapping[OpKey, Precision]) -> frozenset:
@@ -396,4 +521,13 @@ def _padded_from_file(value, source: str) -> frozenset:
     if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
         raise PlanFileError(f"{source} has padded {value!r}; expected a list of op keys. Fix the file or search "
                             "again.")
+    _check_op_keys(value, source)
+    if len(set(value)) != len(value):
+        raise PlanFileError(f"{source} names an op in 'padded' more than once; fix the file or search again.")
     return frozenset(OpKey.parse(k) for k in value)
+
+
+def _rebuilt_plan(entries, low_dtype, fingerprint, fp8_recipe, padded=(), device_type=None) -> Plan:
+    """A pickled :class:`Plan` again (see ``Plan.__reduce__``)."""
+    return Plan(entries, low_dtype=low_dtype, fingerprint=fingerprint, fp8_recipe=fp8_recipe, padded=padded,
+                device_type=device_type)

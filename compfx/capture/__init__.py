@@ -52,6 +52,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError, CaptureError
 from ..opkey import assign_op_keys
+from ..rng import rng_preserved
 from ._sites import ValueBranchError, error_site, first_line
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
 from .model_state import buffers_restored, get_attribute, named_tensors
@@ -168,13 +169,18 @@ def capture(
     if method not in CAPTURE_METHODS:
         raise BadInputError(f"method={method!r}; expected one of {', '.join(map(repr, CAPTURE_METHODS))}.")
     args, kwargs = distinct_input_tensors(*normalize_example_inputs(example_inputs))  # one input, one placeholder
-    with _modes_restored(model), _fake_tensor_failures_quiet():
+    # rng_preserved: a forward that draws random numbers, or reseeds, leaves the caller's generators as they were
+    with _modes_restored(model), _fake_tensor_failures_quiet(), rng_preserved(*_devices_of(model)):
         if modes is not None:
             for name, module in model.named_modules():
                 module.training = modes.get(name, module.training)
         gm = _capture_with(model, args, kwargs, leaf_modules, method, verify)
     assign_op_keys(gm, include=is_numerical_op)
     return gm
+
+
+def _devices_of(model: nn.Module) -> set[torch.device]:
+    return {t.device for t in (*model.parameters(), *model.buffers())}
 
 
 #: The tracers ``method="auto"`` tries, in order.

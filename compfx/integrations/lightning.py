@@ -20,6 +20,7 @@ loads it instead of searching again.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 
 try:
     from lightning.pytorch.callbacks import Callback
@@ -30,7 +31,7 @@ except ImportError as error:  # pragma: no cover - the test extra installs it
 import torch
 
 from ..analyze import model_device
-from ..errors import BadInputError
+from ..errors import BadInputError, PlanFileError
 from ..plan import Plan
 from ..search.config import SearchConfig
 from .planned_training import LOG_FILE, PLAN_FILE, PlannedRun, first_batches, plan_model
@@ -130,6 +131,9 @@ class CompfxCallback(Callback):
         return {} if self.run is None else {"plan": self.run.plan.to_dict()}
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if not isinstance(state_dict, Mapping):
+            raise PlanFileError(f"CompfxCallback.load_state_dict() got a {type(state_dict).__name__}; expected the "
+                                "mapping its state_dict() returned (from the checkpoint's callback state).")
         if "plan" in state_dict:
             self._restored = Plan.from_dict(state_dict["plan"], source="the checkpoint's CompfxCallback state")
 

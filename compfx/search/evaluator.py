@@ -42,7 +42,7 @@ from ..measure import PhaseClock
 from ..plan import Assignment, Plan
 from ..vocabulary import Stage
 from .log import Replay, ReplayedState
-from .sampling import FairSampler, restore_state
+from .sampling import FairSampler, from_loader, restore_state
 
 __all__ = ["Evaluator", "Epoch", "FunctionEvaluator", "ReplayingEvaluator", "LocalEvaluator", "plan_failures",
            "measured_time", "each_batch"]
@@ -107,15 +107,17 @@ def _not_given(name: str, *args):
 def plan_failures():
     """Turn what goes wrong while a plan runs into :class:`PlanFailedError` (the search tries the next plan).
 
-    Bad input, search errors and a model that cannot be captured at a batch's
-    shapes are not the plan's: they stop the search, as does anything that is
-    not an ``Exception`` (Ctrl-C).
+    Bad input, search errors, a model that cannot be captured at a batch's
+    shapes and what the sample loader raises are not the plan's: they stop the
+    search, as does anything that is not an ``Exception`` (Ctrl-C).
     """
     try:
         yield
     except (PlanFailedError, BadInputError, SearchError, CaptureError):
         raise
     except Exception as error:
+        if from_loader(error):  # the sample loader's own error: the caller's to see, not the plan's
+            raise
         raise PlanFailedError(f"{type(error).__name__}: {error}") from error
 
 

@@ -32,6 +32,15 @@ can recompute it).
 Logs written before digests cannot be checked: ``SearchLog.read`` reads them
 with a warning (for reports), and a resume refuses them, because it would
 replay their records as measurements.
+
+One writer at a time, and nothing else overwritten: a log file is opened
+without following a symbolic link and without blocking, must be a regular
+file, and is locked (``flock``, where the OS has it) for as long as it is open,
+so a second search or guard writing the same path is refused
+(:class:`~compfx.errors.FileWriteError`) instead of interleaving lines. A new
+log replaces an existing file only when that file is a search log (or empty);
+:meth:`SearchLog.append_to` (what :class:`compfx.Guard` uses) adds to an
+existing log, continuing its digest chain, and never truncates it.
 """
 
 from __future__ import annotations
@@ -40,18 +49,24 @@ import hashlib
 import json
 import math
 import os
+import stat
 import warnings
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Iterator
 
 from ..errors import FileWriteError, LogIntegrityError, PlanFileError, PlanMismatchError, SearchError, SearchReplayError
-from ..files import read_bounded
+from ..files import check_writable, checked_path, file_kind, read_bounded, read_head, unique_keys
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no advisory locks; one writer per log is then the user's to keep
+    fcntl = None
 from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
 
 __all__ = ["SampleRecord", "SearchLog", "Replay", "ReplayedState", "HEADER", "BATCHES", "STOPPED_EARLY", "DIGEST",
-           "record_digest", "MAX_LOG_BYTES"]
+           "record_digest", "MAX_LOG_BYTES", "is_search_log"]
 
 #: key, in the ``extra`` of a log's first line, of what the search was run on (fingerprint and settings)
 HEADER = "search"
@@ -63,6 +78,20 @@ STOPPED_EARLY = "stopped_early"
 DIGEST = "digest"
 #: A log holds a few numbers per batch and sample; a larger file is not one compfx wrote.
 MAX_LOG_BYTES = 256 << 20
+
+
+def is_search_log(head: bytes) -> bool:
+    """Whether a file's first bytes are those of a search log compfx wrote (a JSON object with stage and status).
+
+    >>> is_search_log(b'{"stage": "search", "plan": "", "status": "note"}\\n'), is_search_log(b"my notes")
+    (True, False)
+    """
+    first = head.split(b"\n", 1)[0]
+    try:
+        data = json.loads(first)
+    except ValueError:
+        return len(first) == len(head) and b'"stage"' in first and b'"status"' in first  # a first line over the head
+    return isinstance(data, dict) and "stage" in data and "status" in data
 
 
 def record_digest(previous: str, data: dict) -> str:
@@ -152,27 +181,59 @@ class SearchLog:
     ['11']
     """
 
-    def __init__(self, path: str | os.PathLike | None = None, *, append: bool = False):
+    def __init__(self, path: str | os.PathLike | None = None, *, append: bool = False, keep_bytes: int | None = None):
         if path is not None and not isinstance(path, (str, os.PathLike)):
             raise PlanFileError(f"log={path!r}; expected the path of a JSON Lines file (str or os.PathLike), a "
                                 "SearchLog, or None.")
-        self.path = Path(path) if path is not None else None
+        self.path = checked_path(path, "search log") if path is not None else None
         self.records: list[SampleRecord] = []
         self._file = None
         self._header: dict | None = None  # goes into the first line written
         self._digest = ""  # the digest of the last line written (see record_digest)
         self.verified = True  # False: read from a log without digests (see the module docstring)
         if self.path is not None:
-            try:
-                if self.path.is_dir():
-                    raise IsADirectoryError(21, "Is a directory", str(self.path))
-                self.path.parent.mkdir(parents=True, exist_ok=True)
-                self._file = open(self.path, "a" if append else "w")
-            except OSError as error:
-                raise FileWriteError(
-                    f"could not open the search log {self.path} for writing: {error.strerror or error}; expected "
-                    "the path of a file (not a folder) in a folder this process can write. Pass another log=."
-                ) from error
+            self._file = _open_for_writing(self.path, append, keep_bytes)
+
+    @staticmethod
+    def check_path(log, *, resume: bool = False) -> None:
+        """Refuse, before a search starts, a ``log=`` it could not write (see the module docstring).
+
+        A path must be writable as a new log (a link, folder, FIFO or device, or
+        an existing file that is not a search log, is refused); with ``resume``,
+        an existing log must be a regular file.
+        """
+        if log is None or isinstance(log, SearchLog):
+            return
+        if not isinstance(log, (str, os.PathLike)):
+            raise PlanFileError(f"log={log!r}; expected the path of a JSON Lines file (str or os.PathLike), a "
+                                "SearchLog, or None.")
+        path = checked_path(log, "search log")
+        if resume and path.exists() and not path.is_symlink():
+            read_head(path, "search log", 0)  # refuses a FIFO or device without blocking
+            return
+        check_writable(path, "search log", replaces=is_search_log, hint=_HINT)
+
+    @classmethod
+    def append_to(cls, path: str | os.PathLike) -> "SearchLog":
+        """A log that adds to the search log at ``path`` (created when missing), continuing its digest chain.
+
+        The existing records are read and verified first; a file that is not a
+        search log, or a log without digests, is refused and left as it was. A
+        last line cut short by a crash is dropped, as on resume.
+        """
+        path = checked_path(path, "search log")
+        if not os.path.lexists(path) or (path.is_file() and not path.is_symlink() and path.stat().st_size == 0):
+            return cls(path)
+        if not path.is_symlink() and path.is_file() and not is_search_log(read_head(path, "search log")):
+            raise PlanFileError(f"{path} exists and is not a search log compfx wrote; compfx does not add to it. Pass "
+                                "the search's log, or a new path.")
+        previous, good_bytes = cls._read(path)
+        if not previous.verified:
+            raise LogIntegrityError(f"search log {path} has no digests (an older compfx wrote it); lines added to it "
+                                    "could not be chained. Pass a new log path.")
+        opened = cls(path, append=True, keep_bytes=good_bytes)  # a last line cut short by a crash is dropped
+        opened.records, opened._digest = previous.records, previous._digest
+        return opened
 
     @classmethod
     def open(cls, log: "str | os.PathLike | SearchLog | None", header: dict, *, resume: bool = False) -> "SearchLog":
@@ -200,13 +261,7 @@ class SearchLog:
                 "records cannot be checked, and a resumed search would replay them as measured. Search again "
                 "without resume=True (its samples are run again), or resume with a log this compfx wrote.")
         _check_header(path, previous, header)
-        try:
-            with open(path, "r+b") as file:  # drop a last line cut short by a crash before appending
-                file.truncate(good_bytes)
-        except OSError as error:
-            raise FileWriteError(f"could not reopen the search log {path} to resume: {error.strerror or error}; "
-                                 "expected a file this process can write. Check its permissions.") from error
-        opened = cls(path, append=True)
+        opened = cls(path, append=True, keep_bytes=good_bytes)  # drops a last line cut short by a crash
         opened.records = previous.records
         opened._digest = previous._digest
         opened.note(Stage.SEARCH, "resumed", samples_in_log=len(previous.samples()))
@@ -299,9 +354,52 @@ class SearchLog:
         return log, good_bytes
 
 
+_HINT = "Pass another log=."
+
+
+def _open_for_writing(path: Path, append: bool, keep_bytes: int | None = None):
+    """``path`` opened to write a log: no link followed, no blocking, a regular file, locked, then emptied unless
+    ``append`` (only after the lock: truncating first would empty another writer's log); appending, the bytes
+    after ``keep_bytes`` (an unfinished last line) are dropped first."""
+    check_writable(path, "search log", replaces=None if append else is_search_log, hint=_HINT)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        flags = os.O_WRONLY | os.O_CREAT | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) \
+            | getattr(os, "O_CLOEXEC", 0)
+        fd = os.open(path, flags, 0o666)
+    except OSError as error:
+        raise FileWriteError(
+            f"could not open the search log {path} for writing: {error.strerror or error}; expected the path of a "
+            "file (not a folder or a link) in a folder this process can write. Pass another log=.") from error
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            raise FileWriteError(f"search log {path} is {file_kind(mode)}, not a regular file; pass the path of a file.")
+        if fcntl is not None:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as error:
+                raise FileWriteError(f"search log {path} is being written by another search or guard (it holds the "
+                                     "file's lock); two writers would interleave their lines. Give each its own "
+                                     "log path.") from error
+        if not append:
+            os.ftruncate(fd, 0)
+        elif keep_bytes is not None:
+            os.ftruncate(fd, keep_bytes)
+        os.lseek(fd, 0, os.SEEK_END)
+        return os.fdopen(fd, "w")
+    except OSError as error:
+        os.close(fd)
+        raise FileWriteError(f"could not open the search log {path} for writing: {error.strerror or error}.") \
+            from error
+    except BaseException:
+        os.close(fd)
+        raise
+
+
 def _parse_line(path: Path, number: int, line: str) -> dict:
     try:
-        data = json.loads(line)
+        data = json.loads(line, object_pairs_hook=unique_keys)
     except (ValueError, RecursionError) as error:
         raise PlanFileError(f"search log {path} line {number} is damaged ({type(error).__name__}: {error}); "
                             "expected one JSON object per line as compfx writes them. Delete the file (or that "

@@ -19,6 +19,14 @@ How a batch maps to the model (:func:`split_batch`):
 the device); without one, the model's own loss is used (``output.loss`` or
 ``output["loss"]``).
 
+The loader is the user's: an exception it raises (a missing file, a lost
+connection) is not a plan's failure. It reaches the caller as itself, after the
+model, optimizer and RNG are restored (:func:`from_loader` tells the search's
+failure handling to let it through), never logged as a failing plan. An epoch
+is bounded: it takes at most ``len(loader)`` batches, or, from a loader without
+a length (an ``IterableDataset`` stream, which may never end),
+:data:`MAX_EPOCH_BATCHES`, with a warning when it reaches them.
+
 Non-finite values: a step whose loss is NaN/inf takes no backward or optimizer
 step (the sample is then pruned or rejected by the search). A step whose loss
 is finite but whose gradients are not raises :class:`NonFiniteGradientError`
@@ -32,10 +40,10 @@ from __future__ import annotations
 
 import copy
 import math
+import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from itertools import islice
-from typing import Any, Callable, Generator, Iterable, Mapping
+from typing import Any, Callable, Generator, Iterable, Iterator, Mapping
 
 import torch
 import torch.fx as fx
@@ -46,9 +54,72 @@ from ..errors import BadInputError, CompfxError, NonFiniteGradientError
 from ..measure import Timing, time_repeats, timed
 
 __all__ = ["split_batch", "move_batch", "model_loss", "check_loss", "check_first_batch", "cuda_devices", "seed_device",
-           "call_quietly", "StateSnapshot", "snapshot_state", "restore_state", "FairSampler"]
+           "call_quietly", "StateSnapshot", "snapshot_state", "restore_state", "FairSampler", "MAX_EPOCH_BATCHES",
+           "loader_batches", "from_loader", "epoch_limit"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
+
+#: Most batches one epoch takes from a loader without ``len()``: it may be an endless stream, and every Stage-1
+#: sample walks one epoch of it.
+MAX_EPOCH_BATCHES = 1000
+
+_FROM_LOADER = "_compfx_raised_by_loader"
+
+
+# -- walking the loader -----------------------------------------------------------
+
+def from_loader(error: BaseException) -> bool:
+    """Whether ``error`` was raised by the sample loader itself (so it is no plan's failure)."""
+    return getattr(error, _FROM_LOADER, False) is True
+
+
+def _loader_failed(error: Exception) -> Exception:
+    try:
+        setattr(error, _FROM_LOADER, True)
+    except AttributeError:  # an exception type without a __dict__: wrap it
+        wrapped = RuntimeError(f"{type(error).__name__}: {error}")
+        setattr(wrapped, _FROM_LOADER, True)
+        wrapped.__cause__ = error
+        error = wrapped
+    if hasattr(error, "add_note") and not getattr(error, "_compfx_noted", False):
+        error.add_note("(raised by the sample loader while compfx walked it; compfx restored the model, optimizer "
+                       "and RNG before passing it on)")
+        error._compfx_noted = True
+    return error
+
+
+def loader_batches(loader: Iterable, limit: int) -> Iterator:
+    """At most ``limit`` batches of ``loader``; what the loader raises reaches the caller as itself (marked,
+    :func:`from_loader`), and a loader whose ``__iter__`` raises StopIteration is a :class:`BadInputError`.
+
+    >>> list(loader_batches(range(10), 3))
+    [0, 1, 2]
+    """
+    try:
+        iterator = iter(loader)
+    except StopIteration as error:  # a protocol error, not "empty": an empty loader's iterator raises it from next()
+        raise BadInputError(f"the sample loader's __iter__ raised StopIteration; expected it to return an iterator "
+                            f"(a {type(loader).__name__} whose __iter__ returns iter(batches), or a generator).") \
+            from error
+    except Exception as error:
+        raise _loader_failed(error)
+    for _ in range(limit):
+        try:
+            batch = next(iterator)
+        except StopIteration:
+            return
+        except Exception as error:
+            raise _loader_failed(error)
+        yield batch
+
+
+def epoch_limit(loader: Iterable) -> int | None:
+    """``len(loader)`` when the loader has a length, else None (then :data:`MAX_EPOCH_BATCHES` bounds an epoch)."""
+    try:
+        length = len(loader)  # type: ignore[arg-type]
+    except Exception:  # noqa: BLE001 - no __len__, or an IterableDataset's DataLoader refusing it
+        return None
+    return length if isinstance(length, int) and length >= 0 else None
 
 
 # -- batches and losses -----------------------------------------------------------
@@ -139,7 +210,8 @@ def call_quietly(module: nn.Module, args: tuple, kwargs: dict):
     return module(*args, **kwargs)
 
 
-def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: torch.device) -> tuple[tuple, dict]:
+def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: torch.device, *,
+                      where: str = "the loader's first batch, in FP32 before any search") -> tuple[tuple, dict]:
     """Run ``model`` and ``loss_fn`` once on ``batch`` (no grad) to catch bad inputs before any search work.
 
     The model's parameters, buffers (e.g. BatchNorm statistics) and the RNG are
@@ -158,22 +230,22 @@ def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: t
         raise BadInputError(f"the model's parameters and buffers are spread over {sorted(map(str, devices))}; "
                             "compfx expected one device. Move the whole model there with model.to(device).")
     if any(d.type == "meta" for d in devices):
-        raise BadInputError("the model's parameters or buffers are on the meta device (shapes, no values), but the "
-                            "search trains it; materialise it first, e.g. model.to_empty(device='cpu') and load its "
+        raise BadInputError("the model's parameters or buffers are on the meta device (shapes, no values), but "
+                            "compfx runs it; materialise it first, e.g. model.to_empty(device='cpu') and load its "
                             "weights, then build the optimizer on model.parameters().")
     batch = move_batch(batch, device)
     args, kwargs = split_batch(batch)
     snapshot = snapshot_state(model)
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices(device)):
-            output = _user_call("the model", lambda: model(*args, **kwargs), batch)
-            check_loss(_user_call("loss_fn", lambda: (loss_fn or model_loss)(output, batch), batch))
+            output = _user_call("the model", lambda: model(*args, **kwargs), batch, where)
+            check_loss(_user_call("loss_fn", lambda: (loss_fn or model_loss)(output, batch), batch, where))
     finally:
         restore_state(snapshot)
     return args, kwargs
 
 
-def _user_call(what: str, call: Callable[[], Any], batch):
+def _user_call(what: str, call: Callable[[], Any], batch, where: str):
     """``call()``, turning a failure into a :class:`BadInputError` that says which batch and why."""
     try:
         return call()
@@ -182,7 +254,7 @@ def _user_call(what: str, call: Callable[[], Any], batch):
     except Exception as error:
         first = (str(error).splitlines() or [""])[0][:300]
         raise BadInputError(
-            f"{what} failed on the loader's first batch, in FP32 before any search ({type(error).__name__}: "
+            f"{what} failed on {where} ({type(error).__name__}: "
             f"{first}). The batch was {_describe(batch)}; expected one the model trains on "
             "(a tuple (inputs..., target), a dict of keyword arguments, or a tensor). Fix the loader, the "
             "model or loss_fn so that one FP32 training step runs.") from error
@@ -325,6 +397,10 @@ class FairSampler:
         self.device = torch.device(device)
         self.seed, self.grad_scaler = seed, grad_scaler
         self.initial = snapshot_state(model, optimizer)
+        length = epoch_limit(loader)
+        self.epoch_batches = length if length is not None else MAX_EPOCH_BATCHES  # what bounds an epoch
+        self._bounded = length is None
+        self._warned_bound = False
 
     def restore(self, snapshot: StateSnapshot | None = None) -> None:
         restore_state(snapshot or self.initial)
@@ -397,10 +473,19 @@ class FairSampler:
         self.warm_up(module, warmup)
         with self.fresh_start(module):
             scaler = self._scaler()
-            for batch in self.loader:  # iterated after seeding: a shuffling loader repeats its order
+            count = 0
+            # iterated after seeding: a shuffling loader repeats its order
+            for batch in loader_batches(self.loader, self.epoch_batches):
                 batch = self.ready(module, batch)
                 loss, seconds = timed(lambda: self.step(module, batch, scaler), device=self.device)
+                count += 1
                 yield loss, seconds
+            if self._bounded and count == self.epoch_batches and not self._warned_bound:
+                self._warned_bound = True
+                warnings.warn(f"the sample loader has no len() and yielded {count} batches; an epoch of the search "
+                              f"takes at most its first {MAX_EPOCH_BATCHES} (it may be endless). Pass a finite loader "
+                              "(a list, or itertools.islice of it) to choose the epoch yourself.", UserWarning,
+                              stacklevel=2)
             return snapshot_state(self.model, self.optimizer)
 
     def ready(self, module: nn.Module, batch):
@@ -422,7 +507,7 @@ class FairSampler:
         batches = []
         while len(batches) < count:
             before = len(batches)
-            batches.extend(islice(self.loader, count - len(batches)))
+            batches.extend(loader_batches(self.loader, count - len(batches)))
             if len(batches) == before:
                 raise BadInputError("the sample loader yielded no batches; expected at least one")
         return batches
@@ -439,7 +524,7 @@ class FairSampler:
         """Mean training loss over the loader's first ``batches`` batches, from the initial state."""
         with self.fresh_start(module):
             scaler = self._scaler()
-            losses = [self.step(module, batch, scaler) for batch in islice(self.loader, batches)]
+            losses = [self.step(module, batch, scaler) for batch in loader_batches(self.loader, batches)]
         if not losses:
             raise BadInputError("the sample loader yielded no batches; expected at least one")
         return sum(losses) / len(losses)

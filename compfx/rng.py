@@ -1,0 +1,84 @@
+"""The caller's random state, saved before compfx runs a model's forward and put back afterwards.
+
+compfx runs the user's forward to capture it (:func:`compfx.analyze`), to
+rewrite it (:func:`compfx.apply`) and to train samples (:func:`compfx.optimize`).
+A forward may draw random numbers (dropout) or even reseed
+(``torch.manual_seed`` inside ``forward``); neither may leak into the caller's
+generators. :func:`rng_preserved` puts back every generator such a forward can
+reach: torch's CPU generator, the CUDA generators of the devices in use, the
+CUDA seeds torch queues while CUDA is not initialised yet (``torch.manual_seed``
+queues one for every GPU, which ``torch.random.fork_rng`` cannot undo), and
+Python's and NumPy's global generators.
+
+>>> import torch
+>>> torch.manual_seed(0); before = torch.get_rng_state()  # doctest: +ELLIPSIS
+<torch._C.Generator ...>
+>>> with rng_preserved():
+...     _ = torch.manual_seed(123), torch.rand(3)
+>>> torch.equal(before, torch.get_rng_state())
+True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from typing import Iterable, Iterator
+
+import torch
+
+__all__ = ["rng_preserved"]
+
+
+def _cuda_indices(devices: Iterable) -> list[int]:
+    """The CUDA device indices among ``devices`` (torch.device, str or int), plus the current one once CUDA runs."""
+    if not torch.cuda.is_available():
+        return []
+    indices = {torch.cuda.current_device()} if torch.cuda.is_initialized() else set()
+    for device in devices:
+        device = torch.device(device)
+        if device.type == "cuda":
+            indices.add(device.index if device.index is not None else torch.cuda.current_device())
+    return sorted(indices)
+
+
+class _LazySeeds:
+    """The seeds torch queued for CUDA devices before CUDA started (``torch.cuda._lazy_seed_tracker``)."""
+
+    _FIELDS = ("manual_seed_all_cb", "manual_seed_cb", "call_order")
+
+    def __init__(self):
+        self.tracker = getattr(torch.cuda, "_lazy_seed_tracker", None)
+        self.saved = None
+        if self.tracker is not None and all(hasattr(self.tracker, f) for f in self._FIELDS):
+            self.saved = {f: getattr(self.tracker, f) for f in self._FIELDS}
+            self.saved["call_order"] = list(self.saved["call_order"])
+
+    def restore(self) -> None:
+        if self.saved is not None and not torch.cuda.is_initialized():  # once CUDA ran, the queue has been used
+            for name, value in self.saved.items():
+                setattr(self.tracker, name, value)
+
+
+@contextlib.contextmanager
+def rng_preserved(*devices) -> Iterator[None]:
+    """Run the body; afterwards every random generator it could reach is as it was (see the module docstring).
+
+    ``devices`` are the devices the body's work runs on (their CUDA generators
+    are saved; the current CUDA device's always is, once CUDA runs).
+    """
+    python_state = random.getstate()
+    try:
+        import numpy
+        numpy_state = numpy.random.get_state()
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        numpy, numpy_state = None, None
+    lazy = _LazySeeds()
+    try:
+        with torch.random.fork_rng(devices=_cuda_indices(devices)):
+            yield
+    finally:
+        lazy.restore()
+        random.setstate(python_state)
+        if numpy is not None:
+            numpy.random.set_state(numpy_state)
