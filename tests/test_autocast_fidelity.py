@@ -22,6 +22,8 @@ from compfx.capture import meta_value
 from compfx.cast_policy import CAST_META
 from compfx.passes import count_autocast_casts, count_casts
 
+from tests.helpers import assert_bitwise, seeded_grads
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 
@@ -72,38 +74,15 @@ def _x():
     return torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
 
 
-def _grads(module, kwargs, *, autocast_dtype=None):
-    """Output and parameter grads of one seeded forward and backward (a fixed weighting of the output)."""
-    for param in module.parameters():
-        param.grad = None
-    torch.manual_seed(1234)
-    if autocast_dtype is None:
-        out = module(**kwargs)
-    else:
-        with torch.autocast("cpu", dtype=autocast_dtype):
-            out = module(**kwargs)
-    out = out if isinstance(out, torch.Tensor) else out["logits"]
-    (out.float() * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
-    return out.detach(), {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
-
-
-def _assert_bitwise(reference, planned):
-    (expected, expected_grads), (out, grads) = reference, planned
-    assert out.dtype == expected.dtype and torch.equal(out, expected)
-    assert sorted(grads) == sorted(expected_grads)
-    differ = [name for name, grad in expected_grads.items() if not torch.equal(grads[name], grad)]
-    assert not differ, f"grads differ from autocast's on {len(differ)} of {len(grads)} parameters: {differ[:5]}"
-
-
 @pytest.mark.parametrize("low_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_amp_plan_is_autocast_bitwise_in_outputs_and_grads(name, low_dtype):
     torch.manual_seed(0)
     model, kwargs = MODELS[name](), {"x": _x()}
     analysis = compfx.analyze(model, kwargs, low_dtype=low_dtype)
-    reference = _grads(model, kwargs, autocast_dtype=low_dtype)
+    reference = seeded_grads(model, kwargs, autocast_dtype=low_dtype)
     gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
-    _assert_bitwise(reference, _grads(gm, kwargs))
+    assert_bitwise(reference, seeded_grads(gm, kwargs))
     assert count_casts(gm) == count_autocast_casts(model, kwargs, dtype=low_dtype)
 
 
@@ -174,6 +153,6 @@ def test_amp_plan_is_autocast_bitwise_on_tiny_hf_models(name):
     model, kwargs = _tiny_hf(name)
     model.train()
     analysis = compfx.analyze(model, kwargs)
-    expected = _grads(model, kwargs, autocast_dtype=torch.bfloat16)  # the model itself under torch.autocast
+    expected = seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16)  # the model itself under torch.autocast
     gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
-    _assert_bitwise(expected, _grads(gm, kwargs))
+    assert_bitwise(expected, seeded_grads(gm, kwargs))

@@ -269,7 +269,10 @@ class _CallRecorder(TorchFunctionMode):
             result = func(*args, **kwargs)
         except DataDependentOutputException as error:
             raise self._value_read_error(name, error) from error
-        if _writes(name, kwargs) or _holds_tensor(result):
+        writes = _writes(name, kwargs)
+        if not writes:
+            result = _distinct_from_inputs(result, args, kwargs)
+        if writes or _holds_tensor(result):
             self._record(func, name, args, kwargs, result)
         return result
 
@@ -359,6 +362,21 @@ def _writes(name: str, kwargs: dict) -> bool:
     """Does a call with this name write a tensor argument (``add_``, ``x[i] = v``, ``x += y``, ``out=``, ``inplace=True``)?"""
     return (is_in_place(name) or name == "__setitem__" or (name.startswith("__i") and name in _DUNDER_OPERATORS)
             or "out" in kwargs or kwargs.get("inplace") is True)
+
+
+def _distinct_from_inputs(result, args, kwargs):
+    """``result``, or an alias of it when a call that writes nothing handed back one of its inputs.
+
+    ``x.float()``, ``x.to(x.dtype)`` and ``x.contiguous()`` return ``x`` itself when there is nothing to
+    convert, as they do on the FP32 fakes of a capture; under a plan that makes ``x`` low they return a copy.
+    The graph must keep the two apart: uses of ``x`` after the call read ``x``, uses of the result read the
+    call (Gemma's norms compute on ``x.float()`` and return ``output.type_as(x)``). Nodes are found by object,
+    so the result becomes an alias of its own.
+    """
+    inputs = {id(leaf) for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)}
+    if isinstance(result, torch.Tensor) and id(result) in inputs:
+        return torch.ops.aten.alias(result)
+    return result
 
 
 def _holds_tensor(value) -> bool:
