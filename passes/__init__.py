@@ -3,6 +3,7 @@
 * :func:`insert_casts` (``insert_casts.py``): give every keyed op the precision of its plan entry.
 * :func:`restore_output_dtypes` (``restore_output_dtypes.py``): return the outputs in the model's own dtypes.
 * :func:`float8_matmuls` (``float8.py``): run the plan's ``fp8`` ops through torchao's float8 training matmul.
+* :func:`follow_dtype_limits` (``follow_dtype_limits.py``): a ``torch.finfo(x.dtype)`` literal follows ``x``'s new dtype.
 * :func:`propagate_dtypes` (``propagate_dtypes.py``): refresh ``meta["val"]`` after dtypes changed.
 * :func:`cast_report` / :func:`casts_in` / :func:`count_casts` (``cast_report.py``): the casts in a graph
   (Campo's "casts per plan" metric); :func:`count_autocast_casts` counts the ones real ``torch.autocast``
@@ -25,11 +26,13 @@ from compfx.vocabulary import Category, Float8Recipe, Precision
 
 from .float8 import Float8Matmul, float8_matmuls
 from .cast_report import CastInfo, CastReport, cast_report, casts_in, count_autocast_casts, count_casts
+from .follow_dtype_limits import follow_dtype_limits
 from .insert_casts import insert_casts
 from .propagate_dtypes import propagate_dtypes
 from .restore_output_dtypes import output_dtypes, restore_output_dtypes
 
-__all__ = ["apply_precisions", "insert_casts", "float8_matmuls", "Float8Matmul", "restore_output_dtypes", "output_dtypes", "propagate_dtypes",
+__all__ = ["apply_precisions", "insert_casts", "float8_matmuls", "Float8Matmul", "follow_dtype_limits",
+           "restore_output_dtypes", "output_dtypes", "propagate_dtypes",
            "cast_report", "casts_in", "count_casts", "count_autocast_casts", "CastReport", "CastInfo"]
 
 
@@ -37,8 +40,9 @@ def apply_precisions(gm: fx.GraphModule, precisions: Mapping[OpKey, Precision | 
                      categories: Mapping[OpKey, Category | str] | None = None,
                      default_precision: Precision | str | None = None,
                      restore_outputs: bool = True, fp8_recipe: Float8Recipe | str | None = None) -> fx.GraphModule:
-    """:func:`insert_casts`, :func:`float8_matmuls` (ops at ``fp8``, scaled by ``fp8_recipe``), then (unless
-    ``restore_outputs`` is False) :func:`restore_output_dtypes`; returns ``gm``.
+    """:func:`insert_casts`, :func:`float8_matmuls` (ops at ``fp8``, scaled by ``fp8_recipe``),
+    :func:`follow_dtype_limits`, then (unless ``restore_outputs`` is False) :func:`restore_output_dtypes`;
+    returns ``gm``.
 
     >>> import torch, compfx
     >>> from compfx.passes import apply_precisions
@@ -50,4 +54,5 @@ def apply_precisions(gm: fx.GraphModule, precisions: Mapping[OpKey, Precision | 
     dtypes = output_dtypes(gm)
     insert_casts(gm, precisions, low_dtype=low_dtype, categories=categories, default_precision=default_precision)
     float8_matmuls(gm, precisions, recipe=fp8_recipe)
+    follow_dtype_limits(gm)
     return restore_output_dtypes(gm, dtypes) if restore_outputs else gm

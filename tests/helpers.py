@@ -59,7 +59,9 @@ def seeded_grads(module, kwargs, *, autocast_dtype=None):
             out = module(**kwargs)
     out = out if isinstance(out, torch.Tensor) else out["logits"]
     (out.float() * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
-    return out.detach(), {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
+    # an OptimizedModule (torch.compile) names its model's parameters "_orig_mod.<name>"
+    return out.detach(), {name.removeprefix("_orig_mod."): p.grad.clone() for name, p in module.named_parameters()
+                          if p.grad is not None}
 
 
 def assert_bitwise(reference, planned):

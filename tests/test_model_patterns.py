@@ -35,6 +35,129 @@ def _amp_matches_autocast(model, kwargs, low_dtype=torch.bfloat16, method="auto"
     return analysis
 
 
+def _train(model, step_model, x, steps=3):
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = (step_model(**x) if isinstance(x, dict) else step_model(x)).float().square().mean()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+# ---------------------------------------------------------------------------
+# constants read from a tensor's dtype
+
+
+class FinfoMaskedAttention(nn.Module):
+    """Eager attention masked the way many implementations do: ``masked_fill(~mask, torch.finfo(s.dtype).min)``.
+
+    With left padding, a padded query sees no key at all: its row is all ``min``, whose softmax is uniform;
+    an infinite mask there gives NaN.
+    """
+
+    def __init__(self, dim: int = 16):
+        super().__init__()
+        self.q, self.k, self.v, self.o = (nn.Linear(dim, dim) for _ in range(4))
+
+    def forward(self, x, keep):
+        scores = self.q(x) @ self.k(x).transpose(-1, -2) / 4.0
+        causal = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+        scores = scores.masked_fill(~(causal & keep[:, None, :]), torch.finfo(scores.dtype).min)
+        return self.o(torch.softmax(scores, dim=-1) @ self.v(x))
+
+
+def _padded(batch: int, length: int, seed: int = 0) -> dict:
+    """Inputs of :class:`FinfoMaskedAttention`: the last sequence left-padded by three tokens."""
+    keep = torch.ones(batch, length, dtype=torch.bool)
+    keep[-1, :3] = False
+    return {"x": _x(batch, length, 16, seed=seed), "keep": keep}
+
+
+def test_finfo_masking_under_a_bf16_plan_is_autocast():
+    torch.manual_seed(0)
+    model, kwargs = FinfoMaskedAttention(), _padded(2, 8)
+    analysis = _amp_matches_autocast(model, kwargs)
+    planned = PlannedModule(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    assert_bitwise(seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16), seeded_grads(planned, kwargs))
+    longer = _padded(2, 12, seed=1)  # a new input signature: captured again, the same rule
+    assert_bitwise(seeded_grads(model, longer, autocast_dtype=torch.bfloat16), seeded_grads(planned, longer))
+
+
+def test_finfo_masking_under_the_compile_backend_is_autocast():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, kwargs = FinfoMaskedAttention(), _padded(2, 8)
+    analysis = compfx.analyze(model, kwargs)
+    try:
+        compiled = torch.compile(model, backend=compfx.backend(compfx.Plan.amp(analysis), inner="aot_eager"))
+        out, grads = seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16)
+        assert_bitwise((out.float(), grads), seeded_grads(compiled, kwargs))  # the backend returns FP32 outputs
+    finally:
+        torch._dynamo.reset()
+
+
+def test_finfo_masking_trains_under_inductor(tmp_path, monkeypatch):
+    """Inductor turned the FP32 limit into bf16 -inf (NaN losses); now it trains as autocast does."""
+    from compfx.cache import CACHE_DIR_ENV
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))  # no cached plan: the backend runs Plan.amp
+    torch._dynamo.reset()
+    x = _padded(2, 8)
+    torch.manual_seed(0)
+    eager, compiled_model = FinfoMaskedAttention(), FinfoMaskedAttention()
+    compiled_model.load_state_dict(eager.state_dict())
+
+    def under_autocast(**batch):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return eager(**batch)
+
+    try:
+        expected = _train(eager, under_autocast, x)
+        got = _train(compiled_model, torch.compile(compiled_model, backend="compfx"), x)
+    finally:
+        torch._dynamo.reset()
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-3)
+
+
+def test_a_search_that_rewards_low_precision_finds_low_plans_for_finfo_masking():
+    """Every low candidate used to fail on the FP32 literal, and the search fell back to FP32."""
+    from compfx import SearchConfig, optimize
+    from tests.helpers import fp32_op_count
+
+    torch.manual_seed(0)
+    model = FinfoMaskedAttention()
+    opt = torch.optim.SGD(model.parameters(), lr=0.01)
+    loader = [_padded(4, 8, seed=i) for i in range(3)]
+    result = optimize(model, loader, optimizer=opt, loss_fn=lambda out, batch: out.float().square().mean(),
+                      config=SearchConfig(cost_fn=fp32_op_count, predictor="off", progress=False, warmup=0,
+                                          repeats=1, stage2_check_batches=1, cache_plan=False))
+    failed = [r for r in result.log.samples() if str(r.status) == "error"]
+    assert not failed, failed[0].reason
+    assert list(result.plan.values()).count("low") >= 4  # the four projections and the two matmuls
+
+
+class FinfoClamp(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(8, 8)
+
+    def forward(self, x):
+        h = self.fc(x)
+        return torch.clamp(h, min=torch.finfo(h.dtype).min, max=torch.finfo(h.dtype).max) * 2
+
+
+def test_the_cost_model_prices_an_op_that_takes_a_finfo_limit_at_low_precision():
+    from compfx.costmodel.profile import profile_ops
+
+    analysis = compfx.analyze(FinfoClamp(), (_x(4, 8),))
+    clamp = next(op.key for op in analysis.ops if op.kind == "clamp")
+    profile = profile_ops(analysis, keys=[clamp], use_cache=False, repeats=1, warmup=0).ops[clamp]
+    assert not profile.skipped and profile.low_s > 0
+
+
 # ---------------------------------------------------------------------------
 # complex-valued ops are ops like any other
 
@@ -109,18 +232,6 @@ class VmapScan(nn.Module):
         h = self.inp(x)
         scanned = torch.vmap(lambda seq: torch.cumsum(seq * torch.sigmoid(self.decay), dim=0))(h)
         return self.out(scanned)
-
-
-def _train(model, step_model, x, steps=3):
-    opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    losses = []
-    for _ in range(steps):
-        opt.zero_grad()
-        loss = step_model(x).float().square().mean()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
 
 
 def test_vmap_model_trains_under_the_compfx_backend(tmp_path, monkeypatch):

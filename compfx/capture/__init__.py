@@ -28,7 +28,10 @@ Every captured graph carries, whichever tracer made it:
   ``meta["tensor_meta"]`` (shape, dtype) on tensor nodes;
 * ``meta["compfx_key"]`` (``opkey.KEY_META``), an :class:`~compfx.opkey.OpKey`,
   on every numerical op (``nodes.py``: :func:`is_numerical_op`);
-* ``gm.meta["compfx_capture_method"]``: the tracer that made it.
+* ``gm.meta["compfx_capture_method"]``: the tracer that made it;
+* ``meta["compfx_dtype_limits"]`` on calls that take a ``torch.finfo`` limit of
+  their result's dtype as a literal (``dtype_limits.py``), so that the literal
+  can follow the dtype a plan gives that result.
 
 Recorded and dynamo graphs are specialised to the example inputs and check
 them first (``signature.py``: :func:`check_input_shapes`, :func:`input_signature`).
@@ -53,6 +56,7 @@ from torch.utils import _pytree as pytree
 from ..errors import BadInputError, CaptureError
 from ..opkey import assign_op_keys
 from ._sites import ValueBranchError, error_site, first_line
+from .dtype_limits import LIMIT_META, mark_dtype_limits
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
 from .model_state import buffers_restored, get_attribute, named_tensors
 from .nodes import (
@@ -106,6 +110,8 @@ __all__ = [
     "meta_value",
     "get_attribute",
     "named_tensors",
+    "mark_dtype_limits",
+    "LIMIT_META",
 ]
 
 
@@ -164,6 +170,7 @@ def capture(
             "Try the other method= or report this model."
         )
     assign_op_keys(gm, include=is_numerical_op)
+    mark_dtype_limits(gm)
     return gm
 
 

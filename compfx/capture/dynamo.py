@@ -21,6 +21,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 from ..opkey import OpKey, assign_op_keys
+from .dtype_limits import mark_dtype_limits
 from .model_state import buffers_restored, get_attribute, named_tensors
 from .nodes import complete_metadata, is_numerical_op
 
@@ -135,7 +136,8 @@ def key_dynamo_graph(gm: fx.GraphModule, counts: dict[tuple[str, str], int] | No
 
     Dynamo graphs keep values in ``meta["example_value"]`` and lift parameters
     to placeholders; this copies the values to ``meta["val"]`` (and adds
-    ``tensor_meta``), then writes an OpKey on every numerical op. For a model
+    ``tensor_meta``), marks ``torch.finfo`` literals (:func:`~compfx.capture.mark_dtype_limits`),
+    then writes an OpKey on every numerical op. For a model
     split into several graphs, pass one ``counts`` dict to every call, in
     execution order, so call indices continue across the graphs.
 
@@ -150,4 +152,5 @@ def key_dynamo_graph(gm: fx.GraphModule, counts: dict[tuple[str, str], int] | No
     ['0:linear#0', '1:relu#0']
     """
     complete_metadata(gm)
+    mark_dtype_limits(gm)
     return list(assign_op_keys(gm, include=is_numerical_op, counts=counts))
