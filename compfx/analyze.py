@@ -18,7 +18,7 @@ import torch.nn as nn
 from tabulate import tabulate
 from torch.utils import _pytree as pytree
 
-from .capture import capture, input_signature, module_modes, normalize_example_inputs, op_nodes
+from .capture import capture, input_signature, is_pinned, module_modes, normalize_example_inputs, op_nodes
 from .errors import BadInputError
 from .float8 import fp8_eligible
 from .opkey import KEY_META, OpKey
@@ -26,8 +26,8 @@ from .oplists import classify
 from .tensor_cores import tc_eligible
 from .vocabulary import Category, check_low_dtype, default_low_dtype, dtype_name
 
-__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "describe_op", "model_device", "check_device",
-           "check_capability"]
+__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "describe_op", "category_label", "model_device",
+           "check_device", "check_capability"]
 
 Shape = tuple[int, ...]
 
@@ -45,6 +45,9 @@ class OpInfo:
     #: Can it run FP8 (:mod:`compfx.float8`)? Only set by ``analyze(..., fp8=True)``; the search decides "should".
     fp8_eligible: bool = False
     fp8_reason: str = "FP8 not analysed (analyze(..., fp8=True))"
+    #: Inside one of the model's ``torch.autocast(enabled=False)`` blocks (:mod:`compfx.capture.autocast_blocks`):
+    #: ``Plan.amp`` runs it in FP32, and the search leaves it there unless ``SearchConfig(search_pinned=True)``.
+    pinned: bool = False
 
     @property
     def kind(self) -> str:
@@ -52,8 +55,9 @@ class OpInfo:
 
     @property
     def adjustable_in_stage1(self) -> bool:
-        """CoMP Stage 1 tries this op at both precisions (blacklist, or whitelist without TC)."""
-        return self.category is Category.BLACKLIST or (self.category is Category.WHITELIST and not self.tc_eligible)
+        """CoMP Stage 1 tries this op at both precisions (blacklist, or whitelist without TC), unless it is pinned."""
+        return not self.pinned and (self.category is Category.BLACKLIST
+                                    or (self.category is Category.WHITELIST and not self.tc_eligible))
 
 
 @dataclass(frozen=True, eq=False)
@@ -110,7 +114,7 @@ class Analysis:
             headers.append("precision")
         rows = []
         for i, op in enumerate(self.ops):
-            row = [i, str(op.key), op.category, "yes" if op.tc_eligible else "no", op.reason,
+            row = [i, str(op.key), category_label(op), "yes" if op.tc_eligible else "no", op.reason,
                    " ".join("x".join(map(str, s)) for s in op.input_shapes)]
             if precisions is not None:
                 row.append(precisions.get(op.key, "-"))
@@ -120,10 +124,17 @@ class Analysis:
     def summary(self) -> str:
         counts = {c: sum(op.category is c for op in self.ops) for c in Category}
         tc = sum(op.tc_eligible for op in self.ops)
+        pinned = sum(op.pinned for op in self.ops)
         return (f"{len(self.ops)} ops on {self.device} (low dtype {dtype_name(self.low_dtype)}): "
                 f"{counts[Category.WHITELIST]} whitelist ({tc} tensor-core eligible), "
-                f"{counts[Category.BLACKLIST]} blacklist, {counts[Category.OTHER]} other; "
-                f"Stage 1 adjusts {len(self.stage1_adjustable)}.")
+                f"{counts[Category.BLACKLIST]} blacklist, {counts[Category.OTHER]} other"
+                + (f"; {pinned} pinned to FP32 by the model's autocast(enabled=False) blocks" if pinned else "")
+                + f"; Stage 1 adjusts {len(self.stage1_adjustable)}.")
+
+
+def category_label(op) -> str:
+    """An op's category as tables print it: ``"whitelist"``, or ``"whitelist, pinned"`` for a pinned op."""
+    return f"{op.category}, pinned" if getattr(op, "pinned", False) else str(op.category)
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -200,7 +211,7 @@ def describe_op(node: fx.Node, *, device: torch.device, low_dtype: torch.dtype,
     eligible, reason = tc_eligible(key.kind, category, input_shapes, low_dtype=low_dtype, device=device,
                                    capability=capability,
                                    groups=_conv_groups(node) if key.kind.startswith("conv") else 1)
-    info = OpInfo(key, category, eligible, reason, input_shapes, _shapes(node.meta.get("val")))
+    info = OpInfo(key, category, eligible, reason, input_shapes, _shapes(node.meta.get("val")), pinned=is_pinned(node))
     if not fp8:
         return info
     can, why = fp8_eligible(key.kind, input_shapes, device=device, capability=capability,

@@ -293,3 +293,129 @@ def test_an_unused_random_draw_is_kept():
     expected = model(x)
     torch.manual_seed(5)
     assert torch.equal(planned(x), expected)
+
+
+# ---------------------------------------------------------------------------
+# blocks the model's author pinned to FP32
+
+
+class PinnedRotary(nn.Module):
+    """Rotary angles computed in an ``autocast(enabled=False)`` block, as many LLMs do: half precision cannot
+    hold ``position * frequency`` exactly at large positions. The matmul inside is on autocast's lower list."""
+
+    def __init__(self, dim: int = 16, device_type: str | None = None):
+        super().__init__()
+        self.q, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+        self.register_buffer("inv_freq", 1.0 / 10000 ** (torch.arange(0, dim, 2).float() / dim))
+        self.device_type = device_type  # None: the input's, as model code writes it
+
+    def forward(self, x, positions):
+        q = self.q(x)
+        with torch.autocast(self.device_type or x.device.type, enabled=False):
+            angles = positions[:, :, None].float() @ self.inv_freq[None, None, :].float()
+            emb = torch.cat([angles, angles], dim=-1)
+            cos, sin = emb.cos(), emb.sin()
+        rotated = torch.cat([-q[..., q.shape[-1] // 2:], q[..., : q.shape[-1] // 2]], dim=-1)
+        return self.out(q * cos + rotated * sin)
+
+
+def _rotary_inputs(batch=2, length=8, seed=0):
+    return {"x": _x(batch, length, 16, seed=seed), "positions": (torch.arange(length) * 997.0)[None].expand(batch, -1)}
+
+
+def _pinned_kinds(analysis):
+    return sorted(op.kind for op in analysis.ops if op.pinned)
+
+
+def test_ops_in_an_autocast_disabled_block_are_pinned_and_amp_keeps_them_fp32():
+    torch.manual_seed(0)
+    analysis = _amp_matches_autocast(PinnedRotary(), _rotary_inputs())
+    assert _pinned_kinds(analysis) == ["cos", "matmul", "sin"]
+    plan = compfx.Plan.amp(analysis)
+    assert {str(plan[op.key]) for op in analysis.ops if op.pinned} == {"fp32"}
+    assert "3 pinned to FP32" in analysis.summary() and "whitelist, pinned" in analysis.table()
+
+
+def test_a_block_for_another_device_type_pins_nothing():
+    """``autocast("cuda", enabled=False)`` leaves CPU autocast on, and the CPU ops as they are."""
+    analysis = compfx.analyze(PinnedRotary(device_type="cuda"), _rotary_inputs())  # the model runs on the CPU
+    assert _pinned_kinds(analysis) == []
+
+
+def test_the_planned_graph_opens_the_models_block_around_the_pinned_ops():
+    model = PinnedRotary()
+    analysis = compfx.analyze(model, _rotary_inputs())
+    planned = apply(model, compfx.Plan.amp(analysis), analysis=analysis)
+    nodes = list(planned.graph.nodes)
+    (enter,) = [n for n in nodes if n.target is torch.amp.autocast_mode._enter_autocast]
+    (leave,) = [n for n in nodes if n.target is torch.amp.autocast_mode._exit_autocast]
+    assert enter.args[:3] == ("cpu", None, False) and leave.args == (enter,)
+    inside = nodes[nodes.index(enter) + 1:nodes.index(leave)]
+    assert {str(n.meta["compfx_key"].kind) for n in inside if "compfx_key" in n.meta} == {"matmul", "cos", "sin"}
+
+
+def _search(model, loader, **config):
+    from compfx import SearchConfig, optimize
+    from tests.helpers import fp32_op_count
+
+    return optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
+                    loss_fn=lambda out, batch: out.float().square().mean(),
+                    config=SearchConfig(cost_fn=fp32_op_count, predictor="off", progress=False, warmup=0, repeats=1,
+                                        stage2_check_batches=1, cache_plan=False, **config))
+
+
+def test_a_search_that_rewards_low_precision_leaves_pinned_ops_fp32_and_the_report_marks_them():
+    torch.manual_seed(0)
+    loader = [_rotary_inputs(seed=i) for i in range(2)]
+    result = _search(PinnedRotary(), loader, threshold=100.0)
+    pinned = [op.key for op in result.analysis.ops if op.pinned]
+    assert pinned and all(result.plan[key] == "fp32" for key in pinned)
+    assert "low" in result.plan.values()  # the rest did go low: the cost rewards it
+    table_rows = [line for line in result.report().splitlines() if ", pinned" in line]
+    assert len(table_rows) == len(pinned)
+
+
+def test_search_pinned_lets_the_search_lower_pinned_ops():
+    torch.manual_seed(0)
+    loader = [_rotary_inputs(seed=i) for i in range(2)]
+    result = _search(PinnedRotary(), loader, threshold=100.0, search_pinned=True)
+    matmul = next(op.key for op in result.analysis.ops if op.pinned and op.kind == "matmul")
+    assert result.plan[matmul] == "low"
+
+
+def test_the_compile_backend_keeps_pinned_ops_fp32():
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model, kwargs = PinnedRotary(), _rotary_inputs()
+    try:
+        backend = compfx.backend(inner="aot_eager")
+        torch.compile(model, backend=backend)(**kwargs)
+        (record,) = backend.records
+    finally:
+        torch._dynamo.reset()
+    matmul = next(key for key in record.precisions if key.kind == "matmul")
+    assert record.precisions[matmul] == "fp32" and record.compute_dtypes[matmul] == torch.float32
+
+
+class MaybeAutocastRotary(PinnedRotary):
+    """Hugging Face's ``maybe_autocast``: the block opens only when autocast is on (transformers 5.2x)."""
+
+    def forward(self, x, positions):
+        from transformers.utils.generic import maybe_autocast
+
+        q = self.q(x)
+        with maybe_autocast(x.device.type, enabled=False):
+            angles = positions[:, :, None].float() @ self.inv_freq[None, None, :].float()
+            cos = torch.cat([angles, angles], dim=-1).cos()
+        return self.out(q * cos)
+
+
+def test_a_block_that_opens_only_under_autocast_is_pinned():
+    pytest.importorskip("transformers.utils.generic", exc_type=ImportError)
+    from transformers.utils import generic
+
+    if not hasattr(generic, "maybe_autocast"):
+        pytest.skip("this transformers opens its blocks with torch.autocast itself")
+    torch.manual_seed(0)
+    analysis = _amp_matches_autocast(MaybeAutocastRotary(), _rotary_inputs())
+    assert _pinned_kinds(analysis) == ["cos", "matmul"]

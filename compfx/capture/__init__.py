@@ -31,7 +31,10 @@ Every captured graph carries, whichever tracer made it:
 * ``gm.meta["compfx_capture_method"]``: the tracer that made it;
 * ``meta["compfx_dtype_limits"]`` on calls that take a ``torch.finfo`` limit of
   their result's dtype as a literal (``dtype_limits.py``), so that the literal
-  can follow the dtype a plan gives that result.
+  can follow the dtype a plan gives that result;
+* the model's own ``torch.autocast`` blocks as ``_enter_autocast`` /
+  ``_exit_autocast`` nodes, and ``meta["compfx_pinned"]`` on the ops of its
+  ``enabled=False`` blocks (``autocast_blocks.py``).
 
 Recorded and dynamo graphs are specialised to the example inputs and check
 them first (``signature.py``: :func:`check_input_shapes`, :func:`input_signature`).
@@ -56,6 +59,7 @@ from torch.utils import _pytree as pytree
 from ..errors import BadInputError, CaptureError
 from ..opkey import assign_op_keys
 from ._sites import ValueBranchError, error_site, first_line
+from .autocast_blocks import PINNED_META, autocast_probe, holds_half_precision, is_pinned, mark_pinned
 from .dtype_limits import LIMIT_META, mark_dtype_limits
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
 from .model_state import buffers_restored, get_attribute, named_tensors
@@ -112,6 +116,9 @@ __all__ = [
     "named_tensors",
     "mark_dtype_limits",
     "LIMIT_META",
+    "mark_pinned",
+    "is_pinned",
+    "PINNED_META",
 ]
 
 
@@ -171,15 +178,17 @@ def capture(
         )
     assign_op_keys(gm, include=is_numerical_op)
     mark_dtype_limits(gm)
+    mark_pinned(gm)
     return gm
 
 
 def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
     """The method choice: each tracer ``method`` allows, in order, until one gives a graph."""
     failures: list[str] = []
+    device_type = _device_type(model, args, kwargs)
     if method in ("auto", "symbolic"):
         try:
-            gm = symbolic_capture(model, args, kwargs, leaf_modules)
+            gm = _as_under_autocast(lambda: symbolic_capture(model, args, kwargs, leaf_modules), device_type)
             gm.meta["compfx_capture_method"] = "symbolic"
             return gm
         except BadInputError:
@@ -200,7 +209,7 @@ def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
         )
     if method in ("auto", "record"):
         try:
-            gm = record_capture(model, args, kwargs)
+            gm = _as_under_autocast(lambda: record_capture(model, args, kwargs), device_type)
             gm.meta["compfx_capture_method"] = "record"
             return with_input_check(gm)
         except ValueBranchError as error:
@@ -217,6 +226,26 @@ def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
         raise CaptureError(_capture_advice(model, failures)) from error
     gm.meta["compfx_capture_method"] = "dynamo"
     return with_input_check(gm)
+
+
+def _as_under_autocast(trace, device_type: str) -> fx.GraphModule:
+    """``trace()`` with autocast on at FP32 for the model's device (``autocast_blocks.autocast_probe``), so the
+    model opens the ``autocast(enabled=False)`` blocks it opens under the user's autocast; again without it
+    when the graph holds half-precision values (FP32 autocast may have cast them) or autocast refused an op."""
+    try:
+        with autocast_probe(device_type):
+            gm = trace()
+    except CaptureError as error:
+        if "autocast" not in str(error):
+            raise
+        return trace()
+    return trace() if holds_half_precision(gm) else gm
+
+
+def _device_type(model: nn.Module, args: tuple, kwargs: dict) -> str:
+    """Where the model computes: its parameters' device type, else its inputs', else ``"cpu"``."""
+    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
+    return next((t.device.type for t in tensors if isinstance(t, torch.Tensor)), "cpu")
 
 
 @contextlib.contextmanager

@@ -126,7 +126,7 @@ def complete_metadata(gm: fx.GraphModule) -> list[fx.Node]:
             node.meta["val"] = pytree.tree_map(
                 lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, node.args[0]
             )
-        if "val" not in node.meta and node.op != "output" and not node.users:
+        if "val" not in node.meta and node.op != "output" and (not node.users or _opens_autocast_block(node)):
             node.meta["val"] = None  # a call kept only for its side effect, e.g. _set_grad_enabled
         if "val" not in node.meta:
             missing.append(node)
@@ -135,6 +135,11 @@ def complete_metadata(gm: fx.GraphModule) -> list[fx.Node]:
         if meta is not None:
             node.meta["tensor_meta"] = meta
     return missing
+
+
+def _opens_autocast_block(node: fx.Node) -> bool:
+    """``_enter_autocast``: its result is the block, which only ``_exit_autocast`` reads."""
+    return node.op == "call_function" and node.target is torch.amp.autocast_mode._enter_autocast
 
 
 def has_side_effects(node: fx.Node) -> bool:

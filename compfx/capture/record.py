@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 from ._sites import ValueBranchError, error_site, first_line, user_line
+from .autocast_blocks import AutocastBlocks
 from .model_state import named_tensors
 from .nodes import has_side_effects, is_in_place
 
@@ -90,7 +91,8 @@ def _run_forward(model: nn.Module, recorder: _CallRecorder, fake_mode: FakeTenso
 
     hook = model.register_forward_hook(check_state)
     try:
-        with recorder.tracking_modules(model), fake_mode, recorder, warnings.catch_warnings():
+        with recorder.tracking_modules(model), fake_mode, recorder, AutocastBlocks(recorder.add_call), \
+                warnings.catch_warnings():
             warnings.simplefilter("ignore")  # the eager run says the same
             output = torch.func.functional_call(model, state, args, kwargs, tie_weights=False, strict=False)
     except CaptureError:
@@ -331,6 +333,13 @@ class _CallRecorder(TorchFunctionMode):
         target = self._saved_grad_mode if mode == self._grad_mode_at_start else mode
         self.graph.call_function(torch._C._set_grad_enabled, (target,)).meta["val"] = None
         self._graph_grad_mode = mode
+
+    def add_call(self, target, args: tuple) -> fx.Node:
+        """A call kept for its effect, not a tensor (the enter and exit of the model's autocast blocks)."""
+        self._follow_grad_mode()
+        node = self.graph.call_function(target, args)
+        node.meta["val"] = None
+        return node
 
     def finish_grad_mode(self) -> None:
         if self._saved_grad_mode is not None and self._graph_grad_mode != self._grad_mode_at_start:

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError, CaptureError
 from ._sites import ValueBranchError, error_site, first_line, user_line
+from .autocast_blocks import AutocastBlocks
 from .model_state import get_attribute, named_tensors
 from .nodes import has_side_effects
 
@@ -43,7 +44,8 @@ def symbolic_capture(model: nn.Module, args: tuple, kwargs: dict, leaf_modules) 
     provided, concrete_args = _bind_inputs(model, args, kwargs)
     tracer = _SpecializingTracer(leaf_modules, FakeTensorMode(allow_non_fake_inputs=True), provided)
     try:
-        graph = tracer.trace(model, concrete_args=concrete_args or None)
+        with AutocastBlocks(tracer.add_call):
+            graph = tracer.trace(model, concrete_args=concrete_args or None)
     except CaptureError:
         raise
     except Exception as error:  # torch.fx TraceError and friends: say where
@@ -224,6 +226,13 @@ class _SpecializingTracer(fx.Tracer):
         switch = self.create_node("call_function", torch._C._set_grad_enabled, (target_mode,), {})
         self.values[switch] = None
         self._graph_grad_mode = mode
+
+    def add_call(self, target, args: tuple) -> fx.Node:
+        """A call kept for its effect, not a value (the enter and exit of the model's autocast blocks)."""
+        self._follow_grad_mode()
+        node = self.create_node("call_function", target, args, {})
+        self.values[node] = None
+        return node
 
     def restore_grad_mode_before(self, graph: fx.Graph) -> None:
         if self._saved_grad_mode is None or self._graph_grad_mode == self._grad_mode_at_start:

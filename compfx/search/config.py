@@ -84,6 +84,10 @@ class SearchConfig:
       ``"rowwise"`` or ``"rowwise_with_gw_hp"``, torchao's recipe names). Where
       float8 GEMMs are emulated (no GPU of compute capability 8.9+) FP8 is slow,
       so give a ``cost_fn`` that prices it as the target hardware would.
+    * ``search_pinned``: ops inside the model's own ``torch.autocast(enabled=False)``
+      blocks are pinned to FP32 (``OpInfo.pinned``), as autocast keeps them; the
+      search never lowers them unless this is True, which searches them as the
+      op kinds they are.
 
     Every field's type is checked strictly: a bool is ``True`` or ``False`` (not
     ``"no"``), a number is a real int or float (not a bool), finite and in range.
@@ -115,6 +119,7 @@ class SearchConfig:
     cache_dir: str | os.PathLike | None = field(default=None, metadata={DECIDES: False})
     fp8: bool = False
     fp8_recipe: str = "tensorwise"
+    search_pinned: bool = False
 
     def __post_init__(self):
         self._real("threshold", low=1, example="1.01 (accept plans whose loss is within 1% of FP32's)")
@@ -122,7 +127,7 @@ class SearchConfig:
                           ("stage2_check_batches", 0)):
             self._int(name, low)
         self._int("seed", _SEED_MIN, _SEED_MAX, "what torch.manual_seed accepts")
-        for name in ("progress", "keep_search_training", "prune", "per_device", "cache_plan", "fp8"):
+        for name in ("progress", "keep_search_training", "prune", "per_device", "cache_plan", "fp8", "search_pinned"):
             if not isinstance(getattr(self, name), bool):
                 _refuse(name, getattr(self, name), "True or False")
         if self.grad_scaler is not None and not isinstance(self.grad_scaler, bool):
