@@ -34,7 +34,10 @@ Every captured graph carries, whichever tracer made it:
   can follow the dtype a plan gives that result;
 * the model's own ``torch.autocast`` blocks as ``_enter_autocast`` /
   ``_exit_autocast`` nodes, and ``meta["compfx_pinned"]`` on the ops of its
-  ``enabled=False`` blocks (``autocast_blocks.py``).
+  ``enabled=False`` blocks (``autocast_blocks.py``);
+* on a recorded graph, ``meta["compfx_dtype_read"]`` on each activation whose
+  dtype the model's Python read (``dtype_reads.py``): that dtype is a constant
+  of the graph, and :func:`changed_dtype_reads` names those a plan changes.
 
 Recorded and dynamo graphs are specialised to the example inputs and check
 them first (``signature.py``: :func:`check_input_shapes`, :func:`input_signature`).
@@ -61,6 +64,7 @@ from ..opkey import assign_op_keys
 from ._sites import ValueBranchError, error_site, first_line
 from .autocast_blocks import PINNED_META, autocast_probe, holds_half_precision, is_pinned, mark_pinned
 from .dtype_limits import LIMIT_META, mark_dtype_limits
+from .dtype_reads import DTYPE_READ_META, changed_dtype_reads
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
 from .model_state import buffers_restored, get_attribute, named_tensors
 from .nodes import (
@@ -119,6 +123,8 @@ __all__ = [
     "mark_pinned",
     "is_pinned",
     "PINNED_META",
+    "changed_dtype_reads",
+    "DTYPE_READ_META",
 ]
 
 

@@ -28,6 +28,7 @@ from torch.utils import _pytree as pytree
 from ..errors import CaptureError
 from ._sites import ValueBranchError, error_site, first_line, user_line
 from .autocast_blocks import AutocastBlocks
+from .dtype_reads import mark_dtype_read
 from .model_state import named_tensors
 from .nodes import has_side_effects, is_in_place
 
@@ -271,6 +272,8 @@ class _CallRecorder(TorchFunctionMode):
             result = func(*args, **kwargs)
         except DataDependentOutputException as error:
             raise self._value_read_error(name, error) from error
+        if name == "__get__" and isinstance(result, torch.dtype) and args and id(args[0]) in self.node_of:
+            mark_dtype_read(self.node_of[id(args[0])], result, user_line())  # x.dtype: kept as a constant
         writes = _writes(name, kwargs)
         if not writes:
             result = _distinct_from_inputs(result, args, kwargs)
