@@ -419,3 +419,23 @@ def test_a_block_that_opens_only_under_autocast_is_pinned():
     torch.manual_seed(0)
     analysis = _amp_matches_autocast(MaybeAutocastRotary(), _rotary_inputs())
     assert _pinned_kinds(analysis) == ["cos", "matmul"]
+
+
+class HalfPrecisionBlock(nn.Module):
+    """A model that holds a bf16 layer: capture's FP32 autocast would cast its inputs, so it is captured without."""
+
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8).bfloat16()
+
+    def forward(self, x):
+        return self.b(self.a(x).bfloat16()).float()
+
+
+def test_a_model_with_half_precision_layers_is_captured_as_it_runs():
+    model, x = HalfPrecisionBlock(), _x(2, 8)
+    gm = compfx.capture(model, (x,))
+    dtypes = {str(n.meta["compfx_key"]): n.meta["val"].dtype for n in compfx.op_nodes(gm)}
+    assert dtypes == {"a:linear#0": torch.float32, "b:linear#0": torch.bfloat16}
+    analysis = compfx.analyze(model, (x,))
+    assert torch.equal(apply(model, compfx.Plan.fp32(analysis), analysis=analysis)(x), model(x))

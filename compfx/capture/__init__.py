@@ -191,7 +191,9 @@ def capture(
 def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
     """The method choice: each tracer ``method`` allows, in order, until one gives a graph."""
     failures: list[str] = []
-    device_type = _device_type(model, args, kwargs)
+    # Eval-mode graphs are captured without the probe: torch.nn's inference fast paths (MultiheadAttention,
+    # TransformerEncoderLayer) switch off whenever autocast is on, and eval runs them in FP32 as eager does.
+    device_type = _device_type(model, args, kwargs) if model.training else None
     if method in ("auto", "symbolic"):
         try:
             gm = _as_under_autocast(lambda: symbolic_capture(model, args, kwargs, leaf_modules), device_type)
@@ -234,10 +236,13 @@ def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
     return with_input_check(gm)
 
 
-def _as_under_autocast(trace, device_type: str) -> fx.GraphModule:
+def _as_under_autocast(trace, device_type: str | None) -> fx.GraphModule:
     """``trace()`` with autocast on at FP32 for the model's device (``autocast_blocks.autocast_probe``), so the
     model opens the ``autocast(enabled=False)`` blocks it opens under the user's autocast; again without it
-    when the graph holds half-precision values (FP32 autocast may have cast them) or autocast refused an op."""
+    when the graph holds half-precision values (FP32 autocast may have cast them) or autocast refused an op.
+    No device type: no probe."""
+    if device_type is None:
+        return trace()
     try:
         with autocast_probe(device_type):
             gm = trace()
