@@ -354,25 +354,28 @@ def test_the_planned_graph_opens_the_models_block_around_the_pinned_ops():
     assert {str(n.meta["compfx_key"].kind) for n in inside if "compfx_key" in n.meta} == {"matmul", "cos", "sin"}
 
 
-def _search(model, loader, **config):
+def _search(model, loader, log=None, **config):
     from compfx import SearchConfig, optimize
     from tests.helpers import fp32_op_count
 
-    return optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3),
+    return optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3), log=log,
                     loss_fn=lambda out, batch: out.float().square().mean(),
                     config=SearchConfig(cost_fn=fp32_op_count, predictor="off", progress=False, warmup=0, repeats=1,
                                         stage2_check_batches=1, cache_plan=False, **config))
 
 
-def test_a_search_that_rewards_low_precision_leaves_pinned_ops_fp32_and_the_report_marks_them():
+def test_a_search_that_rewards_low_precision_leaves_pinned_ops_fp32_and_the_report_marks_them(tmp_path):
+    from compfx.report import render_log_report
+
     torch.manual_seed(0)
     loader = [_rotary_inputs(seed=i) for i in range(2)]
-    result = _search(PinnedRotary(), loader, threshold=100.0)
+    result = _search(PinnedRotary(), loader, log=tmp_path / "search.jsonl", threshold=100.0)
     pinned = [op.key for op in result.analysis.ops if op.pinned]
     assert pinned and all(result.plan[key] == "fp32" for key in pinned)
     assert "low" in result.plan.values()  # the rest did go low: the cost rewards it
-    table_rows = [line for line in result.report().splitlines() if ", pinned" in line]
-    assert len(table_rows) == len(pinned)
+    for report in (result.report(), render_log_report(tmp_path / "search.jsonl")):
+        marked = [line.split()[1] for line in report.splitlines() if ", pinned" in line]
+        assert marked == [str(key) for key in pinned]
 
 
 def test_search_pinned_lets_the_search_lower_pinned_ops():
