@@ -336,6 +336,25 @@ def test_ops_in_an_autocast_disabled_block_are_pinned_and_amp_keeps_them_fp32():
     assert "3 pinned to FP32" in analysis.summary() and "whitelist, pinned" in analysis.table()
 
 
+class PinnedHead(nn.Module):
+    """A head pinned to FP32 with a literal device type, which the symbolic tracer follows."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.head = nn.Linear(16, 16), nn.Linear(16, 4)
+
+    def forward(self, x):
+        h = torch.relu(self.fc(x))
+        with torch.autocast("cpu", enabled=False):
+            return self.head(h.float())
+
+
+def test_the_symbolic_tracer_keeps_the_block_too():
+    torch.manual_seed(0)
+    analysis = _amp_matches_autocast(PinnedHead(), {"x": _x(4, 16)}, method="symbolic")
+    assert analysis.capture_method == "symbolic" and [str(op.key) for op in analysis.ops if op.pinned] == ["head:linear#0"]
+
+
 def test_a_block_for_another_device_type_pins_nothing():
     """``autocast("cuda", enabled=False)`` leaves CPU autocast on, and the CPU ops as they are."""
     analysis = compfx.analyze(PinnedRotary(device_type="cuda"), _rotary_inputs())  # the model runs on the CPU

@@ -191,9 +191,7 @@ def capture(
 def _capture_with(model, args, kwargs, leaf_modules, method) -> fx.GraphModule:
     """The method choice: each tracer ``method`` allows, in order, until one gives a graph."""
     failures: list[str] = []
-    # Eval-mode graphs are captured without the probe: torch.nn's inference fast paths (MultiheadAttention,
-    # TransformerEncoderLayer) switch off whenever autocast is on, and eval runs them in FP32 as eager does.
-    device_type = _device_type(model, args, kwargs) if model.training else None
+    device_type = _probed_device_type(model, args, kwargs)
     if method in ("auto", "symbolic"):
         try:
             gm = _as_under_autocast(lambda: symbolic_capture(model, args, kwargs, leaf_modules), device_type)
@@ -247,16 +245,21 @@ def _as_under_autocast(trace, device_type: str | None) -> fx.GraphModule:
         with autocast_probe(device_type):
             gm = trace()
     except CaptureError as error:
-        if "autocast" not in str(error):
+        if "unsafe to autocast" not in str(error):  # CUDA autocast refuses binary_cross_entropy
             raise
         return trace()
     return trace() if holds_half_precision(gm) else gm
 
 
-def _device_type(model: nn.Module, args: tuple, kwargs: dict) -> str:
-    """Where the model computes: its parameters' device type, else its inputs', else ``"cpu"``."""
-    tensors = [*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs))]
-    return next((t.device.type for t in tensors if isinstance(t, torch.Tensor)), "cpu")
+def _probed_device_type(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
+    """The device type to capture under FP32 autocast: the parameters', else the inputs', else ``"cpu"``; None
+    (no probe) in eval mode, where torch.nn's inference fast paths switch off whenever autocast is on, and for a
+    model or inputs holding half-precision tensors, which FP32 autocast would cast."""
+    tensors = [t for t in (*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs)))
+               if isinstance(t, torch.Tensor)]
+    if not model.training or any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
+        return None
+    return tensors[0].device.type if tensors else "cpu"
 
 
 @contextlib.contextmanager

@@ -21,7 +21,7 @@ nothing inside the block. compfx keeps the block and what it means:
   autocast on for the model's device, at FP32 (:func:`autocast_probe`), which
   casts nothing in an FP32 model: the model opens the blocks it opens under
   the user's autocast. A model that holds half-precision tensors is captured
-  again without it (autocast would cast them).
+  without it (autocast would cast them).
 """
 
 from __future__ import annotations
