@@ -22,6 +22,18 @@ nothing inside the block. compfx keeps the block and what it means:
   casts nothing in an FP32 model: the model opens the blocks it opens under
   the user's autocast. A model that holds half-precision tensors is captured
   without it (autocast would cast them).
+
+>>> import torch, compfx
+>>> class Head(torch.nn.Module):
+...     def __init__(self):
+...         super().__init__()
+...         self.fc = torch.nn.Linear(4, 4)
+...     def forward(self, x):
+...         with torch.autocast("cpu", enabled=False):
+...             return self.fc(x.float())
+>>> a = compfx.analyze(Head(), torch.randn(2, 4))
+>>> [(str(op.key), op.pinned) for op in a.ops], str(compfx.Plan.amp(a)[a.ops[0].key])
+([('fc:linear#0', True)], 'fp32')
 """
 
 from __future__ import annotations
