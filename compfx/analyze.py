@@ -18,8 +18,8 @@ import torch.nn as nn
 from tabulate import tabulate
 from torch.utils import _pytree as pytree
 
-from .capture import (VERIFICATION_META, capture, get_attribute, input_signature, module_modes, normalize_example_inputs,
-                      op_nodes)
+from .capture import (VERIFICATION_META, capture, get_attribute, input_signature, is_pinned, module_modes,
+                      normalize_example_inputs, op_nodes)
 from .errors import BadInputError
 from .float8 import fp8_eligible
 from .opkey import KEY_META, OpKey
@@ -27,7 +27,8 @@ from .oplists import classify
 from .tensor_cores import pad_eligible, tc_eligible
 from .vocabulary import Category, check_low_dtype, default_low_dtype, dtype_name
 
-__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "fingerprint_of", "parameter_shapes", "describe_op", "model_device",
+__all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "fingerprint_of", "parameter_shapes", "describe_op",
+           "category_label", "model_device",
            "check_device", "check_capability"]
 
 Shape = tuple[int, ...]
@@ -50,6 +51,9 @@ class OpInfo:
     #: (:func:`compfx.tensor_cores.pad_eligible`)? Judged from shapes on any device; the search decides "should".
     pad_eligible: bool = False
     pad_reason: str = ""
+    #: Inside one of the model's ``torch.autocast(enabled=False)`` blocks (:mod:`compfx.capture.autocast_blocks`):
+    #: ``Plan.amp`` runs it in FP32, and the search leaves it there unless ``SearchConfig(search_pinned=True)``.
+    pinned: bool = False
 
     @property
     def kind(self) -> str:
@@ -57,8 +61,9 @@ class OpInfo:
 
     @property
     def adjustable_in_stage1(self) -> bool:
-        """CoMP Stage 1 tries this op at both precisions (blacklist, or whitelist without TC)."""
-        return self.category is Category.BLACKLIST or (self.category is Category.WHITELIST and not self.tc_eligible)
+        """CoMP Stage 1 tries this op at both precisions (blacklist, or whitelist without TC), unless it is pinned."""
+        return not self.pinned and (self.category is Category.BLACKLIST
+                                    or (self.category is Category.WHITELIST and not self.tc_eligible))
 
 
 def fingerprint_of(keys) -> str:
@@ -157,7 +162,7 @@ class Analysis:
         padded = getattr(precisions, "padded", frozenset())
         rows = []
         for i, op in enumerate(self.ops):
-            row = [i, str(op.key), op.category, "yes" if op.tc_eligible else "no", op.reason,
+            row = [i, str(op.key), category_label(op), "yes" if op.tc_eligible else "no", op.reason,
                    " ".join("x".join(map(str, s)) for s in op.input_shapes)]
             if padding:
                 row.append(("padded: " if op.key in padded else "") + op.pad_reason if op.pad_eligible else "")
@@ -170,11 +175,18 @@ class Analysis:
         counts = {c: sum(op.category is c for op in self.ops) for c in Category}
         tc = sum(op.tc_eligible for op in self.ops)
         pad = sum(op.pad_eligible for op in self.ops)
+        pinned = sum(op.pinned for op in self.ops)
         return (f"{len(self.ops)} ops on {self.device} (low dtype {dtype_name(self.low_dtype)}): "
                 f"{counts[Category.WHITELIST]} whitelist ({tc} tensor-core eligible"
                 + (f", {pad} would meet the rule if padded" if pad else "") + "), "
-                f"{counts[Category.BLACKLIST]} blacklist, {counts[Category.OTHER]} other; "
-                f"Stage 1 adjusts {len(self.stage1_adjustable)}.")
+                f"{counts[Category.BLACKLIST]} blacklist, {counts[Category.OTHER]} other"
+                + (f"; {pinned} pinned to FP32 by the model's autocast(enabled=False) blocks" if pinned else "")
+                + f"; Stage 1 adjusts {len(self.stage1_adjustable)}.")
+
+
+def category_label(op) -> str:
+    """An op's category as tables print it: ``"whitelist"``, or ``"whitelist, pinned"`` for a pinned op."""
+    return f"{op.category}, pinned" if getattr(op, "pinned", False) else str(op.category)
 
 
 def model_device(model: nn.Module) -> torch.device:
@@ -254,7 +266,7 @@ def describe_op(node: fx.Node, *, device: torch.device, low_dtype: torch.dtype,
     can_pad, pad_reason = pad_eligible(key.kind, category, input_shapes, groups=groups,
                                        is_module_call=node.op == "call_module")
     info = OpInfo(key, category, eligible, reason, input_shapes, _shapes(node.meta.get("val")),
-                  pad_eligible=can_pad, pad_reason=pad_reason)
+                  pad_eligible=can_pad, pad_reason=pad_reason, pinned=is_pinned(node))
     if not fp8:
         return info
     can, why = fp8_eligible(key.kind, input_shapes, device=device, capability=capability,

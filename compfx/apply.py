@@ -27,7 +27,7 @@ import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .analyze import Analysis, analyze, analyze_graph
-from .capture import capture, describe_inputs, input_signature, keep_checkpoints, module_modes
+from .capture import capture, changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints, module_modes
 from .capture.nodes import copy_graph
 from .errors import BadInputError, CaptureError, PlanMismatchError
 from .opkey import OpKey
@@ -122,8 +122,29 @@ def _planned_graph(model: nn.Module, analysis: Analysis, plan: Plan, categories:
     apply_precisions(gm, plan, low_dtype=plan.low_dtype, categories=categories, default_precision=Precision.FOLLOW,
                      restore_outputs=restore_output_dtypes, fp8_recipe=plan.fp8_recipe, padded=plan.padded)
     _mirror_state(gm, model)
-    gm.meta.update(compfx_plan=plan, compfx_capture_method=analysis.capture_method)
+    gm.meta.update(compfx_plan=plan, compfx_capture_method=analysis.capture_method,
+                   compfx_fidelity_notes=_say_fidelity_notes(gm, analysis.capture_method, plan))
     return keep_checkpoints(gm)  # whatever copy of the graph the passes made, its checkpointed regions recompute
+
+
+_SAID: set[str] = set()  # notes already logged in this process: a search rewrites one graph for many plans
+
+
+def _say_fidelity_notes(gm: fx.GraphModule, capture_method: str, plan: Plan) -> list[str]:
+    """Where this planned graph may compute otherwise than the model under ``torch.autocast`` (docs/fidelity.md):
+    dtypes the model's Python read from activations the plan changes (:func:`compfx.capture.changed_dtype_reads`),
+    and a dynamo capture's compile-only code paths. Logged once per note, and returned."""
+    notes = changed_dtype_reads(gm)
+    if capture_method == "dynamo" and any(p in (Precision.LOW, Precision.FP8) for p in plan.values()):
+        notes.append("the graph was captured by torch._dynamo.export, so it holds the code paths the model takes "
+                     "under torch.compile (transformers: grouped-query attention through repeat_kv, mixture-of-experts "
+                     "through grouped_mm_fallback) and the dtypes it read as constants")
+    new = [note for note in notes if note not in _SAID]
+    if new:
+        _SAID.update(new)
+        log.warning("compfx: this plan can round otherwise than torch.autocast in %d place(s) (docs/fidelity.md): %s",
+                    len(new), "; ".join(new[:3]))
+    return notes
 
 
 @dataclass(frozen=True)

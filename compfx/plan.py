@@ -208,9 +208,11 @@ class Plan(Mapping[OpKey, Precision]):
 
     @classmethod
     def amp(cls, analysis) -> "Plan":
-        """What ``torch.autocast`` does: whitelist low, blacklist FP32, the rest follow."""
-        return cls({op.key: AMP_PRECISION[op.category] for op in analysis.ops}, low_dtype=analysis.low_dtype,
-                   fingerprint=analysis.fingerprint, device_type=analysis.device.type)
+        """What ``torch.autocast`` does: whitelist low, blacklist FP32, the rest follow; FP32 for the ops the
+        model pins in its own ``autocast(enabled=False)`` blocks (``OpInfo.pinned``), where autocast casts nothing."""
+        return cls({op.key: Precision.FP32 if getattr(op, "pinned", False) else AMP_PRECISION[op.category]
+                    for op in analysis.ops}, low_dtype=analysis.low_dtype, fingerprint=analysis.fingerprint,
+                   device_type=analysis.device.type)
 
     @classmethod
     def from_assignment(cls, analysis, assignment: Iterable, *,

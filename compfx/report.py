@@ -12,6 +12,7 @@ import statistics
 
 from tabulate import tabulate
 
+from .analyze import category_label
 from .costmodel.predictor import MEASURED_STEP as _MEASURED, PREDICTED_STEP as _PREDICTED, STALE_PROFILES as _STALE
 from .costmodel.predictor import STALE_CONDITIONS as _STALE_N, STALE_CONDITIONS_REASON as _STALE_WHY
 from .search.log import STOPPED_EARLY, SearchLog
@@ -57,6 +58,8 @@ def prediction_table(log: SearchLog, tablefmt: str = "simple") -> str:
 def op_table(analysis, plan, stage1_plan=None, tablefmt: str = "simple") -> str:
     """Per-op table: key, category, Tensor Core eligibility, Stage-1 and chosen precision.
 
+    An op the model pins to FP32 (its ``autocast(enabled=False)`` blocks) shows ``pinned`` beside its category.
+
     With FP8 analysed, an "FP8" column says whether each op can run it; an op at
     FP8 shows its recipe (``fp8 tensorwise``). When some op could be padded to
     the Tensor Core multiple, a "pad" column says "padded" (the plan pads it)
@@ -68,7 +71,7 @@ def op_table(analysis, plan, stage1_plan=None, tablefmt: str = "simple") -> str:
     padding = bool(plan.padded) or any(getattr(op, "pad_eligible", False) for op in analysis.ops)
     rows = []
     for i, op in enumerate(analysis.ops):
-        row = [i, str(op.key), op.category, "yes" if op.tc_eligible else "no", _precision(plan, op.key)]
+        row = [i, str(op.key), category_label(op), "yes" if op.tc_eligible else "no", _precision(plan, op.key)]
         if stage1_plan is not None:
             row.insert(4, _precision(stage1_plan, op.key))
         if analysis.fp8:

@@ -4,6 +4,7 @@
 * :func:`restore_output_dtypes` (``restore_output_dtypes.py``): return the outputs in the model's own dtypes.
 * :func:`pad_shapes` (``pad_shapes.py``): zero-pad the plan's padded ops to the Tensor Core multiple, slice back.
 * :func:`float8_matmuls` (``float8.py``): run the plan's ``fp8`` ops through torchao's float8 training matmul.
+* :func:`follow_dtype_limits` (``follow_dtype_limits.py``): a ``torch.finfo(x.dtype)`` literal follows ``x``'s new dtype.
 * :func:`propagate_dtypes` (``propagate_dtypes.py``): refresh ``meta["val"]`` after dtypes changed.
 * :func:`cast_report` / :func:`casts_in` / :func:`count_casts` (``cast_report.py``): the casts in a graph
   (Campo's "casts per plan" metric); :func:`count_autocast_casts` counts the ones real ``torch.autocast``
@@ -26,12 +27,14 @@ from compfx.vocabulary import Category, Float8Recipe, Precision
 
 from .float8 import Float8Matmul, float8_matmuls
 from .cast_report import CastInfo, CastReport, cast_report, casts_in, count_autocast_casts, count_casts
+from .follow_dtype_limits import follow_dtype_limits
 from .insert_casts import insert_casts
 from .pad_shapes import pad_shapes
 from .propagate_dtypes import propagate_dtypes
 from .restore_output_dtypes import output_dtypes, restore_output_dtypes
 
-__all__ = ["apply_precisions", "insert_casts", "pad_shapes", "float8_matmuls", "Float8Matmul", "restore_output_dtypes", "output_dtypes", "propagate_dtypes",
+__all__ = ["apply_precisions", "insert_casts", "pad_shapes", "float8_matmuls", "Float8Matmul", "follow_dtype_limits",
+           "restore_output_dtypes", "output_dtypes", "propagate_dtypes",
            "cast_report", "casts_in", "count_casts", "count_autocast_casts", "CastReport", "CastInfo"]
 
 
@@ -41,8 +44,9 @@ def apply_precisions(gm: fx.GraphModule, precisions: Mapping[OpKey, Precision | 
                      restore_outputs: bool = True, fp8_recipe: Float8Recipe | str | None = None,
                      padded: Iterable[OpKey] = ()) -> fx.GraphModule:
     """:func:`insert_casts`, :func:`pad_shapes` (the ``padded`` ops), :func:`float8_matmuls` (ops at ``fp8``,
-    scaled by ``fp8_recipe``), then (unless ``restore_outputs`` is False) :func:`restore_output_dtypes`; returns
-    ``gm``. Padding is after the casts, so operands are padded in the dtype the op computes in.
+    scaled by ``fp8_recipe``), :func:`follow_dtype_limits`, then (unless ``restore_outputs`` is False)
+    :func:`restore_output_dtypes`; returns ``gm``. Padding is after the casts, so operands are padded in the dtype
+    the op computes in.
 
     >>> import torch, compfx
     >>> from compfx.passes import apply_precisions
@@ -55,4 +59,5 @@ def apply_precisions(gm: fx.GraphModule, precisions: Mapping[OpKey, Precision | 
     insert_casts(gm, precisions, low_dtype=low_dtype, categories=categories, default_precision=default_precision)
     pad_shapes(gm, [key for key in padded if precisions.get(key) != Precision.FP8])  # the float8 path pads nothing
     float8_matmuls(gm, precisions, recipe=fp8_recipe)
+    follow_dtype_limits(gm)
     return restore_output_dtypes(gm, dtypes) if restore_outputs else gm

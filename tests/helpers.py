@@ -51,6 +51,36 @@ def forward_and_grads(module, model, inputs):
     return out.detach(), grads
 
 
+def seeded_grads(module, kwargs, *, autocast_dtype=None):
+    """Output and parameter grads of one seeded forward and backward (a fixed weighting of the output),
+    under ``torch.autocast("cpu", dtype=autocast_dtype)`` when given: how the fidelity tests compare a plan
+    with autocast. ``kwargs`` are the keyword arguments of ``module``'s forward."""
+    for param in module.parameters():
+        param.grad = None
+    torch.manual_seed(1234)
+    if autocast_dtype is None:
+        out = module(**kwargs)
+    else:
+        with torch.autocast("cpu", dtype=autocast_dtype):
+            out = module(**kwargs)
+    out = out if isinstance(out, torch.Tensor) else out["logits"]
+    (out.float() * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
+    # an OptimizedModule (torch.compile) names its model's parameters "_orig_mod.<name>"
+    return out.detach(), {name.removeprefix("_orig_mod."): p.grad.clone() for name, p in module.named_parameters()
+                          if p.grad is not None}
+
+
+def assert_bitwise(reference, planned):
+    """Two :func:`seeded_grads` results are the same numbers: output (and its dtype) and every parameter grad."""
+    (expected, expected_grads), (out, grads) = reference, planned
+    assert out.dtype == expected.dtype and torch.equal(out, expected), (
+        f"outputs differ: {out.dtype} against {expected.dtype}, by up to "
+        f"{(out.float() - expected.float()).abs().max().item():.3g}")
+    assert sorted(grads) == sorted(expected_grads)
+    differ = [name for name, grad in expected_grads.items() if not torch.equal(grads[name], grad)]
+    assert not differ, f"grads differ from autocast's on {len(differ)} of {len(grads)} parameters: {differ[:5]}"
+
+
 def assert_matches_apply(compiled, model, plan, analysis, inputs, tol):
     """``compiled`` gives the outputs and parameter grads of ``compfx.apply(model, plan)``, within ``tol``."""
     from compfx.apply import apply

@@ -22,6 +22,8 @@ from compfx.capture import meta_value
 from compfx.cast_policy import CAST_META
 from compfx.passes import count_autocast_casts, count_casts
 
+from tests.helpers import assert_bitwise, seeded_grads
+
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 
@@ -72,38 +74,15 @@ def _x():
     return torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(0))
 
 
-def _grads(module, kwargs, *, autocast_dtype=None):
-    """Output and parameter grads of one seeded forward and backward (a fixed weighting of the output)."""
-    for param in module.parameters():
-        param.grad = None
-    torch.manual_seed(1234)
-    if autocast_dtype is None:
-        out = module(**kwargs)
-    else:
-        with torch.autocast("cpu", dtype=autocast_dtype):
-            out = module(**kwargs)
-    out = out if isinstance(out, torch.Tensor) else out["logits"]
-    (out.float() * torch.linspace(-1, 1, out.numel()).reshape(out.shape)).sum().backward()
-    return out.detach(), {name: p.grad.clone() for name, p in module.named_parameters() if p.grad is not None}
-
-
-def _assert_bitwise(reference, planned):
-    (expected, expected_grads), (out, grads) = reference, planned
-    assert out.dtype == expected.dtype and torch.equal(out, expected)
-    assert sorted(grads) == sorted(expected_grads)
-    differ = [name for name, grad in expected_grads.items() if not torch.equal(grads[name], grad)]
-    assert not differ, f"grads differ from autocast's on {len(differ)} of {len(grads)} parameters: {differ[:5]}"
-
-
 @pytest.mark.parametrize("low_dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("name", sorted(MODELS))
 def test_amp_plan_is_autocast_bitwise_in_outputs_and_grads(name, low_dtype):
     torch.manual_seed(0)
     model, kwargs = MODELS[name](), {"x": _x()}
     analysis = compfx.analyze(model, kwargs, low_dtype=low_dtype)
-    reference = _grads(model, kwargs, autocast_dtype=low_dtype)
+    reference = seeded_grads(model, kwargs, autocast_dtype=low_dtype)
     gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
-    _assert_bitwise(reference, _grads(gm, kwargs))
+    assert_bitwise(reference, seeded_grads(gm, kwargs))
     assert count_casts(gm) == count_autocast_casts(model, kwargs, dtype=low_dtype)
 
 
@@ -155,25 +134,80 @@ def _tiny_hf(name):
     torch.manual_seed(0)
     ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
     common = dict(num_hidden_layers=2, num_attention_heads=4, vocab_size=64, max_position_embeddings=64)
+    decoder = dict(hidden_size=32, intermediate_size=64, **common)
     if name == "bert":
         config = transformers.BertConfig(hidden_size=32, intermediate_size=64, hidden_dropout_prob=0.0,
                                          attention_probs_dropout_prob=0.0, **common)
         return transformers.BertForMaskedLM(config), {"input_ids": ids}
     if name.startswith("llama"):  # default use_cache: capture hands the KV cache back as None
-        config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_key_value_heads=2, **common)
+        # grouped-query attention: 2 (or 1) key/value heads for 4 query heads, through SDPA by default
+        config = transformers.LlamaConfig(num_key_value_heads=1 if name == "llama_one_kv_head" else 2, **decoder)
         if name == "llama_eager_attention":
             config._attn_implementation = "eager"
         return transformers.LlamaForCausalLM(config), {"input_ids": ids}
+    if name == "gemma2":  # logit soft-capping (attention and final), sandwich norms that return .type_as(x)
+        config = transformers.Gemma2Config(num_key_value_heads=2, head_dim=8, **decoder)
+        return transformers.Gemma2ForCausalLM(config), {"input_ids": ids}
+    if name == "glm":  # interleaved rotary on half of each head
+        config = transformers.GlmConfig(num_key_value_heads=2, head_dim=8, pad_token_id=0, **decoder)
+        return transformers.GlmForCausalLM(config), {"input_ids": ids}
+    if name == "cohere":  # interleaved rotary on the whole head
+        config = transformers.CohereConfig(num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                           **decoder)
+        return transformers.CohereForCausalLM(config), {"input_ids": ids}
+    if name == "mamba":  # selective scan; the slow path runs on CPU
+        config = transformers.MambaConfig(hidden_size=32, num_hidden_layers=2, vocab_size=64, state_size=8,
+                                          intermediate_size=64)
+        return transformers.MambaForCausalLM(config), {"input_ids": ids}
+    if name == "mixtral":  # top-2 routing over 4 experts
+        config = transformers.MixtralConfig(num_key_value_heads=2, num_local_experts=4, num_experts_per_tok=2, **decoder)
+        return transformers.MixtralForCausalLM(config), {"input_ids": ids}
+    if name == "qwen2_moe":  # top-2 routing over 4 experts, and a gated shared expert
+        config = transformers.Qwen2MoeConfig(num_key_value_heads=2, num_experts=4, num_experts_per_tok=2,
+                                             moe_intermediate_size=32, shared_expert_intermediate_size=32, **decoder)
+        return transformers.Qwen2MoeForCausalLM(config), {"input_ids": ids}
     config = transformers.T5Config(d_model=32, d_ff=64, d_kv=8, num_layers=2, num_heads=4, vocab_size=64,
                                    dropout_rate=0.0)
     return transformers.T5ForConditionalGeneration(config), {"input_ids": ids, "decoder_input_ids": ids.flip(1)}
 
 
-@pytest.mark.parametrize("name", ["bert", "llama_eager_attention", "llama", "t5"])
-def test_amp_plan_is_autocast_bitwise_on_tiny_hf_models(name):
+def _amp_against_autocast(name):
     model, kwargs = _tiny_hf(name)
     model.train()
     analysis = compfx.analyze(model, kwargs)
-    expected = _grads(model, kwargs, autocast_dtype=torch.bfloat16)  # the model itself under torch.autocast
+    expected = seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16)  # the model itself under torch.autocast
     gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
-    _assert_bitwise(expected, _grads(gm, kwargs))
+    return expected, seeded_grads(gm, kwargs), gm
+
+
+@pytest.mark.parametrize("name", ["bert", "llama_eager_attention", "llama", "llama_one_kv_head", "t5", "gemma2", "glm",
+                                  "cohere"])
+def test_amp_plan_is_autocast_bitwise_on_tiny_hf_models(name):
+    expected, planned, gm = _amp_against_autocast(name)
+    assert_bitwise(expected, planned)
+
+
+#: Where Plan.amp cannot be autocast bit for bit (docs/fidelity.md): model -> (what the plan's notes name, the bound
+#: on each parameter's grad difference, as a fraction of that parameter's largest autocast grad). Measured: Mamba
+#: 1.5%, Mixtral 0.9%, Qwen2-MoE 2.1% (over seeds); outputs within one bf16 rounding.
+DOCUMENTED_BOUNDS = {
+    "mamba": ("modeling_mamba.py", 0.03),  # out.to(hidden_states.dtype): the dtype read at capture is FP32
+    "mixtral": ("torch._dynamo.export", 0.03),  # captured by dynamo: its torch.compile code paths
+    "qwen2_moe": ("torch._dynamo.export", 0.04),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DOCUMENTED_BOUNDS))
+def test_amp_plan_differs_from_autocast_only_within_the_documented_bound_and_says_where(name):
+    where, bound = DOCUMENTED_BOUNDS[name]
+    (expected, expected_grads), (out, grads), gm = _amp_against_autocast(name)
+    assert any(where in note for note in gm.meta["compfx_fidelity_notes"]), gm.meta["compfx_fidelity_notes"]
+    torch.testing.assert_close(out.float(), expected.float(), rtol=2 ** -7, atol=2 ** -7 * expected.abs().max().item())
+    assert sorted(grads) == sorted(expected_grads)
+    worst = max(((grads[n] - g).abs().max() / g.abs().max().clamp_min(1e-30)).item() for n, g in expected_grads.items())
+    assert worst <= bound, f"grads differ from autocast's by up to {worst:.2%} of a parameter's largest grad"
+
+
+@pytest.mark.parametrize("name", ["llama", "gemma2"])
+def test_a_bitwise_model_has_no_fidelity_notes(name):
+    assert _amp_against_autocast(name)[2].meta["compfx_fidelity_notes"] == []

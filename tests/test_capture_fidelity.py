@@ -20,7 +20,7 @@ import compfx
 from compfx.capture import capture
 from compfx.capture.checkpoints import CHECKPOINT_META, CheckpointedGraph, checkpointed_nodes
 from compfx.capture.functions import FunctionCall
-from compfx.capture.verify import SAVED_TENSOR_SLACK, verify_capture
+from compfx.capture.verify import SAVED_TENSOR_SLACK, VERIFICATION_META, verify_capture
 from compfx.cast_policy import is_cast
 from compfx.errors import CaptureError
 from compfx.opkey import KEY_META
@@ -601,3 +601,34 @@ def test_the_callbacks_plan_refuses_a_region_no_graph_records():
         plan_model(model, batches, optimizer=optimizer, loss_fn=lambda out, b: F.cross_entropy(out, b[-1]),
                    config=compfx.SearchConfig(progress=False))
     assert type(model.first) is HookedBlock  # put back
+
+
+class _CompiledPath(nn.Module):
+    """Code that differs under torch.compile, as transformers' does: the same sum in another order, or (``scale``)
+    another computation."""
+
+    def __init__(self, scale=1.0):
+        super().__init__()
+        self.proj, self.scale = nn.Linear(64, 64), scale
+
+    def forward(self, x):
+        h = self.proj(x)
+        if torch.compiler.is_compiling():
+            return (h.flip(-1).cumsum(-1).flip(-1)[..., 0] * self.scale).sum()
+        return h.sum(-1).sum()
+
+
+def test_a_dynamo_graph_of_the_compiled_code_path_is_kept_within_the_bound_and_says_so():
+    torch.manual_seed(0)
+    model, x = _CompiledPath(), torch.randn(32, 64)
+    with pytest.warns(UserWarning, match="torch.compile code path"):
+        analysis = compfx.analyze(model, x, method="dynamo")
+    verification = analysis.graph_module.meta[VERIFICATION_META]
+    assert verification.faithful and not verification.exact
+    assert any("torch.compile code path" in note for note in verification.notes)
+
+
+def test_a_dynamo_graph_that_computes_something_else_is_refused():
+    torch.manual_seed(0)
+    with pytest.raises(CaptureError, match="beyond"):
+        compfx.analyze(_CompiledPath(scale=1.01), torch.randn(32, 64), method="dynamo")

@@ -38,6 +38,7 @@ CHANGED = {
     "early_stop": None,
     "fp8": True,
     "fp8_recipe": "rowwise",
+    "search_pinned": True,
 }
 
 

@@ -28,7 +28,16 @@ Every captured graph carries, whichever tracer made it:
   ``meta["tensor_meta"]`` (shape, dtype) on tensor nodes;
 * ``meta["compfx_key"]`` (``opkey.KEY_META``), an :class:`~compfx.opkey.OpKey`,
   on every numerical op (``nodes.py``: :func:`is_numerical_op`);
-* ``gm.meta["compfx_capture_method"]``: the tracer that made it.
+* ``gm.meta["compfx_capture_method"]``: the tracer that made it;
+* ``meta["compfx_dtype_limits"]`` on calls that take a ``torch.finfo`` limit of
+  their result's dtype as a literal (``dtype_limits.py``), so that the literal
+  can follow the dtype a plan gives that result;
+* the model's own ``torch.autocast`` blocks as ``_enter_autocast`` /
+  ``_exit_autocast`` nodes, and ``meta["compfx_pinned"]`` on the ops of its
+  ``enabled=False`` blocks (``autocast_blocks.py``);
+* on a recorded graph, ``meta["compfx_dtype_read"]`` on each activation whose
+  dtype the model's Python read (``dtype_reads.py``): that dtype is a constant
+  of the graph, and :func:`changed_dtype_reads` names those a plan changes.
 
 Recorded and dynamo graphs are specialised to the example inputs and check
 them first (``signature.py``: :func:`check_input_shapes`, :func:`input_signature`).
@@ -54,6 +63,9 @@ from ..errors import BadInputError, CaptureError
 from ..opkey import assign_op_keys
 from ..rng import rng_preserved
 from ._sites import ValueBranchError, error_site, first_line
+from .autocast_blocks import PINNED_META, autocast_probe, holds_half_precision, is_pinned, mark_pinned
+from .dtype_limits import LIMIT_META, mark_dtype_limits
+from .dtype_reads import DTYPE_READ_META, changed_dtype_reads
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
 from .model_state import buffers_restored, get_attribute, named_tensors
 from .nodes import (
@@ -114,6 +126,13 @@ __all__ = [
     "meta_value",
     "get_attribute",
     "named_tensors",
+    "mark_dtype_limits",
+    "LIMIT_META",
+    "mark_pinned",
+    "is_pinned",
+    "PINNED_META",
+    "changed_dtype_reads",
+    "DTYPE_READ_META",
 ]
 
 
@@ -176,6 +195,8 @@ def capture(
                 module.training = modes.get(name, module.training)
         gm = _capture_with(model, args, kwargs, leaf_modules, method, verify)
     assign_op_keys(gm, include=is_numerical_op)
+    mark_dtype_limits(gm)
+    mark_pinned(gm)
     return gm
 
 
@@ -191,6 +212,7 @@ def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.Graph
     """The method choice: each tracer ``method`` allows, in order, until one gives a graph (that, with ``verify``,
     trains exactly as the model does: :func:`~compfx.capture.verify.verify_capture`)."""
     attempts = _Attempts(model)
+    device_type = _probed_device_type(model, args, kwargs)  # the model's own autocast blocks open under a probe
     for tracer in _TRACERS if method == "auto" else (method,):
         if tracer != "symbolic" and tuple(leaf_modules):
             warnings.warn(
@@ -200,7 +222,7 @@ def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.Graph
             )
             leaf_modules = ()
         try:
-            gm = _trace(tracer, model, args, kwargs, leaf_modules)
+            gm = _trace(tracer, model, args, kwargs, leaf_modules, device_type)
         except BadInputError:
             raise
         except ValueBranchError as error:
@@ -223,11 +245,13 @@ def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.Graph
     raise attempts.error() from attempts.cause()
 
 
-def _trace(tracer: str, model, args, kwargs, leaf_modules) -> fx.GraphModule:
+def _trace(tracer: str, model, args, kwargs, leaf_modules, device_type: str | None) -> fx.GraphModule:
     if tracer == "symbolic":
-        gm = keep_checkpoints(symbolic_capture(model, args, kwargs, leaf_modules))
+        gm = keep_checkpoints(_as_under_autocast(lambda: symbolic_capture(model, args, kwargs, leaf_modules),
+                                                 device_type))
     elif tracer == "record":
-        gm = with_input_check(keep_checkpoints(record_capture(model, args, kwargs)))
+        gm = with_input_check(keep_checkpoints(_as_under_autocast(lambda: record_capture(model, args, kwargs),
+                                                                  device_type)))
     else:
         gm = with_input_check(dynamo_capture(model, args, kwargs))
     gm.meta["compfx_capture_method"] = tracer
@@ -291,6 +315,34 @@ class _Attempts:
             "Check that forward() runs on the example inputs, replace branches on tensor values with "
             "torch.where, or keep the offending submodule opaque with capture(..., leaf_modules=[...])."
             + (f" Other tracers: {'; '.join(rest)}." if rest else ""))
+
+
+def _as_under_autocast(trace, device_type: str | None) -> fx.GraphModule:
+    """``trace()`` with autocast on at FP32 for the model's device (``autocast_blocks.autocast_probe``), so the
+    model opens the ``autocast(enabled=False)`` blocks it opens under the user's autocast; again without it
+    when the graph holds half-precision values (FP32 autocast may have cast them) or autocast refused an op.
+    No device type: no probe."""
+    if device_type is None:
+        return trace()
+    try:
+        with autocast_probe(device_type):
+            gm = trace()
+    except CaptureError as error:
+        if "unsafe to autocast" not in str(error):  # CUDA autocast refuses binary_cross_entropy
+            raise
+        return trace()
+    return trace() if holds_half_precision(gm) else gm
+
+
+def _probed_device_type(model: nn.Module, args: tuple, kwargs: dict) -> str | None:
+    """The device type to capture under FP32 autocast: the parameters', else the inputs', else ``"cpu"``; None
+    (no probe) in eval mode, where torch.nn's inference fast paths switch off whenever autocast is on, and for a
+    model or inputs holding half-precision tensors, which FP32 autocast would cast."""
+    tensors = [t for t in (*model.parameters(), *model.buffers(), *pytree.tree_leaves((args, kwargs)))
+               if isinstance(t, torch.Tensor)]
+    if not model.training or any(t.dtype in (torch.float16, torch.bfloat16) for t in tensors):
+        return None
+    return tensors[0].device.type if tensors else "cpu"
 
 
 @contextlib.contextmanager

@@ -21,6 +21,8 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 from ..opkey import OpKey, assign_op_keys
+from .autocast_blocks import mark_pinned
+from .dtype_limits import mark_dtype_limits
 from .model_state import buffers_restored, get_attribute, named_tensors
 from .nodes import complete_metadata, is_numerical_op
 
@@ -135,7 +137,9 @@ def key_dynamo_graph(gm: fx.GraphModule, counts: dict[tuple[str, str], int] | No
 
     Dynamo graphs keep values in ``meta["example_value"]`` and lift parameters
     to placeholders; this copies the values to ``meta["val"]`` (and adds
-    ``tensor_meta``), then writes an OpKey on every numerical op. For a model
+    ``tensor_meta``), marks ``torch.finfo`` literals (:func:`~compfx.capture.mark_dtype_limits`) and
+    the ops of the model's ``autocast(enabled=False)`` blocks (:func:`~compfx.capture.mark_pinned`),
+    then writes an OpKey on every numerical op. For a model
     split into several graphs, pass one ``counts`` dict to every call, in
     execution order, so call indices continue across the graphs.
 
@@ -150,4 +154,6 @@ def key_dynamo_graph(gm: fx.GraphModule, counts: dict[tuple[str, str], int] | No
     ['0:linear#0', '1:relu#0']
     """
     complete_metadata(gm)
+    mark_dtype_limits(gm)
+    mark_pinned(gm)
     return list(assign_op_keys(gm, include=is_numerical_op, counts=counts))

@@ -32,6 +32,9 @@ __all__ = [
     "op_nodes",
     "complete_metadata",
     "has_side_effects",
+    "enters_functorch_transform",
+    "draws_random_numbers",
+    "RANDOM_KINDS",
     "writes_input",
     "is_in_place",
     "copy_graph",
@@ -69,18 +72,23 @@ def meta_value(node: fx.Node, default=None):
 
 
 def produces_float(node: fx.Node) -> bool:
-    """True when the node's recorded value holds a floating-point tensor."""
+    """True when the node's recorded value holds a floating-point or complex tensor.
+
+    Complex values are numbers a precision plan must decide about like any other: ``torch.fft.rfft`` is on
+    autocast's FP32 list, and its real input is what a plan casts (:func:`compfx.cast_policy.castable`).
+    """
     value = meta_value(node)
     return any(
-        isinstance(leaf, torch.Tensor) and leaf.is_floating_point() for leaf in pytree.tree_leaves(value)
+        isinstance(leaf, torch.Tensor) and (leaf.is_floating_point() or leaf.is_complex())
+        for leaf in pytree.tree_leaves(value)
     )
 
 
 def is_numerical_op(node: fx.Node) -> bool:
     """The filter that decides which call nodes get an OpKey (in every tracer's graph and in dynamo's backend graphs).
 
-    A numerical op computes floating-point values: leaf modules that return
-    floats, and every float-producing call that is not pure data movement.
+    A numerical op computes floating-point (or complex) values: leaf modules that return
+    them, and every such call that is not pure data movement.
     """
     if node.op == "call_module":
         return produces_float(node)
@@ -121,7 +129,7 @@ def complete_metadata(gm: fx.GraphModule) -> list[fx.Node]:
             node.meta["val"] = pytree.tree_map(
                 lambda a: a.meta.get("val") if isinstance(a, fx.Node) else a, node.args[0]
             )
-        if "val" not in node.meta and node.op != "output" and not node.users:
+        if "val" not in node.meta and node.op != "output" and (not node.users or _opens_autocast_block(node)):
             node.meta["val"] = None  # a call kept only for its side effect, e.g. _set_grad_enabled
         if "val" not in node.meta:
             missing.append(node)
@@ -132,16 +140,61 @@ def complete_metadata(gm: fx.GraphModule) -> list[fx.Node]:
     return missing
 
 
-def has_side_effects(node: fx.Node) -> bool:
-    """Keep this node even when nothing reads its result: impure calls, leaf modules, and calls that write
-    an input (BatchNorm's ``num_batches_tracked.add_(1)``, ``relu(x, inplace=True)``, ``out=``).
+def _opens_autocast_block(node: fx.Node) -> bool:
+    """``_enter_autocast``: its result is the block, which only ``_exit_autocast`` reads."""
+    return node.op == "call_function" and node.target is torch.amp.autocast_mode._enter_autocast
 
-    Every dead-code elimination in compfx passes this, since FX's own purity test takes a
-    ``call_method`` such as ``h.add_(x)`` for pure and would drop the write.
+
+def has_side_effects(node: fx.Node) -> bool:
+    """Keep this node even when nothing reads its result: impure calls, leaf modules, functorch's transform
+    levels, and calls that write an input (BatchNorm's ``num_batches_tracked.add_(1)``, ``relu(x, inplace=True)``,
+    ``out=``).
+
+    Every dead-code elimination in compfx passes this. FX's own purity test already keeps ``torch.rand*``
+    draws, grad-mode and autocast switches, profiler ranges and asserts, but takes a ``call_method`` such
+    as ``h.add_(x)`` for pure and would drop the write; and it knows neither functorch's bookkeeping
+    (:func:`enters_functorch_transform`) nor a draw written as a method or a dropout
+    (:func:`draws_random_numbers`).
+
+    >>> import torch, torch.fx as fx
+    >>> g = fx.Graph()
+    >>> level = g.call_function(torch._functorch.predispatch._vmap_increment_nesting, (2, "error"))
+    >>> has_side_effects(level), has_side_effects(g.call_function(torch.sin, (1.0,)))
+    (True, False)
     """
     if node.op == "call_module" or node.is_impure():
         return True
-    return node.op in ("call_function", "call_method") and (writes_input(node) or "out" in node.kwargs)
+    if node.op == "call_function" and enters_functorch_transform(node.target):
+        return True
+    if node.op not in ("call_function", "call_method"):
+        return False
+    return writes_input(node) or "out" in node.kwargs or draws_random_numbers(node)
+
+
+#: Op kinds that advance the RNG. FX knows the ``torch.rand*`` family as functions, not as ``x.bernoulli()``
+#: or the dropouts: an unused draw still moves the generator, and every later dropout mask depends on it.
+RANDOM_KINDS = frozenset("""
+    dropout alpha_dropout feature_alpha_dropout dropout1d dropout2d dropout3d native_dropout fused_dropout rrelu
+    gumbel_softmax bernoulli multinomial normal poisson rand rand_like randn randn_like randint randint_like
+    randperm
+""".split())
+
+
+def draws_random_numbers(node: fx.Node) -> bool:
+    """Does the call draw from the RNG (:data:`RANDOM_KINDS`)?"""
+    return node.op in ("call_function", "call_method") and normalize_kind(node.op, node.target) in RANDOM_KINDS
+
+
+def enters_functorch_transform(target) -> bool:
+    """Is ``target`` part of functorch's transform machinery (``vmap``/``grad``/``jvp`` levels, batch dims)?
+
+    ``torch.compile`` writes ``torch.vmap`` as ``_vmap_increment_nesting`` ... ``_vmap_decrement_nesting``
+    around the batched ops. Nothing reads the result of the decrement, yet without it the next op
+    runs inside a level that no longer exists ("your tensor may have escaped from inside a function
+    being vmapped").
+    """
+    module = getattr(target, "__module__", None) or ""
+    return module.startswith(("torch._functorch", "torch._C._functorch"))
 
 
 def writes_input(node: fx.Node) -> bool:

@@ -27,7 +27,9 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 from ._sites import ValueBranchError, error_site, first_line, user_line, with_progress
+from .autocast_blocks import AutocastBlocks
 from .checkpoints import CheckpointRegions, is_reentrant_checkpoint
+from .dtype_reads import mark_dtype_read
 from .functions import NOT_TRACED, FunctionCall, functions_as_calls, unrepresentable_argument
 from .model_state import named_tensors
 from .nodes import has_side_effects, is_in_place
@@ -93,7 +95,7 @@ def _run_forward(model: nn.Module, recorder: _CallRecorder, fake_mode: FakeTenso
     hook = model.register_forward_hook(check_state)
     try:
         with (recorder.tracking_modules(model), fake_mode, recorder, functions_as_calls(recorder.record_function),
-              warnings.catch_warnings()):
+              AutocastBlocks(recorder.add_call), warnings.catch_warnings()):
             warnings.simplefilter("ignore")  # the eager run says the same
             output = torch.func.functional_call(model, state, args, kwargs, tie_weights=False, strict=False)
     except CaptureError as error:
@@ -277,7 +279,12 @@ class _CallRecorder(TorchFunctionMode):
             result = func(*args, **kwargs)
         except DataDependentOutputException as error:
             raise self._value_read_error(name, error) from error
-        if _writes(name, kwargs) or _holds_tensor(result):
+        if name == "__get__" and isinstance(result, torch.dtype) and args and id(args[0]) in self.node_of:
+            mark_dtype_read(self.node_of[id(args[0])], result, user_line())  # x.dtype: kept as a constant
+        writes = _writes(name, kwargs)
+        if not writes:
+            result = _distinct_from_inputs(result, args, kwargs)
+        if writes or _holds_tensor(result):
             self._record(func, name, args, kwargs, result)
         return result
 
@@ -361,6 +368,14 @@ class _CallRecorder(TorchFunctionMode):
         self.regions.mark(switch)
         self._graph_grad_mode = mode
 
+    def add_call(self, target, args: tuple) -> fx.Node:
+        """A call kept for its effect, not a tensor (the enter and exit of the model's autocast blocks)."""
+        self._follow_grad_mode()
+        node = self.graph.call_function(target, args)
+        node.meta["val"] = None
+        self.regions.mark(node)  # a block inside a checkpointed region is entered again when it recomputes
+        return node
+
     def finish_grad_mode(self) -> None:
         if self._saved_grad_mode is not None and self._graph_grad_mode != self._grad_mode_at_start:
             self.graph.call_function(torch._C._set_grad_enabled, (self._saved_grad_mode,)).meta["val"] = None
@@ -391,6 +406,21 @@ def _writes(name: str, kwargs: dict) -> bool:
     """Does a call with this name write a tensor argument (``add_``, ``x[i] = v``, ``x += y``, ``out=``, ``inplace=True``)?"""
     return (is_in_place(name) or name == "__setitem__" or (name.startswith("__i") and name in _DUNDER_OPERATORS)
             or "out" in kwargs or kwargs.get("inplace") is True)
+
+
+def _distinct_from_inputs(result, args, kwargs):
+    """``result``, or an alias of it when a call that writes nothing handed back one of its inputs.
+
+    ``x.float()``, ``x.to(x.dtype)`` and ``x.contiguous()`` return ``x`` itself when there is nothing to
+    convert, as they do on the FP32 fakes of a capture; under a plan that makes ``x`` low they return a copy.
+    The graph must keep the two apart: uses of ``x`` after the call read ``x``, uses of the result read the
+    call (Gemma's norms compute on ``x.float()`` and return ``output.type_as(x)``). Nodes are found by object,
+    so the result becomes an alias of its own.
+    """
+    inputs = {id(leaf) for leaf in pytree.tree_leaves((args, kwargs)) if isinstance(leaf, torch.Tensor)}
+    if isinstance(result, torch.Tensor) and id(result) in inputs:
+        return torch.ops.aten.alias(result)
+    return result
 
 
 def _holds_tensor(value) -> bool:

@@ -25,6 +25,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError, CaptureError
 from ._sites import ValueBranchError, error_site, first_line, user_line, with_progress
+from .autocast_blocks import AutocastBlocks
 from .checkpoints import CheckpointRegions, is_reentrant_checkpoint
 from .functions import NOT_TRACED, FunctionCall, functions_as_calls
 from .model_state import get_attribute, named_tensors
@@ -45,7 +46,7 @@ def symbolic_capture(model: nn.Module, args: tuple, kwargs: dict, leaf_modules) 
     provided, concrete_args = _bind_inputs(model, args, kwargs)
     tracer = _SpecializingTracer(leaf_modules, FakeTensorMode(allow_non_fake_inputs=True), provided)
     try:
-        with functions_as_calls(tracer.trace_function):
+        with functions_as_calls(tracer.trace_function), AutocastBlocks(tracer.add_call):
             graph = tracer.trace(model, concrete_args=concrete_args or None)
     except CaptureError as error:
         raise with_progress(error, tracer.nodes_traced())
@@ -248,6 +249,13 @@ class _SpecializingTracer(fx.Tracer):
         switch = self.create_node("call_function", torch._C._set_grad_enabled, (target_mode,), {})
         self.values[switch] = None
         self._graph_grad_mode = mode
+
+    def add_call(self, target, args: tuple) -> fx.Node:
+        """A call kept for its effect, not a value (the enter and exit of the model's autocast blocks)."""
+        self._follow_grad_mode()
+        node = self.create_node("call_function", target, args, {})
+        self.values[node] = None
+        return node
 
     def restore_grad_mode_before(self, graph: fx.Graph) -> None:
         if self._saved_grad_mode is None or self._graph_grad_mode == self._grad_mode_at_start:

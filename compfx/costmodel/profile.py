@@ -32,7 +32,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..cache import discard_entry, entry_path, profile_folder, read_entry, write_entry
-from ..capture import get_attribute
+from ..capture import LIMIT_META, get_attribute
+from ..capture.dtype_limits import limit_value
 from ..cast_policy import AutocastRegion, castable, mutated_positions, runs_under_autocast
 from ..errors import BadInputError, SearchError
 from ..measure import Conditions, check_clock, environment_key, measure_conditions, time_fastest
@@ -221,6 +222,16 @@ class _OpBench:
         groups = args[6] if self.kind.startswith("conv") and len(args) > 6 else kwargs.get("groups", 1)
         return padding_of_call(self.kind, args, kwargs, groups=groups) if self.module is None else None
 
+    def _values_at(self, dtype: torch.dtype):
+        """The call's arguments for a run at ``dtype``: a ``torch.finfo`` limit it takes is ``dtype``'s, as
+        :mod:`compfx.passes.follow_dtype_limits` makes it in a planned graph."""
+        if LIMIT_META not in self.node.meta or dtype == self.node.meta[LIMIT_META][0]:
+            return self.values
+        limits = self.node.meta[LIMIT_META][1]
+        args, kwargs = self.values
+        return (tuple(limit_value(limits[i], dtype) if i in limits else arg for i, arg in enumerate(args)),
+                {name: limit_value(limits[name], dtype) if name in limits else arg for name, arg in kwargs.items()})
+
     def make_step(self, dtype: torch.dtype, *, clone_first: bool = False, padding=None) -> Callable[[], None]:
         """A closure running the op forward and backward at ``dtype`` (FP32 = no casts).
 
@@ -229,7 +240,7 @@ class _OpBench:
         ``padding`` (an ``OpPadding``) runs the op padded and sliced back, as
         :mod:`compfx.passes.pad_shapes` does, after the casts.
         """
-        leaves, spec = pytree.tree_flatten(self.values)
+        leaves, spec = pytree.tree_flatten(self._values_at(dtype))
         casts = self.cast_positions() if dtype != torch.float32 else set()
         real = [self._real(v, dtype if i in casts else None) if isinstance(v, torch.Tensor) else v
                 for i, v in enumerate(leaves)]

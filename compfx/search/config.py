@@ -89,6 +89,10 @@ class SearchConfig:
       forward and backward of each; a graph that would train differently is refused
       with :class:`~compfx.errors.CaptureError`). False skips the check, at the risk
       of training something other than the model; it does not change the decision.
+    * ``search_pinned``: ops inside the model's own ``torch.autocast(enabled=False)``
+      blocks are pinned to FP32 (``OpInfo.pinned``), as autocast keeps them; the
+      search never lowers them unless this is True, which searches them as the
+      op kinds they are.
 
     Every field's type is checked strictly: a bool is ``True`` or ``False`` (not
     ``"no"``), a number is a real int or float (not a bool), finite and in range.
@@ -121,6 +125,7 @@ class SearchConfig:
     fp8: bool = False
     fp8_recipe: str = "tensorwise"
     verify_capture: bool = field(default=True, metadata={DECIDES: False})
+    search_pinned: bool = False
 
     def __post_init__(self):
         self._real("threshold", low=1, example="1.01 (accept plans whose loss is within 1% of FP32's)")
@@ -128,7 +133,8 @@ class SearchConfig:
                           ("stage2_check_batches", 0)):
             self._int(name, low)
         self._int("seed", _SEED_MIN, _SEED_MAX, "what torch.manual_seed accepts")
-        for name in ("progress", "keep_search_training", "prune", "per_device", "cache_plan", "fp8", "verify_capture"):
+        for name in ("progress", "keep_search_training", "prune", "per_device", "cache_plan", "fp8", "verify_capture",
+                     "search_pinned"):
             if not isinstance(getattr(self, name), bool):
                 _refuse(name, getattr(self, name), "True or False")
         if self.grad_scaler is not None and not isinstance(self.grad_scaler, bool):

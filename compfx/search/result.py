@@ -29,6 +29,7 @@ class LoggedOp:
     tc_eligible: bool
     fp8_eligible: bool = False
     pad_eligible: bool = False
+    pinned: bool = False
 
 
 @dataclass(frozen=True)
@@ -106,7 +107,7 @@ class SearchResult:
         """What ``compfx report LOG`` needs to render this result again, as JSON (the log's last note holds it)."""
         return {"plan": self.plan.to_dict(), "stage1_plan": self.stage1_plan.to_dict(),
                 "ops": [[str(op.key), str(op.category), bool(op.tc_eligible), bool(getattr(op, "fp8_eligible", False)),
-                         bool(getattr(op, "pad_eligible", False))]
+                         bool(getattr(op, "pad_eligible", False)), bool(getattr(op, "pinned", False))]
                         for op in self.analysis.ops], "fp8": bool(getattr(self.analysis, "fp8", False)),
                 "stage1_mode": self.stage1_mode, "loss0": self.loss0, "fp32_epoch_seconds": self.fp32_epoch_seconds,
                 "search_seconds": self.search_seconds, "step_seconds": dict(self.step_seconds),
@@ -129,8 +130,8 @@ class SearchResult:
         data = found[-1]
         try:
             plan = Plan.from_dict(data["plan"], source=f"{source} (chosen plan)")
-            ops = tuple(LoggedOp(OpKey.parse(key), Category(category), bool(tc), bool(fp8), bool(pad and pad[0]))
-                        for key, category, tc, fp8, *pad in data["ops"])  # logs before padding hold four
+            ops = tuple(LoggedOp(OpKey.parse(key), Category(category), bool(tc), bool(fp8), *(bool(x) for x in later))
+                        for key, category, tc, fp8, *later in data["ops"])  # later: pad_eligible, pinned (newer logs)
             analysis = LoggedAnalysis(ops, plan.low_dtype, plan.fingerprint, fp8=bool(data["fp8"]))
             return cls(module=None, plan=plan, stage1_plan=Plan.from_dict(data["stage1_plan"], source=source),
                        analysis=analysis, log=log, stage1_mode=str(data["stage1_mode"]), loss0=float(data["loss0"]),

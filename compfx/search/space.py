@@ -41,11 +41,13 @@ class SearchSpace:
     groups: tuple[Hashable, ...]
     names: tuple[str, ...] = ()
     fp8_eligible: tuple[bool, ...] = ()
+    #: Ops the search may not change (pinned by the model): each keeps autocast's precision for its category.
+    fixed: tuple[bool, ...] = ()
 
     def __post_init__(self):
         n = len(self.categories)
         if len(self.tc_eligible) != n or len(self.groups) != n or (self.names and len(self.names) != n) \
-                or (self.fp8_eligible and len(self.fp8_eligible) != n):
+                or (self.fp8_eligible and len(self.fp8_eligible) != n) or (self.fixed and len(self.fixed) != n):
             raise SearchError("SearchSpace fields must all have one entry per op")
         try:
             object.__setattr__(self, "categories", tuple(map(Category, self.categories)))
@@ -53,18 +55,23 @@ class SearchSpace:
             raise SearchError(f"unknown op category ({error}); expected whitelist, blacklist or other") from None
 
     @classmethod
-    def from_analysis(cls, analysis, *, fp8: bool = False) -> "SearchSpace":
+    def from_analysis(cls, analysis, *, fp8: bool = False, search_pinned: bool = False) -> "SearchSpace":
         """Group label = op kind + input shapes: such ops cost the same and usually behave alike.
 
         ``fp8``: also try FP8 where the analysis marks an op ``fp8_eligible``.
+        An op the model pins to FP32 (``OpInfo.pinned``) is, to the search, a
+        blacklist op fixed at FP32 (a Stage-1 op, so Stage 2 leaves it too),
+        unless ``search_pinned``.
         """
+        fixed = tuple(getattr(op, "pinned", False) and not search_pinned for op in analysis.ops)
         return cls(
-            categories=tuple(op.category for op in analysis.ops),
+            categories=tuple(Category.BLACKLIST if pin else op.category for op, pin in zip(analysis.ops, fixed)),
             tc_eligible=tuple(op.tc_eligible for op in analysis.ops),
             # as text: dynamo graphs may hold symbolic (unhashable) sizes
             groups=tuple(f"{op.kind}{list(map(list, op.input_shapes))}" for op in analysis.ops),
             names=tuple(str(op.key) for op in analysis.ops),
-            fp8_eligible=tuple(op.fp8_eligible for op in analysis.ops) if fp8 else (),
+            fp8_eligible=tuple(op.fp8_eligible and not pin for op, pin in zip(analysis.ops, fixed)) if fp8 else (),
+            fixed=fixed,
         )
 
     def __len__(self) -> int:
@@ -78,8 +85,8 @@ class SearchSpace:
     @property
     def adjustable(self) -> tuple[int, ...]:
         """Stage-1 ops tried at both precisions: blacklist, and whitelist without Tensor Cores."""
-        return tuple(i for i, c in enumerate(self.categories)
-                     if c is Category.BLACKLIST or (c is Category.WHITELIST and not self.tc_eligible[i]))
+        return tuple(i for i, c in enumerate(self.categories) if not (self.fixed and self.fixed[i])
+                     and (c is Category.BLACKLIST or (c is Category.WHITELIST and not self.tc_eligible[i])))
 
     def fp8_at(self, i: int) -> bool:
         """Does Stage 1 try FP8 for op ``i``? (whitelist and blacklist ops that can run it)."""
