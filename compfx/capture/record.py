@@ -27,6 +27,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 from ._sites import ValueBranchError, error_site, first_line, user_line
+from .draws import branch_on_draw
 from .model_state import named_tensors
 from .nodes import has_side_effects, is_in_place
 
@@ -265,6 +266,10 @@ class _CallRecorder(TorchFunctionMode):
             items = tuple(items)
             self._record(torch.Tensor.unbind, "unbind", (args[0],), {}, items)
             return iter(items)
+        if name == "__bool__" and isinstance(args[0], torch.Tensor):  # a draw its bound decides (layer drop at 0)
+            decided = branch_on_draw(self.node_of.get(id(args[0])))
+            if decided is not None:
+                return decided
         try:
             result = func(*args, **kwargs)
         except DataDependentOutputException as error:
