@@ -6,6 +6,7 @@ check (an op that overflows, one that fails in low precision, a norm layer...).
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -125,3 +126,14 @@ def run_scenarios(rank: int, world: int, port: int, out_dir, scenarios: dict, *,
             json.dump(results, f)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+
+def _torchao_skip():
+    from compfx.float8 import torchao_missing
+
+    missing = torchao_missing()
+    return pytest.mark.skipif(missing is not None, reason=f"{missing}: FP8 needs it (pip install compfx[fp8])")
+
+
+#: Mark for tests that run FP8 ops (torchao's float8 training); they skip, saying why, where torchao is missing.
+needs_torchao = _torchao_skip()
