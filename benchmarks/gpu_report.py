@@ -27,8 +27,8 @@ __all__ = ["ratios", "markdown", "summary_lines", "row_line", "readme_section", 
 _MB = 1024 * 1024
 
 FP8_NOTE = ("Not measured in this call. The part compares bf16 AMP, torchao float8 (every linear) and compfx's "
-            "searched FP8 / bf16 / FP32 plan on the GPT-shaped decoder (`benchmarks/fp8.py`); it needs torchao, "
-            "carried as a wheel (see the run commands).")
+            "searched FP8 / bf16 / FP32 plan on the GPT-shaped decoder (`benchmarks/fp8.py`); it needs torchao "
+            "(`pip install compfx[fp8]`).")
 
 #: What a session that is lent a GPU runs, as device-tool calls (kept in one place: the README, the results
 #: README and the suite's docstring say the same).
@@ -101,7 +101,10 @@ def summary_lines(state: dict) -> list[str]:
     lines = []
     env = state.get("environment") or {}
     probe = (env.get("matmul_probe") or {}).get("bfloat16") or {}
-    if env:
+    if env.get("status") == "failed":
+        lines.append(f"device: {env.get('device_name')}, torch {env.get('torch')}, CUDA {env.get('cuda')}: "
+                     f"FAILED: {env.get('why')} (its output tail is in the results file)")
+    elif env:
         lines.append(f"device: {env.get('device_name')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
                      f"bf16 matmul probe {_fmt(probe.get('tflops'), '.4g', '?')} TFLOP/s")
     tests = state.get("cuda_tests")
@@ -127,6 +130,10 @@ def row_line(rows: dict, row: dict) -> str:
 def _environment_text(env: dict) -> str:
     if not env:
         return "Environment: not recorded."
+    if env.get("status") == "failed":
+        return (f"{env.get('device_name')}: torch {env.get('torch')}, CUDA {env.get('cuda')}, Python "
+                f"{env.get('python')}. **The environment probe failed** ({env.get('why')}): no matmul rates, so no "
+                f"MFU. Its output ends:\n\n```\n{(env.get('output_tail') or '').strip()[-1500:]}\n```")
     parts = [f"torch {env.get('torch')}", f"CUDA {env.get('cuda')}", f"Python {env.get('python')}"]
     if env.get("capability"):
         parts.insert(0, f"compute capability {'.'.join(map(str, env['capability']))}, "

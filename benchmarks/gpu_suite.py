@@ -20,8 +20,11 @@ slow compile cannot eat the rest:
    while the budget lasts; a later call with ``--merge-from`` measures the rows still missing.
 4. ``fp8``: bf16 AMP against torchao float8 (every linear) against compfx's searched FP8 / bf16 / FP32 plan on
    the GPT-shaped decoder (:mod:`benchmarks.fp8`), in what is left of the budget (at most 5 minutes). It needs
-   torchao, which the GPU machine lacks: carry its wheel (README, "GPU results"); without it the part records
-   why it did not run. Off a float8-capable GPU (capability 8.9+) the times are emulation and say so.
+   torchao (``pip install compfx[fp8]``); without it the part is "skipped: torchao not installed", which does not
+   fail the suite. Off a float8-capable GPU (capability 8.9+) the times are emulation and say so.
+
+If the environment probe fails, the results file records it (``environment.status: failed``, why, the output
+tail) under the device's ``nvidia-smi`` name, the other parts still run, and the suite exits 1.
 
 Results go to ``ROOT/<gpu-slug>/`` (default ``benchmarks/results/<gpu-slug>/``): ``gpu-suite.json`` (every
 number, every call's environment), ``gpu-suite.md`` and ``cuda-tests.txt``; ``--smoke`` writes
@@ -63,6 +66,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from compfx.files import write_json_atomic
+from compfx.float8 import torchao_missing
 
 from .gpu_bench import MODES, ROOT, SMOKE_MODELS, SUITE_MODELS, Settings, parse_mode, run_groups, suite_groups
 from .gpu_report import FP8_NOTE, markdown, row_line, summary_lines
@@ -71,7 +75,8 @@ from .models import MODELS
 from .report import slug
 from .timebox import run_boxed, tail_of
 
-__all__ = ["PARTS", "parse_args", "main", "load_state", "run_environment", "run_cuda_tests", "run_fp8", "STEM"]
+__all__ = ["PARTS", "parse_args", "main", "load_state", "run_environment", "run_cuda_tests", "run_fp8", "STEM",
+           "succeeded"]
 
 PARTS = ("env", "cuda-tests", "bench", "fp8")
 STEM = {False: "gpu-suite", True: "gpu-suite-smoke"}
@@ -130,15 +135,44 @@ def _subprocess_env(workdir: Path) -> dict:
 
 
 def run_environment(smoke: bool, workdir: Path, budget_end: float) -> dict:
-    """The environment and the matmul probe, from ``python -m benchmarks.gpu_env`` in a time-boxed subprocess."""
+    """The environment and the matmul probe, from ``python -m benchmarks.gpu_env`` in a time-boxed subprocess.
+
+    When the probe fails, what is known without it (the device's name from ``nvidia-smi``, this process's
+    versions) with ``status: "failed"``, why, and the probe's output tail: the results file says so, and the
+    other parts still run.
+    """
     out = workdir / "env.json"
     end = min(budget_end, time.time() + _ENV_TIMEOUT_S[smoke])
     boxed = run_boxed([sys.executable, "-m", "benchmarks.gpu_env", "--out", str(out), *(["--smoke"] if smoke else [])],
                       log_path=workdir / "env.log", deadline=lambda: end, env=_subprocess_env(workdir), cwd=ROOT)
-    if boxed.returncode != 0 or not out.exists():
-        why = "timed out" if boxed.timed_out else f"exited with code {boxed.returncode}"
-        raise SystemExit(f"the environment probe {why}; its output:\n{boxed.tail(3000)}")
-    return json.loads(out.read_text())
+    try:
+        if boxed.returncode == 0:
+            return {**json.loads(out.read_text()), "status": "ok"}
+    except (OSError, ValueError):
+        pass
+    why = "timed out" if boxed.timed_out else f"exited with code {boxed.returncode}"
+    return {**_environment_without_probe(smoke), "status": "failed", "why": f"the environment probe {why}",
+            "output_tail": boxed.tail(3000)}
+
+
+def _environment_without_probe(smoke: bool) -> dict:
+    """The device's name and the versions, read without initialising CUDA here (the probe's failure may be CUDA's)."""
+    import platform
+
+    import torch
+
+    from compfx.measure import hardware_name
+
+    name = hardware_name("cpu") if smoke else None
+    if name is None:
+        try:
+            found = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=20)
+            name = found.stdout.strip().splitlines()[0] if found.returncode == 0 and found.stdout.strip() else None
+        except (OSError, subprocess.SubprocessError):
+            name = None
+    return {"device_type": "cpu" if smoke else "cuda", "device_name": name or "unknown CUDA device",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
 
 
 def _junit_counts(path: Path) -> dict:
@@ -183,7 +217,13 @@ def run_cuda_tests(smoke: bool, workdir: Path, log_path: Path, budget_end: float
 
 
 def run_fp8(smoke: bool, workdir: Path, log_path: Path, budget_end: float) -> dict:
-    """``python -m benchmarks.fp8`` in a time-boxed subprocess; its JSON, or why there is none."""
+    """``python -m benchmarks.fp8`` in a time-boxed subprocess; its JSON, or why there is none.
+
+    Without torchao the part is ``skipped`` (not a failure: FP8 is an optional extra, ``compfx[fp8]``).
+    """
+    missing = torchao_missing()
+    if missing:
+        return {"status": "skipped", "why": missing}
     out = workdir / "fp8"
     argv = [sys.executable, "-m", "benchmarks.fp8", "--out", str(out)] + (["--smoke"] if smoke else [])
     end = min(budget_end, time.time() + _FP8_TIMEOUT_S[smoke])
@@ -193,11 +233,8 @@ def run_fp8(smoke: bool, workdir: Path, log_path: Path, budget_end: float) -> di
     found = sorted(out.glob("*/fp8.json"))
     if boxed.returncode == 0 and found:
         return {"status": "ok", "seconds": boxed.seconds, **json.loads(found[0].read_text())}
-    tail = tail_of(log_path, 2000)
-    why = ("torchao is not installed here: carry its wheel (README, GPU results)" if "torchao" in tail
-           and ("No module named" in tail or "compfx[fp8]" in tail) else "see the output tail")
-    return {"status": "timeout" if boxed.timed_out else "failed", "why": why, "seconds": boxed.seconds,
-            "output_tail": tail}
+    return {"status": "timeout" if boxed.timed_out else "failed", "why": "see the output tail",
+            "seconds": boxed.seconds, "output_tail": tail_of(log_path, 2000)}
 
 
 # -- the results file ------------------------------------------------------------------------
@@ -309,10 +346,22 @@ def main(argv=None) -> int:
     print("\n".join(["", f"== {results.json_path} and {results.markdown_path.name}", *summary_lines(results.state)]))
     if left:
         print(f"left for a later call ({len(left)}): " + "; ".join(left))
-    tests_ok = (results.state.get("cuda_tests") or {}).get("status", "passed") == "passed"
-    rows_ok = all(row.get("status") == "ok" for row in results.rows.values())
-    fp8_ok = "fp8" not in args.parts or results.state["fp8"].get("status") == "ok"
-    return 0 if tests_ok and rows_ok and fp8_ok else 1
+    return 0 if succeeded(results.state, args.parts) else 1
+
+
+def succeeded(state: dict, parts) -> bool:
+    """Did every part this call ran succeed? An FP8 part skipped for want of torchao is no failure.
+
+    >>> succeeded({"environment": {"status": "ok"}, "bench": {"rows": {}}, "fp8": {"status": "skipped"}}, PARTS)
+    True
+    >>> succeeded({"environment": {"status": "failed"}, "bench": {"rows": {}}}, ["env"])
+    False
+    """
+    env_ok = (state.get("environment") or {}).get("status", "ok") == "ok"
+    tests_ok = (state.get("cuda_tests") or {}).get("status", "passed") == "passed"
+    rows_ok = all(row.get("status") == "ok" for row in ((state.get("bench") or {}).get("rows") or {}).values())
+    fp8_ok = "fp8" not in parts or (state.get("fp8") or {}).get("status") in ("ok", "skipped")
+    return env_ok and tests_ok and rows_ok and fp8_ok
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ import pytest
 
 from benchmarks import gpu_readme
 from benchmarks.gpu_bench import Settings, Task, _fitting, needs_run, run_groups, suite_groups
-from benchmarks.gpu_report import NO_GPU_YET, RUN_COMMANDS, readme_section, summary_lines
+from benchmarks.gpu_report import NO_GPU_YET, RUN_COMMANDS, fp8_text, readme_section, summary_lines
 from benchmarks.gpu_suite import _junit_counts
-from benchmarks.timebox import run_boxed
+from benchmarks.timebox import Boxed, run_boxed
+from compfx.float8 import torchao_missing
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE_LIMIT_S = 900  # the run itself takes 25-45 s on a quiet 2-core CPU; CI machines may be loaded
@@ -56,7 +57,12 @@ def test_smoke_run_writes_json_and_markdown_with_fp32_amp_and_compfx_rows(smoke)
     assert rows["alexnet_cifar/compfx-fp16+compile"]["plans"] == rows["alexnet_cifar/compfx-fp16"]["plans"]
     assert rows["bert_squad/amp-fp16"]["casts_forward"] > 0 and rows["bert_squad/fp32"]["casts_forward"] == 0
     assert state["cuda_tests"]["status"] == "passed" and state["cuda_tests"]["skipped"] > 0
-    fp8 = state["fp8"]  # part 4: emulated on the CPU, and saying so
+    assert state["environment"]["status"] == "ok"
+    fp8 = state["fp8"]  # part 4: emulated on the CPU, and saying so; skipped, not failed, without torchao
+    if torchao_missing():
+        assert fp8 == {"status": "skipped", "why": torchao_missing(), "run": 1}
+        assert "skipped: torchao not installed" in (folder / "gpu-suite-smoke.md").read_text()
+        return
     assert fp8["status"] == "ok", fp8.get("output_tail")
     assert fp8["times_mean_nothing"] is True and set(fp8["rows"]) == {
         "bf16 AMP", "torchao float8 (all linears)", "compfx (searched)"}
@@ -123,6 +129,37 @@ def test_timebox_kills_the_commands_children_too(tmp_path):
     boxed = run_boxed([sys.executable, "-c", parent], log_path=tmp_path / "log", deadline=lambda: end)
     time.sleep(2.0)
     assert boxed.timed_out and not marker.exists()
+
+
+def test_a_failed_environment_probe_still_leaves_a_results_file_that_says_so(tmp_path, monkeypatch):
+    from benchmarks import gpu_suite
+
+    def failing_probe(argv, *, log_path, **kwargs):
+        assert argv[2] == "benchmarks.gpu_env"
+        Path(log_path).write_text("RuntimeError: CUDA error: no kernel image is available for execution\n")
+        return Boxed(returncode=1, seconds=0.5, timed_out=False, log_path=Path(log_path))
+
+    monkeypatch.setattr(gpu_suite, "run_boxed", failing_probe)
+    assert gpu_suite.main(["--smoke", "--parts", "env", "--out", str(tmp_path)]) == 1
+    [result] = tmp_path.glob("*/gpu-suite-smoke.json")
+    env = json.loads(result.read_text())["environment"]
+    assert env["status"] == "failed" and env["why"] == "the environment probe exited with code 1"
+    assert "no kernel image" in env["output_tail"] and env["device_name"] and env["torch"]
+    markdown = result.with_suffix(".md").read_text()
+    assert "The environment probe failed" in markdown and "no kernel image" in markdown
+
+
+def test_the_fp8_part_is_skipped_not_failed_without_torchao(tmp_path, monkeypatch):
+    from benchmarks import gpu_suite
+
+    monkeypatch.setattr(gpu_suite, "torchao_missing", lambda: "torchao not installed (No module named 'torchao')")
+    monkeypatch.setattr(gpu_suite, "run_boxed", lambda *a, **k: pytest.fail("nothing to run without torchao"))
+    fp8 = gpu_suite.run_fp8(True, tmp_path, tmp_path / "fp8.txt", time.time() + 600)
+    assert fp8 == {"status": "skipped", "why": "torchao not installed (No module named 'torchao')"}
+    state = {"environment": {"status": "ok"}, "cuda_tests": {"status": "passed"}, "bench": {"rows": {}}, "fp8": fp8}
+    assert gpu_suite.succeeded(state, gpu_suite.PARTS)
+    assert not gpu_suite.succeeded({**state, "fp8": {"status": "failed"}}, gpu_suite.PARTS)
+    assert fp8_text(fp8).startswith("skipped: torchao not installed")
 
 
 def test_junit_counts_read_passes_failures_and_skips(tmp_path):
