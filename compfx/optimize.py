@@ -309,12 +309,15 @@ class _Search:
         self.clock.move(rewrite, source="samples", target="rewrites")
         shapes = sorted({s.inputs for s in specializations})
         unplanned = sum(bool(s.unplanned or s.missing) for s in specializations)
+        fp8_fallbacks = sorted({f"{key} at {s.inputs} ({why})" for s in specializations for key, why in s.fp8_fallbacks})
         self.log.note(
             Stage.SEARCH,
             f"input signatures: {captured} ({len(shapes)} besides the first batch's, e.g. {shapes[0]}); each plan's "
             f"module re-specialises per signature from the same plan: {captured - 1} capture(s) in {capture:.2f} s, "
             f"{len(specializations)} rewrite(s) in {rewrite:.2f} s, outside the timed steps"
-            + (f"; {unplanned} of them ran ops the plan does not name (they follow)" if unplanned else ""),
+            + (f"; {unplanned} of them ran ops the plan does not name (they follow)" if unplanned else "")
+            + (f"; FP8 op(s) that cannot run FP8 at a signature ran at AMP's precision there: "
+               f"{'; '.join(fp8_fallbacks[:3])}" if fp8_fallbacks else ""),
             signatures=captured, specializations=len(specializations), capture_seconds=capture,
             rewrite_seconds=rewrite)
 
