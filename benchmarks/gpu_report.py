@@ -21,6 +21,8 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from compfx.measure import describe_fp32_math
+
 __all__ = ["ratios", "markdown", "summary_lines", "row_line", "readme_section", "device_results", "NO_GPU_YET",
            "RUN_COMMANDS", "FP8_NOTE", "fp8_text"]
 
@@ -139,7 +141,9 @@ def _environment_text(env: dict) -> str:
         parts.insert(0, f"compute capability {'.'.join(map(str, env['capability']))}, "
                         f"{env.get('multiprocessors')} SMs, {_fmt((env.get('memory_bytes') or 0) / 2 ** 30, '.0f')} GiB, "
                         f"driver {env.get('driver')}, cuDNN {env.get('cudnn')}")
-    if env.get("matmul_allow_tf32") is not None:
+    if env.get("fp32_math"):  # what the "fp32" rows computed in: the process's settings, never changed
+        parts.append(f"\"fp32\" here: {describe_fp32_math(env['fp32_math'])}")
+    elif env.get("matmul_allow_tf32") is not None:  # results recorded before fp32_math
         parts.append(f"TF32 matmul {'on' if env['matmul_allow_tf32'] else 'off'}, "
                      f"TF32 cuDNN {'on' if env.get('cudnn_allow_tf32') else 'off'} (PyTorch's defaults)")
     probe = env.get("matmul_probe") or {}

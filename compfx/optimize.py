@@ -25,7 +25,7 @@ from . import cache
 from .analyze import analyze, model_device
 from .errors import BadInputError, CompfxError
 from .float8 import require_torchao
-from .measure import PhaseClock
+from .measure import PhaseClock, describe_fp32_math, fp32_math
 from .memory import saved_activation_bytes
 from .per_module import PerModuleEvaluator, is_regions_analysis, prepare_search
 from .search import (SINGLE_PROCESS, LocalEvaluator, Recorder, Replay, ReplayingEvaluator, SearchConfig,
@@ -238,6 +238,7 @@ class _Search:
         progress = _progress_bar(config.progress)
         try:
             with torch.random.fork_rng(devices=cuda_devices(self.analysis.device)):  # the user's RNG is untouched
+                self._note_fp32_math()
                 with clock.phase("profiling"):
                     predictor = self._predictor()
                 recorder = Recorder(self.log, replay=self.replay, predictor=predictor, progress=progress)
@@ -296,6 +297,16 @@ class _Search:
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
                         target="step comparison")
         return steps
+
+    def _note_fp32_math(self) -> None:
+        """Say what 'fp32' computes in here: the user's TF32 settings, kept as they are (PyTorch's CUDA default
+        runs FP32 convolutions in TF32)."""
+        math_ = fp32_math(self.analysis.device)
+        where = ("torch.backends.cuda.matmul / torch.backends.cudnn.conv .fp32_precision"
+                 if self.analysis.device.type == "cuda" else "torch.backends.mkldnn .fp32_precision")
+        self.log.note(Stage.SEARCH, f"'fp32' (the FP32 baseline, and ops a plan keeps in FP32) means "
+                      f"{describe_fp32_math(math_)} on {self.analysis.device.type}: this process's settings ({where}), "
+                      "which compfx keeps", fp32_math=math_)
 
     def _note_specializations(self) -> None:
         """Say in the log (and so the report) how many input signatures the loader had, and what they cost."""

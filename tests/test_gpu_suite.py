@@ -207,6 +207,7 @@ def test_committed_results_become_tables_with_ratios_measured_in_one_run(tmp_pat
             _row("gpt", "fp32", 3.0, compiled=True), _row("gpt", "compfx-fp16", 9.0, compiled=True)]
     state = {"smoke": False, "device_name": "NVIDIA H100 80GB HBM3", "runs": [{"run": 1}],
              "environment": {"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "capability": [9, 0],
+                             "fp32_math": {"matmul": "ieee", "convolution": "tf32"},
                              "matmul_probe": {"bfloat16": {"tflops": 790.0, "n": 8192}}},
              "cuda_tests": {"status": "passed", "passed": 28, "failed": 0, "skipped": 0},
              "bench": {"rows": {row["id"]: row for row in rows}}}
@@ -219,6 +220,7 @@ def test_committed_results_become_tables_with_ratios_measured_in_one_run(tmp_pat
     assert cells == ["gpt", "2.00", "5.00", "4.00", "6.00", "3.00", "1.20", "1024 / 1024 / 1024", "41.5", "0.12"]
     assert "Under `torch.compile`" in section and "nvidia-h100-80gb-hbm3/gpu-suite.md" in section
     assert "28 passed" in section and "790" in section and NO_GPU_YET not in section
+    assert '"fp32" here: FP32 matmuls in IEEE FP32, FP32 convolutions in TF32' in section
     assert any(line.startswith("gpt/compfx-fp16+compile") and "3.00x FP32" in line for line in summary_lines(state))
 
 
