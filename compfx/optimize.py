@@ -195,7 +195,7 @@ class _Search:
         """Ranks agree on one plan (or get one each); every measurement is agreed on first."""
         from .integrations.distributed import PerDeviceAllocation, RankAgreement, SyncedEvaluator, rank_context
 
-        ctx = rank_context()
+        ctx = rank_context(device=self.analysis.device)  # the collectives use this rank's own GPU
         if ctx.distributed:
             self.evaluator = SyncedEvaluator(self.evaluator, ctx)
         if self.config.per_device:
