@@ -1,4 +1,4 @@
-"""The GPU suite cannot rot between GPU loans: its smoke run (CPU, tiny shapes) goes through the same code, the
+"""The GPU suite cannot rot between GPU runs: its smoke run (CPU, tiny shapes) goes through the same code, the
 results merge across calls, a row that overruns is stopped, and the README's GPU section is what the committed
 results generate."""
 
@@ -64,12 +64,17 @@ def test_smoke_run_writes_json_and_markdown_with_fp32_amp_and_compfx_rows(smoke)
         assert "skipped: torchao not installed" in (folder / "gpu-suite-smoke.md").read_text()
         return
     assert fp8["status"] == "ok", fp8.get("output_tail")
-    assert fp8["times_mean_nothing"] is True and set(fp8["rows"]) == {
-        "bf16 AMP", "torchao float8 (all linears)", "compfx (searched)"}
-    assert all(row["step_ms"] > 0 and row["mean_loss"] == row["mean_loss"] for row in fp8["rows"].values())
+    assert fp8["times_mean_nothing"] is True and {name: row["how"] for name, row in fp8["rows"].items()} == {
+        "bf16 AMP (eager)": "eager", "bf16 AMP (compiled)": "compiled (aot_eager)",
+        "torchao float8 (all linears) + bf16 AMP (compiled)": "compiled (aot_eager)",
+        "compfx (searched plan) (compiled)": "compiled (aot_eager, compile_with_plan)"}
+    assert all(row["step_ms_min"] <= row["step_ms"] <= row["step_ms_max"] and row["mean_loss"] == row["mean_loss"]
+               and row["steps_timed"] == fp8["rounds"] * fp8["steps_per_round"] for row in fp8["rows"].values())
+    searched = fp8["rows"]["compfx (searched plan) (compiled)"]
+    assert set(searched["plan"]) <= set("018f") and searched["low_dtype"] == "bfloat16"  # in bf16 terms
     markdown = (folder / "gpu-suite-smoke.md").read_text()
     for text in ("| bert_squad ", "| fp32 ", "| amp-fp16 ", "| compfx-fp16 ", "## compfx search", "## FP8", "Matmul probe",
-                 "| torchao float8 (all linears) |"):
+                 "| torchao float8 (all linears) + bf16 AMP | compiled (aot_eager) |"):
         assert text in markdown
     assert (folder / "cuda-tests.txt").exists()
 
