@@ -32,23 +32,13 @@ FP8_NOTE = ("Not measured in this call. The part compares bf16 AMP, torchao floa
             "searched FP8 / bf16 / FP32 plan on the GPT-shaped decoder (`benchmarks/fp8.py`); it needs torchao "
             "(`pip install compfx[fp8]`).")
 
-#: What a session that is lent a GPU runs, as device-tool calls (kept in one place: the README, the results
-#: README and the suite's docstring say the same).
+#: How to measure a GPU (kept in one place: the README, the results README and the suite's docstring say the same).
 RUN_COMMANDS = """\
-# here, once: torchao's wheel for the GPU machine (it has no registry; .whl/ is git-ignored), carried by each call
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0
-# device call 1 (run, timeout_s=600, carry=[".whl"]): environment, CUDA tests, then benchmark rows while its 8.5 minutes last
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --out $OUT
-# here: keep what came back (the reply's files_at holds <gpu-slug>/gpu-suite.json, .md and cuda-tests.txt)
-cp -r <files_at>/. benchmarks/results/
-# device call 2 (run, timeout_s=600, carry=[".whl"]), and a third if device time is left: what is not measured yet
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --parts bench,fp8 --merge-from benchmarks/results --out $OUT
-cp -r <files_at>/. benchmarks/results/
-# here: regenerate the README's GPU section from the JSON, then commit the device folder and README.md
-python -m benchmarks.gpu_readme"""
+# from the repository root, on any machine with a CUDA GPU (compfx installed: pip install -e ".[fp8]")
+python -m benchmarks.gpu_suite"""
 
 NO_GPU_YET = ("**No GPU has been measured yet.** The suite (`python -m benchmarks.gpu_suite`) has only run as its CPU "
-              "smoke test. On a lent GPU (H100 or H200, torch 2.11, no package registry), from the repository root:")
+              "smoke test. To measure a GPU:")
 
 
 def _fmt(value, spec: str, missing: str = "") -> str:

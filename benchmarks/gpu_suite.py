@@ -34,21 +34,13 @@ rows already measured are kept, not run again. The output ends with one line per
 ``--smoke`` runs the same code on the CPU with tiny shapes (two models, ``aot_eager`` instead of Inductor) in
 well under a minute; CI runs it (``tests/test_gpu_suite.py``).
 
-**On a lent GPU** (device tool: at most 10 minutes a call, 30 minutes of device time in all, the machine's start
-included; torch 2.11 and no package registry there), from the repository root (``RUN_COMMANDS`` in
-:mod:`benchmarks.gpu_report`, also in ``benchmarks/results/README.md``)::
+**On a GPU** (``RUN_COMMANDS`` in :mod:`benchmarks.gpu_report`, also in ``benchmarks/results/README.md``)::
 
-    # here, once: torchao's wheel for the GPU machine (it has no registry; .whl/ is git-ignored), carried by each call
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0
-    # device call 1 (run, timeout_s=600, carry=[".whl"]): environment, CUDA tests, then benchmark rows while its 8.5 minutes last
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --out $OUT
-    # here: keep what came back (the reply's files_at holds <gpu-slug>/gpu-suite.json, .md and cuda-tests.txt)
-    cp -r <files_at>/. benchmarks/results/
-    # device call 2 (run, timeout_s=600, carry=[".whl"]), and a third if device time is left: what is not measured yet
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --parts bench,fp8 --merge-from benchmarks/results --out $OUT
-    cp -r <files_at>/. benchmarks/results/
-    # here: regenerate the README's GPU section from the JSON, then commit the device folder and README.md
-    python -m benchmarks.gpu_readme
+    # from the repository root, on any machine with a CUDA GPU (compfx installed: pip install -e ".[fp8]")
+    python -m benchmarks.gpu_suite
+
+then ``python -m benchmarks.gpu_readme`` regenerates the README's GPU section from the results. Where a call
+must stay short, ``--budget-min`` bounds it and a later call with ``--merge-from`` measures what is left.
 """
 
 from __future__ import annotations
@@ -93,7 +85,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", help="results root; a folder per device is made inside (default: "
                                       "benchmarks/results; smoke: a folder in the temp directory)")
     parser.add_argument("--budget-min", type=float, default=None,
-                        help="minutes for this call (default 8.5: one device-tool call of 10; smoke: 10)")
+                        help="minutes for this call (default 8.5; smoke: 10)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
     parser.add_argument("--merge-from", help="results root of an earlier call, e.g. benchmarks/results: its "
                                              "<gpu-slug>/gpu-suite.json is merged when --out has none")
@@ -103,7 +95,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--retry-failed", action="store_true", help="run again rows that failed or hit their limit")
     parser.add_argument("--fresh", action="store_true", help="merge nothing: start a new result")
     parser.add_argument("--note", default="", help="free text kept with this call, e.g. the commit measured "
-                                                   "(the device machine's copy of the tree has no git history)")
+                                                   "(where the tree has no git history)")
     args = parser.parse_args(argv)
     args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     unknown = sorted(set(args.parts) - set(PARTS))
