@@ -23,6 +23,7 @@ import re
 
 import torch
 import torch.fx as fx
+from torch._subclasses.fake_tensor import unset_fake_temporarily
 
 from ._sites import ValueBranchError, user_line
 
@@ -46,7 +47,8 @@ def fixed_outcome(comparison, bound: float, dtype: torch.dtype = torch.float32) 
     is ``-0.0`` in float32, and ``u <= -0.0`` holds for ``u == 0``).
     """
     symbol = _COMPARISONS[comparison]
-    bound = torch.tensor(bound, dtype=torch.float64).to(dtype).item()
+    with unset_fake_temporarily():  # called while a tracer's FakeTensorMode runs: round on a real tensor
+        bound = torch.tensor(bound, dtype=torch.float64).to(dtype).item()
     if math.isnan(bound):
         return False
     if symbol == "<":
