@@ -238,7 +238,6 @@ class _Search:
         progress = _progress_bar(config.progress)
         try:
             with torch.random.fork_rng(devices=cuda_devices(self.analysis.device)):  # the user's RNG is untouched
-                self._note_fp32_math()
                 with clock.phase("profiling"):
                     predictor = self._predictor()
                 recorder = Recorder(self.log, replay=self.replay, predictor=predictor, progress=progress)
@@ -247,6 +246,7 @@ class _Search:
                 steps = self._compare_steps(decision)
                 self.local.leave_state(decision.stage1.best, keep_training=config.keep_search_training)
             self._note_specializations()
+            self._note_fp32_math()
             self._save_plan(self.local.plan(decision.plan))
             search_seconds = time.perf_counter() - started
             result = SearchResult(

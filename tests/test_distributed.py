@@ -458,6 +458,7 @@ def nccl_rank(monkeypatch):
     monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
     monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: None)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # nothing below may ask the device which it is
     monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("current_device is cuda:0 on every rank"))
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     return monkeypatch
@@ -475,6 +476,15 @@ def test_without_a_cuda_model_nccl_collectives_use_local_rank_not_the_current_de
     assert "rank 3 runs its collectives on cuda:3 (LOCAL_RANK=3)" in caplog.text
     nccl_rank.delenv("LOCAL_RANK")
     assert rank_context().device == torch.device("cuda", 3)  # the global rank, modulo the GPUs
+
+
+def test_a_rank_whose_current_device_is_another_gpu_is_warned(nccl_rank, caplog):
+    nccl_rank.setenv("LOCAL_RANK", "3")
+    nccl_rank.setattr(torch.cuda, "is_available", lambda: True)
+    nccl_rank.setattr(torch.cuda, "current_device", lambda: 0)  # set_device was never called
+    with caplog.at_level("WARNING", logger="compfx"):
+        assert rank_context().device == torch.device("cuda", 3)
+    assert "not the current CUDA device cuda:0; call torch.cuda.set_device(3)" in caplog.text
 
 
 def test_a_process_group_bound_to_a_device_decides_it(nccl_rank):
