@@ -104,6 +104,9 @@ def summary_lines(state: dict) -> list[str]:
         lines.append(f"cuda tests: {tests.get('status')}: {tests.get('passed', 0)} passed, {tests.get('failed', 0)} "
                      f"failed, {tests.get('errors', 0)} errors, {tests.get('skipped', 0)} skipped "
                      f"({_fmt(tests.get('seconds'), '.0f', '?')} s)")
+    fp8 = state.get("fp8") or {}
+    if fp8.get("status") not in (None, "not measured"):
+        lines.append(f"fp8: {fp8['status']}" + ("" if fp8["status"] == "ok" else f": {fp8.get('why', '')}"))
     rows = (state.get("bench") or {}).get("rows") or {}
     lines.extend(row_line(rows, row) for row in _ordered(rows))
     return lines

@@ -165,6 +165,7 @@ def test_the_fp8_part_is_skipped_not_failed_without_torchao(tmp_path, monkeypatc
     assert gpu_suite.succeeded(state, gpu_suite.PARTS)
     assert not gpu_suite.succeeded({**state, "fp8": {"status": "failed"}}, gpu_suite.PARTS)
     assert fp8_text(fp8).startswith("skipped: torchao not installed")
+    assert "fp8: skipped: torchao not installed (No module named 'torchao')" in summary_lines(state)
 
 
 def test_junit_counts_read_passes_failures_and_skips(tmp_path):
