@@ -13,7 +13,7 @@
 #   scripts/gpu_stack_env.sh --test -- -x tests/test_capture.py   # pytest arguments after --
 #
 # Options: --python PATH (a Python 3.12 interpreter; default: python3.12 on PATH, then pyenv's 3.12.1),
-#          --venv DIR (default: $COMPFX_GPU_STACK_VENV or ../venvs/gpu-stack beside the repository's parent).
+#          --venv DIR (default: $COMPFX_GPU_STACK_VENV, else venvs/gpu-stack in the folder that holds the repository).
 # The first build downloads torch's CUDA wheels (several GB); later runs only check the pins.
 set -euo pipefail
 
@@ -30,7 +30,7 @@ while [ $# -gt 0 ]; do
         --venv) venv=$2; shift ;;
         --python) python=$2; shift ;;
         --) shift; pytest_args=("$@"); break ;;
-        -h|--help) sed -n '2,18p' "$0"; exit 0 ;;
+        -h|--help) sed -n '2,17p' "$0"; exit 0 ;;
         *) echo "unknown option: $1 (see --help)" >&2; exit 2 ;;
     esac
     shift
