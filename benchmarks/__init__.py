@@ -9,7 +9,7 @@ Layout: ``models/`` (one file per model family, a registry in ``models/__init__`
 ``memory.py``, ``casts.py`` and ``flops.py`` (what each row measures), ``harness.py`` (one model in
 one mode), ``report.py`` (JSON + markdown), ``paper_figures.py`` and ``run.py`` (CLI).
 
-The GPU suite (``python -m benchmarks.gpu_suite``, one command for a lent GPU): ``gpu_env.py`` (the
+The GPU suite (``python -m benchmarks.gpu_suite``, one command on any machine with a CUDA GPU): ``gpu_env.py`` (the
 device and a matmul probe), ``gpu_bench.py`` (the rows and the workers that measure them),
 ``timebox.py`` (subprocesses stopped at a deadline), ``gpu_report.py`` (markdown, summary lines, the
 README section), ``gpu_readme.py`` (rewrites the README's GPU section from the JSON).

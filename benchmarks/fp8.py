@@ -1,17 +1,29 @@
-"""FP8 on a GPT-style decoder: bf16 AMP, torchao float8 (all linears), compfx (searched FP8 / bf16 / FP32).
+"""FP8 on a GPT-style decoder, in bf16 terms: bf16 AMP, torchao float8 (all linears), compfx's searched plan.
 
 ::
 
     python -m benchmarks.fp8 [--smoke] [--out ROOT]
 
-Every mode trains the same model copy on the same batches; step times are medians of device-synchronised
-steps (:func:`compfx.measure.time_repeats`), and the final loss of a short run is kept beside them. compfx
-searches with ``SearchConfig(fp8=True)`` and the measured seconds as its cost.
+Each contender runs the way its authors recommend, and the table says which:
+
+* **bf16 AMP**: ``torch.autocast(dtype=torch.bfloat16)``, PyTorch's AMP recipe, eager (its reference) and
+  under ``torch.compile``;
+* **torchao float8**: ``convert_to_float8_training`` (every ``nn.Linear``, tensorwise scaling) under bf16
+  autocast and ``torch.compile``, as torchao's float8 training README runs it (eager float8 is not its
+  fast path: the scaling is left unfused);
+* **compfx**: ``compfx.optimize(..., low_dtype=torch.bfloat16, config=SearchConfig(fp8=True))`` searches an
+  FP8 / bf16 / FP32 plan, which then runs under ``torch.compile`` through ``compfx.compile_with_plan``.
+
+Every contender starts from the same weights with its own AdamW, and its k-th step trains on the same batch.
+After untimed warm-up steps (which compile), the contenders are timed **interleaved**: each round runs
+every contender for a window of steps, in a rotated order, with the device synchronised only at the
+window's ends (the losses are read after it); a row's step time is the median window's per-step time over
+the rounds, with the fastest and slowest beside it. The mean loss is over every timed step.
 
 Only a GPU of compute capability 8.9+ (H100, L4, RTX 40xx) runs float8 GEMMs. Elsewhere torchao emulates them
-in high precision: the script still runs (on CPU, tiny shapes), checks that every path trains, and says that
-its times mean nothing. Results: ``ROOT/<device>/fp8.json`` and ``fp8.md`` (default ROOT ``benchmarks/results``;
-the CPU folder is ``cpu``).
+in high precision: the script still runs (on CPU, tiny shapes, ``aot_eager`` instead of Inductor), checks that
+every path trains, and says that its times mean nothing. Results: ``ROOT/<device>/fp8.json`` and ``fp8.md``
+(default ROOT ``benchmarks/results``; the CPU folder is ``cpu``). It needs torchao (``pip install compfx[fp8]``).
 """
 
 from __future__ import annotations
@@ -21,23 +33,28 @@ import copy
 import json
 import statistics
 import sys
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
 import compfx
+from compfx.backend import compile_with_plan
 from compfx.float8 import fp8_runs_natively, require_torchao
-from compfx.measure import time_repeats
+from compfx.measure import timed
+from compfx.vocabulary import dtype_name
 
 from .models.gpt import GPT
 
-__all__ = ["run", "main"]
+__all__ = ["run", "main", "markdown"]
 
 _ROOT = Path(__file__).parent / "results"
-#: (model config, batch size, batches, steps timed) on a GPU and on CPU (emulated: tiny, only to show it runs)
-_GPU = (dict(vocab=50304, seq_len=1024, dim=768, heads=12, layers=12), 8, 8, 20)
-_CPU = (dict(vocab=256, seq_len=32, dim=64, heads=4, layers=2), 8, 4, 3)
+#: (model config, batch size, batches, rounds, steps per round) on a GPU and on CPU (emulated: tiny, only to show it runs)
+_GPU = (dict(vocab=50304, seq_len=1024, dim=768, heads=12, layers=12), 8, 8, 5, 8)
+_CPU = (dict(vocab=256, seq_len=32, dim=64, heads=4, layers=2), 8, 4, 2, 2)
+_WARMUP_STEPS = 3  # untimed: compiles, autotunes, creates the optimizer state
 
 
 def _batches(config: dict, batch_size: int, n: int, device) -> list:
@@ -50,59 +67,101 @@ def _loss(logits, batch):
     return F.cross_entropy(logits.flatten(0, 1).float(), batch[-1].flatten())
 
 
-def _measure(module, model, batches, *, autocast: bool, device, steps: int) -> dict:
-    """Median step time and the mean loss over the batches (one pass), training ``model``'s own parameters."""
-    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    losses = []
+@dataclass
+class _Contender:
+    """One way of training: a module (sharing ``model``'s parameters), how it runs, its optimizer and its steps."""
 
-    def step(i):
-        batch = batches[i % len(batches)]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=autocast):
-            loss = _loss(module(batch[0]), batch)
+    name: str
+    how: str
+    module: Callable
+    model: torch.nn.Module
+    autocast: bool
+    batches: list
+    steps_done: int = 0
+    windows: list = field(default_factory=list)  # per-step seconds of each timed window
+    losses: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self.optimizer = torch.optim.AdamW(self.model.parameters(), lr=1e-3)
+
+    def step(self) -> torch.Tensor:
+        """One training step on the next batch; the loss stays on the device (nothing is read inside a window)."""
+        batch = self.batches[self.steps_done % len(self.batches)]
+        with torch.autocast(batch[0].device.type, dtype=torch.bfloat16, enabled=self.autocast):
+            loss = _loss(self.module(batch[0]), batch)
         loss.backward()
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.steps_done += 1
+        return loss.detach()
 
-    timing = time_repeats(step, warmup=1, repeats=steps, device=device)
-    return {"step_ms": timing.median * 1e3, "mean_loss": statistics.fmean(losses)}
+    def window(self, steps: int, device) -> None:
+        losses, seconds = timed(lambda: [self.step() for _ in range(steps)], device=device)
+        self.windows.append(seconds / steps)
+        self.losses.extend(torch.stack(losses).float().tolist())  # read after the window: the device is idle
+
+    def row(self) -> dict:
+        return {"how": self.how, "step_ms": statistics.median(self.windows) * 1e3,
+                "step_ms_min": min(self.windows) * 1e3, "step_ms_max": max(self.windows) * 1e3,
+                "mean_loss": statistics.fmean(self.losses), "steps_timed": len(self.losses)}
+
+
+def _compiler(native: bool) -> tuple[str, Callable]:
+    """(name, compile) of the compiler every compiled contender uses: Inductor on a GPU, aot_eager elsewhere."""
+    backend = "inductor" if native or torch.cuda.is_available() else "aot_eager"
+    return backend, lambda module: torch.compile(module, backend=backend)
 
 
 def run(*, smoke: bool = False, device: str | None = None) -> dict:
-    """Measure the three modes; returns the result dict (what ``fp8.json`` holds).
+    """Measure the contenders; returns the result dict (what ``fp8.json`` holds).
 
     >>> result = run(smoke=True)  # doctest: +SKIP
     """
     float8 = require_torchao()
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     native = fp8_runs_natively(device)
-    config, batch_size, n_batches, steps = _GPU if native and not smoke else _CPU
+    config, batch_size, n_batches, rounds, steps = _GPU if native and not smoke else _CPU
     batches = _batches(config, batch_size, n_batches, device)
+    backend, compiled = _compiler(native and not smoke)
     torch.manual_seed(0)
     base = GPT(**config).to(device)
-    rows = {}
 
-    model = copy.deepcopy(base)
-    rows["bf16 AMP"] = _measure(model, model, batches, autocast=True, device=device, steps=steps)
+    def fresh():
+        return copy.deepcopy(base)
 
-    model = copy.deepcopy(base)
-    fp8_config = float8.Float8LinearConfig(emulate=not native)
-    converted = float8.convert_to_float8_training(model, config=fp8_config)  # every nn.Linear: torchao's default
-    rows["torchao float8 (all linears)"] = _measure(converted, converted, batches, autocast=False, device=device,
-                                                    steps=steps)
+    contenders = []
+    model = fresh()
+    contenders.append(_Contender("bf16 AMP", "eager", model, model, True, batches))
+    model = fresh()
+    contenders.append(_Contender("bf16 AMP", f"compiled ({backend})", compiled(model), model, True, batches))
+    model = float8.convert_to_float8_training(fresh(), config=float8.Float8LinearConfig(emulate=not native))
+    contenders.append(_Contender("torchao float8 (all linears) + bf16 AMP", f"compiled ({backend})", compiled(model),
+                                 model, True, batches))
 
-    model = copy.deepcopy(base)
+    model = fresh()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    search = compfx.optimize(model, batches, optimizer=optimizer, loss_fn=_loss, config=compfx.SearchConfig(
-        fp8=True, progress=False, warmup=1, repeats=2, stage1_budget=16, stage2_budget=4, cache_plan=False))
-    model.load_state_dict(base.state_dict())  # the same start as the other modes
+    search = compfx.optimize(model, batches, optimizer=optimizer, loss_fn=_loss, low_dtype=torch.bfloat16,
+                             config=compfx.SearchConfig(fp8=True, progress=False, warmup=1, repeats=2,
+                                                        stage1_budget=16, stage2_budget=4, cache_plan=False))
+    model.load_state_dict(base.state_dict())  # the same start as the others (the search trained it)
     counts = {str(p): sum(v is p for v in search.plan.values()) for p in set(search.plan.values())}
-    rows["compfx (searched)"] = {**_measure(search.module, model, batches, autocast=False, device=device,
-                                            steps=steps),
-                                 "plan": search.plan.bitstring(search.analysis), "precisions": counts,
-                                 "fp8_recipe": str(search.plan.fp8_recipe), "search_s": search.search_seconds}
+    contenders.append(_Contender("compfx (searched plan)", f"compiled ({backend}, compile_with_plan)",
+                                 compile_with_plan(model, search.plan, inner=backend), model, False, batches))
+
+    for contender in contenders:
+        for _ in range(_WARMUP_STEPS):
+            contender.step()
+    for r in range(rounds):  # interleaved, in a rotated order: no contender always runs first (or after another)
+        for contender in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
+            contender.window(steps, device)
+
+    rows = {f"{c.name} ({c.how.split(' (')[0]})": c.row() for c in contenders}
+    rows["compfx (searched plan) (compiled)"].update(
+        plan=search.plan.bitstring(search.analysis), precisions=counts, fp8_recipe=str(search.plan.fp8_recipe),
+        low_dtype=dtype_name(search.plan.low_dtype), search_s=search.search_seconds)
     return {"benchmark": "benchmarks.fp8", "device": compfx.measure.device_name(device), "native_fp8": native,
-            "model": {"name": "gpt", **config, "batch_size": batch_size}, "steps_timed": steps,
+            "model": {"name": "gpt", **config, "batch_size": batch_size}, "rounds": rounds,
+            "steps_per_round": steps, "warmup_steps": _WARMUP_STEPS, "compiler": backend,
             "torch": torch.__version__, "torchao": getattr(sys.modules.get("torchao"), "__version__", "?"),
             "times_mean_nothing": not native,
             "note": ("float8 GEMMs run natively" if native else
@@ -112,11 +171,18 @@ def run(*, smoke: bool = False, device: str | None = None) -> dict:
 
 
 def markdown(result: dict) -> str:
+    rows = result["rows"]
+    reference = rows.get("bf16 AMP (compiled)", {}).get("step_ms")
     lines = [f"# FP8 on {result['device']} ({result['model']['name']}, {result['model']['layers']} layers, "
              f"dim {result['model']['dim']})", "", f"**{result['note']}.**", "",
-             "| mode | step (ms) | mean loss | plan |", "|---|---|---|---|"]
-    for name, row in result["rows"].items():
-        lines.append(f"| {name} | {row['step_ms']:.2f} | {row['mean_loss']:.4f} | {row.get('plan', '')} |")
+             f"Same start, same batches; {result.get('rounds')} interleaved rounds of {result.get('steps_per_round')} "
+             "steps each after warm-up; step: the median round (fastest - slowest).", "",
+             "| contender | runs | step (ms) | x bf16 AMP compiled | mean loss | plan |", "|---|---|---|---|---|---|"]
+    for name, row in rows.items():
+        ratio = f"{reference / row['step_ms']:.2f}" if reference and row.get("step_ms") else ""
+        spread = f" ({row['step_ms_min']:.2f} - {row['step_ms_max']:.2f})" if "step_ms_min" in row else ""
+        lines.append(f"| {name.rsplit(' (', 1)[0]} | {row.get('how', '')} | {row['step_ms']:.2f}{spread} | {ratio} | "
+                     f"{row['mean_loss']:.4f} | {row.get('plan', '')} |")
     return "\n".join(lines) + "\n"
 
 

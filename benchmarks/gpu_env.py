@@ -1,11 +1,15 @@
 """What the GPU suite measured on: the device, the software, and a matmul probe (the roofline for MFU).
 
 The probe multiplies two random ``n x n`` matrices (random data: zeros can run
-faster than real data) in bf16, fp16 and FP32 with PyTorch's own settings
-(``torch.backends.cuda.matmul.allow_tf32`` is recorded: off by default, so the
-FP32 rate is true FP32), after warm-up calls, timing blocks of calls with the
+faster than real data) in bf16, fp16 and FP32 with the process's own settings,
+after warm-up calls, timing blocks of calls with the
 device synchronised on both sides (:func:`compfx.measure.time_repeats`), and
 reports the median block's rate. ``2 n^3`` FLOPs per product.
+
+What "FP32" computes in is recorded, not set (``fp32_math``:
+:func:`compfx.measure.fp32_math`): PyTorch's defaults run FP32 matmuls in IEEE
+FP32, so the probe's FP32 rate is true FP32, but FP32 **convolutions in TF32**,
+so the suite's ``fp32`` rows of convolutional models are TF32 there.
 
 Run as ``python -m benchmarks.gpu_env --out env.json [--smoke]``; the suite runs
 it in a time-boxed subprocess (:mod:`benchmarks.timebox`).
@@ -30,7 +34,7 @@ import sys
 import torch
 
 from compfx.files import write_json_atomic
-from compfx.measure import hardware_name, time_repeats
+from compfx.measure import fp32_math, hardware_name, time_repeats
 from compfx.vocabulary import dtype_name
 
 __all__ = ["environment", "matmul_tflops", "probe", "main"]
@@ -62,14 +66,13 @@ def environment(device: torch.device) -> dict:
         "cuda": torch.version.cuda, "python": platform.python_version(), "machine": platform.machine(),
         "cpu_count": os.cpu_count(), "torch_threads": torch.get_num_threads(),
         "triton": _version("triton"), "transformers": _version("transformers"),
-        "float32_matmul_precision": torch.get_float32_matmul_precision(),
+        "float32_matmul_precision": torch.get_float32_matmul_precision(), "fp32_math": fp32_math(device),
     }
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
         env.update(
             capability=list(torch.cuda.get_device_capability(device)), memory_bytes=props.total_memory,
             multiprocessors=props.multi_processor_count, cudnn=torch.backends.cudnn.version(),
-            matmul_allow_tf32=torch.backends.cuda.matmul.allow_tf32, cudnn_allow_tf32=torch.backends.cudnn.allow_tf32,
             driver=_nvidia_driver(),
         )
     return env

@@ -3,7 +3,7 @@
 The section is the text between ``<!-- gpu-results -->`` and ``<!-- /gpu-results -->`` in ``README.md``;
 nothing outside the markers is touched. It is generated from every ``benchmarks/results/<gpu>/gpu-suite.json``
 (smoke runs excluded) by :func:`benchmarks.gpu_report.readme_section`; with none committed it says that no GPU
-has been measured yet and gives the commands to run on a lent GPU. ``tests/test_gpu_suite.py`` checks that the
+has been measured yet and gives the command to run on a GPU. ``tests/test_gpu_suite.py`` checks that the
 README holds exactly what this generates.
 
 ::

@@ -21,32 +21,24 @@ from pathlib import Path
 
 from tabulate import tabulate
 
+from compfx.measure import describe_fp32_math
+
 __all__ = ["ratios", "markdown", "summary_lines", "row_line", "readme_section", "device_results", "NO_GPU_YET",
            "RUN_COMMANDS", "FP8_NOTE", "fp8_text", "padding_text"]
 
 _MB = 1024 * 1024
 
 FP8_NOTE = ("Not measured in this call. The part compares bf16 AMP, torchao float8 (every linear) and compfx's "
-            "searched FP8 / bf16 / FP32 plan on the GPT-shaped decoder (`benchmarks/fp8.py`); it needs torchao, "
-            "carried as a wheel (see the run commands).")
+            "searched FP8 / bf16 / FP32 plan on the GPT-shaped decoder (`benchmarks/fp8.py`); it needs torchao "
+            "(`pip install compfx[fp8]`).")
 
-#: What a session that is lent a GPU runs, as device-tool calls (kept in one place: the README, the results
-#: README and the suite's docstring say the same).
+#: How to measure a GPU (kept in one place: the README, the results README and the suite's docstring say the same).
 RUN_COMMANDS = """\
-# here, once: torchao's wheel for the GPU machine (it has no registry; .whl/ is git-ignored), carried by each call
-python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0
-# device call 1 (run, timeout_s=600, carry=[".whl"]): environment, CUDA tests, then benchmark rows while its 8.5 minutes last
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --out $OUT
-# here: keep what came back (the reply's files_at holds <gpu-slug>/gpu-suite.json, .md and cuda-tests.txt)
-cp -r <files_at>/. benchmarks/results/
-# device call 2 (run, timeout_s=600, carry=[".whl"]), and a third if device time is left: what is not measured yet
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --parts bench,fp8 --merge-from benchmarks/results --out $OUT
-cp -r <files_at>/. benchmarks/results/
-# here: regenerate the README's GPU section from the JSON, then commit the device folder and README.md
-python -m benchmarks.gpu_readme"""
+# from the repository root, on any machine with a CUDA GPU (compfx installed: pip install -e ".[fp8]")
+python -m benchmarks.gpu_suite"""
 
 NO_GPU_YET = ("**No GPU has been measured yet.** The suite (`python -m benchmarks.gpu_suite`) has only run as its CPU "
-              "smoke test. On a lent GPU (H100 or H200, torch 2.11, no package registry), from the repository root:")
+              "smoke test. To measure a GPU:")
 
 
 def _fmt(value, spec: str, missing: str = "") -> str:
@@ -101,7 +93,10 @@ def summary_lines(state: dict) -> list[str]:
     lines = []
     env = state.get("environment") or {}
     probe = (env.get("matmul_probe") or {}).get("bfloat16") or {}
-    if env:
+    if env.get("status") == "failed":
+        lines.append(f"device: {env.get('device_name')}, torch {env.get('torch')}, CUDA {env.get('cuda')}: "
+                     f"FAILED: {env.get('why')} (its output tail is in the results file)")
+    elif env:
         lines.append(f"device: {env.get('device_name')}, torch {env.get('torch')}, CUDA {env.get('cuda')}, "
                      f"bf16 matmul probe {_fmt(probe.get('tflops'), '.4g', '?')} TFLOP/s")
     tests = state.get("cuda_tests")
@@ -109,6 +104,9 @@ def summary_lines(state: dict) -> list[str]:
         lines.append(f"cuda tests: {tests.get('status')}: {tests.get('passed', 0)} passed, {tests.get('failed', 0)} "
                      f"failed, {tests.get('errors', 0)} errors, {tests.get('skipped', 0)} skipped "
                      f"({_fmt(tests.get('seconds'), '.0f', '?')} s)")
+    fp8 = state.get("fp8") or {}
+    if fp8.get("status") not in (None, "not measured"):
+        lines.append(f"fp8: {fp8['status']}" + ("" if fp8["status"] == "ok" else f": {fp8.get('why', '')}"))
     rows = (state.get("bench") or {}).get("rows") or {}
     lines.extend(row_line(rows, row) for row in _ordered(rows))
     return lines
@@ -127,12 +125,18 @@ def row_line(rows: dict, row: dict) -> str:
 def _environment_text(env: dict) -> str:
     if not env:
         return "Environment: not recorded."
+    if env.get("status") == "failed":
+        return (f"{env.get('device_name')}: torch {env.get('torch')}, CUDA {env.get('cuda')}, Python "
+                f"{env.get('python')}. **The environment probe failed** ({env.get('why')}): no matmul rates, so no "
+                f"MFU. Its output ends:\n\n```\n{(env.get('output_tail') or '').strip()[-1500:]}\n```")
     parts = [f"torch {env.get('torch')}", f"CUDA {env.get('cuda')}", f"Python {env.get('python')}"]
     if env.get("capability"):
         parts.insert(0, f"compute capability {'.'.join(map(str, env['capability']))}, "
                         f"{env.get('multiprocessors')} SMs, {_fmt((env.get('memory_bytes') or 0) / 2 ** 30, '.0f')} GiB, "
                         f"driver {env.get('driver')}, cuDNN {env.get('cudnn')}")
-    if env.get("matmul_allow_tf32") is not None:
+    if env.get("fp32_math"):  # what the "fp32" rows computed in: the process's settings, never changed
+        parts.append(f"\"fp32\" here: {describe_fp32_math(env['fp32_math'])}")
+    elif env.get("matmul_allow_tf32") is not None:  # results recorded before fp32_math
         parts.append(f"TF32 matmul {'on' if env['matmul_allow_tf32'] else 'off'}, "
                      f"TF32 cuDNN {'on' if env.get('cudnn_allow_tf32') else 'off'} (PyTorch's defaults)")
     probe = env.get("matmul_probe") or {}

@@ -23,8 +23,11 @@ slow compile cannot eat the rest:
    without Tensor Core shape padding, in turns (:mod:`benchmarks.padding`).
 4. ``fp8``: bf16 AMP against torchao float8 (every linear) against compfx's searched FP8 / bf16 / FP32 plan on
    the GPT-shaped decoder (:mod:`benchmarks.fp8`), in what is left of the budget (at most 5 minutes). It needs
-   torchao, which the GPU machine lacks: carry its wheel (README, "GPU results"); without it the part records
-   why it did not run. Off a float8-capable GPU (capability 8.9+) the times are emulation and say so.
+   torchao (``pip install compfx[fp8]``); without it the part is "skipped: torchao not installed", which does not
+   fail the suite. Off a float8-capable GPU (capability 8.9+) the times are emulation and say so.
+
+If the environment probe fails, the results file records it (``environment.status: failed``, why, the output
+tail) under the device's ``nvidia-smi`` name, the other parts still run, and the suite exits 1.
 
 Results go to ``ROOT/<gpu-slug>/`` (default ``benchmarks/results/<gpu-slug>/``): ``gpu-suite.json`` (every
 number, every call's environment), ``gpu-suite.md`` and ``cuda-tests.txt``; ``--smoke`` writes
@@ -34,21 +37,13 @@ rows already measured are kept, not run again. The output ends with one line per
 ``--smoke`` runs the same code on the CPU with tiny shapes (two models, ``aot_eager`` instead of Inductor) in
 well under a minute; CI runs it (``tests/test_gpu_suite.py``).
 
-**On a lent GPU** (device tool: at most 10 minutes a call, 30 minutes of device time in all, the machine's start
-included; torch 2.11 and no package registry there), from the repository root (``RUN_COMMANDS`` in
-:mod:`benchmarks.gpu_report`, also in ``benchmarks/results/README.md``)::
+**On a GPU** (``RUN_COMMANDS`` in :mod:`benchmarks.gpu_report`, also in ``benchmarks/results/README.md``)::
 
-    # here, once: torchao's wheel for the GPU machine (it has no registry; .whl/ is git-ignored), carried by each call
-    python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform manylinux_2_28_x86_64 -d .whl torchao==0.18.0
-    # device call 1 (run, timeout_s=600, carry=[".whl"]): environment, CUDA tests, then benchmark rows while its 8.5 minutes last
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --out $OUT
-    # here: keep what came back (the reply's files_at holds <gpu-slug>/gpu-suite.json, .md and cuda-tests.txt)
-    cp -r <files_at>/. benchmarks/results/
-    # device call 2 (run, timeout_s=600, carry=[".whl"]), and a third if device time is left: what is not measured yet
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl && export PYTHONPATH=/tmp/site; python3 -m pip install -q --no-deps --no-build-isolation -e . && PYTHONUNBUFFERED=1 python3 -m benchmarks.gpu_suite --parts bench,fp8 --merge-from benchmarks/results --out $OUT
-    cp -r <files_at>/. benchmarks/results/
-    # here: regenerate the README's GPU section from the JSON, then commit the device folder and README.md
-    python -m benchmarks.gpu_readme
+    # from the repository root, on any machine with a CUDA GPU (compfx installed: pip install -e ".[fp8]")
+    python -m benchmarks.gpu_suite
+
+then ``python -m benchmarks.gpu_readme`` regenerates the README's GPU section from the results. Where a call
+must stay short, ``--budget-min`` bounds it and a later call with ``--merge-from`` measures what is left.
 """
 
 from __future__ import annotations
@@ -66,6 +61,7 @@ from dataclasses import asdict
 from pathlib import Path
 
 from compfx.files import write_json_atomic
+from compfx.float8 import torchao_missing
 
 from .gpu_bench import MODES, ROOT, SMOKE_MODELS, SUITE_MODELS, Settings, parse_mode, run_groups, suite_groups
 from .gpu_report import FP8_NOTE, markdown, row_line, summary_lines
@@ -74,7 +70,8 @@ from .models import MODELS
 from .report import slug
 from .timebox import run_boxed, tail_of
 
-__all__ = ["PARTS", "parse_args", "main", "load_state", "run_environment", "run_cuda_tests", "run_fp8", "STEM"]
+__all__ = ["PARTS", "parse_args", "main", "load_state", "run_environment", "run_cuda_tests", "run_fp8", "STEM",
+           "succeeded"]
 
 PARTS = ("env", "cuda-tests", "bench", "fp8")
 STEM = {False: "gpu-suite", True: "gpu-suite-smoke"}
@@ -91,7 +88,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", help="results root; a folder per device is made inside (default: "
                                       "benchmarks/results; smoke: a folder in the temp directory)")
     parser.add_argument("--budget-min", type=float, default=None,
-                        help="minutes for this call (default 8.5: one device-tool call of 10; smoke: 10)")
+                        help="minutes for this call (default 8.5; smoke: 10)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
     parser.add_argument("--merge-from", help="results root of an earlier call, e.g. benchmarks/results: its "
                                              "<gpu-slug>/gpu-suite.json is merged when --out has none")
@@ -102,7 +99,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--retry-failed", action="store_true", help="run again rows that failed or hit their limit")
     parser.add_argument("--fresh", action="store_true", help="merge nothing: start a new result")
     parser.add_argument("--note", default="", help="free text kept with this call, e.g. the commit measured "
-                                                   "(the device machine's copy of the tree has no git history)")
+                                                   "(where the tree has no git history)")
     args = parser.parse_args(argv)
     args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     unknown = sorted(set(args.parts) - set(PARTS))
@@ -134,15 +131,44 @@ def _subprocess_env(workdir: Path) -> dict:
 
 
 def run_environment(smoke: bool, workdir: Path, budget_end: float) -> dict:
-    """The environment and the matmul probe, from ``python -m benchmarks.gpu_env`` in a time-boxed subprocess."""
+    """The environment and the matmul probe, from ``python -m benchmarks.gpu_env`` in a time-boxed subprocess.
+
+    When the probe fails, what is known without it (the device's name from ``nvidia-smi``, this process's
+    versions) with ``status: "failed"``, why, and the probe's output tail: the results file says so, and the
+    other parts still run.
+    """
     out = workdir / "env.json"
     end = min(budget_end, time.time() + _ENV_TIMEOUT_S[smoke])
     boxed = run_boxed([sys.executable, "-m", "benchmarks.gpu_env", "--out", str(out), *(["--smoke"] if smoke else [])],
                       log_path=workdir / "env.log", deadline=lambda: end, env=_subprocess_env(workdir), cwd=ROOT)
-    if boxed.returncode != 0 or not out.exists():
-        why = "timed out" if boxed.timed_out else f"exited with code {boxed.returncode}"
-        raise SystemExit(f"the environment probe {why}; its output:\n{boxed.tail(3000)}")
-    return json.loads(out.read_text())
+    try:
+        if boxed.returncode == 0:
+            return {**json.loads(out.read_text()), "status": "ok"}
+    except (OSError, ValueError):
+        pass
+    why = "timed out" if boxed.timed_out else f"exited with code {boxed.returncode}"
+    return {**_environment_without_probe(smoke), "status": "failed", "why": f"the environment probe {why}",
+            "output_tail": boxed.tail(3000)}
+
+
+def _environment_without_probe(smoke: bool) -> dict:
+    """The device's name and the versions, read without initialising CUDA here (the probe's failure may be CUDA's)."""
+    import platform
+
+    import torch
+
+    from compfx.measure import hardware_name
+
+    name = hardware_name("cpu") if smoke else None
+    if name is None:
+        try:
+            found = subprocess.run(["nvidia-smi", "--query-gpu=name", "--format=csv,noheader"], capture_output=True,
+                                   text=True, timeout=20)
+            name = found.stdout.strip().splitlines()[0] if found.returncode == 0 and found.stdout.strip() else None
+        except (OSError, subprocess.SubprocessError):
+            name = None
+    return {"device_type": "cpu" if smoke else "cuda", "device_name": name or "unknown CUDA device",
+            "torch": torch.__version__, "cuda": torch.version.cuda, "python": platform.python_version()}
 
 
 def _junit_counts(path: Path) -> dict:
@@ -187,7 +213,13 @@ def run_cuda_tests(smoke: bool, workdir: Path, log_path: Path, budget_end: float
 
 
 def run_fp8(smoke: bool, workdir: Path, log_path: Path, budget_end: float) -> dict:
-    """``python -m benchmarks.fp8`` in a time-boxed subprocess; its JSON, or why there is none."""
+    """``python -m benchmarks.fp8`` in a time-boxed subprocess; its JSON, or why there is none.
+
+    Without torchao the part is ``skipped`` (not a failure: FP8 is an optional extra, ``compfx[fp8]``).
+    """
+    missing = torchao_missing()
+    if missing:
+        return {"status": "skipped", "why": missing}
     out = workdir / "fp8"
     argv = [sys.executable, "-m", "benchmarks.fp8", "--out", str(out)] + (["--smoke"] if smoke else [])
     end = min(budget_end, time.time() + _FP8_TIMEOUT_S[smoke])
@@ -197,11 +229,8 @@ def run_fp8(smoke: bool, workdir: Path, log_path: Path, budget_end: float) -> di
     found = sorted(out.glob("*/fp8.json"))
     if boxed.returncode == 0 and found:
         return {"status": "ok", "seconds": boxed.seconds, **json.loads(found[0].read_text())}
-    tail = tail_of(log_path, 2000)
-    why = ("torchao is not installed here: carry its wheel (README, GPU results)" if "torchao" in tail
-           and ("No module named" in tail or "compfx[fp8]" in tail) else "see the output tail")
-    return {"status": "timeout" if boxed.timed_out else "failed", "why": why, "seconds": boxed.seconds,
-            "output_tail": tail}
+    return {"status": "timeout" if boxed.timed_out else "failed", "why": "see the output tail",
+            "seconds": boxed.seconds, "output_tail": tail_of(log_path, 2000)}
 
 
 # -- the results file ------------------------------------------------------------------------
@@ -314,10 +343,22 @@ def main(argv=None) -> int:
     print("\n".join(["", f"== {results.json_path} and {results.markdown_path.name}", *summary_lines(results.state)]))
     if left:
         print(f"left for a later call ({len(left)}): " + "; ".join(left))
-    tests_ok = (results.state.get("cuda_tests") or {}).get("status", "passed") == "passed"
-    rows_ok = all(row.get("status") == "ok" for row in results.rows.values())
-    fp8_ok = "fp8" not in args.parts or results.state["fp8"].get("status") == "ok"
-    return 0 if tests_ok and rows_ok and fp8_ok else 1
+    return 0 if succeeded(results.state, args.parts) else 1
+
+
+def succeeded(state: dict, parts) -> bool:
+    """Did every part this call ran succeed? An FP8 part skipped for want of torchao is no failure.
+
+    >>> succeeded({"environment": {"status": "ok"}, "bench": {"rows": {}}, "fp8": {"status": "skipped"}}, PARTS)
+    True
+    >>> succeeded({"environment": {"status": "failed"}, "bench": {"rows": {}}}, ["env"])
+    False
+    """
+    env_ok = (state.get("environment") or {}).get("status", "ok") == "ok"
+    tests_ok = (state.get("cuda_tests") or {}).get("status", "passed") == "passed"
+    rows_ok = all(row.get("status") == "ok" for row in ((state.get("bench") or {}).get("rows") or {}).values())
+    fp8_ok = "fp8" not in parts or (state.get("fp8") or {}).get("status") in ("ok", "skipped")
+    return env_ok and tests_ok and rows_ok and fp8_ok
 
 
 if __name__ == "__main__":

@@ -30,12 +30,13 @@ from .analyze import Analysis, analyze, analyze_graph
 from .capture import capture, changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints, module_modes
 from .capture.nodes import copy_graph
 from .errors import BadInputError, CaptureError, PlanMismatchError
+from .float8 import fp8_eligible
 from .opkey import OpKey
 from .passes import apply_precisions
-from .plan import Plan
+from .plan import AMP_PRECISION, Plan
 from .vocabulary import Category, Precision, dtype_name
 
-__all__ = ["apply", "PlannedModule", "Specialization", "SignatureCaptures"]
+__all__ = ["apply", "PlannedModule", "Specialization", "SignatureCaptures", "fp8_fallbacks"]
 
 log = logging.getLogger("compfx")
 
@@ -147,6 +148,40 @@ def _say_fidelity_notes(gm: fx.GraphModule, capture_method: str, plan: Plan) -> 
     return notes
 
 
+def fp8_fallbacks(analysis: Analysis, precisions: Mapping[OpKey, Precision],
+                  categories: Mapping[OpKey, Category]) -> dict[OpKey, tuple[Precision, str]]:
+    """The ops ``precisions`` gives FP8 that cannot run it at ``analysis``'s shapes: op -> (the precision it
+    runs instead, why).
+
+    FP8 eligibility depends on shapes (M, N and K multiples of 16: :func:`compfx.float8.fp8_eligible`), and a
+    plan is searched at the first batch's. Another input signature (a ragged last batch, another sequence
+    length) can break it, where torch's scaled matmul would refuse the op; the op then runs at the precision
+    AMP gives it (low, for the GEMMs FP8 covers), at that signature only.
+
+    >>> import torch, compfx
+    >>> model = torch.nn.Sequential(torch.nn.Linear(32, 16))
+    >>> ragged = compfx.analyze(model, torch.randn(10, 32))  # 10 rows: not a multiple of 16
+    >>> {str(k): v for k, v in fp8_fallbacks(ragged, {ragged.keys[0]: Precision.FP8}, {}).items()}
+    {'0:linear#0': (<Precision.LOW: 'low'>, 'input rows=10 is not a multiple of 16')}
+    """
+    fallbacks = {}
+    for op in analysis.ops:
+        if precisions.get(op.key) is Precision.FP8:
+            eligible, why = fp8_eligible(op.kind, op.input_shapes, device=analysis.device)
+            if not eligible:
+                fallbacks[op.key] = (AMP_PRECISION[categories.get(op.key, op.category)], why)
+    return fallbacks
+
+
+def _plan_at(plan: Plan, analysis: Analysis, categories: Mapping[OpKey, Category]) -> tuple[Plan, tuple]:
+    """``plan`` as it runs at ``analysis``'s signature (FP8 fallbacks applied), and the fallbacks with why."""
+    fallbacks = fp8_fallbacks(analysis, plan, categories)
+    if not fallbacks:
+        return plan, ()
+    here = plan.with_precisions({key: precision for key, (precision, _) in fallbacks.items()})
+    return here, tuple((key, why) for key, (_, why) in fallbacks.items())
+
+
 @dataclass(frozen=True)
 class Specialization:
     """One input signature a :class:`PlannedModule` met after its first: what it cost, and how the plan fit.
@@ -154,7 +189,9 @@ class Specialization:
     ``inputs`` describes the shapes; ``capture_seconds`` is 0 when another
     module of the same :class:`SignatureCaptures` had captured this signature
     already; ``unplanned`` are ops of this graph that the plan does not name
-    (they follow), ``missing`` plan entries whose op this graph lacks.
+    (they follow), ``missing`` plan entries whose op this graph lacks,
+    ``fp8_fallbacks`` the plan's FP8 ops that cannot run FP8 at these shapes,
+    with why (they run low here: :func:`fp8_fallbacks`).
     """
 
     inputs: str
@@ -163,6 +200,7 @@ class Specialization:
     rewrite_seconds: float
     unplanned: tuple[OpKey, ...] = ()
     missing: int = 0
+    fp8_fallbacks: tuple[tuple[OpKey, str], ...] = ()
 
 
 class SignatureCaptures:
@@ -279,16 +317,21 @@ class PlannedModule(nn.Module):
             return graph
         analysis, capture_seconds = self.captures.get(signature, args, kwargs, self.training)
         start = time.perf_counter()
-        graph = _planned_graph(self._model, analysis, self.plan, self.captures.categories_of(analysis),
-                               restore_output_dtypes=self.restore_output_dtypes)
+        categories = self.captures.categories_of(analysis)
+        plan, fallbacks = _plan_at(self.plan, analysis, categories)
+        graph = _planned_graph(self._model, analysis, plan, categories, restore_output_dtypes=self.restore_output_dtypes)
         graph.train(self.training)
         unplanned = tuple(op.key for op in analysis.ops if op.key not in self.plan)
         missing = len(set(self.plan) - set(analysis.keys))
-        self.specializations.append(Specialization(describe_inputs(args, kwargs), self.training, capture_seconds,
-                                                   time.perf_counter() - start, unplanned, missing))
+        inputs = describe_inputs(args, kwargs)
+        self.specializations.append(Specialization(inputs, self.training, capture_seconds,
+                                                   time.perf_counter() - start, unplanned, missing, fallbacks))
         if unplanned or missing:
-            log.warning("compfx: at inputs %s %s; the other ops run as planned", describe_inputs(args, kwargs),
-                        _plan_fit(unplanned, missing))
+            log.warning("compfx: at inputs %s %s; the other ops run as planned", inputs, _plan_fit(unplanned, missing))
+        if fallbacks:
+            log.warning("compfx: at inputs %s, %d FP8 op(s) of the plan cannot run FP8 and run at AMP's precision "
+                        "for them (low, for a GEMM) at these inputs only (%s)",
+                        inputs, len(fallbacks), "; ".join(f"{key}: {why}" for key, why in fallbacks[:3]))
         self._graphs[signature] = graph
         return graph
 
@@ -308,7 +351,8 @@ class PlannedModule(nn.Module):
         self.plan = plan
         for signature, old in list(self._graphs.items()):
             analysis = self.captures._by_signature[signature]
-            graph = _planned_graph(self._model, analysis, plan, self.captures.categories_of(analysis),
+            categories = self.captures.categories_of(analysis)
+            graph = _planned_graph(self._model, analysis, _plan_at(plan, analysis, categories)[0], categories,
                                    restore_output_dtypes=self.restore_output_dtypes)
             graph.train(old.training)
             self._graphs[signature] = graph

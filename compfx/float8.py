@@ -39,6 +39,7 @@ an FP8 op is built, and its absence is a :class:`~compfx.errors.BadInputError`.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from typing import Sequence
 
@@ -48,7 +49,7 @@ from .errors import BadInputError
 from .vocabulary import Float8Recipe
 
 __all__ = ["FP8_MULTIPLE", "FP8_KINDS", "FP8_MIN_CAPABILITY", "fp8_eligible", "fp8_runs_natively", "float8_config",
-           "require_torchao", "DEFAULT_RECIPE"]
+           "require_torchao", "torchao_missing", "DEFAULT_RECIPE"]
 
 #: Dimension multiple that float8 scaled-matmul kernels need.
 FP8_MULTIPLE = 16
@@ -127,6 +128,20 @@ def require_torchao():
         raise BadInputError(f"an FP8 plan needs torchao's float8 training ({error}); install it with "
                             "`pip install compfx[fp8]` (torchao >= 0.18), or use a plan without 'fp8' ops.") from None
     return float8
+
+
+@functools.lru_cache(maxsize=None)
+def torchao_missing() -> str | None:
+    """Why torchao's float8 training cannot be imported here (None: it can). For callers that skip FP8 work.
+
+    >>> torchao_missing() is None or torchao_missing().startswith("torchao not installed")
+    True
+    """
+    try:
+        import torchao.float8  # noqa: F401
+    except ImportError as error:
+        return f"torchao not installed ({error})"
+    return None
 
 
 def float8_config(recipe: Float8Recipe | str = DEFAULT_RECIPE, *, emulate: bool):

@@ -45,7 +45,7 @@ from .errors import BadInputError
 __all__ = ["synchronize", "timed", "Timing", "time_repeats", "PhaseClock", "CLOCKS", "check_clock", "time_calls",
            "time_fastest",
            "device_name", "hardware_name", "environment_key", "Conditions", "measure_conditions", "reference_seconds",
-           "REFERENCE_TOLERANCE"]
+           "REFERENCE_TOLERANCE", "fp32_math", "describe_fp32_math"]
 
 T = TypeVar("T")
 
@@ -269,6 +269,54 @@ def environment_key(*, device: torch.device | str, clock: str) -> dict:
     ['clock', 'device', 'torch']
     """
     return {"clock": clock, "device": device_name(device), "torch": torch.__version__}
+
+
+# -- what "FP32" computes in ------------------------------------------------------------------
+
+#: Where each op family's FP32 precision setting lives, innermost first (PyTorch 2.9+): a setting of "none"
+#: defers to the next. cuBLAS matmuls, cuDNN convolutions, and oneDNN's on a CPU.
+_FP32_SETTINGS = {
+    "cuda": {"matmul": ("cuda.matmul",), "convolution": ("cudnn.conv", "cudnn")},
+    "cpu": {"matmul": ("mkldnn.matmul", "mkldnn"), "convolution": ("mkldnn.conv", "mkldnn")},
+}
+
+
+def _backend(path: str):
+    module = torch.backends
+    for part in path.split("."):
+        module = getattr(module, part)
+    return module
+
+
+def fp32_math(device: torch.device | str) -> dict[str, str]:
+    """What FP32 matmuls and convolutions compute in on ``device`` now: ``"ieee"`` (true FP32), ``"tf32"``, ``"bf16"``.
+
+    Read from PyTorch's settings (``torch.backends.cuda.matmul.fp32_precision``,
+    ``torch.backends.cudnn.conv.fp32_precision``, oneDNN's on a CPU), never set:
+    compfx runs FP32 ops as the user's settings say. PyTorch's defaults on CUDA
+    are IEEE matmuls and **TF32 convolutions**, so an "FP32" baseline with
+    convolutions is not true FP32 unless the user says so.
+
+    >>> fp32_math("cpu")
+    {'matmul': 'ieee', 'convolution': 'ieee'}
+    """
+    device = torch.device(device)
+    found = {}
+    for family, paths in _FP32_SETTINGS.get(device.type, {}).items():
+        values = [getattr(_backend(path), "fp32_precision", "none") for path in paths]
+        values.append(getattr(torch.backends, "fp32_precision", "none"))
+        found[family] = next((value for value in values if value != "none"), "ieee")
+    return found
+
+
+def describe_fp32_math(math_: Mapping[str, str]) -> str:
+    """``fp32_math`` in words, for reports.
+
+    >>> describe_fp32_math({"matmul": "ieee", "convolution": "tf32"})
+    'FP32 matmuls in IEEE FP32, FP32 convolutions in TF32'
+    """
+    names = {"ieee": "IEEE FP32", "tf32": "TF32", "bf16": "bf16 (oneDNN)"}
+    return ", ".join(f"FP32 {family}s in {names.get(value, value)}" for family, value in math_.items()) or "IEEE FP32"
 
 
 # -- the conditions a timing was taken under ---------------------------------------------

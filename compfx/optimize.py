@@ -25,7 +25,7 @@ from . import cache
 from .analyze import analyze, model_device, parameter_shapes
 from .errors import BadInputError, CompfxError
 from .float8 import require_torchao
-from .measure import PhaseClock
+from .measure import PhaseClock, describe_fp32_math, fp32_math
 from .memory import saved_activation_bytes
 from .per_module import PerModuleEvaluator, is_regions_analysis, prepare_search
 from .rng import rng_preserved
@@ -228,7 +228,7 @@ class _Search:
         """Ranks agree on one plan (or get one each); every measurement is agreed on first."""
         from .integrations.distributed import PerDeviceAllocation, RankAgreement, SyncedEvaluator, rank_context
 
-        ctx = rank_context()
+        ctx = rank_context(device=self.analysis.device)  # the collectives use this rank's own GPU
         if ctx.distributed:
             self.evaluator = SyncedEvaluator(self.evaluator, ctx)
         if self.config.per_device:
@@ -280,6 +280,7 @@ class _Search:
                 steps = self._compare_steps(decision, padding)
                 self.local.leave_state(decision.stage1.best, keep_training=config.keep_search_training)
             self._note_specializations()
+            self._note_fp32_math()
             self._save_plan(padding.plan)
             search_seconds = time.perf_counter() - started
             result = SearchResult(
@@ -360,6 +361,16 @@ class _Search:
                         target="step comparison")
         return steps
 
+    def _note_fp32_math(self) -> None:
+        """Say what 'fp32' computes in here: the user's TF32 settings, kept as they are (PyTorch's CUDA default
+        runs FP32 convolutions in TF32)."""
+        math_ = fp32_math(self.analysis.device)
+        where = ("torch.backends.cuda.matmul / torch.backends.cudnn.conv .fp32_precision"
+                 if self.analysis.device.type == "cuda" else "torch.backends.mkldnn .fp32_precision")
+        self.log.note(Stage.SEARCH, f"'fp32' (the FP32 baseline, and ops a plan keeps in FP32) means "
+                      f"{describe_fp32_math(math_)} on {self.analysis.device.type}: this process's settings ({where}), "
+                      "which compfx keeps", fp32_math=math_)
+
     def _note_specializations(self) -> None:
         """Say in the log (and so the report) how many input signatures the loader had, and what they cost."""
         captured, specializations = self.local.specializations()
@@ -372,12 +383,15 @@ class _Search:
         self.clock.move(rewrite, source="samples", target="rewrites")
         shapes = sorted({s.inputs for s in specializations})
         unplanned = sum(bool(s.unplanned or s.missing) for s in specializations)
+        fp8_fallbacks = sorted({f"{key} at {s.inputs} ({why})" for s in specializations for key, why in s.fp8_fallbacks})
         self.log.note(
             Stage.SEARCH,
             f"input signatures: {captured} ({len(shapes)} besides the first batch's, e.g. {shapes[0]}); each plan's "
             f"module re-specialises per signature from the same plan: {captured - 1} capture(s) in {capture:.2f} s, "
             f"{len(specializations)} rewrite(s) in {rewrite:.2f} s, outside the timed steps"
-            + (f"; {unplanned} of them ran ops the plan does not name (they follow)" if unplanned else ""),
+            + (f"; {unplanned} of them ran ops the plan does not name (they follow)" if unplanned else "")
+            + (f"; FP8 op(s) that cannot run FP8 at a signature ran at AMP's precision there: "
+               f"{'; '.join(fp8_fallbacks[:3])}" if fp8_fallbacks else ""),
             signatures=captured, specializations=len(specializations), capture_seconds=capture,
             rewrite_seconds=rewrite)
 

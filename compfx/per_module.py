@@ -43,6 +43,7 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .analyze import Analysis, analyze_graph, model_device
+from .apply import fp8_fallbacks
 from .capture import (buffers_restored, capture, describe_inputs, input_signature, keep_checkpoints,
                       normalize_example_inputs)
 from .capture.nodes import copy_graph
@@ -243,10 +244,17 @@ class PlannedBlock(nn.Module):
         if unplanned:
             log.warning("compfx: block %r runs %d op(s) the plan does not name (they follow: %s)", self.path,
                         len(unplanned), ", ".join(map(str, unplanned[:3])))
+        fallbacks = fp8_fallbacks(analysis, precisions, categories)  # FP8 shapes broken by these inputs
+        if fallbacks:
+            precisions.update({key: precision for key, (precision, _) in fallbacks.items()})
+            log.warning("compfx: block %r cannot run %d FP8 op(s) in FP8 at these inputs; they run at AMP's precision "
+                        "for them (%s)", self.path, len(fallbacks),
+                        "; ".join(f"{key}: {why}" for key, (_, why) in list(fallbacks.items())[:3]))
         source = analysis.graph_module
         gm = fx.GraphModule(source, copy_graph(source.graph), class_name=self.block_type.__name__ + "Mixed")
         apply_precisions(gm, precisions, low_dtype=self.plan.low_dtype, categories=categories,
                          default_precision=Precision.FOLLOW, restore_outputs=self.restore_output_dtypes,
+                         fp8_recipe=self.plan.fp8_recipe,
                          padded=[op.key for op in analysis.ops if model_key(self.path, op.key) in self.plan.padded])
         _read_state_through(gm, self)
         gm.train(self.training)

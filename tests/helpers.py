@@ -12,6 +12,7 @@ import traceback
 import warnings
 from pathlib import Path
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -210,3 +211,14 @@ def warnings_from_compfx():
         warnings.simplefilter("always")
         warnings.showwarning = collect
         yield found
+
+
+def _torchao_skip():
+    from compfx.float8 import torchao_missing
+
+    missing = torchao_missing()
+    return pytest.mark.skipif(missing is not None, reason=f"{missing}: FP8 needs it (pip install compfx[fp8])")
+
+
+#: Mark for tests that run FP8 ops (torchao's float8 training); they skip, saying why, where torchao is missing.
+needs_torchao = _torchao_skip()

@@ -12,7 +12,7 @@ import torch.nn as nn
 import compfx
 from compfx.errors import CompfxError, PlanMismatchError
 from compfx.search.config import DECIDES, SearchConfig, decision_settings
-from tests.helpers import batches, ce, fp32_op_count
+from tests.helpers import batches, ce, fp32_op_count, needs_torchao
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
@@ -69,7 +69,7 @@ def logged_search(tmp_path_factory):
     return path, setup
 
 
-@pytest.mark.parametrize("field", sorted(CHANGED))
+@pytest.mark.parametrize("field", [pytest.param(f, marks=needs_torchao) if f == "fp8" else f for f in sorted(CHANGED)])
 def test_resume_with_a_changed_deciding_setting_is_refused(logged_search, field):
     path, setup = logged_search
     model, opt, loader = setup()

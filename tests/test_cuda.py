@@ -326,3 +326,24 @@ def test_benchmark_rows_report_cuda_peak_memory_and_synchronised_times():
     a = torch.randn(1024, 1024, device=CUDA)
     _, seconds = timed(lambda: a @ a, "cuda")
     assert seconds > 0
+
+
+# -- a timed search step never waits for the device --------------------------------------------------
+
+def test_a_training_step_of_a_search_sample_never_synchronises():
+    model = _mlp(dropout=0.1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    batches = _cuda_batches(3)
+    sampler = FairSampler(model, optimizer, batches, _ce, device=CUDA, seed=0)
+    records = [sampler.train_step(model, batches[0])]  # first call: lazy initialisation may synchronise
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # PyTorch raises on any call that waits for the device
+    try:
+        records += [sampler.train_step(model, batch) for batch in batches[1:]]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    from compfx.search.sampling import read_steps
+
+    assert all(math.isfinite(loss) for loss in read_steps(records))
+    sampler.restore()
+    assert sampler.initial.matches()

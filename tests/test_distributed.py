@@ -443,3 +443,60 @@ def test_a_single_process_context_makes_collectives_local():
     assert ctx.gather([1.0, 2.0]) == [[1.0, 2.0]] and ctx.broadcast_text("01") == "01"
     doubled = SyncedEvaluator(FunctionEvaluator(cost=lambda plan, s: s * 2, time_step=lambda plan: 0.5), ctx)
     assert doubled.cost(Assignment.parse("0"), 1.5) == 3.0 and doubled.time_step(Assignment.parse("0")) == 0.5
+
+
+# -- where collectives run (no GPU needed: NCCL's choice of device is read from the environment) --------------------
+
+@pytest.fixture
+def nccl_rank(monkeypatch):
+    """An initialised NCCL process group as rank 3 of 8 sees it, on a machine with 8 GPUs, without any GPU."""
+    import torch.distributed as dist
+
+    monkeypatch.setattr(dist, "is_initialized", lambda: True)
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    monkeypatch.setattr(dist, "get_rank", lambda group=None: 3)
+    monkeypatch.setattr(dist, "get_world_size", lambda group=None: 8)
+    monkeypatch.setattr(dist.distributed_c10d, "_get_default_group", lambda: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # nothing below may ask the device which it is
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: pytest.fail("current_device is cuda:0 on every rank"))
+    monkeypatch.delenv("LOCAL_RANK", raising=False)
+    return monkeypatch
+
+
+def test_nccl_collectives_use_the_models_gpu(nccl_rank):
+    assert rank_context(device=torch.device("cuda", 5)).device == torch.device("cuda", 5)
+
+
+def test_without_a_cuda_model_nccl_collectives_use_local_rank_not_the_current_device(nccl_rank, caplog):
+    nccl_rank.setenv("LOCAL_RANK", "3")
+    with caplog.at_level("INFO", logger="compfx"):
+        ctx = rank_context(device="cpu")
+    assert (ctx.rank, ctx.world_size, ctx.device) == (3, 8, torch.device("cuda", 3))
+    assert "rank 3 runs its collectives on cuda:3 (LOCAL_RANK=3)" in caplog.text
+    nccl_rank.delenv("LOCAL_RANK")
+    assert rank_context().device == torch.device("cuda", 3)  # the global rank, modulo the GPUs
+
+
+def test_a_rank_whose_current_device_is_another_gpu_is_warned(nccl_rank, caplog):
+    nccl_rank.setenv("LOCAL_RANK", "3")
+    nccl_rank.setattr(torch.cuda, "is_available", lambda: True)
+    nccl_rank.setattr(torch.cuda, "current_device", lambda: 0)  # set_device was never called
+    with caplog.at_level("WARNING", logger="compfx"):
+        assert rank_context().device == torch.device("cuda", 3)
+    assert "not the current CUDA device cuda:0; call torch.cuda.set_device(3)" in caplog.text
+
+
+def test_a_process_group_bound_to_a_device_decides_it(nccl_rank):
+    import torch.distributed as dist
+
+    bound = type("Group", (), {"bound_device_id": torch.device("cuda", 6)})()
+    nccl_rank.setattr(dist.distributed_c10d, "_get_default_group", lambda: bound)
+    assert rank_context().device == torch.device("cuda", 6)
+
+
+def test_gloo_collectives_stay_on_the_cpu(nccl_rank):
+    import torch.distributed as dist
+
+    nccl_rank.setattr(dist, "get_backend", lambda group=None: "gloo")
+    assert rank_context(device="cuda:1").device == torch.device("cpu")

@@ -16,10 +16,11 @@ import torch
 import torch.nn as nn
 
 import compfx
-from compfx.apply import apply
+from compfx.apply import PlannedModule, apply
 from compfx.backend import backend
 from compfx.errors import BadInputError, PlanFileError, PlanMismatchError
 from compfx.float8 import fp8_eligible
+from compfx.passes import Float8Matmul
 from compfx.vocabulary import Float8Recipe, Precision, SampleStatus, Stage
 
 from helpers import forward_and_grads
@@ -285,3 +286,43 @@ def test_native_fp8_mlp_matches_torchao_on_the_gpu(recipe):
     torch.testing.assert_close(out, ref_out)
     for name in grads:
         torch.testing.assert_close(grads[name], ref_grads[name], msg=lambda m: f"grad of {name}: {m}")
+
+
+# ---------------------------------------------------------------------------
+# FP8 eligibility at every input signature, not only the analysed one
+
+
+def test_an_fp8_op_runs_low_at_inputs_whose_shapes_cannot_run_fp8(caplog):
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    analysis = compfx.analyze(model, torch.randn(16, 32), fp8=True)
+    planned = PlannedModule(model, compfx.Plan.from_bitstring(analysis, "8f8"), analysis=analysis)
+    ragged = torch.randn(10, 32)  # 10 rows: torch's scaled matmul refuses them on a GPU
+    with caplog.at_level("WARNING", logger="compfx"):
+        out = planned(ragged)
+    [spec] = planned.specializations
+    assert [(str(key), why) for key, why in spec.fp8_fallbacks] == [
+        ("0:linear#0", "input rows=10 is not a multiple of 16"), ("2:linear#0", "input rows=10 is not a multiple of 16")]
+    assert "cannot run FP8" in caplog.text
+    fp8_modules = lambda gm: [m for m in gm.modules() if isinstance(m, Float8Matmul)]  # noqa: E731
+    [ragged_graph] = [g for s, g in planned.graphs.items() if s != analysis.example_signature]
+    assert not fp8_modules(ragged_graph) and len(fp8_modules(planned.graph_module)) == 2  # the first still runs FP8
+    low = PlannedModule(model, compfx.Plan.from_bitstring(analysis, "0f0"), analysis=analysis)
+    assert torch.equal(out, low(ragged))  # AMP's precision for a linear: low
+    planned.replan(compfx.Plan.from_bitstring(analysis, "8f1"))  # a repaired plan keeps the fallback
+    [ragged_graph] = [g for s, g in planned.graphs.items() if s != analysis.example_signature]
+    assert not fp8_modules(ragged_graph) and len(fp8_modules(planned.graph_module)) == 1
+
+
+def test_the_search_report_says_which_fp8_ops_ran_low_at_a_ragged_batch():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    g = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(rows, 32, generator=g), torch.randn(rows, 16, generator=g)) for rows in (16, 16, 10)]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    result = compfx.optimize(model, loader, optimizer=optimizer, loss_fn=lambda out, b: nn.functional.mse_loss(out, b[-1]),
+                             config=compfx.SearchConfig(fp8=True, cost_fn=fp8_cheapest, progress=False, warmup=0,
+                                                        repeats=1, stage2_check_batches=1, cache_plan=False))
+    assert result.plan[result.analysis.ops[0].key] is Precision.FP8
+    assert "cannot run FP8 at a signature ran at AMP's precision there: 0:linear#0 at" in result.report()
+    fallbacks = [s for s in result.module.specializations if s.fp8_fallbacks]
+    assert all(why == "input rows=10 is not a multiple of 16" for s in fallbacks for _, why in s.fp8_fallbacks)

@@ -1,4 +1,4 @@
-"""The GPU suite cannot rot between GPU loans: its smoke run (CPU, tiny shapes) goes through the same code, the
+"""The GPU suite cannot rot between GPU runs: its smoke run (CPU, tiny shapes) goes through the same code, the
 results merge across calls, a row that overruns is stopped, and the README's GPU section is what the committed
 results generate."""
 
@@ -16,9 +16,10 @@ import pytest
 
 from benchmarks import gpu_readme
 from benchmarks.gpu_bench import Settings, Task, _fitting, needs_run, run_groups, suite_groups
-from benchmarks.gpu_report import NO_GPU_YET, RUN_COMMANDS, readme_section, summary_lines
+from benchmarks.gpu_report import NO_GPU_YET, RUN_COMMANDS, fp8_text, readme_section, summary_lines
 from benchmarks.gpu_suite import _junit_counts
-from benchmarks.timebox import run_boxed
+from benchmarks.timebox import Boxed, run_boxed
+from compfx.float8 import torchao_missing
 
 ROOT = Path(__file__).resolve().parent.parent
 SMOKE_LIMIT_S = 900  # the run itself takes 25-45 s on a quiet 2-core CPU; CI machines may be loaded
@@ -56,14 +57,24 @@ def test_smoke_run_writes_json_and_markdown_with_fp32_amp_and_compfx_rows(smoke)
     assert rows["alexnet_cifar/compfx-fp16+compile"]["plans"] == rows["alexnet_cifar/compfx-fp16"]["plans"]
     assert rows["bert_squad/amp-fp16"]["casts_forward"] > 0 and rows["bert_squad/fp32"]["casts_forward"] == 0
     assert state["cuda_tests"]["status"] == "passed" and state["cuda_tests"]["skipped"] > 0
-    fp8 = state["fp8"]  # part 4: emulated on the CPU, and saying so
+    assert state["environment"]["status"] == "ok"
+    fp8 = state["fp8"]  # part 4: emulated on the CPU, and saying so; skipped, not failed, without torchao
+    if torchao_missing():
+        assert fp8 == {"status": "skipped", "why": torchao_missing(), "run": 1}
+        assert "skipped: torchao not installed" in (folder / "gpu-suite-smoke.md").read_text()
+        return
     assert fp8["status"] == "ok", fp8.get("output_tail")
-    assert fp8["times_mean_nothing"] is True and set(fp8["rows"]) == {
-        "bf16 AMP", "torchao float8 (all linears)", "compfx (searched)"}
-    assert all(row["step_ms"] > 0 and row["mean_loss"] == row["mean_loss"] for row in fp8["rows"].values())
+    assert fp8["times_mean_nothing"] is True and {name: row["how"] for name, row in fp8["rows"].items()} == {
+        "bf16 AMP (eager)": "eager", "bf16 AMP (compiled)": "compiled (aot_eager)",
+        "torchao float8 (all linears) + bf16 AMP (compiled)": "compiled (aot_eager)",
+        "compfx (searched plan) (compiled)": "compiled (aot_eager, compile_with_plan)"}
+    assert all(row["step_ms_min"] <= row["step_ms"] <= row["step_ms_max"] and row["mean_loss"] == row["mean_loss"]
+               and row["steps_timed"] == fp8["rounds"] * fp8["steps_per_round"] for row in fp8["rows"].values())
+    searched = fp8["rows"]["compfx (searched plan) (compiled)"]
+    assert set(searched["plan"]) <= set("018f") and searched["low_dtype"] == "bfloat16"  # in bf16 terms
     markdown = (folder / "gpu-suite-smoke.md").read_text()
     for text in ("| bert_squad ", "| fp32 ", "| amp-fp16 ", "| compfx-fp16 ", "## compfx search", "## FP8", "Matmul probe",
-                 "| torchao float8 (all linears) |"):
+                 "| torchao float8 (all linears) + bf16 AMP | compiled (aot_eager) |"):
         assert text in markdown
     assert (folder / "cuda-tests.txt").exists()
 
@@ -141,6 +152,38 @@ def test_timebox_kills_the_commands_children_too(tmp_path):
     assert boxed.timed_out and not marker.exists()
 
 
+def test_a_failed_environment_probe_still_leaves_a_results_file_that_says_so(tmp_path, monkeypatch):
+    from benchmarks import gpu_suite
+
+    def failing_probe(argv, *, log_path, **kwargs):
+        assert argv[2] == "benchmarks.gpu_env"
+        Path(log_path).write_text("RuntimeError: CUDA error: no kernel image is available for execution\n")
+        return Boxed(returncode=1, seconds=0.5, timed_out=False, log_path=Path(log_path))
+
+    monkeypatch.setattr(gpu_suite, "run_boxed", failing_probe)
+    assert gpu_suite.main(["--smoke", "--parts", "env", "--out", str(tmp_path)]) == 1
+    [result] = tmp_path.glob("*/gpu-suite-smoke.json")
+    env = json.loads(result.read_text())["environment"]
+    assert env["status"] == "failed" and env["why"] == "the environment probe exited with code 1"
+    assert "no kernel image" in env["output_tail"] and env["device_name"] and env["torch"]
+    markdown = result.with_suffix(".md").read_text()
+    assert "The environment probe failed" in markdown and "no kernel image" in markdown
+
+
+def test_the_fp8_part_is_skipped_not_failed_without_torchao(tmp_path, monkeypatch):
+    from benchmarks import gpu_suite
+
+    monkeypatch.setattr(gpu_suite, "torchao_missing", lambda: "torchao not installed (No module named 'torchao')")
+    monkeypatch.setattr(gpu_suite, "run_boxed", lambda *a, **k: pytest.fail("nothing to run without torchao"))
+    fp8 = gpu_suite.run_fp8(True, tmp_path, tmp_path / "fp8.txt", time.time() + 600)
+    assert fp8 == {"status": "skipped", "why": "torchao not installed (No module named 'torchao')"}
+    state = {"environment": {"status": "ok"}, "cuda_tests": {"status": "passed"}, "bench": {"rows": {}}, "fp8": fp8}
+    assert gpu_suite.succeeded(state, gpu_suite.PARTS)
+    assert not gpu_suite.succeeded({**state, "fp8": {"status": "failed"}}, gpu_suite.PARTS)
+    assert fp8_text(fp8).startswith("skipped: torchao not installed")
+    assert "fp8: skipped: torchao not installed (No module named 'torchao')" in summary_lines(state)
+
+
 def test_junit_counts_read_passes_failures_and_skips(tmp_path):
     xml = tmp_path / "junit.xml"
     xml.write_text('<testsuites><testsuite tests="4" failures="1" errors="0" skipped="1">'
@@ -186,6 +229,7 @@ def test_committed_results_become_tables_with_ratios_measured_in_one_run(tmp_pat
             _row("gpt", "fp32", 3.0, compiled=True), _row("gpt", "compfx-fp16", 9.0, compiled=True)]
     state = {"smoke": False, "device_name": "NVIDIA H100 80GB HBM3", "runs": [{"run": 1}],
              "environment": {"device_name": "NVIDIA H100 80GB HBM3", "torch": "2.11.0", "capability": [9, 0],
+                             "fp32_math": {"matmul": "ieee", "convolution": "tf32"},
                              "matmul_probe": {"bfloat16": {"tflops": 790.0, "n": 8192}}},
              "cuda_tests": {"status": "passed", "passed": 28, "failed": 0, "skipped": 0},
              "bench": {"rows": {row["id"]: row for row in rows}}}
@@ -198,6 +242,7 @@ def test_committed_results_become_tables_with_ratios_measured_in_one_run(tmp_pat
     assert cells == ["gpt", "2.00", "5.00", "4.00", "6.00", "3.00", "1.20", "1024 / 1024 / 1024", "41.5", "0.12"]
     assert "Under `torch.compile`" in section and "nvidia-h100-80gb-hbm3/gpu-suite.md" in section
     assert "28 passed" in section and "790" in section and NO_GPU_YET not in section
+    assert '"fp32" here: FP32 matmuls in IEEE FP32, FP32 convolutions in TF32' in section
     assert any(line.startswith("gpt/compfx-fp16+compile") and "3.00x FP32" in line for line in summary_lines(state))
 
 

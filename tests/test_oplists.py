@@ -156,6 +156,19 @@ def _argument(kind, make):
     return simple[name]
 
 
+def _dimname_overload(op: torch._ops.OpOverload) -> bool:
+    """A named-tensor overload (``softmax.Dimname``, ``sum.dim_DimnameList``): its ``dim`` is a name.
+
+    Their schema types the name ``str``, like ``norm``'s ``p="fro"``; only the overload name tells them apart.
+    torch 2.11 registers autocast kernels for eight of them, torch 2.13 none.
+    """
+    return "dimname" in op._overloadname.lower() or op._overloadname.startswith("names_")
+
+
+#: A dimension name as ``torch.ops`` takes it (the ``dimname`` namespace): what a named tensor's ``"N"`` becomes.
+_DIMNAME = "dimname::N"
+
+
 def _overload(name: str) -> torch._ops.OpOverload:
     namespace, _, rest = name.partition("::")
     op, _, overload = rest.partition(".")
@@ -165,8 +178,11 @@ def _overload(name: str) -> torch._ops.OpOverload:
 def _run(op, device, dtype) -> list:
     _StandIn.record = []
     args, kwargs = [], {}
+    named = _dimname_overload(op)
     for argument in op._schema.arguments:
         value = _argument(argument.type, lambda: _StandIn(dtype, device))
+        if named and argument.name in ("dim", "names"):  # a name, not norm's "fro"
+            value = [_DIMNAME] if isinstance(value, list) else _DIMNAME
         (kwargs.__setitem__(argument.name, value) if argument.kwarg_only else args.append(value))
     try:
         with torch._C._AutoDispatchBelowADInplaceOrView():  # composite ops reach the stand-ins whole

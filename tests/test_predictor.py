@@ -19,6 +19,7 @@ import compfx
 from compfx.apply import apply
 from compfx.costmodel import (MEASURED_STEP, PREDICTED_STEP, STALE_PROFILE_RATIO, STALE_PROFILES, CastCost, OpProfile,
                               OpProfiles, Predictor, SearchPredictor)
+from compfx.costmodel.predictor import SPOT_CHECK_OPS, STALE_RATIO_KEPT
 from compfx.plan import Assignment
 from compfx.vocabulary import Precision, SampleStatus, Stage
 from tests.zoo import make
@@ -140,6 +141,36 @@ def test_cached_profiles_far_over_the_fp32_step_are_measured_again():
     extra = p.observe(Stage.STAGE1, _fp32(a), ACCEPTED, 4.0, 4)
     assert p.predictor is fresh and extra[STALE_PROFILES] == pytest.approx(6.0) and 6.0 > STALE_PROFILE_RATIO
     assert p.epoch_seconds(_fp32(a)) == pytest.approx(4.0)  # calibrated on the fresh profiles
+
+
+def _spot(a, fp32):
+    """A spot check that times the asked ops afresh at ``fp32[i]`` seconds each (and records what it was asked)."""
+    asked = []
+
+    def check(keys):
+        asked.append([str(k) for k in keys])
+        return OpProfiles({op.key: OpProfile(op.key, f, 1.0) for op, f in zip(a.ops, fp32) if op.key in keys}, LOW,
+                          a.device)
+    return check, asked
+
+
+def test_a_high_ratio_that_fresh_timings_confirm_is_the_devices_and_keeps_the_cache():
+    a = _analysis("mlp")  # cached FP32 profiles sum to 6 s: 6x a measured 1 s step, as launch-bound GPU ops can
+    check, asked = _spot(a, fp32=[1.1, 1.9, 3.0])  # timed again now: the same in sum
+    p = SearchPredictor(_predictor(a, reused=6), remeasure=lambda: pytest.fail("measured again"), spot_check=check)
+    extra = p.observe(Stage.STAGE1, _fp32(a), ACCEPTED, 4.0, 4)
+    assert asked == [[str(op.key) for op in reversed(a.ops)][:SPOT_CHECK_OPS]]  # the costliest first
+    assert STALE_PROFILES not in extra and extra[STALE_RATIO_KEPT] == [pytest.approx(6.0), pytest.approx(1.0)]
+    assert p.epoch_seconds(_fp32(a)) == pytest.approx(4.0)
+
+
+def test_a_high_ratio_that_fresh_timings_contradict_measures_everything_again():
+    a = _analysis("mlp")
+    check, _ = _spot(a, fp32=[0.1, 0.2, 0.3])  # the cache is 10x what the machine does now
+    fresh = _predictor(a, fp32=[0.1, 0.1, 0.1], low=[0.2, 0.2, 0.2])
+    p = SearchPredictor(_predictor(a, reused=6), remeasure=lambda: fresh, spot_check=check)
+    extra = p.observe(Stage.STAGE1, _fp32(a), ACCEPTED, 4.0, 4)
+    assert p.predictor is fresh and extra[STALE_PROFILES] == pytest.approx(6.0) and STALE_RATIO_KEPT not in extra
 
 
 @pytest.mark.parametrize("reused, step", [(0, 1.0), (6, 3.0)])  # measured now, or within the ratio

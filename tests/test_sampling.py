@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from compfx.errors import BadInputError
 from compfx.measure import Timing, time_repeats, timed
-from compfx.search.sampling import FairSampler, model_loss, restore_state, snapshot_state, split_batch
+from compfx.search.sampling import (FairSampler, model_loss, read_steps, restore_state, snapshot_state,
+                                    split_batch)
 from tests.helpers import ce
 
 
@@ -137,13 +138,15 @@ def test_step_time_restores_the_state():
     assert sampler.initial.matches()
 
 
-def test_nonfinite_loss_skips_the_update():
+def test_a_nonfinite_loss_is_read_after_the_step_and_the_sample_ends_restored():
     model, opt, loader = make(optimizer=torch.optim.SGD)
     before = snapshot_state(model, opt)
     sampler = FairSampler(model, opt, loader, lambda out, batch: out.sum() * float("nan"), device="cpu")
-    model.eval()  # keep BatchNorm's running stats still so only an update could change the state
-    loss = sampler.step(model, loader[0])
-    assert loss != loss and before.matches()
+    record = sampler.train_step(model, loader[0])  # taken: deciding not to would read the loss on the device's time
+    assert record.shape == (2,) and read_steps([record])[0] != read_steps([record])[0]
+    sampler.restore()
+    losses = [loss for loss, _ in sampler.epoch(model)]
+    assert len(losses) == len(loader) and all(loss != loss for loss in losses) and before.matches()
 
 
 @pytest.mark.parametrize("batch, n_args, kwargs", [

@@ -29,6 +29,7 @@ from ..errors import CaptureError
 from ._sites import ValueBranchError, error_site, first_line, user_line, with_progress
 from .autocast_blocks import AutocastBlocks
 from .checkpoints import CheckpointRegions, is_reentrant_checkpoint
+from .draws import branch_on_draw
 from .dtype_reads import mark_dtype_read
 from .functions import NOT_TRACED, FunctionCall, functions_as_calls, unrepresentable_argument
 from .model_state import named_tensors
@@ -275,6 +276,10 @@ class _CallRecorder(TorchFunctionMode):
             items = tuple(items)
             self._record(torch.Tensor.unbind, "unbind", (args[0],), {}, items)
             return iter(items)
+        if name == "__bool__" and isinstance(args[0], torch.Tensor):  # a draw its bound decides (layer drop at 0)
+            decided = branch_on_draw(self.node_of.get(id(args[0])))
+            if decided is not None:
+                return decided
         try:
             result = func(*args, **kwargs)
         except DataDependentOutputException as error:

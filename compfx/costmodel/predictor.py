@@ -45,6 +45,7 @@ from ..apply import apply
 from ..capture import meta_value
 from ..cast_policy import castable_inputs, compute_dtype, runs_under_autocast
 from ..errors import BadInputError, SearchError
+from ..measure import REFERENCE_TOLERANCE
 from ..opkey import KEY_META, OpKey
 from ..passes import CastInfo, casts_in
 from ..plan import Assignment, Plan
@@ -53,7 +54,7 @@ from .cast_cost import CastCost, fit_cast_cost
 from .profile import OpProfiles, profile_ops
 
 __all__ = ["Prediction", "Predictor", "SearchPredictor", "PREDICTED_STEP", "MEASURED_STEP", "STALE_PROFILES",
-           "STALE_PROFILE_RATIO", "STALE_CONDITIONS", "STALE_CONDITIONS_REASON"]
+           "STALE_PROFILE_RATIO", "STALE_CONDITIONS", "STALE_CONDITIONS_REASON", "SPOT_CHECK_OPS", "STALE_RATIO_KEPT"]
 
 #: keys of a log record's ``extra`` that the report compares: predicted and measured seconds of one step
 PREDICTED_STEP, MEASURED_STEP = "predicted_step_seconds", "measured_step_seconds"
@@ -62,13 +63,20 @@ STALE_PROFILES = "stale_profile_ratio"
 #: keys of the calibration record's ``extra``: how many cached profiles were measured again because their
 #: recorded conditions differ from now's (:class:`compfx.measure.Conditions`), and why the first one was
 STALE_CONDITIONS, STALE_CONDITIONS_REASON = "profiles_stale", "profiles_stale_reason"
-#: The profiled ops are part of the FP32 step, so their profiles cannot sum to
-#: much more than it: fresh profiles of the CPU benchmark models sum to 0.65-1.4x
-#: the measured step (isolated ops pay their own dispatch). Cached profiles over
-#: this multiple were taken under other conditions (a loaded shared machine,
-#: another clock) and are measured again. Far below is normal where the loss,
-#: the optimizer and Python dominate a small model's step.
+#: Cached profiles summing to more than this multiple of the measured FP32 step are suspect: fresh profiles
+#: of the CPU benchmark models sum to 0.65-1.4x the step (isolated ops pay their own dispatch), so more
+#: suggests profiles taken under other conditions (a loaded shared machine, another clock). But the
+#: multiple is the device's: on a GPU each isolated op pays a launch and a synchronisation that a pipelined
+#: step overlaps, and fresh profiles can sum to several times the step. So over it, the costliest cached
+#: ops are timed again first (:data:`SPOT_CHECK_OPS`); only when they disagree with the cache (beyond
+#: :data:`~compfx.measure.REFERENCE_TOLERANCE`) is everything measured again. Far below is normal where the
+#: loss, the optimizer and Python dominate a small model's step.
 STALE_PROFILE_RATIO = 2.0
+#: How many of the costliest cached ops the staleness check times again.
+SPOT_CHECK_OPS = 3
+#: key of the calibration record's ``extra``: cached profiles over STALE_PROFILE_RATIO x the step that a
+#: spot check found true to this machine, so they were kept: the ratio, and the cached over fresh spot times
+STALE_RATIO_KEPT = "profile_step_ratio_kept"
 
 
 @dataclass(frozen=True)
@@ -242,11 +250,14 @@ class SearchPredictor:
     """
 
     def __init__(self, predictor: Predictor, build_seconds: float = 0.0,
-                 remeasure: Callable[[], Predictor] | None = None):
+                 remeasure: Callable[[], Predictor] | None = None,
+                 spot_check: Callable[[list[OpKey]], OpProfiles] | None = None):
         self.predictor = predictor
         self.build_seconds = build_seconds
         self.remeasure = remeasure  # builds the predictor again from fresh profiles (None: never)
+        self.spot_check = spot_check  # fresh, uncached profiles of some ops (None: a high ratio remeasures all)
         self.stale_ratio: float | None = None  # set when cached profiles were measured again
+        self.kept_ratio: tuple[float, float] | None = None  # (ratio, cached / fresh spot times) when kept
         profiles = predictor.profiles  # entries measured again at build time: taken under other conditions
         self.stale_conditions = (profiles.stale, profiles.stale_reason) if profiles.stale else None
         self.batches: int | None = None  # batches per Stage-1 epoch, known once the baseline ran
@@ -268,7 +279,9 @@ class SearchPredictor:
         predictor = Predictor.build(analysis, rewrite=rewrite, cache_dir=cache_dir, refresh=refresh, **profile_kwargs)
         remeasure = functools.partial(Predictor.build, analysis, rewrite=rewrite, cache_dir=cache_dir, refresh=True,
                                       **profile_kwargs)
-        return cls(predictor, time.perf_counter() - start, remeasure)
+        spot_kwargs = {k: v for k, v in profile_kwargs.items() if k != "use_cache"}
+        spot_check = lambda keys: profile_ops(analysis, keys=keys, use_cache=False, **spot_kwargs)  # noqa: E731
+        return cls(predictor, time.perf_counter() - start, remeasure, spot_check)
 
     @property
     def profiles(self) -> OpProfiles:
@@ -375,9 +388,25 @@ class SearchPredictor:
         if ratio <= STALE_PROFILE_RATIO:
             return
         start = time.perf_counter()
-        self.predictor = self.remeasure()  # overwrites the stale cache entries
+        agreement = self._spot_agreement()
+        if agreement is not None and 1 / REFERENCE_TOLERANCE <= agreement <= REFERENCE_TOLERANCE:
+            self.kept_ratio = (ratio, agreement)  # this device's isolated ops just sum to more than its step
+        else:
+            self.predictor = self.remeasure()  # overwrites the stale cache entries
+            self.stale_ratio = ratio
         self.build_seconds += time.perf_counter() - start
-        self.stale_ratio = ratio
+
+    def _spot_agreement(self) -> float | None:
+        """Cached over fresh seconds of the :data:`SPOT_CHECK_OPS` costliest cached ops at FP32 (None: unknown)."""
+        if self.spot_check is None:
+            return None
+        costliest = sorted((p for p in self.profiles.values() if p.fp32_s > 0), key=lambda p: -p.fp32_s)
+        keys = [p.key for p in costliest[:SPOT_CHECK_OPS]]
+        if not keys:
+            return None
+        fresh = self.spot_check(keys)
+        fresh_s = sum(fresh[key].fp32_s for key in keys if key in fresh)
+        return sum(self.profiles[key].fp32_s for key in keys) / fresh_s if fresh_s > 0 else None
 
     def _annotation(self, plan: Assignment, measured: float, calibration: bool = False) -> dict[str, Any]:
         extra: dict[str, Any] = {PREDICTED_STEP: self.step_seconds(plan), MEASURED_STEP: measured}
@@ -387,6 +416,8 @@ class SearchPredictor:
                          predictor_build_seconds=self.build_seconds)
             if self.stale_ratio is not None:
                 extra[STALE_PROFILES] = self.stale_ratio
+            if self.kept_ratio is not None:
+                extra[STALE_RATIO_KEPT] = list(self.kept_ratio)
             if self.stale_conditions:
                 extra[STALE_CONDITIONS], extra[STALE_CONDITIONS_REASON] = self.stale_conditions
         return extra

@@ -24,7 +24,9 @@ all ranks, which the lock-step search relies on.
 
 from __future__ import annotations
 
+import logging
 import math
+import os
 from dataclasses import dataclass
 from typing import Callable, Hashable, Sequence
 
@@ -43,9 +45,11 @@ from ..search.stage1 import Stage1Result
 from ..vocabulary import Stage
 
 __all__ = [
-    "RankContext", "rank_context", "SyncedEvaluator", "RankAgreement", "PerDeviceAllocation", "gathered_measure",
-    "broadcast_training_state",
+    "RankContext", "rank_context", "collective_device", "SyncedEvaluator", "RankAgreement", "PerDeviceAllocation",
+    "gathered_measure", "broadcast_training_state",
 ]
+
+log = logging.getLogger("compfx")
 
 # What a rank reports in each synced step: a value, the end of its epoch, a plan failure (the
 # search tries the next plan) or an abort (anything else: the search stops), so that every rank
@@ -86,18 +90,57 @@ class RankContext:
         return box[0]
 
 
-def rank_context(group=None) -> RankContext:
+def rank_context(group=None, device: torch.device | str | None = None) -> RankContext:
     """The context of the initialised default (or given) process group; a single-process context otherwise.
+
+    ``device`` is where this rank trains (``optimize`` passes the model's):
+    see :func:`collective_device` for where collective tensors go.
 
     >>> rank_context().world_size  # no process group in a doctest
     1
     """
     if not (dist.is_available() and dist.is_initialized()):
         return RankContext()
-    device = torch.device("cpu")
-    if dist.get_backend(group) == "nccl":  # NCCL only moves CUDA tensors
-        device = torch.device("cuda", torch.cuda.current_device())
-    return RankContext(dist.get_rank(group), dist.get_world_size(group), group, device)
+    return RankContext(dist.get_rank(group), dist.get_world_size(group), group, collective_device(group, device))
+
+
+def collective_device(group=None, device: torch.device | str | None = None) -> torch.device:
+    """Where this rank's collective tensors live: the CPU for gloo; for NCCL, this rank's own GPU.
+
+    That GPU is ``device`` when it is one (the model's), else the one the
+    process group was bound to (``init_process_group(device_id=...)``), else
+    ``cuda:LOCAL_RANK`` (torchrun sets it; the global rank without it), modulo
+    the GPUs visible. Not ``torch.cuda.current_device()``: in a process that
+    never called ``torch.cuda.set_device`` it is ``cuda:0`` on every rank, and
+    NCCL would run every rank's collectives on one GPU. Logged at INFO, with
+    where it came from (a warning when it is not the current device).
+    """
+    if dist.get_backend(group) != "nccl":  # gloo moves CPU tensors
+        return torch.device("cpu")
+    device = torch.device(device) if device is not None else None
+    bound = getattr(group if group is not None else _default_group(), "bound_device_id", None)
+    if device is not None and device.type == "cuda" and device.index is not None:
+        found, source = device, "the model's device"
+    elif bound is not None:
+        found, source = torch.device(bound), "the process group's device_id"
+    else:
+        local = os.environ.get("LOCAL_RANK")
+        index = int(local) if local is not None else dist.get_rank()
+        found = torch.device("cuda", index % max(torch.cuda.device_count(), 1))
+        source = f"LOCAL_RANK={local}" if local is not None else f"rank {index} (no LOCAL_RANK)"
+    log.info("compfx: rank %d runs its collectives on %s (%s)", dist.get_rank(group), found, source)
+    if torch.cuda.is_available() and torch.cuda.current_device() != found.index:
+        log.warning("compfx: rank %d's collectives use %s (%s), not the current CUDA device cuda:%d; call "
+                    "torch.cuda.set_device(%s) before init_process_group so that your own collectives agree",
+                    dist.get_rank(group), found, source, torch.cuda.current_device(), found.index)
+    return found
+
+
+def _default_group():
+    try:
+        return dist.distributed_c10d._get_default_group()
+    except Exception:  # noqa: BLE001 - a private accessor: without it, LOCAL_RANK decides
+        return None
 
 
 # -- an evaluator every rank agrees on -------------------------------------------------

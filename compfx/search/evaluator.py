@@ -220,8 +220,25 @@ class LocalEvaluator:
         captured = len(self._captures) if self._captures is not None else 1
         return captured, [s for runner in self._runners.values() for s in runner.specializations]
 
+    def _calibrated(self) -> None:
+        """Before the first sample with a GradScaler: one loss scale for all, found on the AMP plan
+        (:meth:`~compfx.search.sampling.FairSampler.calibrate_scale`), the plan that casts what autocast casts."""
+        if not self.sampler.grad_scaler or self.sampler.calibrated:
+            return
+        from ..plan import AMP_PRECISION
+
+        amp = Assignment(AMP_PRECISION[op.category] for op in self.analysis.ops)
+        try:
+            with plan_failures():
+                runner = self.runner(amp)
+                with self.clock.phase("samples"):
+                    self.sampler.calibrate_scale(runner)
+        except PlanFailedError:  # the AMP plan fails on this model: samples start from GradScaler's own scale
+            self.sampler.calibrated = True
+
     # -- the Evaluator interface --------------------------------------------------------
     def run_epoch(self, plan: Assignment) -> Epoch:
+        self._calibrated()
         with plan_failures():
             runner = self.runner(plan)
             epoch = self.sampler.epoch(runner, warmup=self.warmup)
@@ -230,6 +247,7 @@ class LocalEvaluator:
 
     def time_step(self, plan: Assignment, *, repeats: int | None = None, warmup: int | None = None) -> float:
         """Median seconds of ``repeats`` timed steps after ``warmup`` untimed ones (default: the evaluator's)."""
+        self._calibrated()
         with plan_failures():
             return self._time(self.runner(plan), repeats=repeats, warmup=warmup)
 
@@ -244,6 +262,7 @@ class LocalEvaluator:
                                           repeats=repeats or self.repeats).median
 
     def check_loss(self, plan: Assignment, batches: int) -> float:
+        self._calibrated()
         with plan_failures():
             runner = self.runner(plan)
             with self.clock.phase("samples"):

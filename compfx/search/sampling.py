@@ -27,13 +27,25 @@ is bounded: it takes at most ``len(loader)`` batches, or, from a loader without
 a length (an ``IterableDataset`` stream, which may never end),
 :data:`MAX_EPOCH_BATCHES`, with a warning when it reaches them.
 
-Non-finite values: a step whose loss is NaN/inf takes no backward or optimizer
-step (the sample is then pruned or rejected by the search). A step whose loss
-is finite but whose gradients are not raises :class:`NonFiniteGradientError`
-before the optimizer steps, so the sample ends as ``"error"`` and its plan can
-never be accepted. With a ``GradScaler`` the scaler owns that case, as in
-ordinary AMP training: it skips the optimizer step and lowers the scale, and
-the plan is judged by its epoch loss like any other.
+No host-device synchronisation inside a timed step: reading the loss as a
+Python number, or testing the gradients for NaN, makes the host wait for the
+device and drains the launch queue, which hides the differences between plans
+on launch-bound models. :meth:`FairSampler.train_step` leaves both on the
+device, and :func:`read_steps` reads them once the step (or a window of steps)
+has been timed, with one copy. (A ``GradScaler``'s own ``step`` reads whether
+it found inf, as in any AMP training loop.)
+
+Non-finite values are judged when read: a step whose loss is NaN/inf ends the
+sample (the search prunes or rejects it); a step whose loss is finite but whose
+gradients are not raises :class:`NonFiniteGradientError`, so the sample ends
+as ``"error"`` and its plan can never be accepted. The step itself was taken
+(deciding not to take it would mean reading on the device's time); the
+sample's end restores the state as always. With a ``GradScaler`` the scaler
+owns non-finite gradients, as in ordinary AMP training: it skips the optimizer
+step and lowers the scale, and the plan is judged by its epoch loss like any
+other. Every sample's scaler starts from one scale, calibrated once before the
+samples (:meth:`FairSampler.calibrate_scale`), not from ``GradScaler``'s 65536,
+at which fp16 samples would skip their first steps (timing faster, training less).
 """
 
 from __future__ import annotations
@@ -48,6 +60,7 @@ from typing import Any, Callable, Generator, Iterable, Iterator, Mapping
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError, CompfxError, NonFiniteGradientError
@@ -55,7 +68,10 @@ from ..measure import Timing, time_repeats, timed
 
 __all__ = ["split_batch", "move_batch", "model_loss", "check_loss", "check_first_batch", "cuda_devices", "seed_device",
            "call_quietly", "StateSnapshot", "snapshot_state", "restore_state", "FairSampler", "MAX_EPOCH_BATCHES",
-           "loader_batches", "from_loader", "epoch_limit"]
+           "loader_batches", "from_loader", "epoch_limit", "read_steps", "CALIBRATION_STEPS"]
+
+#: At most this many steps find the loss scale (each skipped step halves it: 2**16 down to 2**-8).
+CALIBRATION_STEPS = 24
 
 LossFn = Callable[[Any, Any], torch.Tensor]
 
@@ -401,6 +417,8 @@ class FairSampler:
         self.epoch_batches = length if length is not None else MAX_EPOCH_BATCHES  # what bounds an epoch
         self._bounded = length is None
         self._warned_bound = False
+        #: the loss scale every sample's GradScaler starts from (GradScaler's default until calibrate_scale)
+        self.scale, self.calibrated = 2.0 ** 16, False
 
     def restore(self, snapshot: StateSnapshot | None = None) -> None:
         restore_state(snapshot or self.initial)
@@ -421,35 +439,70 @@ class FairSampler:
     def _scaler(self):
         if not self.grad_scaler:
             return None
-        return torch.amp.GradScaler(self.device.type)  # a fresh one per sample: same starting scale for all
+        # a fresh one per sample, all from the calibrated scale: same starting point for every plan
+        return torch.amp.GradScaler(self.device.type, init_scale=self.scale)
 
-    def step(self, module: nn.Module, batch, scaler=None) -> float:
-        """One training step: forward, loss, (scaled) backward, optimizer step. Returns the loss."""
+    def calibrate_scale(self, module: nn.Module, max_steps: int = CALIBRATION_STEPS) -> float:
+        """Find the loss scale every sample's ``GradScaler`` starts from; returns it (also in :attr:`scale`).
+
+        ``module`` (the search passes its AMP plan) trains from the initial
+        state with a GradScaler at its default scale, on the loader's first
+        batches, until a step is not skipped (or ``max_steps``); the state is
+        restored afterwards. A no-op without ``grad_scaler``.
+        """
+        if not self.grad_scaler:
+            return self.scale
+        scaler = torch.amp.GradScaler(self.device.type, init_scale=self.scale)
+        with self.fresh_start(module):
+            for batch in self._cycled_batches(max_steps):
+                before = scaler.get_scale()
+                self.train_step(module, self.ready(module, batch), scaler)
+                if scaler.get_scale() >= before:  # not skipped: the scale held (it grows only every 2000 steps)
+                    break
+        self.scale = scaler.get_scale()
+        self.calibrated = True
+        return self.scale
+
+    def train_step(self, module: nn.Module, batch, scaler=None) -> torch.Tensor:
+        """One training step (forward, loss, (scaled) backward, optimizer step), with nothing read on the host.
+
+        Returns ``[loss, gradients finite]`` as a device tensor, to read with
+        :func:`read_steps` after the step (or a window of steps) is timed
+        (without a scaler, gradients are checked here but not read: 1.0 when
+        every gradient is finite; with one, the scaler judges them: NaN).
+        """
         batch = move_batch(batch, self.device)
         args, kwargs = split_batch(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss = check_loss(self.loss_fn(call_quietly(module, args, kwargs), batch))
-        value = float(loss.detach().float())
-        if not math.isfinite(value):
-            return value  # this sample is over: the search stops it; do not push NaN into the weights
         if scaler is not None:
             scaler.scale(loss).backward()
             scaler.step(self.optimizer)
             scaler.update()
+            finite = torch.full((), math.nan, device=loss.device)
         else:
             loss.backward()
-            self._check_gradients()
+            finite = self._gradients_finite(loss.device)
             self.optimizer.step()
-        return value
+        return torch.stack([loss.detach().reshape(()).float(), finite])
 
-    def _check_gradients(self) -> None:
+    def step(self, module: nn.Module, batch, scaler=None) -> float:
+        """:meth:`train_step`, read at once (see :func:`read_steps`): the loss, as a Python number.
+
+        Reading waits for the device: time :meth:`train_step` and read after, as the sampler's own timings do.
+        """
+        return read_steps([self.train_step(module, batch, scaler)])[0]
+
+    def _gradients_finite(self, device: torch.device) -> torch.Tensor:
         # Without a scaler nothing else stops a NaN/inf gradient from reaching the
-        # weights; a step that cannot be taken makes the plan unusable.
+        # weights; a step with one makes the plan unusable (read_steps says so).
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
-        if grads and not torch.isfinite(torch.nn.utils.get_total_norm(grads, norm_type=math.inf)):
-            raise NonFiniteGradientError(
-                "a gradient became NaN/inf under this plan (the loss was finite); the optimizer step was not taken "
-                "and the plan is rejected. Keep the overflowing ops in FP32, or use grad_scaler=True.")
+        if not grads:
+            return torch.ones((), device=device)
+        norm = torch.nn.utils.get_total_norm(grads, norm_type=math.inf)
+        if isinstance(norm, DTensor):  # FSDP2's sharded gradients: every rank judges the whole norm
+            norm = norm.full_tensor()
+        return torch.isfinite(norm).float().to(device)
 
     def warm_up(self, module: nn.Module, steps: int) -> None:
         """Untimed steps on the first batches, then the initial state again.
@@ -463,7 +516,7 @@ class FairSampler:
         with self.fresh_start(module):
             scaler = self._scaler()
             for batch in self._cycled_batches(steps):
-                self.step(module, batch, scaler)
+                self.train_step(module, batch, scaler)  # nothing read: the timed epoch after it judges the plan
 
     def epoch(self, module: nn.Module, warmup: int = 0) -> Generator[tuple[float, float], None, StateSnapshot]:
         """Train one epoch (after ``warmup`` untimed steps); yield ``(loss, seconds)`` per batch; return the state.
@@ -477,9 +530,9 @@ class FairSampler:
             # iterated after seeding: a shuffling loader repeats its order
             for batch in loader_batches(self.loader, self.epoch_batches):
                 batch = self.ready(module, batch)
-                loss, seconds = timed(lambda: self.step(module, batch, scaler), device=self.device)
+                record, seconds = timed(lambda: self.train_step(module, batch, scaler), device=self.device)
                 count += 1
-                yield loss, seconds
+                yield read_steps([record])[0], seconds  # read after the step's timing: the device is idle
             if self._bounded and count == self.epoch_batches and not self._warned_bound:
                 self._warned_bound = True
                 warnings.warn(f"the sample loader has no len() and yielded {count} batches; an epoch of the search "
@@ -517,14 +570,44 @@ class FairSampler:
         with self.fresh_start(module):
             batches = [self.ready(module, batch) for batch in self._cycled_batches(warmup + repeats)]
             scaler = self._scaler()
-            return time_repeats(lambda i: self.step(module, batches[i], scaler),
-                                warmup=warmup, repeats=repeats, device=self.device)
+            records = []
+            timing = time_repeats(lambda i: records.append(self.train_step(module, batches[i], scaler)),
+                                  warmup=warmup, repeats=repeats, device=self.device)
+            read_steps(records)  # once, after the timed steps: a non-finite gradient fails the plan
+            return timing
 
     def mean_loss(self, module: nn.Module, batches: int) -> float:
         """Mean training loss over the loader's first ``batches`` batches, from the initial state."""
         with self.fresh_start(module):
             scaler = self._scaler()
-            losses = [self.step(module, batch, scaler) for batch in loader_batches(self.loader, batches)]
+            losses = read_steps([self.train_step(module, batch, scaler)
+                                 for batch in loader_batches(self.loader, batches)])
         if not losses:
             raise BadInputError("the sample loader yielded no batches; expected at least one")
         return sum(losses) / len(losses)
+
+
+def read_steps(records) -> list[float]:
+    """The losses of :meth:`FairSampler.train_step` records, read with one copy from the device.
+
+    A step whose loss is finite but whose gradients were not raises
+    :class:`NonFiniteGradientError`; a non-finite loss is returned as it is
+    (the search ends that sample).
+
+    >>> read_steps([torch.tensor([0.5, 1.0]), torch.tensor([float("inf"), 0.0])])
+    [0.5, inf]
+    >>> read_steps([torch.tensor([0.5, 0.0])])
+    Traceback (most recent call last):
+    ...
+    compfx.errors.NonFiniteGradientError: a gradient became NaN/inf under this plan (the loss was finite), so the plan is rejected. Keep the overflowing ops in FP32, or use grad_scaler=True.
+    """
+    if not records:
+        return []
+    losses = []
+    for loss, finite in torch.stack(list(records)).tolist():
+        if math.isfinite(loss) and finite == 0.0:
+            raise NonFiniteGradientError(
+                "a gradient became NaN/inf under this plan (the loss was finite), so the plan is rejected. Keep the "
+                "overflowing ops in FP32, or use grad_scaler=True.")
+        losses.append(loss)
+    return losses
