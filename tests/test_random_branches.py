@@ -23,6 +23,8 @@ from compfx.capture.draws import fixed_outcome
 from compfx.errors import CaptureError
 
 COMPARISONS = [operator.lt, operator.le, operator.gt, operator.ge]
+#: The tracers that follow the model's Python: both must write a draw down, not run it once at capture.
+TRACERS = ["symbolic", "record"]
 
 
 @pytest.mark.parametrize("comparison, bound, outcome", [
@@ -75,17 +77,19 @@ def _draws(gm) -> int:
     return sum(node.target is torch.rand for node in gm.graph.nodes)
 
 
-def test_layer_drop_at_zero_captures_in_train_mode_and_keeps_the_draws():
-    gm = compfx.capture(_LayerDrop(0.0).train(), torch.randn(4, 16), method="record")  # as Hugging Face models are
+@pytest.mark.parametrize("method", TRACERS)
+def test_layer_drop_at_zero_captures_in_train_mode_and_keeps_the_draws(method):
+    gm = compfx.capture(_LayerDrop(0.0).train(), torch.randn(4, 16), method=method)  # as Hugging Face models are
     assert _draws(gm) == 3  # each draw advances the generator, as in eager
     assert sum(node.target is torch._C._nn.linear for node in gm.graph.nodes) == 3  # no layer dropped
 
 
-def test_layer_drop_at_zero_trains_bitwise_like_eager_dropout_masks_included():
+@pytest.mark.parametrize("method", TRACERS)
+def test_layer_drop_at_zero_trains_bitwise_like_eager_dropout_masks_included(method):
     model = _LayerDrop(0.0).train()
     eager = copy.deepcopy(model)
     x = torch.randn(4, 16)
-    analysis = compfx.analyze(model, x, method="record")
+    analysis = compfx.analyze(model, x, method=method)
     planned = compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis)
     torch.manual_seed(0)
     got = planned(x)
@@ -98,22 +102,52 @@ def test_layer_drop_at_zero_trains_bitwise_like_eager_dropout_masks_included():
         assert torch.equal(p.grad, q.grad)
 
 
-def test_layer_drop_at_one_drops_every_layer():
-    gm = compfx.capture(_LayerDrop(1.0).train(), torch.randn(4, 16), method="record")
+@pytest.mark.parametrize("method", TRACERS)
+def test_layer_drop_at_one_drops_every_layer(method):
+    gm = compfx.capture(_LayerDrop(1.0).train(), torch.randn(4, 16), method=method)
     assert _draws(gm) == 3 and not any(node.target is torch._C._nn.linear for node in gm.graph.nodes)
 
 
-def test_layer_drop_that_varies_is_refused_naming_the_setting():
+@pytest.mark.parametrize("method", [*TRACERS, "auto"])
+def test_layer_drop_that_varies_is_refused_naming_the_setting(method):
+    """Taken once at capture, the branch would drop the same layers on every step (or none): never silently."""
     with pytest.raises(CaptureError, match=r"random draw at .*test_random_branches.py.*layerdrop, now 0\.1"):
-        compfx.capture(_LayerDrop(0.1).train(), torch.randn(4, 16), method="record")
+        compfx.capture(_LayerDrop(0.1).train(), torch.randn(4, 16), method=method)
 
 
-def test_eval_mode_draws_nothing():
-    gm = compfx.capture(_LayerDrop(0.1).eval(), torch.randn(4, 16), method="record")
+@pytest.mark.parametrize("method", TRACERS)
+def test_eval_mode_draws_nothing(method):
+    gm = compfx.capture(_LayerDrop(0.1).eval(), torch.randn(4, 16), method=method)
     assert _draws(gm) == 0
 
 
-def test_a_branch_on_a_draw_compared_with_a_tensor_is_refused_as_any_value_branch():
+class _Noise(nn.Module):
+    """Noise drawn in forward from a factory, with no input among its arguments."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(16, 16)
+
+    def forward(self, x):
+        return self.proj(x) + 0.1 * torch.randn(16)
+
+
+@pytest.mark.parametrize("method", TRACERS)
+def test_noise_from_a_factory_is_drawn_on_every_call_as_in_eager(method):
+    """Run once at capture, the draw would be a constant of the graph: the same noise on every step."""
+    model, x = _Noise(), torch.randn(4, 16)
+    planned = compfx.apply(model, compfx.Plan.fp32(compfx.analyze(model, x, method=method)),
+                           analysis=compfx.analyze(model, x, method=method))
+    assert any(node.target is torch.randn for node in planned.graph.nodes)
+    torch.manual_seed(1)
+    first = planned(x)
+    second = planned(x)
+    torch.manual_seed(1)
+    assert not torch.equal(first, second) and torch.equal(first, model(x))
+
+
+@pytest.mark.parametrize("method", TRACERS)
+def test_a_branch_on_a_draw_compared_with_a_tensor_is_refused_as_any_value_branch(method):
     class Noisy(nn.Module):
         def forward(self, x):
             if torch.rand([]) < x.mean():  # the outcome depends on data, not on a setting
@@ -121,7 +155,7 @@ def test_a_branch_on_a_draw_compared_with_a_tensor_is_refused_as_any_value_branc
             return -x
 
     with pytest.raises(CaptureError, match="branches on tensor values"):
-        compfx.capture(Noisy(), torch.randn(4, 16), method="record")
+        compfx.capture(Noisy(), torch.randn(4, 16), method=method)
 
 
 def test_hugging_face_layer_drop_that_varies_is_refused_naming_the_setting():

@@ -17,17 +17,21 @@ and no single graph holds it: the error names the setting to change.
 
 from __future__ import annotations
 
+import functools
 import math
 import operator
 import re
+from typing import Callable
 
 import torch
 import torch.fx as fx
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.overrides import TorchFunctionMode
+from torch.utils import _pytree as pytree
 
 from ._sites import ValueBranchError, user_line
 
-__all__ = ["fixed_outcome", "branch_on_draw"]
+__all__ = ["fixed_outcome", "branch_on_draw", "draws_random_numbers", "DrawsAsCalls"]
 
 #: Calls that draw uniformly from [0, 1).
 _UNIFORM_DRAWS = (torch.rand, torch.rand_like)
@@ -60,7 +64,7 @@ def fixed_outcome(comparison, bound: float, dtype: torch.dtype = torch.float32) 
     return True if bound <= 0 else False if bound >= 1 else None  # >=
 
 
-def _draw_comparison(node: fx.Node | None) -> tuple[object, float, torch.dtype] | None:
+def _draw_comparison(node: fx.Node | None, value_of: Callable) -> tuple[object, float, torch.dtype] | None:
     """(comparison, bound, the draw's dtype) when ``node`` compares a uniform [0, 1) draw with a Python number, else None."""
     if node is None or node.op not in ("call_function", "call_method") or len(node.args) != 2:
         return None
@@ -68,21 +72,23 @@ def _draw_comparison(node: fx.Node | None) -> tuple[object, float, torch.dtype] 
     if comparison not in _COMPARISONS:
         return None
     draw, bound = node.args
-    is_draw = (isinstance(draw, fx.Node) and draw.op == "call_function" and draw.target in _UNIFORM_DRAWS
-               and isinstance(draw.meta.get("val"), torch.Tensor) and draw.meta["val"].is_floating_point())
+    value = value_of(draw) if isinstance(draw, fx.Node) else None
+    is_draw = (draw.op == "call_function" and draw.target in _UNIFORM_DRAWS and isinstance(value, torch.Tensor)
+               and value.is_floating_point()) if isinstance(draw, fx.Node) else False
     if not is_draw or isinstance(bound, bool) or not isinstance(bound, (int, float)):
         return None
-    return comparison, float(bound), draw.meta["val"].dtype
+    return comparison, float(bound), value.dtype
 
 
-def branch_on_draw(node: fx.Node | None) -> bool | None:
+def branch_on_draw(node: fx.Node | None, value_of: Callable = lambda node: node.meta.get("val")) -> bool | None:
     """The side a branch on ``node``'s value takes, when ``node`` is a draw compared with a bound that fixes it.
+    ``value_of`` reads a node's example value (``meta["val"]``, where the tracer has written it).
 
     None when ``node`` is no such comparison (the caller refuses the branch as
     any other); :class:`ValueBranchError` naming the setting when the outcome
     depends on the draw.
     """
-    found = _draw_comparison(node)
+    found = _draw_comparison(node, value_of)
     if found is None:
         return None
     comparison, bound, dtype = found
@@ -98,3 +104,46 @@ def branch_on_draw(node: fx.Node | None) -> bool | None:
         "true on some steps and false on others, and one FX graph cannot hold both sides. Set "
         f"{setting} to a value that fixes the outcome, 0 or 1 (0 turns layer drop off: for a Hugging Face model, "
         "layerdrop=0, encoder_layerdrop=0 or decoder_layerdrop=0 in its config).")
+
+
+@functools.lru_cache(maxsize=None)
+def draws_random_numbers(func) -> bool:
+    """Does the torch function ``func`` draw from the random generator (``torch.rand``, ``torch.randn``,
+    ``torch.randint``, ``torch.normal``, ...)? Read from the ATen operator's ``nondeterministic_seeded`` tag.
+
+    >>> draws_random_numbers(torch.randn), draws_random_numbers(torch.zeros)
+    (True, False)
+    """
+    name = getattr(func, "__name__", None)
+    packet = getattr(torch.ops.aten, name, None) if isinstance(name, str) else None
+    if packet is None:
+        return False
+    try:
+        return any(torch.Tag.nondeterministic_seeded in getattr(packet, overload).tags for overload in packet.overloads())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+class DrawsAsCalls(TorchFunctionMode):
+    """While tracing: a draw from a torch factory whose arguments hold no traced value (``torch.rand([])``,
+    ``torch.randn(16)``) goes to ``record(func, args, kwargs)``, which writes it down as a call.
+
+    A tracer that follows the model's Python with proxies would otherwise run the draw once, at capture, and keep
+    its result as a constant: the same "random" numbers on every step, and a branch on them taken once for all.
+    """
+
+    def __init__(self, record: Callable, is_traced: Callable[[object], bool]):
+        super().__init__()
+        self.record, self.is_traced = record, is_traced
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if (draws_random_numbers(func) and not _is_tensor_method(func)
+                and not any(self.is_traced(leaf) for leaf in pytree.tree_leaves((args, kwargs)))):
+            return self.record(func, args, kwargs)
+        return func(*args, **kwargs)
+
+
+def _is_tensor_method(func) -> bool:
+    return getattr(func, "__qualname__", "").startswith(("Tensor.", "TensorBase.")) or \
+        getattr(func, "__objclass__", None) in (torch.Tensor, torch._C.TensorBase)

@@ -27,6 +27,7 @@ from ..errors import BadInputError, CaptureError
 from ._sites import ValueBranchError, error_site, first_line, user_line, with_progress
 from .autocast_blocks import AutocastBlocks
 from .checkpoints import CheckpointRegions, is_reentrant_checkpoint
+from .draws import DrawsAsCalls, branch_on_draw
 from .functions import NOT_TRACED, FunctionCall, functions_as_calls
 from .model_state import get_attribute, named_tensors
 from .nodes import has_side_effects
@@ -46,7 +47,8 @@ def symbolic_capture(model: nn.Module, args: tuple, kwargs: dict, leaf_modules) 
     provided, concrete_args = _bind_inputs(model, args, kwargs)
     tracer = _SpecializingTracer(leaf_modules, FakeTensorMode(allow_non_fake_inputs=True), provided)
     try:
-        with functions_as_calls(tracer.trace_function), AutocastBlocks(tracer.add_call):
+        with (functions_as_calls(tracer.trace_function), AutocastBlocks(tracer.add_call),
+              DrawsAsCalls(tracer.trace_draw, is_traced=lambda value: isinstance(value, fx.Proxy))):
             graph = tracer.trace(model, concrete_args=concrete_args or None)
     except CaptureError as error:
         raise with_progress(error, tracer.nodes_traced())
@@ -158,6 +160,12 @@ class _SpecializingTracer(fx.Tracer):
             return self.regions.run_reentrant(args)
         return self.create_proxy("call_function", call, args, kwargs)
 
+    def trace_draw(self, func, args, kwargs):
+        """A draw from a factory (``torch.rand([])``): one node, drawn at every call (:class:`DrawsAsCalls`)."""
+        if self._computing:
+            return func(*args, **kwargs)
+        return self.create_proxy("call_function", func, args, kwargs)
+
     def create_node(self, kind, target, args, kwargs, name=None, type_expr=None):
         node = super().create_node(kind, target, args, kwargs, name, type_expr)
         self.regions.mark(node)
@@ -267,6 +275,9 @@ class _SpecializingTracer(fx.Tracer):
 
     # -- control flow ---------------------------------------------------------
     def to_bool(self, obj: fx.Proxy) -> bool:
+        decided = branch_on_draw(obj.node, value_of=self.values.get)  # layer drop at a setting that fixes it: that side, the draw kept
+        if decided is not None:
+            return decided
         value = self.value_of(obj)
         try:
             return bool(value)
