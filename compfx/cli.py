@@ -450,5 +450,5 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return args.func(args)
     except CompfxError as error:
-        print(f"compfx: error: {error}", file=sys.stderr)
+        print(f"compfx: error: {' '.join(str(error).split())}", file=sys.stderr)  # one line, whatever it quotes
         return 2

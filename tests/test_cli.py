@@ -51,3 +51,16 @@ def test_module_entry_point():
     )
     assert result.returncode == 0, result.stderr
     assert "features.0:conv2d#0" in result.stdout
+
+
+def test_an_error_is_one_line_even_when_its_message_quotes_several(monkeypatch, capsys):
+    from compfx import cli
+    from compfx.errors import CaptureError
+
+    def fails(args):
+        raise CaptureError("the model failed at\n    x = model(x)\nin forward")
+
+    monkeypatch.setattr(cli, "_cmd_analyze", fails)
+    assert cli.main(["analyze", "compfx.examples:mlp", "--input-shape", "2,16"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("compfx: error: the model failed at x = model(x) in forward")
