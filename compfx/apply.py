@@ -30,13 +30,13 @@ from .analyze import Analysis, analyze, analyze_graph
 from .capture import capture, changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints, module_modes
 from .capture.nodes import copy_graph
 from .errors import BadInputError, CaptureError, PlanMismatchError
-from .float8 import fp8_eligible
+from .float8 import fp8_fallbacks
 from .opkey import OpKey
 from .passes import apply_precisions
-from .plan import AMP_PRECISION, Plan
+from .plan import Plan
 from .vocabulary import Category, Precision, dtype_name
 
-__all__ = ["apply", "PlannedModule", "Specialization", "SignatureCaptures", "fp8_fallbacks"]
+__all__ = ["apply", "PlannedModule", "Specialization", "SignatureCaptures"]
 
 log = logging.getLogger("compfx")
 
@@ -148,34 +148,9 @@ def _say_fidelity_notes(gm: fx.GraphModule, capture_method: str, plan: Plan) -> 
     return notes
 
 
-def fp8_fallbacks(analysis: Analysis, precisions: Mapping[OpKey, Precision],
-                  categories: Mapping[OpKey, Category]) -> dict[OpKey, tuple[Precision, str]]:
-    """The ops ``precisions`` gives FP8 that cannot run it at ``analysis``'s shapes: op -> (the precision it
-    runs instead, why).
-
-    FP8 eligibility depends on shapes (M, N and K multiples of 16: :func:`compfx.float8.fp8_eligible`), and a
-    plan is searched at the first batch's. Another input signature (a ragged last batch, another sequence
-    length) can break it, where torch's scaled matmul would refuse the op; the op then runs at the precision
-    AMP gives it (low, for the GEMMs FP8 covers), at that signature only.
-
-    >>> import torch, compfx
-    >>> model = torch.nn.Sequential(torch.nn.Linear(32, 16))
-    >>> ragged = compfx.analyze(model, torch.randn(10, 32))  # 10 rows: not a multiple of 16
-    >>> {str(k): v for k, v in fp8_fallbacks(ragged, {ragged.keys[0]: Precision.FP8}, {}).items()}
-    {'0:linear#0': (<Precision.LOW: 'low'>, 'input rows=10 is not a multiple of 16')}
-    """
-    fallbacks = {}
-    for op in analysis.ops:
-        if precisions.get(op.key) is Precision.FP8:
-            eligible, why = fp8_eligible(op.kind, op.input_shapes, device=analysis.device)
-            if not eligible:
-                fallbacks[op.key] = (AMP_PRECISION[categories.get(op.key, op.category)], why)
-    return fallbacks
-
-
 def _plan_at(plan: Plan, analysis: Analysis, categories: Mapping[OpKey, Category]) -> tuple[Plan, tuple]:
     """``plan`` as it runs at ``analysis``'s signature (FP8 fallbacks applied), and the fallbacks with why."""
-    fallbacks = fp8_fallbacks(analysis, plan, categories)
+    fallbacks = fp8_fallbacks(analysis.ops, plan, device=analysis.device, categories=categories)
     if not fallbacks:
         return plan, ()
     here = plan.with_precisions({key: precision for key, (precision, _) in fallbacks.items()})
@@ -191,7 +166,7 @@ class Specialization:
     already; ``unplanned`` are ops of this graph that the plan does not name
     (they follow), ``missing`` plan entries whose op this graph lacks,
     ``fp8_fallbacks`` the plan's FP8 ops that cannot run FP8 at these shapes,
-    with why (they run low here: :func:`fp8_fallbacks`).
+    with why (they run low here: :func:`compfx.float8.fp8_fallbacks`).
     """
 
     inputs: str

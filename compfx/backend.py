@@ -122,11 +122,13 @@ from .analyze import analyze_graph, fingerprint_of, parameter_shapes
 from .capture import key_dynamo_graph, named_tensors, op_nodes
 from .cast_policy import compute_dtype
 from .errors import BadInputError, PlanMismatchError
+from .float8 import fp8_fallbacks
 from .opkey import KEY_META, OpKey, normalize_module_path
+from .oplists import classify
 from .passes import apply_precisions
 from .passes.pad_shapes import PADDED_META
 from .plan import Plan
-from .vocabulary import Precision, check_low_dtype, default_low_dtype
+from .vocabulary import Category, Precision, check_low_dtype, default_low_dtype
 
 __all__ = ["backend", "compfx_backend", "registered_backend", "compile_with_plan", "key_backend_graph", "CompfxBackend", "GraphRecord",
            "INNER_BACKENDS", "no_graph_message"]
@@ -152,6 +154,9 @@ class GraphRecord:
     this graph's fingerprint, ``"default"`` for ``Plan.amp`` of the graph; see
     the module docstring), ``plan_fingerprint``, ``plan_path`` (the file it was
     read from or saved to, or None), and ``plan_source``, the same in words.
+    ``fp8_fallbacks``: the plan's FP8 ops that cannot run FP8 at this graph's
+    shapes (not multiples of 16, or dynamic), with why; they run at AMP's
+    precision in this graph (:func:`compfx.float8.fp8_fallbacks`).
     """
 
     compile_id: str | None
@@ -163,6 +168,7 @@ class GraphRecord:
     plan_fingerprint: str = ""
     plan_path: str | None = None
     padded: tuple[OpKey, ...] = ()
+    fp8_fallbacks: tuple[tuple[OpKey, str], ...] = ()
 
 
 # ---------------------------------------------------------------------------
@@ -337,6 +343,15 @@ class CompfxBackend:
             return _refusing(refusal)
         keys, plan, source = choice.keys, choice.plan, choice.source
         precisions = {key: plan.get(key, Precision.FOLLOW) for key in keys}
+        fallbacks = fp8_fallbacks(_fp8_ops(gm, precisions, _graph_device(example_inputs)), precisions,
+                                  device=_graph_device(example_inputs))
+        if fallbacks:  # a new shape (a ragged batch, dynamic sizes) that torch's scaled matmul would refuse
+            precisions.update({key: precision for key, (precision, _) in fallbacks.items()})
+            self._log_once(f"fp8:{sorted(map(str, fallbacks))}", "compfx backend: graph %s cannot run %d FP8 op(s) "
+                           "of the plan in FP8 at its shapes; they run at AMP's precision for them in this graph (%s)",
+                           gm.meta.get("dynamo_compile_id", "?"), len(fallbacks),
+                           "; ".join(f"{key}: {why}" for key, (_, why) in list(fallbacks.items())[:3]),
+                           level=logging.WARNING)
         unplanned = tuple(key for key in keys if key not in plan)
         self._log_once(f"source:{source}", "compfx backend: graph %s runs plan %s from %s",
                        gm.meta.get("dynamo_compile_id", "?"), plan.fingerprint, source)
@@ -355,6 +370,7 @@ class CompfxBackend:
             compute_dtypes={key: compute_dtype(node, gm.get_submodule) for key, node in _keyed_nodes(gm).items()},
             origin=choice.origin, plan_fingerprint=plan.fingerprint,
             plan_path=str(choice.path) if choice.path is not None else None, padded=padded,
+            fp8_fallbacks=tuple((key, why) for key, (_, why) in fallbacks.items()),
         ))
         # The plan padded these ops: Inductor must not pad them (or any other op of this graph) again.
         return self._compile_inner(gm, example_inputs, {"shape_padding": False} if padded else {})
@@ -554,6 +570,27 @@ def _keyed(gm: fx.GraphModule, example_inputs, model, offsets: _CallIndexOffsets
     keys = tuple(key_backend_graph(gm, example_inputs, model=model, index_offsets=offsets.for_frame(frame)))
     offsets.count(frame, keys)
     return keys
+
+
+@dataclass(frozen=True)
+class _GraphOp:
+    """An op of a dynamo graph as :func:`compfx.float8.fp8_fallbacks` reads it: its sizes as the graph knows them,
+    symbolic where dynamo made them dynamic (the analysis's example sizes would hide that)."""
+
+    key: OpKey
+    kind: str
+    input_shapes: tuple
+    category: Category
+
+
+def _fp8_ops(gm: fx.GraphModule, precisions: Mapping[OpKey, Precision], device: torch.device) -> list[_GraphOp]:
+    ops = []
+    for key, node in _keyed_nodes(gm).items():
+        if precisions.get(key) is Precision.FP8:
+            values = [a.meta.get("val", a.meta.get("example_value")) for a in node.all_input_nodes]
+            shapes = tuple(tuple(v.shape) for v in values if isinstance(v, torch.Tensor))
+            ops.append(_GraphOp(key, key.kind, shapes, classify(key.kind, device.type)))
+    return ops
 
 
 def _keyed_nodes(gm: fx.GraphModule) -> dict[OpKey, fx.Node]:

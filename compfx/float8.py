@@ -114,6 +114,8 @@ def fp8_eligible(kind: str, input_shapes: Sequence[Shape], *, device: torch.devi
     if isinstance(dims, str):
         return False, dims
     for name, value in zip(dims[1], dims[0]):
+        if not isinstance(value, int):  # a symbolic size (torch.compile's dynamic shapes): no guarantee
+            return False, f"{name} is dynamic ({value}); the float8 path needs it known to be a multiple of {FP8_MULTIPLE}"
         if value % FP8_MULTIPLE:
             return False, f"{name}={value} is not a multiple of {FP8_MULTIPLE}"
     where = "native" if native else f"emulated on {device.type}"
@@ -154,3 +156,32 @@ def float8_config(recipe: Float8Recipe | str = DEFAULT_RECIPE, *, emulate: bool)
     float8 = require_torchao()
     config = float8.Float8LinearConfig.from_recipe_name(recipe.value)
     return dataclasses.replace(config, emulate=emulate)
+
+
+def fp8_fallbacks(ops, precisions, *, device: torch.device, categories=None) -> dict:
+    """The ops ``precisions`` gives FP8 that cannot run it at their shapes here: op key -> (the precision it runs
+    instead, why). ``ops`` describe the ops at these shapes (``key``, ``kind``, ``input_shapes``, ``category``: an
+    :class:`~compfx.analyze.OpInfo`, or the compile backend's view of a graph's node); ``categories`` overrides
+    theirs where the caller classified the op itself.
+
+    FP8 eligibility depends on shapes (M, N and K multiples of 16: :func:`fp8_eligible`), and a plan is searched
+    at the first batch's. Another input signature (a ragged last batch, another sequence length, torch.compile's
+    dynamic shapes) can break it, where torch's scaled matmul would refuse the op; the op then runs at the
+    precision AMP gives it (low, for the GEMMs FP8 covers), at those shapes only.
+
+    >>> import torch, compfx
+    >>> from compfx.vocabulary import Precision
+    >>> ragged = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(32, 16)), torch.randn(10, 32))  # 10 rows
+    >>> {str(k): v for k, v in fp8_fallbacks(ragged.ops, {ragged.keys[0]: Precision.FP8}, device=ragged.device).items()}
+    {'0:linear#0': (<Precision.LOW: 'low'>, 'input rows=10 is not a multiple of 16')}
+    """
+    from .plan import AMP_PRECISION  # what AMP gives the op; plan.py reads float8 only through the analysis
+    from .vocabulary import Precision
+
+    fallbacks = {}
+    for op in ops:
+        if precisions.get(op.key) is Precision.FP8:
+            eligible, why = fp8_eligible(op.kind, op.input_shapes, device=device)
+            if not eligible:
+                fallbacks[op.key] = (AMP_PRECISION[(categories or {}).get(op.key, op.category)], why)
+    return fallbacks

@@ -43,11 +43,11 @@ import torch.fx as fx
 import torch.nn as nn
 
 from .analyze import Analysis, analyze_graph, model_device
-from .apply import fp8_fallbacks
 from .capture import (buffers_restored, capture, describe_inputs, input_signature, keep_checkpoints,
                       normalize_example_inputs)
 from .capture.nodes import copy_graph
 from .errors import BadInputError, CaptureError
+from .float8 import fp8_fallbacks
 from .opkey import OpKey
 from .passes import apply_precisions
 from .plan import Assignment, Plan
@@ -244,7 +244,7 @@ class PlannedBlock(nn.Module):
         if unplanned:
             log.warning("compfx: block %r runs %d op(s) the plan does not name (they follow: %s)", self.path,
                         len(unplanned), ", ".join(map(str, unplanned[:3])))
-        fallbacks = fp8_fallbacks(analysis, precisions, categories)  # FP8 shapes broken by these inputs
+        fallbacks = fp8_fallbacks(analysis.ops, precisions, device=analysis.device, categories=categories)
         if fallbacks:
             precisions.update({key: precision for key, (precision, _) in fallbacks.items()})
             log.warning("compfx: block %r cannot run %d FP8 op(s) in FP8 at these inputs; they run at AMP's precision "

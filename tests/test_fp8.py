@@ -264,6 +264,34 @@ def test_fp8_plan_under_the_compfx_backend_with_inductor_matches_apply():
     assert record.precisions[analysis.ops[0].key] is Precision.FP8
 
 
+@pytest.mark.parametrize("dynamic", [False, True])
+def test_the_compfx_backend_runs_an_fp8_op_at_amps_precision_where_a_graphs_shapes_break_the_rule(dynamic):
+    """A ragged batch recompiles the model; torch's scaled matmul would refuse 10 rows, or sizes only known at run
+    time (dynamic shapes): that graph runs the op low, and says so, as PlannedModule does at a new signature."""
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 16))
+    analysis = compfx.analyze(model, torch.randn(16, 32), fp8=True)
+    plan = compfx.Plan.from_bitstring(analysis, "8f0")
+    compiled_backend = backend(plan, inner="aot_eager")
+    compiled = torch.compile(model, backend=compiled_backend, dynamic=dynamic)
+    key = analysis.ops[0].key
+    fp8, low = apply(model, plan, analysis=analysis), apply(model, plan.with_precisions({key: Precision.LOW}),
+                                                             analysis=analysis)
+    for rows in (16, 10):
+        x = torch.randn(rows, 32)
+        runs_fp8 = rows == 16 and not dynamic
+        torch.testing.assert_close(compiled(x), (fp8 if runs_fp8 else low)(x), rtol=0, atol=0)
+    first, *later = compiled_backend.records
+    if dynamic:  # one graph for every batch size: its rows are symbolic from the start
+        assert not later and first.precisions[key] is Precision.LOW
+        assert "dynamic" in dict(first.fp8_fallbacks)[key]
+    else:
+        assert first.precisions[key] is Precision.FP8 and not first.fp8_fallbacks
+        assert later[-1].precisions[key] is Precision.LOW
+        assert dict(later[-1].fp8_fallbacks)[key] == "input rows=10 is not a multiple of 16"
+
+
 # ---------------------------------------------------------------------------
 # native float8 GEMMs (a GPU of capability 8.9+: the GPU suite's `pytest -m cuda` runs these)
 
