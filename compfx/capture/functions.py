@@ -45,7 +45,7 @@ class FunctionCall:
     ...     @staticmethod
     ...     def backward(ctx, g): return 2 * g
     >>> call = FunctionCall(Twice)
-    >>> call.__name__, call(torch.ones(2, requires_grad=True)).grad_fn.name()
+    >>> call.__name__, type(call(torch.ones(2, requires_grad=True)).grad_fn).__name__
     ('twice', 'TwiceBackward')
     """
 
