@@ -13,7 +13,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import logging
-import statistics
 import time
 from pathlib import Path
 from typing import Iterable, Iterator
@@ -29,7 +28,8 @@ from .measure import PhaseClock
 from .memory import saved_activation_bytes
 from .per_module import PerModuleEvaluator, is_regions_analysis, prepare_search
 from .search import (SINGLE_PROCESS, LocalEvaluator, Recorder, Replay, ReplayingEvaluator, SearchConfig,
-                     SearchLog, SearchResult, SearchSpace, compare_step_times, decision_settings, measured_time,
+                     SearchLog, SearchResult, SearchSpace, StepComparison, compare_steps, decision_settings,
+                     measured_time,
                      run_search)
 from .search.result import RESULT
 from .search.sampling import FairSampler, check_first_batch, cuda_devices
@@ -110,10 +110,9 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         return _Search(model, optimizer, analysis, sampler, config, search_log, inputs, clock).run(started)
 
 
-#: Timed steps per plan in the report's step comparison (no warm-up: the median of three drops a slow first
-#: step); the search's own timings (SearchConfig.repeats) decide between plans. On a CPU, AMP's steps are the
-#: slow ones, and the comparison times them.
-COMPARE_REPEATS = 3
+#: The fewest rounds of the report's step comparison (SearchConfig.rounds when it is more): with fewer, no
+#: interval of a median could exclude anything.
+COMPARE_ROUNDS = 3
 
 _NO_BATCH = object()  # what an empty loader yields first (None is a batch, and a bad one)
 
@@ -243,7 +242,7 @@ class _Search:
                 recorder = Recorder(self.log, replay=self.replay, predictor=predictor, progress=progress)
                 decision = run_search(self.space, self.evaluator, config, report=recorder, predictor=predictor,
                                       strategy=self.strategy)
-                steps = self._compare_steps(decision)
+                comparison = self._compare_steps(decision)
                 self.local.leave_state(decision.stage1.best, keep_training=config.keep_search_training)
             self._note_specializations()
             self._save_plan(self.local.plan(decision.plan))
@@ -253,7 +252,8 @@ class _Search:
                 stage1_plan=self.local.plan(decision.stage1.best.plan), analysis=self.analysis, log=self.log,
                 stage1_mode=decision.stage1.mode, loss0=decision.stage1.loss0,
                 fp32_epoch_seconds=decision.stage1.baseline.duration, search_seconds=search_seconds,
-                step_seconds=steps, plan_path=self.plan_path, plan_cache=self.plan_cache,
+                step_seconds={name: comparison.median(name) for name in comparison.seconds},
+                step_comparison=comparison, plan_path=self.plan_path, plan_cache=self.plan_cache,
                 cost_breakdown=_breakdown(clock, search_seconds))
             # the log's last word: what `compfx report LOG` renders without the model
             self.log.note(Stage.SEARCH, f"finished: chosen plan {decision.plan}", **{RESULT: result.log_summary()})
@@ -271,31 +271,24 @@ class _Search:
         self.strategy.finish()
         return result
 
-    def _compare_steps(self, decision) -> dict[str, float]:
-        """The chosen plan's step against FP32's and AMP's, for the report.
+    def _compare_steps(self, decision) -> StepComparison:
+        """FP32's, AMP's and the chosen plan's steps, for the report: one interleaved phase, warm, same batches.
 
-        It is not part of the decision and the user pays for every step of it:
-        one round of :data:`COMPARE_REPEATS` timed steps per plan, and a plan the
-        search already timed is not timed again: a Stage-1 sample that trained at
-        least that many batches (accepted, or pruned part-way) gives the median of
-        its timed steps, as Stage 2 gives the median of its timed steps (the same
-        training step, from the same state).
+        It is not part of the decision, and it is the only timing the report
+        quotes: ``config.rounds`` rounds (at least three), each giving every plan one step on the same
+        batch, after a warm-up step each (:func:`compfx.search.driver.compare_steps`). Timings the search
+        took earlier, in other phases, are not mixed in.
         """
-        repeats = min(self.config.repeats, COMPARE_REPEATS)  # as many timed steps as the comparison's own
-        stage1 = [decision.stage1.baseline, *decision.stage1.samples]
-        timed = {o.plan: statistics.median(o.batch_seconds) for o in stage1
-                 if o.status is not SampleStatus.ERROR and len(o.batch_seconds) >= repeats}
-        timed.update({o.plan: o.seconds for o in decision.stage2.samples
-                      if o.status is SampleStatus.ACCEPTED and o.seconds > 0})
         samples_before = self.clock.seconds.get("samples", 0.0)
+        rounds = max(self.config.rounds, COMPARE_ROUNDS)
         with self.clock.phase("step comparison"):
-            # no warm-up step: a first step's one-off cost is at most one of the three, and the median drops it
-            time_step = functools.partial(self.local.time_step, repeats=repeats, warmup=0)
-            steps = compare_step_times(time_step, {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan,
-                                                   "chosen": decision.plan}, self.log, rounds=1, known=timed)
+            comparison = compare_steps(
+                functools.partial(self.local.time_steps, warmup=max(1, self.config.warmup)), self.local.saved_bytes,
+                {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan, "chosen": decision.plan}, self.log,
+                rounds=rounds, confidence=self.config.confidence)
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
                         target="step comparison")
-        return steps
+        return comparison
 
     def _note_specializations(self) -> None:
         """Say in the log (and so the report) how many input signatures the loader had, and what they cost."""

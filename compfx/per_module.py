@@ -473,6 +473,9 @@ class PerModuleEvaluator(LocalEvaluator):
     def specializations(self) -> tuple[int, list]:
         return 1, []
 
+    def _switch(self, plans):
+        return lambda j: self.runner(plans[j])  # every plan runs in the same model: switch it in before its step
+
     def run_epoch(self, plan: Assignment):
         # another sample may have switched the blocks between two batches: switch them back before each
         return each_batch(super().run_epoch(plan), lambda: self._switched_to(plan))

@@ -433,9 +433,13 @@ def test_per_device_in_one_process_picks_the_fastest_plan_within_the_budget():
     assert saved_activation_bytes(result.module, (x,)) <= SMALL_BUDGET
 
 
-def test_a_memory_budget_without_per_device_is_refused():
-    with pytest.raises(BadInputError, match="per_device=True"):
-        optimized(0, memory_budget=SMALL_BUDGET)
+def test_a_single_process_search_honours_the_memory_budget_without_per_device():
+    model, opt, result = optimized(0, memory_budget=SMALL_BUDGET)
+    x, _ = shard(0)[0]
+    assert result.plan.bitstring(result.analysis) == "0f0f0"  # the only plan that fits, found by the stages
+    assert saved_activation_bytes(result.module, (x,)) <= SMALL_BUDGET
+    over = [r for r in result.log.samples() if "over memory_budget" in r.reason]
+    assert over and all(r.status == "rejected" and r.extra["saved_bytes"] > SMALL_BUDGET for r in over)
 
 
 def test_a_single_process_context_makes_collectives_local():

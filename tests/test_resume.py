@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from compfx import SearchConfig, optimize
 from compfx.errors import PlanFileError, PlanMismatchError
-from compfx.search.log import SearchLog
+from compfx.search.log import DUEL, SearchLog
 from compfx.vocabulary import Stage
 from tests.helpers import EXACT, nll
 from tests.test_reliability import BATCHES, setup
@@ -56,7 +56,10 @@ def state(model):
 
 
 def loss_calls(record) -> int:
-    """``loss_fn`` calls the search made for one logged sample (``warmup=0``, ``repeats=1``, one check batch)."""
+    """``loss_fn`` calls the search made for one logged record (``warmup=0``, ``repeats=1``, one check batch): a
+    sample's, or a duel's (two plans, one step each per round)."""
+    if DUEL in record.extra:
+        return 2 * len(record.extra[DUEL]["seconds"][0])
     return record.batches if record.stage is Stage.STAGE1 else 1
 
 
@@ -75,7 +78,8 @@ def test_resumed_search_picks_the_plan_of_an_uninterrupted_one(tmp_path_factory,
     loss_fn, _ = counting(stop_at)
     with pytest.raises(KeyboardInterrupt):
         optimize(model, loader, loss_fn=loss_fn, optimizer=opt, config=config(salt, prune), log=path)
-    logged = [r for r in SearchLog.read(path).samples() if r.stage in (Stage.STAGE1, Stage.STAGE2, Stage.CHECK)]
+    logged = [r for r in SearchLog.read(path).records if r.stage in (Stage.STAGE1, Stage.STAGE2, Stage.CHECK)
+              and (r.is_sample or DUEL in r.extra)]
 
     loss_fn, resumed_calls = counting()
     resumed = optimize(model, loader, loss_fn=loss_fn, optimizer=opt, config=config(salt, prune), log=path,
@@ -86,11 +90,12 @@ def test_resumed_search_picks_the_plan_of_an_uninterrupted_one(tmp_path_factory,
     # the log has no state of its own, so its epoch is trained again (BATCHES more calls)
     assert all(torch.equal(a, b) for a, b in zip(state(resumed.module), state(straight.module)))
     winner = resumed.stage1_plan.bitstring(resumed.analysis)
-    retrained = BATCHES if any(r.stage is Stage.STAGE1 and r.plan == winner for r in logged) else 0
+    retrained = BATCHES if any(r.is_sample and r.stage is Stage.STAGE1 and r.plan == winner for r in logged) else 0
     # logged samples were replayed, not run again; every other sample ran once, as in the uninterrupted run
     assert len(resumed_calls) == total - sum(map(loss_calls, logged)) + retrained
     samples = [(r.stage, r.plan) for r in SearchLog.read(path).samples() if r.stage is not Stage.COMPARE]
-    assert len(samples) == len(set(samples))  # no sample logged twice
+    duels = [(d["incumbent"], d["candidate"]) for d in (r.extra.get(DUEL) for r in SearchLog.read(path).notes()) if d]
+    assert len(samples) == len(set(samples)) and len(duels) == len(set(duels))  # no sample or duel logged twice
 
 
 def _interrupted_log(tmp_path, stop_at=6):

@@ -96,7 +96,8 @@ def test_grouped_stage1_enumerates_groups_then_refines_op_by_op():
 
     result = run_stage1(space, epochs(table, ones), budget=5, report=records.append)
     assert result.mode == "grouped"
-    assert codes(s.plan for s in result.samples) == ["111", "000", "001", "110", "101", "011"]  # "111": FP32
+    # "111": the FP32 baseline; "001": AMP's plan, the first incumbent
+    assert codes(s.plan for s in result.samples) == ["111", "001", "000", "110", "101", "011"]
     assert str(result.best.plan) == "001"
     assert "share one decision" in [r for r in records if not r.is_sample][0].reason
 
@@ -225,7 +226,7 @@ def test_plan_that_runs_the_same_program_as_one_sampled_is_not_run_again():
         return code.replace("f", "1") if "0" not in code else code  # follow ops see only FP32 inputs
 
     run_stage1(space, epochs(lambda code: [(1.0, 1.0)] * 3, log=started, program=program), report=records.append)
-    assert [b for event, b in started if event == "start"] == ["111", "0f0", "0f1", "1f0"]
+    assert [b for event, b in started if event == "start"] == ["111", "0f1", "0f0", "1f0"]  # FP32, AMP, the rest
     notes = [r for r in records if not r.is_sample]
     assert [n.extra["plan"] for n in notes] == ["1f1"] and notes[0].extra["same_as"] == "111"
     assert "same program" in notes[0].reason

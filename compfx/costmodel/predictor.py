@@ -317,6 +317,10 @@ class SearchPredictor:
                 total += min(profile.fp32_s, profile.low_s)
         return total * batches
 
+    def step_lower_bound(self, plan: Assignment) -> float:
+        """:meth:`lower_bound_seconds` of one step (Stage 2 times steps, not epochs)."""
+        return self.lower_bound_seconds(plan) / self._batches()
+
     def _batches(self) -> int:
         if not self.calibrated:
             raise SearchError("SearchPredictor predicts epochs only after observe() saw the accepted FP32 baseline "

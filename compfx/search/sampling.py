@@ -35,7 +35,7 @@ import math
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from itertools import islice
-from typing import Any, Callable, Generator, Iterable, Mapping
+from typing import Any, Callable, Generator, Iterable, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -43,7 +43,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError, CompfxError, NonFiniteGradientError
-from ..measure import Timing, time_repeats, timed
+from ..measure import Timing, time_interleaved, time_repeats, timed
 
 __all__ = ["split_batch", "move_batch", "model_loss", "check_loss", "check_first_batch", "cuda_devices", "seed_device",
            "call_quietly", "StateSnapshot", "snapshot_state", "restore_state", "FairSampler"]
@@ -434,6 +434,33 @@ class FairSampler:
             scaler = self._scaler()
             return time_repeats(lambda i: self.step(module, batches[i], scaler),
                                 warmup=warmup, repeats=repeats, device=self.device)
+
+    def interleaved_step_times(self, modules: Sequence[nn.Module], *, rounds: int, warmup: int,
+                               switch: Callable[[int], object] | None = None) -> list[list[float]]:
+        """Seconds of one training step of each module per round, the modules taking turns on the same batches.
+
+        From the initial state, with ``warmup`` untimed steps each first (see
+        :func:`compfx.measure.time_interleaved`); round ``i`` gives every module
+        the loader's batch ``warmup + i`` (cycled). The modules share the model's
+        Parameters, so they train one state between them; the initial state is
+        restored afterwards. ``switch(j)`` runs untimed before each step of
+        ``modules[j]`` (a model whose plan is switched in, not a module per plan).
+        """
+        with self.fresh_start(modules[0]):
+            batches = self._cycled_batches(warmup + rounds)
+            ready = []
+            for j, module in enumerate(modules):
+                module.train()
+                if switch is not None:
+                    switch(j)
+                ready.append([self.ready(module, batch) for batch in batches])
+            scalers = [self._scaler() for _ in modules]
+            steps = [lambda i, j=j: self.step(modules[j], ready[j][i], scalers[j]) for j in range(len(modules))]
+            return time_interleaved(steps, rounds=rounds, warmup=warmup, device=self.device, before=switch)
+
+    def first_inputs(self, module: nn.Module) -> tuple[tuple, dict]:
+        """The model inputs of the loader's first batch, on the device, ``module`` specialised to them."""
+        return split_batch(self.ready(module, self._cycled_batches(1)[0]))
 
     def mean_loss(self, module: nn.Module, batches: int) -> float:
         """Mean training loss over the loader's first ``batches`` batches, from the initial state."""
