@@ -33,6 +33,8 @@ Run from the repository root::
 
     python -m benchmarks.search_cost            # writes benchmarks/results/<device>/search_cost.json
     python -m benchmarks.search_cost --cases demo,cnn13,bert --no-exactness   # the fixed-cost cases only
+    python -m benchmarks.search_cost --cases readme,gpt2 --no-exactness       # the README example, a tiny GPT-2
+    python -m benchmarks.search_cost --trainer   # the Trainer callback's search on a tiny GPT-2, in FP32 epochs
 """
 
 from __future__ import annotations
@@ -383,6 +385,42 @@ def run_cases(names: list[str], seed: int = 0, threads: int | None = 1) -> dict:
     return out
 
 
+# -- the Trainer callback: what its search costs ---------------------------------------------------
+
+def run_trainer(steps: int = 20, search_batches: int = 9, batch_size: int = 8, seed: int = 0) -> dict:
+    """A tiny GPT-2 in the Hugging Face ``Trainer`` with ``CompfxCallback``: the search in FP32 epochs, and the
+    trainer's throughput with and without it.
+
+    The FP32 epoch is the model's own eager FP32 epoch over the ``search_batches`` batches the callback
+    searches on (same batch size), timed in this process before the run (median of three, the model and
+    optimizer restored). The search's seconds are the callback's ``optimize()`` call.
+    """
+    from transformers import Trainer, TrainingArguments
+
+    from compfx.integrations.transformers import CompfxCallback
+
+    torch.manual_seed(seed)
+    model = tiny_gpt2()
+    batches = gpt2_batches(search_batches, batch_size, seed=seed)
+    epoch = _eager_fp32_epoch(model, batches, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    rows = [{"input_ids": ids, "labels": ids.clone()} for batch in gpt2_batches(steps, batch_size, seed=seed + 1)
+            for ids in batch["input_ids"]]
+    callback = CompfxCallback(search_batches=search_batches, config=SearchConfig(seed=seed, progress=False))
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch_size,
+                                 report_to=[], use_cpu=True, learning_rate=1e-3, disable_tqdm=True, seed=seed,
+                                 save_strategy="no", logging_steps=steps)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
+        metrics = trainer.train().metrics
+    result = callback.run.result
+    return {"model": "tiny GPT2LMHeadModel (2 layers, hidden 64), batches of 8x32 tokens",
+            "search_batches": search_batches, "steps": steps, "fp32_epoch_seconds": epoch,
+            "search_seconds": result.search_seconds, "search_cost_fp32_epochs": result.search_seconds / epoch,
+            "breakdown_seconds": result.cost_breakdown, "samples": result.samples_run,
+            "chosen_plan": result.plan.bitstring(result.analysis), "trainer_metrics": metrics,
+            "target_fp32_epochs": 10.0, "within_target": result.search_seconds / epoch <= 10.0}
+
+
 PARTS = ("capture", "profiling", "rewrites", "samples", "step comparison", "other")
 
 
@@ -410,12 +448,19 @@ def main(argv=None) -> int:
                         help=f"fixed-cost cases, comma-separated, from {sorted(CASES)} ('' for none)")
     parser.add_argument("--no-exactness", action="store_true",
                         help="skip the six-op CNN's exact-vs-predictor searches")
+    parser.add_argument("--trainer", action="store_true",
+                        help="only the Hugging Face Trainer callback's search on a tiny GPT-2, in FP32 epochs")
     parser.add_argument("--case", choices=sorted(CASES), help=argparse.SUPPRESS)  # one case, JSON on stdout
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.case:
         print(json.dumps(run_case(args.case, args.seed)))
+        return 0
+    if args.trainer:
+        figures = run_trainer(seed=args.seed)
+        for key, value in figures.items():
+            print(f"{key:28s} {value:.4g}" if isinstance(value, float) else f"{key:28s} {value}")
         return 0
     result = {} if args.no_exactness else run(args.batches, args.seed, args.threads or None, args.validate)
     names = [n for n in args.cases.split(",") if n]

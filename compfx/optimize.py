@@ -214,9 +214,6 @@ class _Search:
             self.log.note(Stage.SEARCH, "cost model off: it does not price FP8 ops yet, so every candidate is "
                           "measured (FP8 costs come from the measured seconds and cost_fn)")
             return None
-        if is_regions_analysis(self.analysis):
-            self.log.note(Stage.SEARCH, "cost model off with per_module: every candidate is measured")
-            return None
         if _distributed():
             # Each rank would profile its own ops and order or skip candidates on its own
             # predictions, and the ranks' collectives would stop matching; measure them all.
@@ -224,8 +221,10 @@ class _Search:
             return None
         from .costmodel import SearchPredictor
 
-        try:  # predictions price the very modules the samples run
-            return SearchPredictor.build(self.analysis, rewrite=self.local.module_of, cache_dir=self.config.cache_dir)
+        # predictions price the very modules the samples run; per block, the blocks' graphs side by side
+        rewrite = None if is_regions_analysis(self.analysis) else self.local.module_of
+        try:
+            return SearchPredictor.build(self.analysis, rewrite=rewrite, cache_dir=self.config.cache_dir)
         except Exception as error:  # the predictor only orders and skips: never fail the search for it
             self.log.note(Stage.SEARCH, f"cost model unavailable ({type(error).__name__}: {error}); measuring every "
                           "candidate")

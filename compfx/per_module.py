@@ -46,7 +46,7 @@ import torch.nn as nn
 from .analyze import Analysis, analyze_graph, model_device
 from .capture import buffers_restored, capture, describe_inputs, input_signature, normalize_example_inputs
 from .errors import BadInputError, CaptureError
-from .opkey import OpKey
+from .opkey import KEY_META, OpKey
 from .passes import apply_precisions
 from .plan import Assignment, Plan
 from .search.evaluator import LocalEvaluator, each_batch
@@ -405,8 +405,54 @@ def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None
         raise BadInputError(f"the blocks {missing[:3]} did not run on the example inputs, so compfx could not see what "
                             "they compute; give inputs that run every block, or name other types in per_module.")
     ops = tuple(dataclasses.replace(op, key=model_key(path, op.key)) for path in captured for op in captured[path].ops)
-    placeholder = fx.GraphModule(nn.Module(), fx.Graph())  # no graph of the whole model exists: none is needed
-    return Analysis(ops, device, low_dtype, placeholder, REGIONS_METHOD)
+    return Analysis(ops, device, low_dtype, regions_graph(captured), REGIONS_METHOD)
+
+
+def regions_graph(captured: Mapping[str, Analysis]) -> fx.GraphModule:
+    """The blocks' captured graphs side by side in one GraphModule, keyed by model path: what the cost model prices.
+
+    No graph of the whole model exists (the code between the blocks was never
+    captured); the cost model needs only each op's node -- its metadata, its
+    inputs, the modules and parameters it reads -- and the casts a plan puts
+    between them, which this graph holds block by block. Each block's inputs
+    are placeholders of their own, its outputs are part of the graph's output,
+    its op keys model keys (``blocks.0.fc:linear#0``), and its modules and
+    parameters the block's own objects under the block's path.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> gm = analyze_regions(model, torch.randn(3, 4), torch.nn.Linear).graph_module
+    >>> [str(n.meta[KEY_META]) for n in gm.graph.nodes if KEY_META in n.meta], gm.get_parameter("2.weight") is model[2].weight
+    (['0:linear#0', '2:linear#0'], True)
+    """
+    graph = fx.Graph()
+    state: dict[str, object] = {}
+    outputs = []
+    for path, analysis in captured.items():
+        block_gm = analysis.graph_module
+        env: dict[fx.Node, fx.Node] = {}
+        for node in block_gm.graph.nodes:
+            if node.op == "output":
+                outputs.append(fx.map_arg(node.args[0], env.__getitem__))
+                continue
+            if node.op == "placeholder":  # one argument per block input, named after its block
+                copied = graph.placeholder(f"region_{path}_{node.target}".replace(".", "_").replace("*", ""))
+                copied.meta = dict(node.meta)
+            else:
+                copied = graph.node_copy(node, env.__getitem__)
+            if node.op in ("get_attr", "call_module"):
+                copied.target = f"{path}.{node.target}"
+                state[copied.target] = _attribute(block_gm, node.target)
+            if KEY_META in node.meta:
+                copied.meta[KEY_META] = model_key(path, node.meta[KEY_META])
+            env[node] = copied
+    graph.output(tuple(outputs))
+    return fx.GraphModule(state, graph, class_name="Regions")
+
+
+def _attribute(gm: fx.GraphModule, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _cuda_indices(device: torch.device) -> list[int]:

@@ -45,7 +45,7 @@ def by_code(table):
 
 
 @pytest.mark.parametrize("predicted", [{"11": 2.0, "00": 0.9, "01": 0.5, "10": 0.7},
-                                       {"11": 2.0, "00": 0.5, "01": 0.9, "10": 0.4}])
+                                       {"11": 2.0, "00": 0.9, "01": 0.8, "10": 0.4}])
 def test_candidates_run_in_a_fixed_order_whatever_the_predictions(predicted):
     # measured times equal: nothing gets pruned or skipped, and noisy predictions must not reorder near-ties
     calls = []
@@ -53,18 +53,29 @@ def test_candidates_run_in_a_fixed_order_whatever_the_predictions(predicted):
     assert calls == ["11", "00", "01", "10"]  # FP32 baseline, AMP's plan (the first incumbent), then most-low first
 
 
-def test_plan_predicted_over_the_margin_is_skipped_and_logged():
+def test_plan_the_profiles_show_cannot_win_is_skipped_and_logged():
     measured = {"11": 1.0, "00": 0.9, "01": 0.5, "10": 0.6}
-    predicted = {"00": 0.9, "01": 1.2, "10": 0.6}  # 1.2 > 1.25 * 0.9 (AMP's): "01" cannot win by prediction
+    predicted = {"00": 0.9, "01": 1.2, "10": 0.6}  # "01" predicted over AMP's predicted 0.9: it cannot win; "10" can
     calls, records = [], []
     result = run_stage1(space(), epochs(measured.__getitem__, calls), predict=by_code(predicted),
-                        report=records.append)
+                        report=records.append, rule=DecisionRule(margin=0.03))
     skipped = [r for r in records if r.status == "skipped"]
     assert [r.plan for r in skipped] == ["01"] and calls == ["11", "00", "10"]
-    assert skipped[0].reason == "skipped (predicted 1.2 s vs best 0.9 s)" == skip_message(1.2, 0.9)
-    assert all(SKIP.fullmatch(r.reason) for r in skipped)
-    assert skipped[0].extra["predicted_cost"] == 1.2
+    assert skipped[0].reason == "skipped: cannot beat the incumbent by more than 3% on the profiles (predicted 1.2 s, " \
+                                "bar 0.873 s)"
+    assert skipped[0].extra == {"predicted_cost": 1.2, "cannot_win": pytest.approx(0.873)}
     assert str(result.best.plan) == "10"  # the measured winner; a skipped plan never wins
+
+
+def test_plan_predicted_over_the_margin_of_the_measured_best_is_skipped_when_the_incumbent_cannot_be_priced():
+    measured = {"11": 1.0, "00": 0.4, "01": 0.5, "10": 0.45}
+    predicted = {"00": math.nan, "01": 0.7, "10": 0.45}  # 0.7 > 1.25 * 0.4 (AMP's measured cost)
+    calls, records = [], []
+    run_stage1(space(), epochs(measured.__getitem__, calls), predict=by_code(predicted), report=records.append)
+    skipped = [r for r in records if r.status == "skipped"]
+    assert [r.plan for r in skipped] == ["01"] and calls == ["11", "00", "10"]
+    assert skipped[0].reason == "skipped (predicted 0.7 s vs best 0.4 s)" == skip_message(0.7, 0.4)
+    assert all(SKIP.fullmatch(r.reason) for r in skipped)
 
 
 def test_stage1_stops_when_the_bounds_show_nothing_left_can_win():
@@ -196,12 +207,12 @@ def test_early_stop_is_part_of_the_guided_search_only(cache, monkeypatch):
 
 def test_lower_bound_skips_without_the_full_prediction():
     measured = {"11": 1.0, "00": 0.9, "01": 0.5, "10": 0.8}
-    bound = {"01": 1.2, "10": 0.6}
-    full = {"00": 0.9, "10": 0.7}  # "01" must never be priced in full: its bound is already over 1.25 x 0.9
+    bound = {"00": 0.85, "01": 1.2, "10": 0.6}
+    full = {"00": 0.9, "10": 0.7}  # "01" must never be priced in full: its bound is already over the bar
     calls, records = [], []
     run_stage1(space(), epochs(measured.__getitem__, calls), predict=by_code(full), bound=by_code(bound),
                report=records.append)
-    assert calls == ["11", "00", "10"]  # "10" passes the bound and its full prediction
+    assert calls == ["11", "00", "10"]  # "10" passes the bound
     skipped = [r for r in records if r.status == "skipped"]
-    assert [r.reason for r in skipped] == ["skipped (predicted 1.2 s vs best 0.9 s)"]
-    assert skipped[0].extra == {"predicted_cost_lower_bound": 1.2}  # the figure logged is the bound's
+    assert [r.plan for r in skipped] == ["01"] and "cannot beat the incumbent" in skipped[0].reason
+    assert skipped[0].extra["predicted_cost_lower_bound"] == 1.2  # the figure logged is the bound's

@@ -242,8 +242,11 @@ class SearchPredictor:
     """
 
     def __init__(self, predictor: Predictor, build_seconds: float = 0.0,
-                 remeasure: Callable[[], Predictor] | None = None):
+                 remeasure: Callable[[], Predictor] | None = None, annotate_all: bool = True):
         self.predictor = predictor
+        #: price every measured sample for its log record (cheap when ``rewrite`` hands over the modules the samples
+        #: ran); False: only the plans the search had priced anyway
+        self.annotate_all = annotate_all
         self.build_seconds = build_seconds
         self.remeasure = remeasure  # builds the predictor again from fresh profiles (None: never)
         self.stale_ratio: float | None = None  # set when cached profiles were measured again
@@ -259,7 +262,9 @@ class SearchPredictor:
         """Profile ``analysis`` and fit cast costs (:meth:`Predictor.build`), timing what that costs.
 
         ``rewrite(plan)`` makes the graph a plan runs as (the search passes the
-        modules it trains, so each plan is rewritten once); ``profile_kwargs``
+        modules it trains, so each plan is rewritten once, and every measured
+        sample is priced for its log record); without it each plan is rewritten
+        here, and only the plans the search asks about are priced; ``profile_kwargs``
         go to :func:`~compfx.costmodel.profile_ops` (``use_cache`` and
         ``refresh`` to the caches too).
         """
@@ -268,7 +273,7 @@ class SearchPredictor:
         predictor = Predictor.build(analysis, rewrite=rewrite, cache_dir=cache_dir, refresh=refresh, **profile_kwargs)
         remeasure = functools.partial(Predictor.build, analysis, rewrite=rewrite, cache_dir=cache_dir, refresh=True,
                                       **profile_kwargs)
-        return cls(predictor, time.perf_counter() - start, remeasure)
+        return cls(predictor, time.perf_counter() - start, remeasure, annotate_all=rewrite is not None)
 
     @property
     def profiles(self) -> OpProfiles:
@@ -351,7 +356,7 @@ class SearchPredictor:
 
         Returns the entries for the sample's ``extra``: predicted and measured
         step seconds (:data:`PREDICTED_STEP`, :data:`MEASURED_STEP`) for a
-        sample the predictor can price, plus ``calibration`` and the profiling
+        sample whose plan the search had the predictor price, plus ``calibration`` and the profiling
         counts on the baseline; ``{}`` when there is nothing to add. Before
         calibrating, cached profiles far above the measured FP32 step are
         measured again (:data:`STALE_PROFILE_RATIO`, :data:`STALE_PROFILES`).
@@ -367,7 +372,9 @@ class SearchPredictor:
             self._steps.clear()
             return self._annotation(plan, measured, calibration=True)
         measured = _measured_step(stage, status, seconds, batches)
-        if measured is None or not math.isfinite(self.step_seconds(plan)):
+        if measured is None or (plan not in self._steps and not self.annotate_all):
+            return {}  # pricing a plan only to annotate its record would cost a rewrite of its own
+        if not math.isfinite(self.step_seconds(plan)):
             return {}
         return self._annotation(plan, measured)
 

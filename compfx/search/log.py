@@ -51,7 +51,7 @@ from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
 
 __all__ = ["SampleRecord", "SearchLog", "Replay", "ReplayedState", "HEADER", "BATCHES", "STOPPED_EARLY", "DUEL",
-           "SAVED_BYTES", "PRUNED_AT", "NOTHING_CAN_WIN", "DIGEST", "record_digest", "MAX_LOG_BYTES"]
+           "SAVED_BYTES", "PRUNED_AT", "BATCH_VERDICT", "CANNOT_WIN", "NOTHING_CAN_WIN", "DIGEST", "record_digest", "MAX_LOG_BYTES"]
 
 #: key, in the ``extra`` of a log's first line, of what the search was run on (fingerprint and settings)
 HEADER = "search"
@@ -64,6 +64,10 @@ STOPPED_EARLY = "stopped_early"
 DUEL = "duel"
 #: key of a sample's ``extra``: the activation bytes one forward of its plan saves for backward
 SAVED_BYTES = "saved_bytes"
+#: key of an accepted Stage-1 sample's ``extra``: why its batches, compared with the incumbent's, did not support a duel
+BATCH_VERDICT = "batch_verdict"
+#: key of a skipped sample's ``extra``: the bar its predicted cost did not get below (see Stage 1's ``cannot_win``)
+CANNOT_WIN = "cannot_win"
 #: key of a pruned Stage-1 sample's ``extra``: the cost it reached, at which it could no longer win
 PRUNED_AT = "pruned_at"
 #: key of a note's ``extra``: the search stopped a stage because the profiles show no plan left can win (how many)

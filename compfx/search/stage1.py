@@ -38,15 +38,15 @@ from typing import Callable, Sequence
 from ..errors import BadInputError, PlanFailedError, SearchError
 from ..plan import AMP_PRECISION, Assignment
 from ..vocabulary import Category, Precision, SampleStatus, Stage
-from .compare import DecisionRule, duel, log_duel
+from .compare import Comparison, DecisionRule, duel, log_duel
 from .convergence import is_accepted, loss_limit
-from .log import NOTHING_CAN_WIN, PRUNED_AT, SAVED_BYTES, STOPPED_EARLY
+from .log import BATCH_VERDICT, CANNOT_WIN, NOTHING_CAN_WIN, PRUNED_AT, SAVED_BYTES, STOPPED_EARLY
 from .outcome import Outcome, ProgramIndex, Reporter, checked_cost, cost_unit, failure_reason, note
 from .space import SearchSpace
 
 __all__ = [
     "Stage1Result", "run_stage1", "stage1_plan", "stage1_plan_space", "stage1_candidates", "should_skip",
-    "skip_message", "EARLY_STOP_MIN_BATCHES",
+    "skip_message", "cannot_win_message", "EARLY_STOP_MIN_BATCHES",
 ]
 
 Predict = Callable[[Assignment], float]  # plan -> predicted seconds of one Stage-1 epoch
@@ -147,6 +147,22 @@ def skip_message(predicted: float, best: float, unit: str = "s") -> str:
     return f"skipped (predicted cost {predicted:.3g} vs best {best:.3g}, in cost_fn's units)"
 
 
+def cannot_win_message(predicted: float, bar: float, margin: float, unit: str = "s") -> str:
+    """The reason logged for a candidate the profiles show cannot beat the incumbent by more than ``margin``.
+
+    >>> cannot_win_message(1.2, 0.873, 0.03)
+    'skipped: cannot beat the incumbent by more than 3% on the profiles (predicted 1.2 s, bar 0.873 s)'
+    >>> cannot_win_message(91.0, 5.0, 0.0, unit="")
+    "skipped: cannot beat the incumbent on the profiles (predicted cost 91 vs bar 5, in cost_fn's units)"
+    """
+    by = f" by more than {margin:.0%}" if margin else ""
+    if unit:
+        return (f"skipped: cannot beat the incumbent{by} on the profiles (predicted {predicted:.3g} {unit}, "
+                f"bar {bar:.3g} {unit})")
+    return (f"skipped: cannot beat the incumbent{by} on the profiles (predicted cost {predicted:.3g} vs bar "
+            f"{bar:.3g}, in cost_fn's units)")
+
+
 # -- sampling ----------------------------------------------------------------------
 
 def _alternatives(space: SearchSpace, plan: Assignment, i: int) -> list[Assignment]:
@@ -215,12 +231,21 @@ class _Stage1:
         return self.rule.bar(self.best.cost, saves_less=self.saves_less(plan))
 
     def judge(self, incumbent: Outcome, challenger: Outcome) -> bool:
-        """Does ``challenger`` (accepted, measured) replace ``incumbent``? The screen, then the duel; logged."""
+        """Does ``challenger`` (accepted, measured) replace ``incumbent``? The screen, the batches, the duel; logged.
+
+        Before a duel, the two epochs' batches (the same batches, timed in
+        different phases) must already show the challenger ahead by the rule:
+        a duel costs steps, and one the batches cannot support is not run.
+        """
         saves_less = self.saves_less(challenger.plan, incumbent.plan)
         if not self.rule.passes_screen(challenger.cost, incumbent.cost, saves_less=saves_less):
             return False
         if not self.rule.rounds:
             return True
+        batches = self._batch_verdict(incumbent, challenger, saves_less)
+        if batches is not None and not batches.replaces:
+            challenger.extra[BATCH_VERDICT] = batches.reason
+            return False
         try:
             verdict = duel(self.evaluator, self.rule, incumbent.plan, challenger.plan, saves_less=saves_less)
         except PlanFailedError as error:
@@ -229,6 +254,15 @@ class _Stage1:
             return False
         log_duel(self.report, Stage.STAGE1, verdict, incumbent.plan, challenger.plan, self.rule.rounds)
         return verdict.replaces
+
+    def _batch_verdict(self, incumbent: Outcome, challenger: Outcome, saves_less: bool):
+        """The rule's verdict on the two epochs' costs, batch for batch (None: too few batches to say)."""
+        pairs = list(zip(incumbent.batch_seconds, challenger.batch_seconds))
+        if len(pairs) < 2:
+            return None
+        comparison = Comparison.of([self.cost(incumbent.plan, a) for a, _ in pairs],
+                                   [self.cost(challenger.plan, b) for _, b in pairs])
+        return self.rule.verdict(comparison, saves_less=saves_less)
 
     # -- samples ------------------------------------------------------------------------
     def sample(self, plan: Assignment, bar: float = math.inf) -> Outcome:
@@ -373,8 +407,10 @@ class _Stage1:
                 f"(loss_0 {self.loss0:.6g} x threshold {self.threshold})")
 
     def _predicted_extra(self, outcome: Outcome) -> None:
-        if self.predict is not None and math.isfinite(self.predicted_cost(outcome.plan)):
-            outcome.extra["predicted_cost"] = self.predicted_cost(outcome.plan)
+        """The predicted cost on the sample's record, where the search priced the plan (pricing costs a rewrite)."""
+        priced = self.predicted.get(outcome.plan)
+        if priced is not None and math.isfinite(priced):
+            outcome.extra["predicted_cost"] = priced
 
     def predicted_cost(self, plan: Assignment) -> float | None:
         """``cost(plan, predicted epoch seconds)``; None without a predictor, NaN when it cannot price ``plan``."""
@@ -393,21 +429,37 @@ class _Stage1:
             cache[plan] = self.cost(plan, seconds) if math.isfinite(seconds) else math.nan
         return cache[plan]
 
+    def cannot_win(self, plan: Assignment) -> tuple[bool, float, float]:
+        """Do the profiles show that ``plan`` cannot beat the incumbent by more than the margin?
+
+        Like for like: the lower bound of ``plan``'s predicted cost against the
+        rule's bar on the incumbent's *predicted* cost (both from the same
+        profiles and calibration). Returns (cannot win, bound, bar); never true
+        for a plan or an incumbent that cannot be priced.
+        """
+        if self.predict is None or self.best is None:
+            return False, math.nan, math.nan
+        reference = self.predicted_cost(self.best.plan)
+        bound = self.bound_cost(plan)
+        if not (math.isfinite(reference) and math.isfinite(bound)):
+            return False, bound, math.nan
+        bar = self.rule.bar(reference, saves_less=False)
+        return bound >= bar, bound, bar
+
     def nothing_can_win(self, candidates: Sequence[Assignment]) -> bool:
         """True (and a note) when the profiles show that none of ``candidates`` not yet seen can beat the incumbent
-        by more than the margin: the lower bound of each one's predicted cost is at the screen's bar or over."""
-        if self.predict is None or self.best is None:
-            return False
+        by more than the margin (:meth:`cannot_win`): Stage 1 stops instead of sampling them."""
         left = [plan for plan in candidates if plan not in self.seen]
-        if not left:
+        if not left or self.predict is None or self.best is None:
             return False
-        bar = self.rule.bar(self.best.cost, saves_less=False)
-        bounds = [self.bound_cost(plan) for plan in left]
-        if not all(math.isfinite(b) and b >= bar for b in bounds):
+        verdicts = [self.cannot_win(plan) for plan in left]
+        if not all(cannot for cannot, _, _ in verdicts):
             return False
+        bar = verdicts[0][2]
         note(self.report, Stage.STAGE1, f"stopped: the profiles show that none of the {len(left)} plans left can "
              f"beat the incumbent {self.best.plan} by more than the margin (the lowest bound of their predicted "
-             f"costs, {min(bounds):.6g}, is not below {bar:.6g}); not sampled", **{NOTHING_CAN_WIN: len(left)})
+             f"costs, {min(b for _, b, _ in verdicts):.6g}, is not below {bar:.6g}, {1 - self.rule.margin:g} x the "
+             "incumbent's predicted cost); not sampled", **{NOTHING_CAN_WIN: len(left)})
         return True
 
     def skipped(self, plan: Assignment) -> bool:
@@ -418,6 +470,13 @@ class _Stage1:
         """
         if self.predict is None or self.best is None:
             return False
+        cannot, bound, bar = self.cannot_win(plan)
+        if cannot:
+            name = "predicted_cost" if self.bound is None else "predicted_cost_lower_bound"
+            outcome = Outcome(plan, SampleStatus.SKIPPED, extra={name: bound, CANNOT_WIN: bar},
+                              reason=cannot_win_message(bound, bar, self.rule.margin, cost_unit(self.evaluator)))
+            self.report(outcome.record(Stage.STAGE1))
+            return True
         predicted = self.bound_cost(plan)
         name = "predicted_cost" if self.bound is None else "predicted_cost_lower_bound"  # which figure was over
         if not should_skip(predicted, self.best.cost, self.margin):
