@@ -234,17 +234,18 @@ class _Stage1:
         """Does ``challenger`` (accepted, measured) replace ``incumbent``? The screen, the batches, the duel; logged.
 
         Before a duel, the two epochs' batches (the same batches, timed in
-        different phases) must already show the challenger ahead by the rule:
-        a duel costs steps, and one the batches cannot support is not run.
+        different phases) must already show the challenger ahead of the bar,
+        in their median ratio: a duel costs steps, and one the batches do not
+        support is not run.
         """
         saves_less = self.saves_less(challenger.plan, incumbent.plan)
         if not self.rule.passes_screen(challenger.cost, incumbent.cost, saves_less=saves_less):
             return False
         if not self.rule.rounds:
             return True
-        batches = self._batch_verdict(incumbent, challenger, saves_less)
-        if batches is not None and not batches.replaces:
-            challenger.extra[BATCH_VERDICT] = batches.reason
+        behind = self._batches_behind(incumbent, challenger, saves_less)
+        if behind:
+            challenger.extra[BATCH_VERDICT] = behind
             return False
         try:
             verdict = duel(self.evaluator, self.rule, incumbent.plan, challenger.plan, saves_less=saves_less)
@@ -255,14 +256,23 @@ class _Stage1:
         log_duel(self.report, Stage.STAGE1, verdict, incumbent.plan, challenger.plan, self.rule.rounds)
         return verdict.replaces
 
-    def _batch_verdict(self, incumbent: Outcome, challenger: Outcome, saves_less: bool):
-        """The rule's verdict on the two epochs' costs, batch for batch (None: too few batches to say)."""
+    def _batches_behind(self, incumbent: Outcome, challenger: Outcome, saves_less: bool) -> str:
+        """Why the two epochs, batch for batch, do not even suggest the challenger wins ("" when they do).
+
+        The median of the per-batch cost ratios must be below the rule's bar,
+        as it must in the duel; a heavy-tailed outlier (another job's burst)
+        moves a median by one rank only.
+        """
         pairs = list(zip(incumbent.batch_seconds, challenger.batch_seconds))
         if len(pairs) < 2:
-            return None
+            return ""
         comparison = Comparison.of([self.cost(incumbent.plan, a) for a, _ in pairs],
                                    [self.cost(challenger.plan, b) for _, b in pairs])
-        return self.rule.verdict(comparison, saves_less=saves_less)
+        bar = self.rule.ratio_bar(saves_less)
+        if comparison.median < bar:
+            return ""
+        return (f"batch for batch its cost is {comparison.median:.3f} x the incumbent's (median over {len(pairs)} "
+                f"batches), not below {bar:g}: no duel")
 
     # -- samples ------------------------------------------------------------------------
     def sample(self, plan: Assignment, bar: float = math.inf) -> Outcome:

@@ -90,8 +90,10 @@ class Stage2Result:
 
 class _Stage2:
     def __init__(self, evaluator, report: Reporter | None, rule: DecisionRule = DecisionRule(),
-                 memory_budget: int | None = None, bound: Callable[[Assignment], float] | None = None):
-        self.evaluator, self.rule, self.memory_budget, self.bound = evaluator, rule, memory_budget, bound
+                 memory_budget: int | None = None, bound: Callable[[Assignment], float] | None = None,
+                 predict: Callable[[Assignment], float] | None = None):
+        self.evaluator, self.rule, self.memory_budget = evaluator, rule, memory_budget
+        self.bound, self.predict = bound, predict or bound
         self.report = report or (lambda record: None)
         self.samples: list[Outcome] = []
         self.known: dict[Assignment, Outcome] = {}
@@ -170,21 +172,30 @@ class _Stage2:
                 incumbent = candidate
         return incumbent
 
+    def _priced(self, estimate, plan: Assignment) -> float:
+        seconds = float(estimate(plan))
+        return checked_cost(self.evaluator, plan, seconds) if math.isfinite(seconds) else math.nan
+
+    def cannot_win(self, incumbent: Outcome, plan: Assignment) -> bool:
+        """Do the profiles show ``plan`` cannot beat ``incumbent`` by the margin (its bound against the bar on the
+        incumbent's predicted step cost, like for like)? Never for a plan or incumbent that cannot be priced."""
+        if self.bound is None:
+            return False
+        reference, bound = self._priced(self.predict, incumbent.plan), self._priced(self.bound, plan)
+        return math.isfinite(reference) and math.isfinite(bound) and bound >= self.rule.bar(reference, saves_less=False)
+
     def nothing_can_win(self, incumbent: Outcome, candidates: Sequence[Assignment], what: str) -> bool:
         """True (and a note) when the profiles show none of ``candidates`` can beat ``incumbent`` by the margin."""
         if self.bound is None or not candidates or incumbent.status is not SampleStatus.ACCEPTED:
             return False
-        bar = self.rule.bar(incumbent.cost, saves_less=False)
-        bounds = []
-        for plan in candidates:
-            seconds = float(self.bound(plan))
-            bounds.append(checked_cost(self.evaluator, plan, seconds) if math.isfinite(seconds) else math.nan)
-        if not all(math.isfinite(b) and b >= bar for b in bounds):
+        if not all(self.cannot_win(incumbent, plan) for plan in candidates):
             return False
+        bar = self.rule.bar(self._priced(self.predict, incumbent.plan), saves_less=False)
+        lowest = min(self._priced(self.bound, plan) for plan in candidates)
         note(self.report, Stage.STAGE2, f"{what} not timed: the profiles show that none of its {len(candidates)} "
              f"plans can beat the incumbent {incumbent.plan} by more than the margin (the lowest bound of their "
-             f"predicted step costs, {min(bounds):.6g}, is not below {bar:.6g})",
-             **{NOTHING_CAN_WIN: len(candidates)})
+             f"predicted step costs, {lowest:.6g}, is not below {bar:.6g}, {1 - self.rule.margin:g} x the "
+             "incumbent's predicted step cost)", **{NOTHING_CAN_WIN: len(candidates)})
         return True
 
 
@@ -197,7 +208,8 @@ def _segment_candidates(base: Assignment, segment: Segment, exhaustive: bool) ->
 
 def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int = 32,
                report: Reporter | None = None, rule: DecisionRule = DecisionRule(), memory_budget: int | None = None,
-               bound: Callable[[Assignment], float] | None = None) -> Stage2Result:
+               bound: Callable[[Assignment], float] | None = None,
+               predict: Callable[[Assignment], float] | None = None) -> Stage2Result:
     """CoMP Algorithm 2 on the Stage-1 winner ``base`` under the decision rule; ``budget`` caps timed candidates.
 
     Candidates are the winner itself, then each differing segment's ``2**n``
@@ -213,8 +225,9 @@ def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int =
     program (``evaluator.program``) was already timed takes that outcome
     instead of being timed, and does not count against ``budget``. Plans over
     ``memory_budget`` are rejected untimed. With ``bound(plan)`` (a lower bound
-    of the predicted step seconds), a segment, or the whole stage, whose plans
-    all have bounds at the rule's bar or over is not timed (a note says so).
+    of the predicted step seconds) and ``predict(plan)`` (the prediction itself),
+    a segment, or the whole stage, whose plans' bounds are all at the rule's bar
+    on the Stage-1 winner's predicted step or over is not timed (a note says so).
 
     >>> from compfx.search.evaluator import FunctionEvaluator
     >>> from compfx.vocabulary import Category as C
@@ -231,7 +244,7 @@ def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int =
              "winner stands, with nothing to time")
         winner = Outcome(base, SampleStatus.ACCEPTED, reason="Stage-1 winner")
         return Stage2Result(winner, winner, [], [])
-    search = _Stage2(evaluator, report, rule, memory_budget, bound)
+    search = _Stage2(evaluator, report, rule, memory_budget, bound, predict)
     winner = search.sample(base, "Stage-1 winner")
     every = [plan for segment in segments for plan in _segment_candidates(base, segment, True)]
     if search.nothing_can_win(winner, [p for p in every if p != base], "Stage 2"):

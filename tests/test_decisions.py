@@ -1,0 +1,264 @@
+"""The decision rule (compfx.search.compare): near ties resolve the same way whatever the noise, a clear win wins.
+
+Every timing here comes from an injected noisy timer (no wall clock): the fake
+epochs and steps are a plan's true time times a noise factor the test controls.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compfx import SearchConfig
+from compfx.errors import BadInputError, SearchError
+from compfx.plan import Assignment
+from compfx.search import (Comparison, DecisionRule, FunctionEvaluator, SearchSpace, median_interval, run_search,
+                           run_stage1, run_stage2, speedup_text)
+from compfx.search.log import DUEL, NOTHING_CAN_WIN, SearchLog
+from compfx.vocabulary import Category
+
+W, B, O = Category.WHITELIST, Category.BLACKLIST, Category.OTHER
+#: three adjustable ops (two whitelist without Tensor Cores, one blacklist) and "other" ops between them
+SPACE = SearchSpace((W, O, B, O, W, O), (False,) * 6, tuple(range(6)))
+AMP = str(SPACE.amp_plan)  # "0f1f0f": what the user would otherwise run, the first incumbent
+BATCHES = 6
+
+
+class NoisyDevice:
+    """A fake device: ``true(plan string)`` seconds per step, times noise drawn from ``noise(rng)`` at every call.
+
+    It serves Stage-1 epochs (``BATCHES`` steps, constant loss), Stage-2 timings and the duels' interleaved
+    steps, and counts the duels' steps.
+    """
+
+    def __init__(self, true, noise, seed: int, saved_bytes=None):
+        self.true, self.noise, self.rng = true, noise, random.Random(seed)
+        self.saved = saved_bytes or (lambda plan: None)
+
+    def step(self, plan) -> float:
+        return self.true(str(plan)) * self.noise(self.rng)
+
+    def run_epoch(self, plan):
+        for _ in range(BATCHES):
+            yield 1.0, self.step(plan)
+
+    def evaluator(self) -> FunctionEvaluator:
+        return FunctionEvaluator(run_epoch=self.run_epoch, time_step=self.step, check_loss=lambda plan, n: 1.0,
+                                 saved_bytes=self.saved)
+
+
+def uniform(spread: float):
+    return lambda rng: 1.0 + rng.uniform(-spread, spread)
+
+
+def heavy_tailed(rng) -> float:
+    """5% jitter, and one step in ten hit by another job: twice as long."""
+    return (1.0 + rng.uniform(-0.05, 0.05)) * (2.0 if rng.random() < 0.1 else 1.0)
+
+
+def near_tie(code: str) -> float:
+    """Every plan within 1% of every other: low precision neither pays nor costs here."""
+    return 1.0 + 0.002 * (sum(c == "0" for c in code) % 5)
+
+
+def search(device: NoisyDevice, **config):
+    settings_ = dict(progress=False, stage2_check_batches=0, predictor="off", **config)
+    return run_search(SPACE, device.evaluator(), SearchConfig(**settings_))
+
+
+# -- the statistics -------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(values=st.lists(st.floats(0.1, 10.0), min_size=1, max_size=40), confidence=st.sampled_from([0.5, 0.9, 0.95]))
+def test_the_median_interval_brackets_the_median_at_its_stated_coverage(values, confidence):
+    low, high, coverage = median_interval(values, confidence)
+    ordered = sorted(values)
+    median = (ordered[(len(values) - 1) // 2] + ordered[len(values) // 2]) / 2
+    assert low <= median <= high and low in values and high in values
+    if 1 - 2 / 2 ** len(values) >= confidence:  # enough values to reach the confidence asked for
+        assert coverage >= confidence
+
+
+def test_the_median_interval_covers_the_median_as_often_as_it_says():
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(2000):
+        sample = [rng.gauss(0.0, 1.0) for _ in range(15)]
+        low, high, coverage = median_interval(sample, 0.9)
+        hits += low <= 0.0 <= high
+    assert coverage >= 0.9 and hits / 2000 >= 0.9 - 0.02
+
+
+def test_the_report_says_no_measurable_difference_unless_the_interval_excludes_one():
+    assert speedup_text(Comparison.of([1.3, 1.24, 1.19, 1.27, 1.22, 1.25, 1.3], [1.0] * 7), 0.95) == \
+        "speed-up 1.25x (1.19-1.30)"
+    assert speedup_text(Comparison.of([1.03, 0.99, 1.01, 0.98, 1.02, 1.0, 1.0], [1.0] * 7), 0.95) == \
+        "no measurable difference (±3%)"
+
+
+@pytest.mark.parametrize("kw, match", [(dict(margin=-0.1), "margin"), (dict(margin=1.0), "margin"),
+                                       (dict(confidence=1.0), "confidence"), (dict(rounds=-1), "rounds"),
+                                       (dict(rounds=3), "rounds=3 pairs cannot give 95% confidence"),
+                                       (dict(margin="0.03"), "margin")])
+def test_config_refuses_a_bad_rule(kw, match):
+    with pytest.raises(BadInputError, match=match):
+        SearchConfig(**kw)
+
+
+# -- near ties: the same plan whatever the noise -----------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(noise=st.lists(st.floats(-0.01, 0.01), min_size=1, max_size=64))
+def test_near_ties_resolve_to_the_first_incumbent_whatever_the_noise(noise):
+    # any noise sequence up to ±1% (hypothesis picks it, adversarially if it can): with plans within 1% of each
+    # other, no ratio can get below 0.97, so no candidate can replace AMP's plan -- in any run
+    sequence = iter(noise * (10_000 // len(noise) + 1))
+    device = NoisyDevice(near_tie, lambda rng: 1.0 + next(sequence), seed=0)
+    assert str(search(device).plan) == AMP
+
+
+@pytest.mark.parametrize("noise", [uniform(0.05), heavy_tailed], ids=["uniform 5%", "heavy-tailed"])
+def test_near_ties_resolve_to_the_same_plan_in_every_run_of_a_noisy_machine(noise):
+    plans = {str(search(NoisyDevice(near_tie, noise, seed)).plan) for seed in range(25)}
+    assert plans == {AMP}
+
+
+def test_without_the_rule_noise_decides_between_near_ties():
+    # the same machine with CoMP's own rule (the cheaper plan wins): what the rule above prevents
+    plans = {str(search(NoisyDevice(near_tie, uniform(0.05), seed), margin=0.0, rounds=0).plan) for seed in range(25)}
+    assert len(plans) > 3
+
+
+# -- a clear win wins ------------------------------------------------------------------------------------
+
+FASTER = "1f0f0f"  # the blacklist op low, the first whitelist op FP32
+
+
+def clear_win(code: str) -> float:
+    return 0.8 if code.startswith("1f0f0") else 1.0  # 20% faster than anything else, Stage-2 variants alike
+
+
+@settings(max_examples=20, deadline=None)
+@given(noise=st.lists(st.floats(-0.05, 0.05), min_size=1, max_size=64))
+def test_a_candidate_faster_by_more_than_the_margin_and_the_noise_wins(noise):
+    sequence = iter(noise * (10_000 // len(noise) + 1))
+    device = NoisyDevice(clear_win, lambda rng: 1.0 + next(sequence), seed=0)
+    result = search(device)
+    assert str(result.stage1.best.plan) == FASTER and str(result.plan).startswith("1f0f0")
+
+
+def test_a_clear_win_wins_in_every_run_of_a_noisy_machine():
+    # (under heavy-tailed noise a Stage-1 epoch hit by bursts can cost more than the bar and be pruned: the
+    # epoch's sum is what pruning needs, and it is not robust; then the incumbent stays, which is a tie's outcome)
+    assert {str(search(NoisyDevice(clear_win, uniform(0.05), seed)).stage1.best.plan) for seed in range(15)} == {FASTER}
+
+
+def test_a_candidate_faster_by_less_than_the_margin_does_not_win():
+    slightly = lambda code: 0.98 if code == FASTER else 1.0  # noqa: E731 - 2% faster: below the 3% margin
+    assert str(search(NoisyDevice(slightly, uniform(0.0), 0)).plan) == AMP
+    assert str(search(NoisyDevice(slightly, uniform(0.0), 0), margin=0.01).stage1.best.plan) == FASTER
+
+
+def test_fp32_replaces_amp_only_when_faster_by_the_margin():
+    fp32_fast = lambda code: 0.5 if code == "111111" else 1.0  # noqa: E731 - low precision slow (an AVX2 CPU)
+    assert str(search(NoisyDevice(fp32_fast, uniform(0.02), 0)).plan) == "111111"
+    fp32_tie = lambda code: 0.99 if code == "111111" else 1.0  # noqa: E731
+    assert str(search(NoisyDevice(fp32_tie, uniform(0.0), 0)).plan) == AMP
+
+
+def test_every_duel_is_logged_with_its_rounds():
+    log = SearchLog()
+    evaluator = NoisyDevice(clear_win, uniform(0.02), 3).evaluator()
+    run_search(SPACE, evaluator, SearchConfig(progress=False, stage2_check_batches=0, predictor="off"),
+               report=log.append)
+    duels = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra]
+    assert duels and any(d["replaces"] for d in duels)
+    for d in duels:
+        assert len(d["seconds"][0]) == len(d["seconds"][1]) == len(d["candidate_costs"]) and len(d["seconds"][0]) % 7 == 0
+        low, high = d["interval"]
+        assert d["replaces"] == (high < d["bar"]) and low <= d["median_ratio"] <= high
+
+
+# -- memory --------------------------------------------------------------------------------------------
+
+def test_between_plans_within_the_margin_the_one_that_saves_less_wins():
+    tie = lambda code: 1.0  # noqa: E731
+    less = lambda plan: 50 if str(plan) == FASTER else 100  # noqa: E731
+    more = lambda plan: 150 if str(plan) == FASTER else 100  # noqa: E731
+    assert str(search(NoisyDevice(tie, uniform(0.01), 0, saved_bytes=less)).stage1.best.plan) == FASTER
+    assert str(search(NoisyDevice(tie, uniform(0.01), 0, saved_bytes=more)).plan) == AMP
+
+
+def test_a_memory_budget_rejects_plans_over_it_before_they_run():
+    started = []
+    device = NoisyDevice(lambda code: 0.5 if code == FASTER else 1.0, uniform(0.0), 0,
+                         saved_bytes=lambda plan: 200 if str(plan) == FASTER else 100)
+    evaluator = device.evaluator()
+    evaluator.run_epoch = lambda plan: started.append(str(plan)) or device.run_epoch(plan)
+    log = SearchLog()
+    result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), memory_budget=150,
+                        report=log.append)
+    assert str(result.best.plan) == AMP and FASTER not in started
+    [over] = [r for r in log.samples() if r.plan == FASTER]
+    assert over.status == "rejected" and "over memory_budget=150" in over.reason and over.extra["saved_bytes"] == 200
+
+
+def test_no_plan_within_the_memory_budget_is_a_search_error():
+    device = NoisyDevice(lambda code: 1.0, uniform(0.0), 0, saved_bytes=lambda plan: 100)
+    with pytest.raises(SearchError, match="no plan fits memory_budget=50"):
+        run_stage1(SPACE, device.evaluator(), memory_budget=50)
+
+
+# -- pruning stays exact against the rule --------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), margin=st.sampled_from([0.0, 0.03, 0.2]), rounds=st.sampled_from([0, 7]),
+       memory=st.booleans())
+def test_pruning_picks_the_plan_the_unpruned_search_picks_under_the_rule(seed, margin, rounds, memory):
+    rng = random.Random(seed)
+    per_batch = {}
+
+    def table(code):  # a fixed random epoch per plan; its step times are its batches' median (no noise)
+        if code not in per_batch:
+            per_batch[code] = [rng.uniform(0.5, 2.0) for _ in range(BATCHES)]
+        return per_batch[code]
+
+    def run_epoch(plan):
+        for s in table(str(plan)):
+            yield 1.0, s
+
+    sizes = {}
+
+    def saved_bytes(plan):
+        return sizes.setdefault(str(plan), rng.randint(1, 4)) if memory else None
+
+    def evaluator():
+        return FunctionEvaluator(run_epoch=run_epoch, time_step=lambda plan: sorted(table(str(plan)))[BATCHES // 2],
+                                 saved_bytes=saved_bytes)
+
+    rule = DecisionRule(margin=margin, rounds=rounds)
+    pruned = run_stage1(SPACE, evaluator(), rule=rule)
+    full = run_stage1(SPACE, evaluator(), rule=rule, prune=False)
+    assert pruned.best.plan == full.best.plan and pruned.best.cost == full.best.cost
+    assert sum(s.batches for s in pruned.samples) <= sum(s.batches for s in full.samples) + BATCHES
+
+
+# -- stopping when nothing can win -------------------------------------------------------------------------
+
+def test_stage2_is_not_timed_when_the_profiles_show_nothing_can_win():
+    timed, log = [], SearchLog()
+    base = Assignment.parse("0f1f0f")
+    evaluator = FunctionEvaluator(time_step=lambda plan: timed.append(str(plan)) or 1.0)
+    result = run_stage2(SPACE, base, evaluator, rule=DecisionRule(margin=0.03), report=log.append,
+                        bound=lambda plan: 0.99, predict=lambda plan: 1.0)  # every plan within 1% of the winner
+    assert timed == ["0f1f0f"] and result.best.plan == base
+    [stop] = [r for r in log.notes() if NOTHING_CAN_WIN in r.extra]
+    assert stop.stage == "stage2" and "Stage 2 not timed" in stop.reason
+    timed.clear()
+    run_stage2(SPACE, base, evaluator, rule=DecisionRule(margin=0.03), bound=lambda plan: 0.5,
+               predict=lambda plan: 1.0)
+    assert len(timed) > 1  # a plan that might win is timed
