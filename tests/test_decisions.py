@@ -262,3 +262,94 @@ def test_stage2_is_not_timed_when_the_profiles_show_nothing_can_win():
     run_stage2(SPACE, base, evaluator, rule=DecisionRule(margin=0.03), bound=lambda plan: 0.5,
                predict=lambda plan: 1.0)
     assert len(timed) > 1  # a plan that might win is timed
+
+
+# -- why each op got its precision ------------------------------------------------------------------
+
+def _evidence_search():
+    """A search whose log holds each kind of evidence: a loss rejection, a pruned plan, a win, a Stage-2 choice."""
+    from compfx.search import Recorder, Replay, ReplayingEvaluator
+
+    def true(code):  # op 0 low saves 0.2 per step; op 2 low saves 0.3 but breaks the loss; the others are free
+        return 1.0 - (0.2 if code[0] == "0" else 0.0) - (0.3 if code[2] == "0" else 0.0)
+
+    def run_epoch(plan):
+        code = str(plan)
+        for _ in range(BATCHES):
+            yield (1.5 if code[2] == "0" else 1.0), true(code)
+
+    log = SearchLog.open(None, {"fingerprint": "x", **{"threshold": 1.01, "margin": 0.03}})
+    replay = Replay()
+    evaluator = ReplayingEvaluator(FunctionEvaluator(run_epoch=run_epoch, time_step=lambda plan: true(str(plan)),
+                                                     check_loss=lambda plan, n: 1.0), replay)
+    decision = run_search(SPACE, evaluator, SearchConfig(progress=False, stage2_check_batches=0, predictor="off"),
+                          report=Recorder(log, replay=replay))
+    return log, decision
+
+
+class _Op:
+    def __init__(self, category):
+        self.category, self.tc_eligible = category, False
+
+
+def test_each_reason_in_the_evidence_column_matches_the_log():
+    import re
+
+    from compfx.search.evidence import batch_seconds, op_evidence
+
+    log, decision = _evidence_search()
+    analysis = type("A", (), {"ops": [_Op(c) for c in SPACE.categories]})()
+    chosen, stage1 = str(decision.plan), str(decision.stage1.best.plan)
+    reasons = op_evidence(analysis, log, chosen, stage1, loss0=1.0)
+    samples = log.samples()
+    names = {"low": "0", "fp32": "1", "follow": "f"}
+    assert chosen == "0f1f0f" or chosen.startswith("0f1"), chosen
+    checked = set()
+    for i, reason in enumerate(reasons):
+        assert reason.split(":")[0] == {"0": "low", "1": "fp32", "f": "follow"}[chosen[i]], reason
+        for match in re.finditer(r"sample (\d+)", reason):
+            record = samples[int(match.group(1)) - 1]
+            other = re.search(r"with (?:this op|it) (\w+)", reason)
+            if other and record.stage == "stage1":
+                assert record.plan[i] == names[other.group(1)] and record.plan[i] != chosen[i]
+            loss = re.search(r"epoch loss (\S+) > limit (\S+) ", reason)
+            if loss:
+                assert loss.group(1) == f"{record.loss:.4g}" and loss.group(2) == f"{1.01:.4g}"
+                checked.add("loss")
+            faster = re.search(r"(\d+\.\d+) ms/step faster than with it", reason)
+            if faster:
+                winner = next(r for r in reversed(samples) if r.stage == "stage1" and r.plan == stage1)
+                diffs = sorted(a - b for a, b in zip(batch_seconds(record), batch_seconds(winner)))
+                assert faster.group(1) == f"{(diffs[(len(diffs) - 1) // 2] + diffs[len(diffs) // 2]) / 2 * 1e3:.2f}"
+                checked.add("faster")
+    assert reasons[2].startswith("fp32: with this op low, epoch loss 1.5 > limit 1.01 (")  # the guard's evidence
+    assert "not adjustable (other)" in reasons[1] or "Stage 2" in reasons[1]
+    assert {"loss", "faster"} <= checked, reasons
+
+
+# -- the report -----------------------------------------------------------------------------------------
+
+def test_the_report_from_the_log_is_the_report_and_quotes_one_interleaved_comparison(tmp_path, one_thread):
+    import torch
+
+    import compfx
+    from compfx.report import render_log_report
+    from tests.helpers import batches, ce
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    loader = batches(4, (16, 8), classes=3)
+    path = tmp_path / "search.jsonl"
+    result = compfx.optimize(model, loader, loss_fn=ce, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             log=path, config=SearchConfig(progress=False, rounds=7, cache_plan=False))
+    comparison = result.step_comparison
+    assert set(comparison.seconds) == {"fp32", "amp", "chosen"}
+    assert all(len(rounds) == 7 for rounds in comparison.seconds.values())  # one phase: every plan every round
+    assert result.step_seconds == {name: comparison.median(name) for name in comparison.seconds}
+    x = loader[0][0]
+    assert comparison.saved_bytes["fp32"] == compfx.saved_activation_bytes(
+        compfx.apply(model, compfx.Plan.fp32(result.analysis), analysis=result.analysis), (x,))
+    text = result.report()
+    assert text == render_log_report(path)  # `compfx report LOG` prints the same report, numbers and evidence
+    assert f"chosen vs FP32: {comparison.speedup('fp32')}" in text and "memory " in text and "fixed part" in text
+    assert "why (sample N" in text

@@ -145,10 +145,11 @@ def _stage1_reason(log: _Log, chosen: str, winner, i: int, record, other: str, p
         return f"{me}: with this op {alt}, the loss became {record.loss} ({where})"
     slower = _difference(record, winner) if winner is not None else None
     if status == SampleStatus.PRUNED:
-        how = "stopped early on pace" if record.extra.get(STOPPED_EARLY) else \
-            f"pruned: it could not beat the incumbent by more than {margin}"
-        pace = f", {slower:+.2f} ms/step" if slower is not None else ""
-        return f"{me}: with this op {alt}, {how}{pace} ({where})"
+        how = "stopped early on pace" if record.extra.get(STOPPED_EARLY) else "pruned"
+        if slower is not None and slower > 0:
+            return (f"{me}: {slower:.2f} ms/step faster than with it {alt} (that plan {how} after {record.batches} "
+                    f"batches, {where})")
+        return f"{me}: with this op {alt}, {how}: it could not beat the incumbent by more than {margin} ({where})"
     duel = log.duel_of(record.plan)
     fought = f"; {_duel_words(duel)}" if duel is not None else ""
     if slower is None:
