@@ -154,13 +154,13 @@ def _step_lines(summary) -> list[str]:
     return lines
 
 
-def _stopped(log: SearchLog) -> str:
-    """``; stopped: ...`` when a stage stopped because the profiles showed no plan left could win."""
-    found = [r for r in log.notes() if NOTHING_CAN_WIN in r.extra]
+def _stopped(log: SearchLog, stage: Stage) -> str:
+    """``; stopped early: ...`` when ``stage`` stopped because the profiles showed no plan left could win."""
+    found = [r for r in log.notes() if NOTHING_CAN_WIN in r.extra and r.stage == stage]
     if not found:
         return ""
-    return "; stopped early: " + ", ".join(f"{r.stage} ({r.extra[NOTHING_CAN_WIN]} plans left, none could beat the " \
-                                           "incumbent by the margin on the profiles)" for r in found)
+    left = sum(r.extra[NOTHING_CAN_WIN] for r in found)
+    return f"; stopped early: the profiles showed none of the {left} plans left could beat the incumbent by the margin"
 
 
 def _duels(log: SearchLog, stage: Stage) -> str:
@@ -203,9 +203,10 @@ def render_report(summary, tablefmt: str = "simple") -> str:
         f"{counts[SampleStatus.ACCEPTED]} accepted, {counts[SampleStatus.REJECTED]} rejected, "
         f"{counts[SampleStatus.PRUNED]} pruned{_stopped_early(by_stage[Stage.STAGE1])}, "
         f"{counts[SampleStatus.SKIPPED]} skipped, {counts[SampleStatus.ERROR]} failed; "
-        f"loss_0 {summary.loss0:.4g}; winner {stage1}{_duels(log, Stage.STAGE1)}",
+        f"loss_0 {summary.loss0:.4g}; winner {stage1}{_duels(log, Stage.STAGE1)}{_stopped(log, Stage.STAGE1)}",
         f"stage 2        {len(by_stage[Stage.STAGE2])} candidates timed{_duels(log, Stage.STAGE2)}"
-        + (f"; loss check {by_stage[Stage.CHECK][-1].status}" if by_stage[Stage.CHECK] else "") + _stopped(log),
+        + (f"; loss check {by_stage[Stage.CHECK][-1].status}" if by_stage[Stage.CHECK] else "")
+        + _stopped(log, Stage.STAGE2),
         f"search time    {summary.search_seconds:.2f} s = {share:.1f} FP32 epochs of the sample loader "
         f"({summary.samples_run} samples: {summary.samples_pruned} pruned, {summary.samples_skipped} skipped "
         "on prediction)",

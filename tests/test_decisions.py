@@ -255,7 +255,7 @@ def test_stage2_is_not_timed_when_the_profiles_show_nothing_can_win():
     evaluator = FunctionEvaluator(time_step=lambda plan: timed.append(str(plan)) or 1.0)
     result = run_stage2(SPACE, base, evaluator, rule=DecisionRule(margin=0.03), report=log.append,
                         bound=lambda plan: 0.99, predict=lambda plan: 1.0)  # every plan within 1% of the winner
-    assert timed == ["0f1f0f"] and result.best.plan == base
+    assert timed == [] and result.best.plan == base and result.samples == []  # not even the winner is timed
     [stop] = [r for r in log.notes() if NOTHING_CAN_WIN in r.extra]
     assert stop.stage == "stage2" and "Stage 2 not timed" in stop.reason
     timed.clear()

@@ -245,10 +245,11 @@ def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int =
         winner = Outcome(base, SampleStatus.ACCEPTED, reason="Stage-1 winner")
         return Stage2Result(winner, winner, [], [])
     search = _Stage2(evaluator, report, rule, memory_budget, bound, predict)
-    winner = search.sample(base, "Stage-1 winner")
     every = [plan for segment in segments for plan in _segment_candidates(base, segment, True)]
-    if search.nothing_can_win(winner, [p for p in every if p != base], "Stage 2"):
-        return Stage2Result(winner, winner, search.samples, segments)
+    untimed = Outcome(base, SampleStatus.ACCEPTED, reason="Stage-1 winner")
+    if search.nothing_can_win(untimed, [p for p in every if p != base], "Stage 2"):  # the winner needs no timing
+        return Stage2Result(untimed, untimed, [], segments)
+    winner = search.sample(base, "Stage-1 winner")
     improved: list[tuple[Segment, Outcome]] = []
     for segment in segments:
         left = budget - len(search.samples)
