@@ -353,3 +353,15 @@ def test_the_report_from_the_log_is_the_report_and_quotes_one_interleaved_compar
     assert text == render_log_report(path)  # `compfx report LOG` prints the same report, numbers and evidence
     assert f"chosen vs FP32: {comparison.speedup('fp32')}" in text and "memory " in text and "fixed part" in text
     assert "why (sample N" in text
+
+
+def test_the_first_incumbent_is_never_stopped_on_pace():
+    # AMP's plan paces 10% over FP32's in its first batches, then catches up: early stopping (not exact) would drop
+    # it after 3 batches, while FP32's plan is not faster by more than the margin over the whole epoch
+    def run_epoch(plan):
+        for i in range(BATCHES):
+            yield 1.0, (1.1 if i < 3 else 0.9) if str(plan) == AMP else 1.0
+
+    evaluator = FunctionEvaluator(run_epoch=run_epoch, time_step=lambda plan: 1.0)
+    result = run_stage1(SPACE, evaluator, early_stop=0.05, rule=DecisionRule(margin=0.03, rounds=7))
+    assert str(result.best.plan) == AMP

@@ -242,17 +242,18 @@ def test_early_stop_ends_a_sample_whose_pace_projects_it_over_the_best():
     per_batch = {"00": 2.0, "01": 1.5, "10": 1.03}  # 2x and 1.5x: clearly slower; 3%: within the tolerance
     result = run_stage1(space, epochs(pace_table(per_batch), batches=10), early_stop=0.05)
     by_plan = {str(s.plan): s for s in result.samples}
-    for code in ("00", "01"):
-        assert by_plan[code].status == "pruned" and by_plan[code].batches == 3
-        assert by_plan[code].extra["stopped_early"] and "stopped early" in by_plan[code].reason
-        assert by_plan[code].cost == pytest.approx(10 * per_batch[code])  # the projected epoch
+    assert by_plan["00"].status == "pruned" and by_plan["00"].batches == 3
+    assert by_plan["00"].extra["stopped_early"] and "stopped early" in by_plan["00"].reason
+    assert by_plan["00"].cost == pytest.approx(10 * per_batch["00"])  # the projected epoch
+    amp = by_plan["01"]  # AMP's plan, the first incumbent: stopped only at the exact bar (FP32's cost), never on pace
+    assert amp.status == "pruned" and amp.batches == 7 and "stopped_early" not in amp.extra
     near_tie = by_plan["10"]
     assert near_tie.status == "pruned" and near_tie.batches == 10 and "stopped_early" not in near_tie.extra
     assert str(result.best.plan) == "11"
 
 
 def test_early_stop_compares_batch_for_batch_and_is_off_by_default():
-    space = space_of(W)
+    space = space_of(B)  # AMP's plan keeps the blacklist op FP32: it is the FP32 baseline, and "0" a candidate
     # batches alternate long and short; the low plan is 20% slower on each, its first batches being long ones
     fp32 = [(1.0, 2.0), (1.0, 0.5)] * 5
     low = [(1.0, 2.4), (1.0, 0.6)] * 5

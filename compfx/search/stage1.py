@@ -230,20 +230,21 @@ class _Stage1:
             return math.inf
         return self.rule.bar(self.best.cost, saves_less=self.saves_less(plan))
 
-    def judge(self, incumbent: Outcome, challenger: Outcome) -> bool:
+    def judge(self, incumbent: Outcome, challenger: Outcome, *, batches: bool = True) -> bool:
         """Does ``challenger`` (accepted, measured) replace ``incumbent``? The screen, the batches, the duel; logged.
 
         Before a duel, the two epochs' batches (the same batches, timed in
         different phases) must already show the challenger ahead of the bar,
         in their median ratio: a duel costs steps, and one the batches do not
-        support is not run.
+        support is not run. ``batches=False`` skips that check (FP32's plan against AMP's, whose epoch may have
+        been stopped at the bar: the duel alone decides, whether or not it was).
         """
         saves_less = self.saves_less(challenger.plan, incumbent.plan)
         if not self.rule.passes_screen(challenger.cost, incumbent.cost, saves_less=saves_less):
             return False
         if not self.rule.rounds:
             return True
-        behind = self._batches_behind(incumbent, challenger, saves_less)
+        behind = self._batches_behind(incumbent, challenger, saves_less) if batches else ""
         if behind:
             challenger.extra[BATCH_VERDICT] = behind
             return False
@@ -369,14 +370,18 @@ class _Stage1:
         fp32 = self.best  # the FP32 baseline, or None when it is over the budget
         # FP32 passes the screen against AMP once AMP costs more than fp32.cost / ratio bar: AMP's epoch stops there
         bar = math.inf if fp32 is None else fp32.cost / self.rule.ratio_bar(self.saves_less(fp32.plan, amp))
-        outcome = self.sample(amp, math.nextafter(bar, math.inf) if math.isfinite(bar) else bar)
+        early_stop, self.early_stop = self.early_stop, None  # not on pace: only the exact bar stops the first incumbent
+        try:
+            outcome = self.sample(amp, math.nextafter(bar, math.inf) if math.isfinite(bar) else bar)
+        finally:
+            self.early_stop = early_stop
         self._predicted_extra(outcome)
         if outcome.status is SampleStatus.PRUNED and PRUNED_AT not in outcome.extra:  # a non-finite loss
             outcome.reason = "AMP's plan: " + outcome.reason
             self._record(outcome)
             return
         if outcome.status is SampleStatus.PRUNED:  # FP32 passes the screen against its cost so far; the duel decides
-            if self.judge(outcome, fp32):
+            if self.judge(outcome, fp32, batches=False):
                 outcome.reason = f"AMP's plan, the first incumbent: FP32's plan is faster by more than the margin " \
                                  f"({outcome.reason})"
                 self._record(outcome)
@@ -392,7 +397,7 @@ class _Stage1:
         if outcome.status is SampleStatus.REJECTED:
             if is_accepted(outcome.loss, self.loss0, self.threshold):
                 outcome.status = SampleStatus.ACCEPTED
-                if fp32 is not None and not dueled and self.judge(outcome, fp32):
+                if fp32 is not None and not dueled and self.judge(outcome, fp32, batches=False):
                     outcome.reason = "AMP's plan, the first incumbent: FP32's plan is faster by more than the margin"
                 else:
                     outcome.reason = "AMP's plan: the incumbent"
