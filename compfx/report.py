@@ -168,7 +168,7 @@ def _duels(log: SearchLog, stage: Stage) -> str:
     if not duels:
         return ""
     won = sum(bool(d["replaces"]) for d in duels)
-    return f"; {len(duels)} duels with the incumbent, {won} won"
+    return f"; {len(duels)} duel{'s' if len(duels) != 1 else ''} with the incumbent, {won} won"
 
 
 def _fixed_cost(summary) -> list[str]:
