@@ -365,3 +365,29 @@ def test_the_first_incumbent_is_never_stopped_on_pace():
     evaluator = FunctionEvaluator(run_epoch=run_epoch, time_step=lambda plan: 1.0)
     result = run_stage1(SPACE, evaluator, early_stop=0.05, rule=DecisionRule(margin=0.03, rounds=7))
     assert str(result.best.plan) == AMP
+
+
+# -- the callbacks' searches pay what optimize() pays -----------------------------------------------------
+
+def test_the_cost_model_prices_a_per_module_search(one_thread, tmp_path, monkeypatch):
+    import torch
+
+    import compfx
+    from compfx.costmodel import Predictor
+    from compfx.per_module import analyze_regions
+    from tests.helpers import batches, ce
+
+    monkeypatch.setenv("COMPFX_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    loader = batches(3, (16, 8), classes=3)
+    result = compfx.optimize(model, loader, loss_fn=ce, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             per_module=torch.nn.Linear, config=SearchConfig(progress=False, cache_plan=False))
+    assert not any("cost model off" in r.reason for r in result.log.notes())
+    assert any(r.extra.get("calibration") for r in result.log.samples("stage1"))  # the predictor calibrated
+    # the regions' graph holds each block's ops under model keys, so a plan of the regions is priced like any other
+    analysis = analyze_regions(model, loader[0][0], torch.nn.Linear)
+    predictor = Predictor.build(analysis, use_cache=False, repeats=1)
+    fp32, low = compfx.Plan.fp32(analysis), compfx.Plan.from_bitstring(analysis, "00")
+    assert predictor.breakdown(low).low_ops == tuple(analysis.keys) and predictor.breakdown(fp32).low_ops == ()
+    assert predictor.breakdown(low).n_casts > 0 == predictor.breakdown(fp32).n_casts
