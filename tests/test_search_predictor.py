@@ -14,6 +14,7 @@ import compfx.search.driver
 from compfx import SearchConfig, optimize
 from compfx.costmodel.predictor import STALE_PROFILE_RATIO, STALE_PROFILES
 from compfx.errors import BadInputError
+from compfx.measure import Conditions
 from compfx.search import DecisionRule, FunctionEvaluator, SearchSpace, run_stage1, skip_message
 from compfx.search.log import NOTHING_CAN_WIN
 from tests.helpers import ce
@@ -133,6 +134,12 @@ def search(_unused, **kw):
 @pytest.fixture
 def cache(tmp_path, monkeypatch):
     monkeypatch.setenv("COMPFX_CACHE_DIR", str(tmp_path))
+    # the machine's conditions, fixed: timed for real, a loaded machine makes them differ between two searches by
+    # more than the staleness check's tolerance, and every cached profile is measured again (that check is tested
+    # in test_costmodel.py with conditions made to differ)
+    steady = lambda **kw: Conditions(reference_s=1e-3)  # noqa: E731
+    monkeypatch.setattr("compfx.costmodel.profile.measure_conditions", steady)
+    monkeypatch.setattr("compfx.costmodel.cast_cost.measure_conditions", steady)
     return tmp_path
 
 
