@@ -362,6 +362,7 @@ def run_case(name: str, seed: int = 0) -> dict:
                 "chosen_plan": result.plan.bitstring(result.analysis),
                 "ops": len(result.analysis.ops),
                 "capture_method": result.analysis.capture_method,
+                **_profiles_counted(result),
             }
     epoch = statistics.median(epochs)
     for run in runs.values():
@@ -369,6 +370,13 @@ def run_case(name: str, seed: int = 0) -> dict:
         run["breakdown_fp32_epochs"] = {k: v / epoch for k, v in run["breakdown_seconds"].items()}
     rows = {"fp32_epoch_seconds": epoch, "fp32_epochs_measured": epochs, **runs}
     return {"case": name, "description": description, "batches": len(loader), **rows}
+
+
+def _profiles_counted(result: SearchResult) -> dict:
+    """How many op profiles the search measured and read from the cache (its calibration record says)."""
+    calibration = next((r.extra for r in result.log.samples("stage1") if r.extra.get("calibration")), {})
+    return {"profiles_measured": calibration.get("profiles_measured"),
+            "profiles_reused": calibration.get("profiles_reused")}
 
 
 def run_cases(names: list[str], seed: int = 0, threads: int | None = 1) -> dict:
