@@ -391,3 +391,22 @@ def test_the_cost_model_prices_a_per_module_search(one_thread, tmp_path, monkeyp
     fp32, low = compfx.Plan.fp32(analysis), compfx.Plan.from_bitstring(analysis, "00")
     assert predictor.breakdown(low).low_ops == tuple(analysis.keys) and predictor.breakdown(fp32).low_ops == ()
     assert predictor.breakdown(low).n_casts > 0 == predictor.breakdown(fp32).n_casts
+
+
+# -- the benchmarks that check the timing acceptance points (smoke: they run and say what they measured) -----
+
+def test_the_decisions_benchmark_times_the_plans_independently(one_thread):
+    from benchmarks.decisions import run_one
+
+    row = run_one("readme")
+    assert set(row["independent_step_seconds"]) == {"fp32", "amp", "chosen"}
+    assert row["independent_speedup"] > 0 and row["chosen_vs_better_of_fp32_amp"] > 0
+    assert row["report_speedup_text"] and len(row["plan"]) == 11
+
+
+def test_the_trainer_benchmark_counts_the_callbacks_search_in_fp32_epochs(one_thread):
+    from benchmarks.search_cost import run_trainer
+
+    figures = run_trainer(steps=2, search_batches=2)
+    assert figures["search_cost_fp32_epochs"] == figures["search_seconds"] / figures["fp32_epoch_seconds"] > 0
+    assert "compfx_search_runtime" in figures["trainer_metrics"]
