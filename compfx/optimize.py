@@ -222,13 +222,22 @@ class _Search:
         from .costmodel import SearchPredictor
 
         # predictions price the very modules the samples run; per block, the blocks' graphs side by side
-        rewrite = None if is_regions_analysis(self.analysis) else self.local.module_of
+        regions = is_regions_analysis(self.analysis)
+        rewrite = self._regions_graph_of if regions else self.local.module_of
         try:
-            return SearchPredictor.build(self.analysis, rewrite=rewrite, cache_dir=self.config.cache_dir)
+            return SearchPredictor.build(self.analysis, rewrite=rewrite, cache_dir=self.config.cache_dir,
+                                         annotate_all=not regions)  # a regions graph is rewritten for pricing alone
         except Exception as error:  # the predictor only orders and skips: never fail the search for it
             self.log.note(Stage.SEARCH, f"cost model unavailable ({type(error).__name__}: {error}); measuring every "
                           "candidate")
             return None
+
+    def _regions_graph_of(self, plan):
+        """The blocks' graphs side by side, rewritten for ``plan``: what the cost model prices per block."""
+        from .apply import apply
+
+        with self.clock.phase("rewrites"):
+            return apply(self.analysis.graph_module, plan, analysis=self.analysis)
 
     def run(self, started: float) -> SearchResult:
         """The search; ``started`` is when ``optimize`` was called (its whole wall time is the search's cost)."""

@@ -372,11 +372,22 @@ def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None
     >>> [str(k) for k in analyze_regions(model, torch.randn(3, 4), torch.nn.Linear).keys]
     ['0:linear#0', '2:linear#0']
     """
+    return _analysis_of_regions(*_captured_regions(model, example_inputs, per_module, device, low_dtype))
+
+
+def _analysis_of_regions(captured: Mapping[str, Analysis], signatures, device, low_dtype) -> Analysis:
+    ops = tuple(dataclasses.replace(op, key=model_key(path, op.key)) for path in captured for op in captured[path].ops)
+    return Analysis(ops, device, low_dtype, regions_graph(captured), REGIONS_METHOD)
+
+
+def _captured_regions(model: nn.Module, example_inputs, per_module, device, low_dtype):
+    """Each block's analysis (block-relative keys) and the input signature it was captured at, by path."""
     paths = region_paths(model, per_module)
     device = torch.device(device) if device is not None else model_device(model)
     low_dtype = check_low_dtype(low_dtype if low_dtype is not None else default_low_dtype(device))
     args, kwargs = normalize_example_inputs(example_inputs)
     captured: dict[str, Analysis] = {}
+    signatures: dict[str, Hashable] = {}
     started: set[str] = set()  # the record tracer calls the block itself, which fires this hook again: once is enough
 
     def capture_block(path):
@@ -384,6 +395,7 @@ def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None
             if path in started:
                 return None
             started.add(path)
+            signatures[path] = input_signature(block_args, block_kwargs, module.training)
             if isinstance(module, PlannedBlock):
                 captured[path] = module.analysis_for(*block_args, **block_kwargs)
             else:
@@ -404,8 +416,7 @@ def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None
     if missing:
         raise BadInputError(f"the blocks {missing[:3]} did not run on the example inputs, so compfx could not see what "
                             "they compute; give inputs that run every block, or name other types in per_module.")
-    ops = tuple(dataclasses.replace(op, key=model_key(path, op.key)) for path in captured for op in captured[path].ops)
-    return Analysis(ops, device, low_dtype, regions_graph(captured), REGIONS_METHOD)
+    return captured, signatures, device, low_dtype
 
 
 def regions_graph(captured: Mapping[str, Analysis]) -> fx.GraphModule:
@@ -468,8 +479,13 @@ def prepare_search(model: nn.Module, example_inputs, per_module, *, device=None,
 
     Blocks planned already (``compfx.apply(..., per_module=...)`` before ``fully_shard``) are kept as they are.
     """
-    analysis = analyze_regions(model, example_inputs, per_module, device=device, low_dtype=low_dtype)
+    captured, signatures, device, low_dtype = _captured_regions(model, example_inputs, per_module, device, low_dtype)
+    analysis = _analysis_of_regions(captured, signatures, device, low_dtype)
     apply_per_module(model, Plan.fp32(analysis), analysis, per_module)
+    for path, signature in signatures.items():  # the blocks' captures, made here, are what each block would make
+        block = model.get_submodule(path)
+        if isinstance(block, PlannedBlock):
+            block._captures.setdefault(signature, captured[path])
     resharded(model)
     return analysis
 

@@ -13,6 +13,7 @@ import statistics
 from tabulate import tabulate
 
 from .costmodel.predictor import MEASURED_STEP as _MEASURED, PREDICTED_STEP as _PREDICTED, STALE_PROFILES as _STALE
+from .costmodel.predictor import PREDICTION_SCALE as _SCALE
 from .costmodel.predictor import STALE_CONDITIONS as _STALE_N, STALE_CONDITIONS_REASON as _STALE_WHY
 from .search.evidence import op_evidence
 from .search.log import DUEL, HEADER, NOTHING_CAN_WIN, STOPPED_EARLY, SearchLog
@@ -217,11 +218,19 @@ def render_report(summary, tablefmt: str = "simple") -> str:
     if getattr(summary, "plan_cache", ""):
         lines.append(f"plan cache     {summary.plan_cache}")
     error = prediction_error(log)
-    if error is not None:
-        lines += ["", f"cost model     {summary.samples_skipped} Stage-1 plans skipped on prediction; median absolute "
-                  f"error {error:.1f}% over {len(predicted_records(log))} measured candidates "
-                  "(FP32 baseline excluded: it calibrates the model)" + _stale_profiles(log),
-                  prediction_table(log, tablefmt)]
+    calibrations = [r for r in log.samples() if r.extra.get("calibration")]
+    if calibrations:  # the cost model was on
+        scale = next((r.extra[_SCALE] for r in calibrations if _SCALE in r.extra), None)
+        accuracy = ("no other measured candidate was priced" if error is None else
+                    f"median absolute error {error:.1f}% over {len(predicted_records(log))} measured candidates")
+        lines += ["", f"cost model     {summary.samples_skipped} plans skipped on prediction; {accuracy} (FP32's and "
+                  "AMP's plans excluded: they calibrate it)"
+                  + ("" if scale is None or scale == 1.0 else
+                     f"; AMP's measured step bore out {scale:.0%} of the predicted difference from FP32, and "
+                     "predictions were scaled so")
+                  + _stale_profiles(log)]
+        if error is not None:
+            lines.append(prediction_table(log, tablefmt))
     notes = [r.reason for r in log.notes()  # the plan cache has a line of its own above; the result is the report
              if not r.reason.startswith("plan cache: ") and RESULT not in r.extra and DUEL not in r.extra]
     if notes:

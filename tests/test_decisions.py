@@ -410,3 +410,29 @@ def test_the_trainer_benchmark_counts_the_callbacks_search_in_fp32_epochs(one_th
     figures = run_trainer(steps=2, search_batches=2)
     assert figures["search_cost_fp32_epochs"] == figures["search_seconds"] / figures["fp32_epoch_seconds"] > 0
     assert "compfx_search_runtime" in figures["trainer_metrics"]
+
+
+def test_amps_measured_step_scales_the_profiles_predicted_differences():
+    import torch
+
+    import compfx
+    from compfx.costmodel import SearchPredictor
+    from compfx.measure import Conditions
+    from compfx.vocabulary import SampleStatus as S, Stage as G
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    analysis = compfx.analyze(model, torch.randn(32, 64))
+    fp32, amp = Assignment.parse("111"), Assignment.parse("0f0")
+    for measured_amp, scale in ((None, 1.0), ("same", 0.0), ("half", 0.5)):
+        p = SearchPredictor.build(analysis, use_cache=False, repeats=1, conditions=Conditions(1e-3))
+        p.observe(G.STAGE1, fp32, S.ACCEPTED, 0.004, 4)  # FP32: 1 ms a step
+        raw = p.step_seconds(amp)
+        if abs(raw - 0.001) < 1e-5:
+            pytest.skip("the profiles predict no difference between FP32 and AMP here: nothing to scale")
+        if measured_amp is not None:
+            step = 0.001 if measured_amp == "same" else 0.001 + 0.5 * (raw - 0.001)
+            extra = p.observe(G.STAGE1, amp, S.ACCEPTED, step * 4, 4)
+            assert extra["calibration"] and extra["prediction_scale"] == pytest.approx(scale)
+        assert p.scale == pytest.approx(scale)
+        assert p.step_seconds(amp) == pytest.approx(0.001 + scale * (raw - 0.001))
+        assert p.step_lower_bound(amp) <= p.step_seconds(amp) + 1e-12  # still a lower bound

@@ -16,7 +16,10 @@ from compfx.costmodel.predictor import STALE_PROFILE_RATIO, STALE_PROFILES
 from compfx.errors import BadInputError
 from compfx.measure import Conditions
 from compfx.search import DecisionRule, FunctionEvaluator, SearchSpace, run_stage1, skip_message
-from compfx.search.log import NOTHING_CAN_WIN
+from compfx.costmodel.predictor import MEASURED_STEP, PREDICTED_STEP
+from compfx.report import prediction_table
+from compfx.search.log import NOTHING_CAN_WIN, SampleRecord, SearchLog
+from compfx.vocabulary import SampleStatus, Stage
 from tests.helpers import ce
 
 # Cached profiles are trusted only under the conditions they were taken in (a reference kernel timed
@@ -187,8 +190,12 @@ def test_profiles_cached_under_other_conditions_are_measured_again(cache):
 
 
 def test_report_shows_predicted_against_measured(cache):
-    text = search(None, predictor_margin=math.inf).report()
-    assert "median absolute error" in text and "predicted step" in text and "measured step" in text
+    text = search(None, predictor_margin=math.inf, margin=0.0, rounds=0).report()  # every candidate that may win runs
+    assert "cost model " in text and "(FP32's and AMP's plans excluded: they calibrate it)" in text
+    log = SearchLog()
+    log.append(SampleRecord(Stage.STAGE1, "01", SampleStatus.PRUNED, extra={PREDICTED_STEP: 0.011, MEASURED_STEP: 0.01}))
+    table = prediction_table(log)
+    assert "predicted step" in table and "measured step" in table and "+10.0%" in table
 
 
 @pytest.mark.parametrize("kw", [dict(predictor="maybe"), dict(predictor=True), dict(predictor_margin=0.9),

@@ -47,16 +47,19 @@ from ..cast_policy import castable_inputs, compute_dtype, runs_under_autocast
 from ..errors import BadInputError, SearchError
 from ..opkey import KEY_META, OpKey
 from ..passes import CastInfo, casts_in
-from ..plan import Assignment, Plan
+from ..plan import AMP_PRECISION, Assignment, Plan
 from ..vocabulary import Precision, SampleStatus, Stage
 from .cast_cost import CastCost, fit_cast_cost
 from .profile import OpProfiles, profile_ops
 
-__all__ = ["Prediction", "Predictor", "SearchPredictor", "PREDICTED_STEP", "MEASURED_STEP", "STALE_PROFILES",
+__all__ = ["Prediction", "Predictor", "SearchPredictor", "PREDICTED_STEP", "MEASURED_STEP", "PREDICTION_SCALE",
+           "STALE_PROFILES",
            "STALE_PROFILE_RATIO", "STALE_CONDITIONS", "STALE_CONDITIONS_REASON"]
 
 #: keys of a log record's ``extra`` that the report compares: predicted and measured seconds of one step
 PREDICTED_STEP, MEASURED_STEP = "predicted_step_seconds", "measured_step_seconds"
+#: key of AMP's Stage-1 record's ``extra``: how much of the predicted difference from FP32 its measurement bore out
+PREDICTION_SCALE = "prediction_scale"
 #: key of the calibration record's ``extra``: the ratio that made cached profiles be measured again
 STALE_PROFILES = "stale_profile_ratio"
 #: keys of the calibration record's ``extra``: how many cached profiles were measured again because their
@@ -255,16 +258,24 @@ class SearchPredictor:
         self.batches: int | None = None  # batches per Stage-1 epoch, known once the baseline ran
         self._steps: dict[Assignment, float] = {}
         self._dtype_decided: dict[tuple[OpKey, Precision], bool] | None = None  # see _bound_seconds
+        #: how much of the profiles' predicted difference from FP32 the measurements bear out (see observe)
+        self.scale = 1.0
+        self.fp32_step: float | None = None  # the measured FP32 step the predictor is calibrated on
+        self._amp = Assignment(AMP_PRECISION[op.category] for op in predictor.analysis.ops) \
+            if predictor.analysis is not None else None
+        self._scale_fitted = False
 
     @classmethod
     def build(cls, analysis, *, rewrite: Callable[[Plan], fx.GraphModule] | None = None,
-              cache_dir: str | os.PathLike | None = None, **profile_kwargs) -> "SearchPredictor":
+              cache_dir: str | os.PathLike | None = None, annotate_all: bool | None = None,
+              **profile_kwargs) -> "SearchPredictor":
         """Profile ``analysis`` and fit cast costs (:meth:`Predictor.build`), timing what that costs.
 
         ``rewrite(plan)`` makes the graph a plan runs as (the search passes the
         modules it trains, so each plan is rewritten once, and every measured
         sample is priced for its log record); without it each plan is rewritten
-        here, and only the plans the search asks about are priced; ``profile_kwargs``
+        here, and only the plans the search asks about are priced (``annotate_all``
+        says otherwise); ``profile_kwargs``
         go to :func:`~compfx.costmodel.profile_ops` (``use_cache`` and
         ``refresh`` to the caches too).
         """
@@ -273,7 +284,8 @@ class SearchPredictor:
         predictor = Predictor.build(analysis, rewrite=rewrite, cache_dir=cache_dir, refresh=refresh, **profile_kwargs)
         remeasure = functools.partial(Predictor.build, analysis, rewrite=rewrite, cache_dir=cache_dir, refresh=True,
                                       **profile_kwargs)
-        return cls(predictor, time.perf_counter() - start, remeasure, annotate_all=rewrite is not None)
+        return cls(predictor, time.perf_counter() - start, remeasure,
+                   annotate_all=rewrite is not None if annotate_all is None else annotate_all)
 
     @property
     def profiles(self) -> OpProfiles:
@@ -285,7 +297,12 @@ class SearchPredictor:
 
     # -- predictions ---------------------------------------------------------------------
     def step_seconds(self, plan: Assignment) -> float:
-        """Predicted seconds of one step; NaN when the plan's graph cannot be priced (it is then measured)."""
+        """Predicted seconds of one step; NaN when the plan's graph cannot be priced (it is then measured).
+
+        Differences from the FP32 step are scaled by :attr:`scale` (see :meth:`observe`)."""
+        return self._scaled(self._raw_step(plan))
+
+    def _raw_step(self, plan: Assignment) -> float:
         plan = _assignment(plan)
         if plan not in self._steps:  # each prediction rewrites the graph: do it once per plan
             try:
@@ -293,6 +310,12 @@ class SearchPredictor:
             except Exception:  # noqa: BLE001 - e.g. an op with no low-precision kernel: the measurement will say so
                 self._steps[plan] = math.nan
         return self._steps[plan]
+
+    def _scaled(self, step: float) -> float:
+        """``step`` with its difference from the measured FP32 step scaled by :attr:`scale`."""
+        if self.scale == 1.0 or self.fp32_step is None:
+            return step
+        return self.fp32_step + self.scale * (step - self.fp32_step)
 
     def epoch_seconds(self, plan: Assignment) -> float:
         """Predicted seconds of one Stage-1 epoch under ``plan`` (step time x the baseline's batches); NaN: unknown."""
@@ -320,7 +343,7 @@ class SearchPredictor:
                 total += profile.seconds(precision is Precision.LOW)
             else:
                 total += min(profile.fp32_s, profile.low_s)
-        return total * batches
+        return self._scaled(total) * batches
 
     def step_lower_bound(self, plan: Assignment) -> float:
         """:meth:`lower_bound_seconds` of one step (Stage 2 times steps, not epochs)."""
@@ -368,15 +391,41 @@ class SearchPredictor:
             measured = (seconds or 0.0) / batches
             self._remeasure_if_stale(measured)
             self.predictor.calibrate(measured)
-            self.batches = batches
+            self.batches, self.fp32_step = batches, measured
             self._steps.clear()
             return self._annotation(plan, measured, calibration=True)
         measured = _measured_step(stage, status, seconds, batches)
+        if stage is Stage.STAGE1 and plan == self._amp and measured is not None and not self._scale_fitted:
+            self._scale_fitted = True
+            self._fit_scale(measured)
+            extra = self._annotation(plan, measured)
+            return {**extra, "calibration": True, PREDICTION_SCALE: self.scale} if extra else {}
         if measured is None or (plan not in self._steps and not self.annotate_all):
             return {}  # pricing a plan only to annotate its record would cost a rewrite of its own
         if not math.isfinite(self.step_seconds(plan)):
             return {}
         return self._annotation(plan, measured)
+
+    def _fit_scale(self, measured_amp_step: float) -> None:
+        """Scale the profiles' predicted differences from FP32 by what AMP's measured step bears out.
+
+        The FP32 step calibrates the predictions' level; AMP's plan, measured
+        next, checks their slope: ``(measured AMP - FP32) / (predicted AMP -
+        FP32)``, kept in [0, 1]. Isolated ops often run low precision faster
+        than it runs inside a small model's step (where the loss, the optimizer
+        and Python take their time), so predicted wins can be larger than any
+        measured one; a measurement that shows none (the slope near 0) makes
+        every plan's prediction close to FP32's, and the search stops looking
+        for wins the profiles alone promise. Too small a predicted difference
+        (under 1% of the step) says nothing about the slope: it stays 1.
+        """
+        predicted = self._raw_step(self._amp)
+        if self.fp32_step is None or not math.isfinite(predicted):
+            return
+        difference = predicted - self.fp32_step
+        if abs(difference) < 0.01 * self.fp32_step:
+            return
+        self.scale = min(1.0, max(0.0, (measured_amp_step - self.fp32_step) / difference))
 
     def _remeasure_if_stale(self, measured_step: float) -> None:
         """Profile again when cached profiles do not match the FP32 step this machine just measured."""

@@ -230,21 +230,21 @@ class _Stage1:
             return math.inf
         return self.rule.bar(self.best.cost, saves_less=self.saves_less(plan))
 
-    def judge(self, incumbent: Outcome, challenger: Outcome, *, batches: bool = True) -> bool:
+    def judge(self, incumbent: Outcome, challenger: Outcome, *, prefix: int | None = None) -> bool:
         """Does ``challenger`` (accepted, measured) replace ``incumbent``? The screen, the batches, the duel; logged.
 
         Before a duel, the two epochs' batches (the same batches, timed in
         different phases) must already show the challenger ahead of the bar,
         in their median ratio: a duel costs steps, and one the batches do not
-        support is not run. ``batches=False`` skips that check (FP32's plan against AMP's, whose epoch may have
-        been stopped at the bar: the duel alone decides, whether or not it was).
+        support is not run. ``prefix`` compares only the incumbent's first batches (FP32's plan against AMP's,
+        whose epoch may have been stopped at the bar: the batches up to where it crossed it, whether or not it was).
         """
         saves_less = self.saves_less(challenger.plan, incumbent.plan)
         if not self.rule.passes_screen(challenger.cost, incumbent.cost, saves_less=saves_less):
             return False
         if not self.rule.rounds:
             return True
-        behind = self._batches_behind(incumbent, challenger, saves_less) if batches else ""
+        behind = self._batches_behind(incumbent, challenger, saves_less, prefix)
         if behind:
             challenger.extra[BATCH_VERDICT] = behind
             return False
@@ -257,14 +257,15 @@ class _Stage1:
         log_duel(self.report, Stage.STAGE1, verdict, incumbent.plan, challenger.plan, self.rule.rounds)
         return verdict.replaces
 
-    def _batches_behind(self, incumbent: Outcome, challenger: Outcome, saves_less: bool) -> str:
+    def _batches_behind(self, incumbent: Outcome, challenger: Outcome, saves_less: bool,
+                        prefix: int | None = None) -> str:
         """Why the two epochs, batch for batch, do not even suggest the challenger wins ("" when they do).
 
         The median of the per-batch cost ratios must be below the rule's bar,
         as it must in the duel; a heavy-tailed outlier (another job's burst)
         moves a median by one rank only.
         """
-        pairs = list(zip(incumbent.batch_seconds, challenger.batch_seconds))
+        pairs = list(zip(incumbent.batch_seconds[:prefix], challenger.batch_seconds))
         if len(pairs) < 2:
             return ""
         comparison = Comparison.of([self.cost(incumbent.plan, a) for a, _ in pairs],
@@ -381,7 +382,7 @@ class _Stage1:
             self._record(outcome)
             return
         if outcome.status is SampleStatus.PRUNED:  # FP32 passes the screen against its cost so far; the duel decides
-            if self.judge(outcome, fp32, batches=False):
+            if self.judge(outcome, fp32):  # the batches it ran: up to where it crossed the bar
                 outcome.reason = f"AMP's plan, the first incumbent: FP32's plan is faster by more than the margin " \
                                  f"({outcome.reason})"
                 self._record(outcome)
@@ -390,14 +391,14 @@ class _Stage1:
                  "epoch cost more: its epoch runs again in full, for its loss", plan=str(amp))
             outcome = self.sample(amp)
             self._predicted_extra(outcome)
-            return self._settle_amp(outcome, fp32, dueled=True)
-        self._settle_amp(outcome, fp32, dueled=False)
+            return self._settle_amp(outcome, fp32, bar, dueled=True)
+        self._settle_amp(outcome, fp32, bar, dueled=False)
 
-    def _settle_amp(self, outcome: Outcome, fp32: Outcome | None, *, dueled: bool) -> None:
+    def _settle_amp(self, outcome: Outcome, fp32: Outcome | None, bar: float, *, dueled: bool) -> None:
         if outcome.status is SampleStatus.REJECTED:
             if is_accepted(outcome.loss, self.loss0, self.threshold):
                 outcome.status = SampleStatus.ACCEPTED
-                if fp32 is not None and not dueled and self.judge(outcome, fp32, batches=False):
+                if fp32 is not None and not dueled and self.judge(outcome, fp32, prefix=self._crossing(outcome, bar)):
                     outcome.reason = "AMP's plan, the first incumbent: FP32's plan is faster by more than the margin"
                 else:
                     outcome.reason = "AMP's plan: the incumbent"
@@ -405,6 +406,16 @@ class _Stage1:
             else:
                 outcome.reason = "AMP's plan: " + self._loss_reason(outcome)
         self._record(outcome)
+
+    def _crossing(self, outcome: Outcome, bar: float) -> int:
+        """How many batches ``outcome``'s epoch had run when its running cost passed ``bar`` (all: never): the batches
+        a run that stopped it at the bar would have."""
+        running = 0.0
+        for i, seconds in enumerate(outcome.batch_seconds, 1):
+            running += seconds
+            if self.cost(outcome.plan, running) >= math.nextafter(bar, math.inf):
+                return i
+        return len(outcome.batch_seconds)
 
     def _promote(self, outcome: Outcome) -> None:
         if self.best is not None:
