@@ -284,16 +284,17 @@ class _Search:
 
         It is not part of the decision, and it is the only timing the report
         quotes: ``config.rounds`` rounds (at least three), each giving every plan one step on the same
-        batch, after a warm-up step each (:func:`compfx.search.driver.compare_steps`). Timings the search
-        took earlier, in other phases, are not mixed in.
+        batch (:func:`compfx.search.driver.compare_steps`); a plan that has not trained in the search yet
+        gets a warm-up step first. Timings the search took earlier, in other phases, are not mixed in.
         """
         samples_before = self.clock.seconds.get("samples", 0.0)
         rounds = max(self.config.rounds, COMPARE_ROUNDS)
+        plans = {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan, "chosen": decision.plan}
+        # warm: a plan that trained in the search has paid its one-off costs; one that did not gets a warm-up step
+        warmup = 0 if all(plan in self.local.stepped for plan in plans.values()) else max(1, self.config.warmup)
         with self.clock.phase("step comparison"):
-            comparison = compare_steps(
-                functools.partial(self.local.time_steps, warmup=max(1, self.config.warmup)), self.local.saved_bytes,
-                {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan, "chosen": decision.plan}, self.log,
-                rounds=rounds, confidence=self.config.confidence)
+            comparison = compare_steps(functools.partial(self.local.time_steps, warmup=warmup), self.local.saved_bytes,
+                                       plans, self.log, rounds=rounds, confidence=self.config.confidence)
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
                         target="step comparison")
         return comparison

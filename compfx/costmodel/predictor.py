@@ -33,9 +33,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -264,6 +265,7 @@ class SearchPredictor:
         self._amp = Assignment(AMP_PRECISION[op.category] for op in predictor.analysis.ops) \
             if predictor.analysis is not None else None
         self._scale_fitted = False
+        self._fp32_median: float | None = None
 
     @classmethod
     def build(cls, analysis, *, rewrite: Callable[[Plan], fx.GraphModule] | None = None,
@@ -374,7 +376,7 @@ class SearchPredictor:
 
     # -- the search's samples --------------------------------------------------------------
     def observe(self, stage: Stage | str, plan: Assignment, status: SampleStatus | str, seconds: float | None,
-                batches: int) -> dict:
+                batches: int, batch_seconds: Sequence[float] = ()) -> dict:
         """Calibrate on the first accepted Stage-1 sample (the FP32 baseline); say what to add to its record.
 
         Returns the entries for the sample's ``extra``: predicted and measured
@@ -382,7 +384,8 @@ class SearchPredictor:
         sample whose plan the search had the predictor price, plus ``calibration`` and the profiling
         counts on the baseline; ``{}`` when there is nothing to add. Before
         calibrating, cached profiles far above the measured FP32 step are
-        measured again (:data:`STALE_PROFILE_RATIO`, :data:`STALE_PROFILES`).
+        measured again (:data:`STALE_PROFILE_RATIO`, :data:`STALE_PROFILES`). ``batch_seconds`` (a Stage-1
+        sample's, when known) give the medians AMP's plan is compared with FP32's by (see :meth:`_fit_scale`).
         """
         stage, status, plan = Stage(stage), SampleStatus(status), _assignment(plan)
         if not self.calibrated:
@@ -392,12 +395,16 @@ class SearchPredictor:
             self._remeasure_if_stale(measured)
             self.predictor.calibrate(measured)
             self.batches, self.fp32_step = batches, measured
+            self._fp32_median = statistics.median(batch_seconds) if batch_seconds else None
             self._steps.clear()
             return self._annotation(plan, measured, calibration=True)
         measured = _measured_step(stage, status, seconds, batches)
         if stage is Stage.STAGE1 and plan == self._amp and measured is not None and not self._scale_fitted:
             self._scale_fitted = True
-            self._fit_scale(measured)
+            if batch_seconds and self._fp32_median is not None:  # medians: one step slowed by another job moves nothing
+                self._fit_scale(self.fp32_step + statistics.median(batch_seconds) - self._fp32_median)
+            else:
+                self._fit_scale(measured)
             extra = self._annotation(plan, measured)
             return {**extra, "calibration": True, PREDICTION_SCALE: self.scale} if extra else {}
         if measured is None or (plan not in self._steps and not self.annotate_all):

@@ -86,9 +86,10 @@ class SearchConfig:
       predicted cost exceeds ``predictor_margin`` times the best measured accepted
       cost; ``"off"`` measures every candidate (the exact CoMP search).
     * ``early_stop``: with the cost model on, a Stage-1 sample stops once its
-      pace, batch for batch against the best plan's, projects its epoch cost
-      more than this fraction over the best accepted cost (None: never; with
-      ``predictor="off"`` only exact pruning stops samples).
+      pace, batch for batch against the incumbent's, projects its epoch cost
+      more than this fraction over the most it may cost to challenge the
+      incumbent under the decision rule (None: never; with ``predictor="off"``
+      only exact pruning stops samples).
     * ``cache_plan``: save the chosen plan to the plan cache (:mod:`compfx.cache`),
       so that ``torch.compile(model, backend="compfx")`` runs it; ``cache_dir``:
       the cache folder for that plan and for the cost model's profiles (None:

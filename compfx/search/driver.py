@@ -35,7 +35,7 @@ from ..vocabulary import SampleStatus, Stage
 from .compare import StepComparison
 from .config import SearchConfig
 from .convergence import check_winner
-from .log import Replay, SampleRecord, SearchLog
+from .log import BATCHES, Replay, SampleRecord, SearchLog
 from .outcome import Reporter, failure_reason
 from .space import SearchSpace
 from .stage1 import Stage1Result, run_stage1
@@ -119,7 +119,8 @@ class Recorder:
         record = fresh or record
         if self.predictor is not None and record.is_sample and record.plan:
             extra = self.predictor.observe(record.stage, Assignment.parse(record.plan), record.status,
-                                           record.seconds, record.batches)
+                                           record.seconds, record.batches,
+                                           batch_seconds=[s for _, s in record.extra.get(BATCHES, [])])
             if extra:
                 record = replace(record, extra={**record.extra, **extra})
         if fresh is not None:

@@ -208,6 +208,7 @@ class LocalEvaluator:
         self._modules: dict[Assignment, nn.Module] = {}
         self._runners: dict[Assignment, nn.Module] = {}
         self._saved_bytes: dict[Assignment, int] = {}
+        self.stepped: set[Assignment] = set()  # plans whose module has run training steps (they are warm)
         self._captures = None  # the model's captures per input signature, shared by every plan's runner
 
     # -- plans and the modules that run them -------------------------------------------
@@ -254,6 +255,7 @@ class LocalEvaluator:
         with plan_failures():
             runner = self.runner(plan)
             epoch = self.sampler.epoch(runner, warmup=self.warmup)
+        self.stepped.add(plan)
         charged = each_batch(epoch, lambda: self.clock.phase("samples"), close_around=True)
         return each_batch(charged, plan_failures)  # each batch's failure is the plan's
 
@@ -262,8 +264,10 @@ class LocalEvaluator:
         with plan_failures():
             runner = self.runner(plan)
             with self.clock.phase("samples"):
-                return self.sampler.step_time(runner, warmup=self.warmup if warmup is None else warmup,
-                                              repeats=repeats or self.repeats).median
+                seconds = self.sampler.step_time(runner, warmup=self.warmup if warmup is None else warmup,
+                                                 repeats=repeats or self.repeats).median
+        self.stepped.add(plan)
+        return seconds
 
     def time_steps(self, plans: Sequence[Assignment], rounds: int, *, warmup: int | None = None
                    ) -> list[list[float]]:
@@ -271,8 +275,10 @@ class LocalEvaluator:
         with plan_failures():
             runners = [self.runner(plan) for plan in plans]
             with self.clock.phase("samples"):
-                return self.sampler.interleaved_step_times(
+                seconds = self.sampler.interleaved_step_times(
                     runners, rounds=rounds, warmup=self.warmup if warmup is None else warmup, switch=self._switch(plans))
+        self.stepped.update(plans)
+        return seconds
 
     def _switch(self, plans: Sequence[Assignment]) -> Callable[[int], object] | None:
         """What runs before a step of ``plans[j]`` in an interleaved timing (nothing: each plan is its own module)."""

@@ -528,12 +528,14 @@ class _Stage1:
         return True
 
     def _stopped_early(self, outcome: Outcome) -> bool:
-        """Stop a sample whose pace, batch for batch against the incumbent's, projects it well over the incumbent.
+        """Stop a sample whose pace, batch for batch against the incumbent's, projects it well over the rule's bar.
 
         Not exact (pruning is): the projection is the incumbent's epoch seconds
         times the median per-batch ratio so far, after
         :data:`EARLY_STOP_MIN_BATCHES` batches; the sample stops when that
-        projected cost exceeds the incumbent's cost by more than ``early_stop``.
+        projected cost exceeds the bar it must get under (``1 - margin`` x the
+        incumbent's cost, or ``1 + margin`` x when it saves less memory) by more
+        than ``early_stop``: such a plan could only win by noise.
         """
         best, k = self.best, outcome.batches
         if self.early_stop is None or best is None or k < EARLY_STOP_MIN_BATCHES or len(best.batch_seconds) < k:
@@ -542,12 +544,14 @@ class _Stage1:
         if len(ratios) < EARLY_STOP_MIN_BATCHES:
             return False
         projected = self.cost(outcome.plan, statistics.median(ratios) * best.seconds)
-        if not projected > (1.0 + self.early_stop) * best.cost:
+        bar = self.bar(outcome.plan)
+        if not projected > (1.0 + self.early_stop) * bar:
             return False
         outcome.status, outcome.cost = SampleStatus.PRUNED, projected
         outcome.extra[STOPPED_EARLY] = True
         outcome.reason = (f"stopped early: projected cost {projected:.6g} after {k} batches is over "
-                          f"{1.0 + self.early_stop:g} x the incumbent's cost {best.cost:.6g} ({best.plan})")
+                          f"{1.0 + self.early_stop:g} x {bar:.6g}, the most it may cost to challenge the incumbent "
+                          f"{best.plan} (cost {best.cost:.6g})")
         return True
 
     def try_plan(self, plan: Assignment) -> bool:
