@@ -45,7 +45,7 @@ import torch
 
 from .errors import BadInputError
 
-__all__ = ["synchronize", "timed", "Timing", "time_repeats", "time_interleaved", "interleaved_order", "PhaseClock", "CLOCKS", "check_clock", "time_calls",
+__all__ = ["synchronize", "timed", "Timing", "time_repeats", "time_interleaved", "interleaved_order", "median_interval", "PhaseClock", "CLOCKS", "check_clock", "time_calls",
            "time_fastest",
            "device_name", "hardware_name", "environment_key", "Conditions", "measure_conditions", "reference_seconds",
            "REFERENCE_TOLERANCE"]
@@ -150,6 +150,35 @@ def time_interleaved(steps: Sequence[Callable[[int], object]], *, rounds: int, w
                 before(j)
             seconds[j].append(timed(lambda: steps[j](warmup + i), device)[1])
     return seconds
+
+
+def _binomial_tail(n: int, k: int) -> float:
+    """P(X <= k) for X ~ Binomial(n, 1/2)."""
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+
+
+def median_interval(values: Sequence[float], confidence: float) -> tuple[float, float, float]:
+    """A distribution-free interval of the median of ``values``: ``(low, high, coverage)``.
+
+    The narrowest pair of order statistics ``x(k) <= median <= x(n-k+1)``
+    whose coverage ``1 - 2 P(Binomial(n, 1/2) < k)`` is at least
+    ``confidence``. With too few values for that, the full range and its
+    (lower) coverage.
+
+    >>> median_interval([3, 1, 2, 5, 4, 7, 6], 0.95)
+    (1, 7, 0.984375)
+    >>> low, high, coverage = median_interval(range(1, 22), 0.95)
+    >>> low, high, round(coverage, 3)
+    (6, 16, 0.973)
+    """
+    ordered = sorted(values)
+    n = len(ordered)
+    if n == 0:
+        raise BadInputError("median_interval() needs at least one value")
+    k = 1
+    while k < (n + 1) // 2 and 1 - 2 * _binomial_tail(n, k) >= confidence:
+        k += 1
+    return ordered[k - 1], ordered[n - k], 1 - 2 * _binomial_tail(n, k - 1)
 
 
 class PhaseClock:

@@ -46,6 +46,7 @@ from ..apply import apply
 from ..capture import meta_value
 from ..cast_policy import castable_inputs, compute_dtype, runs_under_autocast
 from ..errors import BadInputError, SearchError
+from ..measure import median_interval
 from ..opkey import KEY_META, OpKey
 from ..passes import CastInfo, casts_in
 from ..plan import AMP_PRECISION, Assignment, Plan
@@ -61,6 +62,8 @@ __all__ = ["Prediction", "Predictor", "SearchPredictor", "PREDICTED_STEP", "MEAS
 PREDICTED_STEP, MEASURED_STEP = "predicted_step_seconds", "measured_step_seconds"
 #: key of AMP's Stage-1 record's ``extra``: how much of the predicted difference from FP32 its measurement bore out
 PREDICTION_SCALE = "prediction_scale"
+#: How sure the batches of AMP's and FP32's epochs must be of a difference between them before it scales predictions
+SCALE_CONFIDENCE = 0.9
 #: key of the calibration record's ``extra``: the ratio that made cached profiles be measured again
 STALE_PROFILES = "stale_profile_ratio"
 #: keys of the calibration record's ``extra``: how many cached profiles were measured again because their
@@ -265,7 +268,7 @@ class SearchPredictor:
         self._amp = Assignment(AMP_PRECISION[op.category] for op in predictor.analysis.ops) \
             if predictor.analysis is not None else None
         self._scale_fitted = False
-        self._fp32_median: float | None = None
+        self._fp32_batches: list[float] = []
 
     @classmethod
     def build(cls, analysis, *, rewrite: Callable[[Plan], fx.GraphModule] | None = None,
@@ -395,16 +398,13 @@ class SearchPredictor:
             self._remeasure_if_stale(measured)
             self.predictor.calibrate(measured)
             self.batches, self.fp32_step = batches, measured
-            self._fp32_median = statistics.median(batch_seconds) if batch_seconds else None
+            self._fp32_batches = list(batch_seconds)
             self._steps.clear()
             return self._annotation(plan, measured, calibration=True)
         measured = _measured_step(stage, status, seconds, batches)
         if stage is Stage.STAGE1 and plan == self._amp and measured is not None and not self._scale_fitted:
             self._scale_fitted = True
-            if batch_seconds and self._fp32_median is not None:  # medians: one step slowed by another job moves nothing
-                self._fit_scale(self.fp32_step + statistics.median(batch_seconds) - self._fp32_median)
-            else:
-                self._fit_scale(measured)
+            self._fit_scale(measured, list(batch_seconds))
             extra = self._annotation(plan, measured)
             return {**extra, "calibration": True, PREDICTION_SCALE: self.scale} if extra else {}
         if measured is None or (plan not in self._steps and not self.annotate_all):
@@ -413,7 +413,7 @@ class SearchPredictor:
             return {}
         return self._annotation(plan, measured)
 
-    def _fit_scale(self, measured_amp_step: float) -> None:
+    def _fit_scale(self, measured_amp_step: float, amp_batches: list[float]) -> None:
         """Scale the profiles' predicted differences from FP32 by what AMP's measured step bears out.
 
         The FP32 step calibrates the predictions' level; AMP's plan, measured
@@ -424,7 +424,11 @@ class SearchPredictor:
         measured one; a measurement that shows none (the slope near 0) makes
         every plan's prediction close to FP32's, and the search stops looking
         for wins the profiles alone promise. Too small a predicted difference
-        (under 1% of the step) says nothing about the slope: it stays 1.
+        (under 1% of the step) says nothing about the slope: it stays 1. With
+        both epochs' batches known, the measured difference is the median of
+        their per-batch ratios (the same batches), and none at all unless the
+        interval of that median (:data:`SCALE_CONFIDENCE`) excludes 1: a
+        difference the batches cannot tell from noise is no difference.
         """
         predicted = self._raw_step(self._amp)
         if self.fp32_step is None or not math.isfinite(predicted):
@@ -432,7 +436,12 @@ class SearchPredictor:
         difference = predicted - self.fp32_step
         if abs(difference) < 0.01 * self.fp32_step:
             return
-        self.scale = min(1.0, max(0.0, (measured_amp_step - self.fp32_step) / difference))
+        measured = measured_amp_step - self.fp32_step
+        ratios = [amp / fp32 for amp, fp32 in zip(amp_batches, self._fp32_batches) if fp32 > 0]
+        if len(ratios) >= 2:
+            low, high, _ = median_interval(ratios, SCALE_CONFIDENCE)
+            measured = 0.0 if low <= 1.0 <= high else (statistics.median(ratios) - 1.0) * self.fp32_step
+        self.scale = min(1.0, max(0.0, measured / difference))
 
     def _remeasure_if_stale(self, measured_step: float) -> None:
         """Profile again when cached profiles do not match the FP32 step this machine just measured."""
