@@ -46,7 +46,6 @@ from ..apply import apply
 from ..capture import meta_value
 from ..cast_policy import castable_inputs, compute_dtype, runs_under_autocast
 from ..errors import BadInputError, SearchError
-from ..measure import median_interval
 from ..opkey import KEY_META, OpKey
 from ..passes import CastInfo, casts_in
 from ..plan import AMP_PRECISION, Assignment, Plan
@@ -62,8 +61,6 @@ __all__ = ["Prediction", "Predictor", "SearchPredictor", "PREDICTED_STEP", "MEAS
 PREDICTED_STEP, MEASURED_STEP = "predicted_step_seconds", "measured_step_seconds"
 #: key of AMP's Stage-1 record's ``extra``: how much of the predicted difference from FP32 its measurement bore out
 PREDICTION_SCALE = "prediction_scale"
-#: How sure the batches of AMP's and FP32's epochs must be of a difference between them before it scales predictions
-SCALE_CONFIDENCE = 0.9
 #: key of the calibration record's ``extra``: the ratio that made cached profiles be measured again
 STALE_PROFILES = "stale_profile_ratio"
 #: keys of the calibration record's ``extra``: how many cached profiles were measured again because their
@@ -426,9 +423,8 @@ class SearchPredictor:
         for wins the profiles alone promise. Too small a predicted difference
         (under 1% of the step) says nothing about the slope: it stays 1. With
         both epochs' batches known, the measured difference is the median of
-        their per-batch ratios (the same batches), and none at all unless the
-        interval of that median (:data:`SCALE_CONFIDENCE`) excludes 1: a
-        difference the batches cannot tell from noise is no difference.
+        their per-batch ratios (the same batches: a burst of other work during
+        a few of them moves the median by a rank or two).
         """
         predicted = self._raw_step(self._amp)
         if self.fp32_step is None or not math.isfinite(predicted):
@@ -438,9 +434,8 @@ class SearchPredictor:
             return
         measured = measured_amp_step - self.fp32_step
         ratios = [amp / fp32 for amp, fp32 in zip(amp_batches, self._fp32_batches) if fp32 > 0]
-        if len(ratios) >= 2:
-            low, high, _ = median_interval(ratios, SCALE_CONFIDENCE)
-            measured = 0.0 if low <= 1.0 <= high else (statistics.median(ratios) - 1.0) * self.fp32_step
+        if ratios:
+            measured = (statistics.median(ratios) - 1.0) * self.fp32_step
         self.scale = min(1.0, max(0.0, measured / difference))
 
     def _remeasure_if_stale(self, measured_step: float) -> None:
