@@ -33,7 +33,7 @@ from .search import (SINGLE_PROCESS, LocalEvaluator, Recorder, Replay, Replaying
                      run_search)
 from .search.result import RESULT
 from .search.sampling import FairSampler, check_first_batch, cuda_devices
-from .vocabulary import SampleStatus, Stage, dtype_name
+from .vocabulary import Stage, dtype_name
 
 __all__ = ["optimize"]
 

@@ -6,7 +6,6 @@ epochs and steps are a plan's true time times a noise factor the test controls.
 
 from __future__ import annotations
 
-import math
 import random
 
 import pytest
