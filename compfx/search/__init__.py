@@ -10,6 +10,7 @@ with fake evaluators.
 ``stage1``          Algorithm 1: one epoch per plan, the loss guard, exact-safe pruning
 ``stage2``          Algorithm 2: timed steps for the "other" ops between Stage-1 ops
 ``compare``         the decision rule: when a candidate replaces the incumbent (paired, interleaved duels)
+``evidence``        why each op got its precision, read from the log (the report's "why" column)
 ``convergence``     the guard (loss within ``threshold`` x FP32's) and the final loss check
 ``allocation``      QSync's per-device allocator (one plan per rank)
 ``evaluator``       the Evaluator interface; the local, replaying and function evaluators
