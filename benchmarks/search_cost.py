@@ -33,6 +33,8 @@ Run from the repository root::
 
     python -m benchmarks.search_cost            # writes benchmarks/results/<device>/search_cost.json
     python -m benchmarks.search_cost --cases demo,cnn13,bert --no-exactness   # the fixed-cost cases only
+    python -m benchmarks.search_cost --cases readme,gpt2 --no-exactness       # the README example, a tiny GPT-2
+    python -m benchmarks.search_cost --trainer   # the Trainer callback's search on a tiny GPT-2, in FP32 epochs
 """
 
 from __future__ import annotations
@@ -267,7 +269,41 @@ def _bert_case():
     return model, loader, None, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+def _readme_case():
+    """The README's first example: the digits CNN on 8 random batches of 32 8x8 images (seed 0)."""
+    from compfx.examples import cnn
+
+    model = cnn()
+    loader = [(torch.randn(32, 1, 8, 8), torch.randint(0, 10, (32,))) for _ in range(8)]
+    return model, loader, lambda out, batch: F.nll_loss(out, batch[-1]), torch.optim.SGD(model.parameters(), lr=0.1)
+
+
+def tiny_gpt2(layers: int = 2, hidden: int = 64, vocab: int = 256, positions: int = 64):
+    """A tiny Hugging Face GPT-2 (GPT2LMHeadModel), built from its config: no download."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=hidden, n_head=2, vocab_size=vocab,
+                                      n_positions=positions, bos_token_id=0, eos_token_id=0))
+
+
+def gpt2_batches(count: int = 9, batch_size: int = 8, tokens: int = 32, vocab: int = 256, seed: int = 0) -> list:
+    """Language-model batches of random tokens (labels = inputs, as the model shifts them itself)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ids = torch.randint(0, vocab, (batch_size, tokens), generator=g)
+        out.append({"input_ids": ids, "labels": ids.clone()})
+    return out
+
+
+def _gpt2_case():
+    model = tiny_gpt2()
+    return model, gpt2_batches(), None, torch.optim.AdamW(model.parameters(), lr=1e-3)
+
+
 CASES = {
+    "readme": ("the README's first example (compfx.examples.cnn, 8 batches of 32 random 8x8 images)", _readme_case),
+    "gpt2": ("tiny HF GPT2LMHeadModel (2 layers, hidden 64), 9 batches of 8x32 tokens", _gpt2_case),
     "demo": ("the demo's digits CNN (compfx.examples.cnn), 20 batches of 64 8x8 images", _digits_case),
     "cnn13": ("ThirteenOpCNN, 20 batches of 16 3x16x16 images", _cnn13_case),
     "bert": ("tiny HF BertForSequenceClassification (2 layers, hidden 64), 20 batches of 8x32 tokens", _bert_case),
@@ -320,17 +356,27 @@ def run_case(name: str, seed: int = 0) -> dict:
             epochs.append(_eager_fp32_epoch(model, loader, loss_fn, optimizer))  # between searches: drift shows
             runs[run_name] = {
                 "search_seconds": result.search_seconds,
+                # what the search pays whatever it samples: everything but the samples themselves
+                "fixed_seconds": result.search_seconds - result.cost_breakdown.get("samples", 0.0),
                 "breakdown_seconds": result.cost_breakdown,
                 "chosen_plan": result.plan.bitstring(result.analysis),
                 "ops": len(result.analysis.ops),
                 "capture_method": result.analysis.capture_method,
+                **_profiles_counted(result),
             }
     epoch = statistics.median(epochs)
     for run in runs.values():
         run["cost_fp32_epochs"] = run["search_seconds"] / epoch
         run["breakdown_fp32_epochs"] = {k: v / epoch for k, v in run["breakdown_seconds"].items()}
     rows = {"fp32_epoch_seconds": epoch, "fp32_epochs_measured": epochs, **runs}
-    return {"case": name, "description": description, "batches": 20, **rows}
+    return {"case": name, "description": description, "batches": len(loader), **rows}
+
+
+def _profiles_counted(result: SearchResult) -> dict:
+    """How many op profiles the search measured and read from the cache (its calibration record says)."""
+    calibration = next((r.extra for r in result.log.samples("stage1") if r.extra.get("calibration")), {})
+    return {"profiles_measured": calibration.get("profiles_measured"),
+            "profiles_reused": calibration.get("profiles_reused")}
 
 
 def run_cases(names: list[str], seed: int = 0, threads: int | None = 1) -> dict:
@@ -345,6 +391,42 @@ def run_cases(names: list[str], seed: int = 0, threads: int | None = 1) -> dict:
             raise RuntimeError(f"case {name} failed:\n{done.stderr[-3000:]}")
         out[name] = json.loads(done.stdout.strip().splitlines()[-1])
     return out
+
+
+# -- the Trainer callback: what its search costs ---------------------------------------------------
+
+def run_trainer(steps: int = 20, search_batches: int = 9, batch_size: int = 8, seed: int = 0) -> dict:
+    """A tiny GPT-2 in the Hugging Face ``Trainer`` with ``CompfxCallback``: the search in FP32 epochs, and the
+    trainer's throughput with and without it.
+
+    The FP32 epoch is the model's own eager FP32 epoch over the ``search_batches`` batches the callback
+    searches on (same batch size), timed in this process before the run (median of three, the model and
+    optimizer restored). The search's seconds are the callback's ``optimize()`` call.
+    """
+    from transformers import Trainer, TrainingArguments
+
+    from compfx.integrations.transformers import CompfxCallback
+
+    torch.manual_seed(seed)
+    model = tiny_gpt2()
+    batches = gpt2_batches(search_batches, batch_size, seed=seed)
+    epoch = _eager_fp32_epoch(model, batches, None, torch.optim.AdamW(model.parameters(), lr=1e-3))
+    rows = [{"input_ids": ids, "labels": ids.clone()} for batch in gpt2_batches(steps, batch_size, seed=seed + 1)
+            for ids in batch["input_ids"]]
+    callback = CompfxCallback(search_batches=search_batches, config=SearchConfig(seed=seed, progress=False))
+    with tempfile.TemporaryDirectory() as out:
+        args = TrainingArguments(output_dir=out, max_steps=steps, per_device_train_batch_size=batch_size,
+                                 report_to=[], use_cpu=True, learning_rate=1e-3, disable_tqdm=True, seed=seed,
+                                 save_strategy="no", logging_steps=steps)
+        trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
+        metrics = trainer.train().metrics
+    result = callback.run.result
+    return {"model": "tiny GPT2LMHeadModel (2 layers, hidden 64), batches of 8x32 tokens",
+            "search_batches": search_batches, "steps": steps, "fp32_epoch_seconds": epoch,
+            "search_seconds": result.search_seconds, "search_cost_fp32_epochs": result.search_seconds / epoch,
+            "breakdown_seconds": result.cost_breakdown, "samples": result.samples_run,
+            "chosen_plan": result.plan.bitstring(result.analysis), "trainer_metrics": metrics,
+            "target_fp32_epochs": 10.0, "within_target": result.search_seconds / epoch <= 10.0}
 
 
 PARTS = ("capture", "profiling", "rewrites", "samples", "step comparison", "other")
@@ -374,12 +456,19 @@ def main(argv=None) -> int:
                         help=f"fixed-cost cases, comma-separated, from {sorted(CASES)} ('' for none)")
     parser.add_argument("--no-exactness", action="store_true",
                         help="skip the six-op CNN's exact-vs-predictor searches")
+    parser.add_argument("--trainer", action="store_true",
+                        help="only the Hugging Face Trainer callback's search on a tiny GPT-2, in FP32 epochs")
     parser.add_argument("--case", choices=sorted(CASES), help=argparse.SUPPRESS)  # one case, JSON on stdout
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.case:
         print(json.dumps(run_case(args.case, args.seed)))
+        return 0
+    if args.trainer:
+        figures = run_trainer(seed=args.seed)
+        for key, value in figures.items():
+            print(f"{key:28s} {value:.4g}" if isinstance(value, float) else f"{key:28s} {value}")
         return 0
     result = {} if args.no_exactness else run(args.batches, args.seed, args.threads or None, args.validate)
     names = [n for n in args.cases.split(",") if n]

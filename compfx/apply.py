@@ -28,7 +28,6 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .analyze import Analysis, analyze, analyze_graph
 from .capture import capture, changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints, module_modes
-from .capture.nodes import copy_graph
 from .errors import BadInputError, CaptureError, PlanMismatchError
 from .float8 import fp8_fallbacks
 from .opkey import OpKey
@@ -119,7 +118,11 @@ def _planned_graph(model: nn.Module, analysis: Analysis, plan: Plan, categories:
     source = analysis.graph_module
     # Lazy: its Python code is generated when it first runs (or is printed). The search rewrites
     # plans that it only prices, and each pass below would otherwise regenerate the code again.
-    gm = _LazyGraphModule(source, copy_graph(source.graph), class_name=type(model).__name__ + "Mixed")
+    # It starts on the analysis's own graph, not a copy: the cast pass rewrites a copy of its own and swaps it in,
+    # so the analysis's graph is never changed, and one copy of it is made instead of two (a copy is most of a
+    # rewrite's cost on a large graph).
+    gm = _LazyGraphModule(source, source.graph, class_name=type(model).__name__ + "Mixed")
+    source.graph.owning_module = source  # the new module took it over; it stays the analysis's
     apply_precisions(gm, plan, low_dtype=plan.low_dtype, categories=categories, default_precision=Precision.FOLLOW,
                      restore_outputs=restore_output_dtypes, fp8_recipe=plan.fp8_recipe, padded=plan.padded)
     _mirror_state(gm, model)

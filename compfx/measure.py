@@ -9,6 +9,9 @@ Two ways to time, for two jobs:
 * a training step (the search, the benchmarks): :func:`timed` once, or
   :func:`time_repeats` after warm-up, reporting the median, robust to the odd
   slow step (allocator growth, a background process) that a mean would absorb;
+  several steps compared with each other: :func:`time_interleaved`, which lets
+  them take turns, round after round, so that drift on a busy machine hits
+  them alike and each round's timings can be compared pair by pair;
 * one op or one cast in isolation (the cost model): :func:`time_fastest`,
   blocks of :func:`time_calls` reporting the minimum, the least disturbed
   sample, since other processes only ever add time.
@@ -36,13 +39,13 @@ import statistics
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Mapping, TypeVar
+from typing import Callable, Mapping, Sequence, TypeVar
 
 import torch
 
 from .errors import BadInputError
 
-__all__ = ["synchronize", "timed", "Timing", "time_repeats", "PhaseClock", "CLOCKS", "check_clock", "time_calls",
+__all__ = ["synchronize", "timed", "Timing", "time_repeats", "time_interleaved", "interleaved_order", "median_interval", "PhaseClock", "CLOCKS", "check_clock", "time_calls",
            "time_fastest",
            "device_name", "hardware_name", "environment_key", "Conditions", "measure_conditions", "reference_seconds",
            "REFERENCE_TOLERANCE", "fp32_math", "describe_fp32_math"]
@@ -102,6 +105,80 @@ def time_repeats(step: Callable[[int], object], *, warmup: int, repeats: int,
         step(i)
     samples = tuple(timed(lambda i=i: step(warmup + i), device)[1] for i in range(repeats))
     return Timing(samples)
+
+
+def interleaved_order(count: int, round_index: int) -> list[int]:
+    """Which of ``count`` steps runs when in round ``round_index``: rotated each round (for two: AB, BA, AB, ...).
+
+    >>> [interleaved_order(2, r) for r in range(3)], interleaved_order(3, 1)
+    ([[0, 1], [1, 0], [0, 1]], [1, 2, 0])
+    """
+    shift = round_index % count
+    return [(i + shift) % count for i in range(count)]
+
+
+def time_interleaved(steps: Sequence[Callable[[int], object]], *, rounds: int, warmup: int,
+                     device: torch.device | str | None, before: Callable[[int], object] | None = None
+                     ) -> list[list[float]]:
+    """Seconds of ``steps[j](i)`` in each round ``i``: the steps take turns, the order rotating every round.
+
+    Each step is called ``warmup`` times untimed first (on rounds ``0..warmup-1``'s
+    inputs), so every one is warm when timing starts. In round ``i`` every step
+    runs once, on the same ``i`` (the same batch), in the order
+    ``i mod n, i+1 mod n, ...`` (for two steps: AB, BA, AB, ...): a step that
+    always ran second would pay, or gain, whatever its predecessor leaves behind
+    (caches, allocator state). ``before(j)`` runs untimed before each call of
+    ``steps[j]`` (e.g. switching a plan in). Returns one list of ``rounds``
+    seconds per step.
+
+    >>> times = time_interleaved([lambda i: None, lambda i: sum(range(100))], rounds=3, warmup=1, device="cpu")
+    >>> [len(row) for row in times]
+    [3, 3]
+    """
+    if rounds < 1 or warmup < 0:
+        raise ValueError(f"rounds={rounds}, warmup={warmup}; expected at least one round and warmup >= 0")
+    count = len(steps)
+    for i in range(warmup):
+        for j in range(count):
+            if before is not None:
+                before(j)
+            steps[j](i)
+    seconds: list[list[float]] = [[] for _ in steps]
+    for i in range(rounds):
+        for j in interleaved_order(count, i):
+            if before is not None:
+                before(j)
+            seconds[j].append(timed(lambda: steps[j](warmup + i), device)[1])
+    return seconds
+
+
+def _binomial_tail(n: int, k: int) -> float:
+    """P(X <= k) for X ~ Binomial(n, 1/2)."""
+    return sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n
+
+
+def median_interval(values: Sequence[float], confidence: float) -> tuple[float, float, float]:
+    """A distribution-free interval of the median of ``values``: ``(low, high, coverage)``.
+
+    The narrowest pair of order statistics ``x(k) <= median <= x(n-k+1)``
+    whose coverage ``1 - 2 P(Binomial(n, 1/2) < k)`` is at least
+    ``confidence``. With too few values for that, the full range and its
+    (lower) coverage.
+
+    >>> median_interval([3, 1, 2, 5, 4, 7, 6], 0.95)
+    (1, 7, 0.984375)
+    >>> low, high, coverage = median_interval(range(1, 22), 0.95)
+    >>> low, high, round(coverage, 3)
+    (6, 16, 0.973)
+    """
+    ordered = sorted(values)
+    n = len(ordered)
+    if n == 0:
+        raise BadInputError("median_interval() needs at least one value")
+    k = 1
+    while k < (n + 1) // 2 and 1 - 2 * _binomial_tail(n, k) >= confidence:
+        k += 1
+    return ordered[k - 1], ordered[n - k], 1 - 2 * _binomial_tail(n, k - 1)
 
 
 class PhaseClock:

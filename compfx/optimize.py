@@ -30,13 +30,13 @@ from .memory import saved_activation_bytes
 from .per_module import PerModuleEvaluator, is_regions_analysis, prepare_search
 from .rng import rng_preserved
 from .search import (SINGLE_PROCESS, LocalEvaluator, Recorder, Replay, ReplayingEvaluator, SearchConfig,
-                     SearchLog, SearchResult, SearchSpace, compare_step_times, decision_settings, measured_time,
+                     SearchLog, SearchResult, SearchSpace, StepComparison, compare_steps, decision_settings,
+                     measured_time,
                      run_search)
-from .search.log import SampleRecord
 from .search.padding import PaddingDecision, decide_padding, padding_candidates, padding_gate
 from .search.result import RESULT
 from .search.sampling import FairSampler, check_first_batch, cuda_devices, loader_batches
-from .vocabulary import SampleStatus, Stage, dtype_name
+from .vocabulary import Stage, dtype_name
 
 __all__ = ["optimize"]
 
@@ -125,10 +125,9 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         return _Search(model, optimizer, analysis, sampler, config, search_log, inputs, clock).run(started)
 
 
-#: Timed steps per plan in the report's step comparison (no warm-up: the median of three drops a slow first
-#: step); the search's own timings (SearchConfig.repeats) decide between plans. On a CPU, AMP's steps are the
-#: slow ones, and the comparison times them.
-COMPARE_REPEATS = 3
+#: The fewest rounds of the report's step comparison (SearchConfig.rounds when it is more): with fewer, no
+#: interval of a median could exclude anything.
+COMPARE_ROUNDS = 3
 
 _NO_BATCH = object()  # what an empty loader yields first (None is a batch, and a bad one)
 
@@ -248,9 +247,6 @@ class _Search:
             self.log.note(Stage.SEARCH, "cost model off: it does not price FP8 ops yet, so every candidate is "
                           "measured (FP8 costs come from the measured seconds and cost_fn)")
             return None
-        if is_regions_analysis(self.analysis):
-            self.log.note(Stage.SEARCH, "cost model off with per_module: every candidate is measured")
-            return None
         if _distributed():
             # Each rank would profile its own ops and order or skip candidates on its own
             # predictions, and the ranks' collectives would stop matching; measure them all.
@@ -258,12 +254,23 @@ class _Search:
             return None
         from .costmodel import SearchPredictor
 
-        try:  # predictions price the very modules the samples run
-            return SearchPredictor.build(self.analysis, rewrite=self.local.module_of, cache_dir=self.config.cache_dir)
+        # predictions price the very modules the samples run; per block, the blocks' graphs side by side
+        regions = is_regions_analysis(self.analysis)
+        rewrite = self._regions_graph_of if regions else self.local.module_of
+        try:
+            return SearchPredictor.build(self.analysis, rewrite=rewrite, cache_dir=self.config.cache_dir,
+                                         annotate_all=not regions)  # a regions graph is rewritten for pricing alone
         except Exception as error:  # the predictor only orders and skips: never fail the search for it
             self.log.note(Stage.SEARCH, f"cost model unavailable ({type(error).__name__}: {error}); measuring every "
                           "candidate")
             return None
+
+    def _regions_graph_of(self, plan):
+        """The blocks' graphs side by side, rewritten for ``plan``: what the cost model prices per block."""
+        from .apply import apply
+
+        with self.clock.phase("rewrites"):
+            return apply(self.analysis.graph_module, plan, analysis=self.analysis)
 
     def run(self, started: float) -> SearchResult:
         """The search; ``started`` is when ``optimize`` was called (its whole wall time is the search's cost)."""
@@ -277,7 +284,9 @@ class _Search:
                 decision = run_search(self.space, self.evaluator, config, report=recorder, predictor=predictor,
                                       strategy=self.strategy)
                 padding = self._decide_padding(decision, predictor is not None, recorder)
-                steps = self._compare_steps(decision, padding)
+                if padding.kept:  # the chosen plan runs padded from here on: the comparison times what is returned
+                    self.local.settle(decision.plan, padding.plan)
+                comparison = self._compare_steps(decision)
                 self.local.leave_state(decision.stage1.best, keep_training=config.keep_search_training)
             self._note_specializations()
             self._note_fp32_math()
@@ -288,7 +297,8 @@ class _Search:
                 stage1_plan=self.local.plan(decision.stage1.best.plan), analysis=self.analysis, log=self.log,
                 stage1_mode=decision.stage1.mode, loss0=decision.stage1.loss0,
                 fp32_epoch_seconds=decision.stage1.baseline.duration, search_seconds=search_seconds,
-                step_seconds=steps, plan_path=self.plan_path, plan_cache=self.plan_cache,
+                step_seconds={name: comparison.median(name) for name in comparison.seconds},
+                step_comparison=comparison, plan_path=self.plan_path, plan_cache=self.plan_cache,
                 cost_breakdown=_breakdown(clock, search_seconds))
             # the log's last word: what `compfx report LOG` renders without the model
             self.log.note(Stage.SEARCH, f"finished: chosen plan {decision.plan}", **{RESULT: result.log_summary()})
@@ -328,38 +338,26 @@ class _Search:
         return decide_padding(plan, candidates, can_pay=gate, time_plan=self.local.time_plan,
                               cost=self.local.cost_fn, report=report)
 
-    def _compare_steps(self, decision, padding: PaddingDecision) -> dict[str, float]:
-        """The chosen plan's step against FP32's and AMP's, for the report.
+    def _compare_steps(self, decision) -> StepComparison:
+        """FP32's, AMP's and the chosen plan's steps (padded, where the padding decision kept padding), for the
+        report: one interleaved phase, warm, same batches.
 
-        It is not part of the decision and the user pays for every step of it:
-        one round of :data:`COMPARE_REPEATS` timed steps per plan, and a plan the
-        search already timed is not timed again: a Stage-1 sample that trained at
-        least that many batches (accepted, or pruned part-way) gives the median of
-        its timed steps, as Stage 2 gives the median of its timed steps (the same
-        training step, from the same state).
+        It is not part of the decision, and it is the only timing the report
+        quotes: ``config.rounds`` rounds (at least three), each giving every plan one step on the same
+        batch (:func:`compfx.search.driver.compare_steps`); a plan that has not trained in the search yet
+        gets a warm-up step first. Timings the search took earlier, in other phases, are not mixed in.
         """
-        repeats = min(self.config.repeats, COMPARE_REPEATS)  # as many timed steps as the comparison's own
-        stage1 = [decision.stage1.baseline, *decision.stage1.samples]
-        timed = {o.plan: statistics.median(o.batch_seconds) for o in stage1
-                 if o.status is not SampleStatus.ERROR and len(o.batch_seconds) >= repeats}
-        timed.update({o.plan: o.seconds for o in decision.stage2.samples
-                      if o.status is SampleStatus.ACCEPTED and o.seconds > 0})
         samples_before = self.clock.seconds.get("samples", 0.0)
+        rounds = max(self.config.rounds, COMPARE_ROUNDS)
+        plans = {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan, "chosen": decision.plan}
+        # warm: a plan that trained in the search has paid its one-off costs; one that did not gets a warm-up step
+        warmup = 0 if all(plan in self.local.stepped for plan in plans.values()) else max(1, self.config.warmup)
         with self.clock.phase("step comparison"):
-            # no warm-up step: a first step's one-off cost is at most one of the three, and the median drops it
-            time_step = functools.partial(self.local.time_step, repeats=repeats, warmup=0)
-            plans = {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan, "chosen": decision.plan}
-            if padding.kept:  # the padded plan's steps were timed by the padding decision, in turns with its own
-                del plans["chosen"]
-            steps = compare_step_times(time_step, plans, self.log, rounds=1, known=timed)
-            if padding.kept:
-                steps["chosen"] = statistics.median(padding.seconds["padded"])
-                self.log.append(SampleRecord(Stage.COMPARE, str(decision.plan), SampleStatus.ACCEPTED,
-                                             seconds=steps["chosen"], reason="chosen, padded",
-                                             extra={"round_medians": list(padding.seconds["padded"])}))
+            comparison = compare_steps(functools.partial(self.local.time_steps, warmup=warmup), self.local.saved_bytes,
+                                       plans, self.log, rounds=rounds, confidence=self.config.confidence)
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
                         target="step comparison")
-        return steps
+        return comparison
 
     def _note_fp32_math(self) -> None:
         """Say what 'fp32' computes in here: the user's TF32 settings, kept as they are (PyTorch's CUDA default

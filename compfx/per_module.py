@@ -48,7 +48,7 @@ from .capture import (buffers_restored, capture, describe_inputs, input_signatur
 from .capture.nodes import copy_graph
 from .errors import BadInputError, CaptureError
 from .float8 import fp8_fallbacks
-from .opkey import OpKey
+from .opkey import KEY_META, OpKey
 from .passes import apply_precisions
 from .plan import Assignment, Plan
 from .search.evaluator import LocalEvaluator, each_batch
@@ -392,11 +392,24 @@ def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None
     >>> [str(k) for k in analyze_regions(model, torch.randn(3, 4), torch.nn.Linear).keys]
     ['0:linear#0', '2:linear#0']
     """
+    return _analysis_of_regions(*_captured_regions(model, example_inputs, per_module, device, low_dtype, verify))
+
+
+def _analysis_of_regions(captured: Mapping[str, Analysis], signatures, device, low_dtype) -> Analysis:
+    ops = tuple(dataclasses.replace(op, key=model_key(path, op.key)) for path in captured for op in captured[path].ops)
+    graph = regions_graph(captured)  # no graph of the whole model exists: the blocks' graphs side by side
+    graph.meta[_BLOCK_METHODS] = {path: captured[path].capture_method for path in captured}
+    return Analysis(ops, device, low_dtype, graph, REGIONS_METHOD)
+
+
+def _captured_regions(model: nn.Module, example_inputs, per_module, device, low_dtype, verify: bool):
+    """Each block's analysis (block-relative keys) and the input signature it was captured at, by path."""
     paths = region_paths(model, per_module)
     device = torch.device(device) if device is not None else model_device(model)
     low_dtype = check_low_dtype(low_dtype if low_dtype is not None else default_low_dtype(device))
     args, kwargs = normalize_example_inputs(example_inputs)
     captured: dict[str, Analysis] = {}
+    signatures: dict[str, Hashable] = {}
     started: set[str] = set()  # the record tracer calls the block itself, which fires this hook again: once is enough
 
     def capture_block(path):
@@ -404,6 +417,7 @@ def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None
             if path in started:
                 return None
             started.add(path)
+            signatures[path] = input_signature(block_args, block_kwargs, module.training)
             if isinstance(module, PlannedBlock):
                 captured[path] = module.analysis_for(*block_args, **block_kwargs)
             else:
@@ -424,10 +438,54 @@ def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None
     if missing:
         raise BadInputError(f"the blocks {missing[:3]} did not run on the example inputs, so compfx could not see what "
                             "they compute; give inputs that run every block, or name other types in per_module.")
-    ops = tuple(dataclasses.replace(op, key=model_key(path, op.key)) for path in captured for op in captured[path].ops)
-    placeholder = fx.GraphModule(nn.Module(), fx.Graph())  # no graph of the whole model exists: none is needed
-    placeholder.meta[_BLOCK_METHODS] = {path: captured[path].capture_method for path in captured}
-    return Analysis(ops, device, low_dtype, placeholder, REGIONS_METHOD)
+    return captured, signatures, device, low_dtype
+
+
+def regions_graph(captured: Mapping[str, Analysis]) -> fx.GraphModule:
+    """The blocks' captured graphs side by side in one GraphModule, keyed by model path: what the cost model prices.
+
+    No graph of the whole model exists (the code between the blocks was never
+    captured); the cost model needs only each op's node -- its metadata, its
+    inputs, the modules and parameters it reads -- and the casts a plan puts
+    between them, which this graph holds block by block. Each block's inputs
+    are placeholders of their own, its outputs are part of the graph's output,
+    its op keys model keys (``blocks.0.fc:linear#0``), and its modules and
+    parameters the block's own objects under the block's path.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> gm = analyze_regions(model, torch.randn(3, 4), torch.nn.Linear).graph_module
+    >>> [str(n.meta[KEY_META]) for n in gm.graph.nodes if KEY_META in n.meta], gm.get_parameter("2.weight") is model[2].weight
+    (['0:linear#0', '2:linear#0'], True)
+    """
+    graph = fx.Graph()
+    state: dict[str, object] = {}
+    outputs = []
+    for path, analysis in captured.items():
+        block_gm = analysis.graph_module
+        env: dict[fx.Node, fx.Node] = {}
+        for node in block_gm.graph.nodes:
+            if node.op == "output":
+                outputs.append(fx.map_arg(node.args[0], env.__getitem__))
+                continue
+            if node.op == "placeholder":  # one argument per block input, named after its block
+                copied = graph.placeholder(f"region_{path}_{node.target}".replace(".", "_").replace("*", ""))
+                copied.meta = dict(node.meta)
+            else:
+                copied = graph.node_copy(node, env.__getitem__)
+            if node.op in ("get_attr", "call_module"):
+                copied.target = f"{path}.{node.target}"
+                state[copied.target] = _attribute(block_gm, node.target)
+            if KEY_META in node.meta:
+                copied.meta[KEY_META] = model_key(path, node.meta[KEY_META])
+            env[node] = copied
+    graph.output(tuple(outputs))
+    return fx.GraphModule(state, graph, class_name="Regions")
+
+
+def _attribute(gm: fx.GraphModule, target: str):
+    owner, _, name = target.rpartition(".")
+    return getattr(gm.get_submodule(owner) if owner else gm, name)
 
 
 def _cuda_indices(device: torch.device) -> list[int]:
@@ -443,8 +501,14 @@ def prepare_search(model: nn.Module, example_inputs, per_module, *, device=None,
 
     Blocks planned already (``compfx.apply(..., per_module=...)`` before ``fully_shard``) are kept as they are.
     """
-    analysis = analyze_regions(model, example_inputs, per_module, device=device, low_dtype=low_dtype, verify=verify)
+    captured, signatures, device, low_dtype = _captured_regions(model, example_inputs, per_module, device, low_dtype,
+                                                                verify)
+    analysis = _analysis_of_regions(captured, signatures, device, low_dtype)
     apply_per_module(model, Plan.fp32(analysis), analysis, per_module)
+    for path, signature in signatures.items():  # the blocks' captures, made here, are what each block would make
+        block = model.get_submodule(path)
+        if isinstance(block, PlannedBlock):
+            block._captures.setdefault(signature, captured[path])
     resharded(model)
     return analysis
 
@@ -499,6 +563,9 @@ class PerModuleEvaluator(LocalEvaluator):
 
     def specializations(self) -> tuple[int, list]:
         return 1, []
+
+    def _switch(self, plans):
+        return lambda j: self.runner(plans[j])  # every plan runs in the same model: switch it in before its step
 
     def run_epoch(self, plan: Assignment):
         # another sample may have switched the blocks between two batches: switch them back before each

@@ -22,6 +22,9 @@ LOGGED = SearchConfig(progress=False, warmup=0, repeats=1, stage2_check_batches=
 #: for every field that can change a decision, a value other than LOGGED's
 CHANGED = {
     "threshold": 1.5,
+    "margin": 0.1,
+    "confidence": 0.9,
+    "rounds": 9,
     "stage1_budget": 3,
     "stage2_budget": 2,
     "seed": 1,
@@ -74,8 +77,6 @@ def test_resume_with_a_changed_deciding_setting_is_refused(logged_search, field)
     path, setup = logged_search
     model, opt, loader = setup()
     changed = {field: CHANGED[field]}
-    if field == "memory_budget":
-        changed["per_device"] = True  # a memory budget is per device
     before = [p.detach().clone() for p in model.parameters()]
     with pytest.raises(PlanMismatchError, match=f"{field}: log") as error:
         compfx.optimize(model, loader, loss_fn=ce, optimizer=opt, config=dataclasses.replace(LOGGED, **changed),

@@ -27,6 +27,7 @@ from compfx.cast_policy import castable_inputs
 from compfx.costmodel import CastCost, OpProfile, OpProfiles, Predictor, fit_cast_cost, profile_ops
 from compfx.costmodel.cast_cost import _fit_line
 from compfx.costmodel.profile import _OpBench
+from compfx.measure import Conditions
 from compfx.opkey import KEY_META
 from compfx.passes import cast_report, casts_in, count_casts, propagate_dtypes
 from compfx.passes.propagate_dtypes import DtypePropagator
@@ -37,7 +38,11 @@ from tests.zoo import make
 # alike); at two threads on a shared 2-core machine that kernel swings 100x, one thread keeps it steady.
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
-FAST = dict(repeats=1, warmup=0, block_s=1e-4, budget_s=1e-3)
+#: The machine's conditions, as the cache's staleness check would time them: fixed here. Timed for real, they
+#: differ by more than the check's tolerance on a loaded machine between two calls of one test, and every cached
+#: entry is measured again (that check has tests of its own, with conditions made to differ).
+STEADY = Conditions(reference_s=1e-3)
+FAST = dict(repeats=1, warmup=0, block_s=1e-4, budget_s=1e-3, conditions=STEADY)
 LOW = torch.bfloat16
 
 
@@ -258,11 +263,12 @@ def test_line_fit_recovers_exact_coefficients(alpha, beta, sizes):
 
 def test_cast_cost_fit_is_cached_and_round_trips(tmp_path):
     pairs = ((torch.float32, LOW), (LOW, torch.float32))
-    cost = fit_cast_cost(device="cpu", pairs=pairs, sizes=(256, 4096, 65536), cache_dir=tmp_path)
+    cost = fit_cast_cost(device="cpu", pairs=pairs, sizes=(256, 4096, 65536), cache_dir=tmp_path, conditions=STEADY)
     assert set(cost.coefficients) == set(pairs)
     assert all(alpha >= 0 and beta >= 0 for alpha, beta in cost.coefficients.values())
     assert len(list(profile_folder(tmp_path).iterdir())) == 2
-    assert fit_cast_cost(device="cpu", pairs=pairs, sizes=(256, 4096, 65536), cache_dir=tmp_path) == cost
+    assert fit_cast_cost(device="cpu", pairs=pairs, sizes=(256, 4096, 65536), cache_dir=tmp_path,
+                         conditions=STEADY) == cost
     assert CastCost.from_dict(json.loads(json.dumps(cost.to_dict()))) == cost
 
 

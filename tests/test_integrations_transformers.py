@@ -3,6 +3,7 @@ output_dir, and a resumed run that loads the plan from its checkpoint instead of
 
 import collections
 import math
+import time
 
 import pytest
 import torch
@@ -77,11 +78,20 @@ def test_trainer_trains_with_the_plan_and_resumes_without_searching(kind, tmp_pa
     callback = CompfxCallback(search_batches=3, config=FAST_SEARCH)
     trainer, before, after = _trainer(kind, tmp_path, callback)
     children, keys = dict(trainer.model.named_children()), list(trainer.model.state_dict())
-    trainer.train()
+    started = time.perf_counter()
+    metrics = trainer.train().metrics
+    whole = time.perf_counter() - started
 
     losses = _losses(trainer)
     assert len(losses) == 12 and all(math.isfinite(loss) for loss in losses)
     assert callback.searched is True
+    # the search is reported apart from the training: the trainer's runtime and rates are the training's alone
+    search = metrics["compfx_search_runtime"]
+    assert search >= callback.run.result.search_seconds > 0 and metrics["train_runtime"] + search <= whole
+    assert metrics["train_steps_per_second"] == pytest.approx(12 / metrics["train_runtime"], rel=0.01)
+    assert trainer.state.log_history[-1]["compfx_search_runtime"] == search
+    # the summary line quotes the report's comparison, in its words
+    assert callback.run.result.step_comparison.speedup("fp32") in callback.run.summary()
     assert callback.run.regions == REGIONS[kind]
     assert after.planned_calls == {path: 12 for path in REGIONS[kind]}  # every training step ran the planned regions
     assert torch.equal(before.rng, after.rng)  # taking the search batches and searching left the RNG as it was

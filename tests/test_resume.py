@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from compfx import SearchConfig, optimize
 from compfx.errors import PlanFileError, PlanMismatchError
-from compfx.search.log import SearchLog
+from compfx.search.log import DUEL, SearchLog
 from compfx.vocabulary import Stage
 from tests.helpers import EXACT, nll
 from tests.test_reliability import BATCHES, setup
@@ -56,13 +56,17 @@ def state(model):
 
 
 def loss_calls(record) -> int:
-    """``loss_fn`` calls the search made for one logged sample (``warmup=0``, ``repeats=1``, one check batch)."""
+    """``loss_fn`` calls the search made for one logged record (``warmup=0``, ``repeats=1``, one check batch): a
+    sample's, or a duel's (two plans, one step each per round)."""
+    if DUEL in record.extra:
+        return 2 * len(record.extra[DUEL]["seconds"][0])
     return record.batches if record.stage is Stage.STAGE1 else 1
 
 
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(salt=st.integers(0, 1000), prune=st.booleans(), where=st.floats(0.0, 1.0))
 @example(salt=928, prune=False, where=0.25)  # interrupted after the FP32 baseline, which then won Stage 1
+@example(salt=0, prune=False, where=1.0)  # interrupted in the step comparison: every sample is replayed
 def test_resumed_search_picks_the_plan_of_an_uninterrupted_one(tmp_path_factory, salt, prune, where):
     path = tmp_path_factory.mktemp("resume") / "search.jsonl"
     model, opt, loader = setup()
@@ -75,7 +79,8 @@ def test_resumed_search_picks_the_plan_of_an_uninterrupted_one(tmp_path_factory,
     loss_fn, _ = counting(stop_at)
     with pytest.raises(KeyboardInterrupt):
         optimize(model, loader, loss_fn=loss_fn, optimizer=opt, config=config(salt, prune), log=path)
-    logged = [r for r in SearchLog.read(path).samples() if r.stage in (Stage.STAGE1, Stage.STAGE2, Stage.CHECK)]
+    logged = [r for r in SearchLog.read(path).records if r.stage in (Stage.STAGE1, Stage.STAGE2, Stage.CHECK)
+              and (r.is_sample or DUEL in r.extra)]
 
     loss_fn, resumed_calls = counting()
     resumed = optimize(model, loader, loss_fn=loss_fn, optimizer=opt, config=config(salt, prune), log=path,
@@ -86,11 +91,15 @@ def test_resumed_search_picks_the_plan_of_an_uninterrupted_one(tmp_path_factory,
     # the log has no state of its own, so its epoch is trained again (BATCHES more calls)
     assert all(torch.equal(a, b) for a, b in zip(state(resumed.module), state(straight.module)))
     winner = resumed.stage1_plan.bitstring(resumed.analysis)
-    retrained = BATCHES if any(r.stage is Stage.STAGE1 and r.plan == winner for r in logged) else 0
-    # logged samples were replayed, not run again; every other sample ran once, as in the uninterrupted run
-    assert len(resumed_calls) == total - sum(map(loss_calls, logged)) + retrained
+    retrained = BATCHES if any(r.is_sample and r.stage is Stage.STAGE1 and r.plan == winner for r in logged) else 0
+    # logged samples were replayed, not run again; every other sample ran once, as in the uninterrupted run. The
+    # report's step comparison warms its plans with a step each when one of them has not trained in this process
+    # (its samples were replayed): in the uninterrupted run they all had.
+    compared = len([r for r in resumed.log.samples(Stage.COMPARE) if r.status == "accepted"])
+    assert len(resumed_calls) - (total - sum(map(loss_calls, logged)) + retrained) in (0, compared)
     samples = [(r.stage, r.plan) for r in SearchLog.read(path).samples() if r.stage is not Stage.COMPARE]
-    assert len(samples) == len(set(samples))  # no sample logged twice
+    duels = [(d["incumbent"], d["candidate"]) for d in (r.extra.get(DUEL) for r in SearchLog.read(path).notes()) if d]
+    assert len(samples) == len(set(samples)) and len(duels) == len(set(duels))  # no sample or duel logged twice
 
 
 def _interrupted_log(tmp_path, stop_at=6):

@@ -96,7 +96,8 @@ def test_grouped_stage1_enumerates_groups_then_refines_op_by_op():
 
     result = run_stage1(space, epochs(table, ones), budget=5, report=records.append)
     assert result.mode == "grouped"
-    assert codes(s.plan for s in result.samples) == ["111", "000", "001", "110", "101", "011"]  # "111": FP32
+    # "111": the FP32 baseline; "001": AMP's plan, the first incumbent
+    assert codes(s.plan for s in result.samples) == ["111", "001", "000", "110", "101", "011"]
     assert str(result.best.plan) == "001"
     assert "share one decision" in [r for r in records if not r.is_sample][0].reason
 
@@ -225,7 +226,7 @@ def test_plan_that_runs_the_same_program_as_one_sampled_is_not_run_again():
         return code.replace("f", "1") if "0" not in code else code  # follow ops see only FP32 inputs
 
     run_stage1(space, epochs(lambda code: [(1.0, 1.0)] * 3, log=started, program=program), report=records.append)
-    assert [b for event, b in started if event == "start"] == ["111", "0f0", "0f1", "1f0"]
+    assert [b for event, b in started if event == "start"] == ["111", "0f1", "0f0", "1f0"]  # FP32, AMP, the rest
     notes = [r for r in records if not r.is_sample]
     assert [n.extra["plan"] for n in notes] == ["1f1"] and notes[0].extra["same_as"] == "111"
     assert "same program" in notes[0].reason
@@ -241,17 +242,18 @@ def test_early_stop_ends_a_sample_whose_pace_projects_it_over_the_best():
     per_batch = {"00": 2.0, "01": 1.5, "10": 1.03}  # 2x and 1.5x: clearly slower; 3%: within the tolerance
     result = run_stage1(space, epochs(pace_table(per_batch), batches=10), early_stop=0.05)
     by_plan = {str(s.plan): s for s in result.samples}
-    for code in ("00", "01"):
-        assert by_plan[code].status == "pruned" and by_plan[code].batches == 3
-        assert by_plan[code].extra["stopped_early"] and "stopped early" in by_plan[code].reason
-        assert by_plan[code].cost == pytest.approx(10 * per_batch[code])  # the projected epoch
+    assert by_plan["00"].status == "pruned" and by_plan["00"].batches == 3
+    assert by_plan["00"].extra["stopped_early"] and "stopped early" in by_plan["00"].reason
+    assert by_plan["00"].cost == pytest.approx(10 * per_batch["00"])  # the projected epoch
+    amp = by_plan["01"]  # AMP's plan, the first incumbent: stopped only at the exact bar (FP32's cost), never on pace
+    assert amp.status == "pruned" and amp.batches == 7 and "stopped_early" not in amp.extra
     near_tie = by_plan["10"]
     assert near_tie.status == "pruned" and near_tie.batches == 10 and "stopped_early" not in near_tie.extra
     assert str(result.best.plan) == "11"
 
 
 def test_early_stop_compares_batch_for_batch_and_is_off_by_default():
-    space = space_of(W)
+    space = space_of(B)  # AMP's plan keeps the blacklist op FP32: it is the FP32 baseline, and "0" a candidate
     # batches alternate long and short; the low plan is 20% slower on each, its first batches being long ones
     fp32 = [(1.0, 2.0), (1.0, 0.5)] * 5
     low = [(1.0, 2.4), (1.0, 0.6)] * 5

@@ -33,9 +33,10 @@ from __future__ import annotations
 import functools
 import math
 import os
+import statistics
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import torch
 import torch.fx as fx
@@ -48,16 +49,19 @@ from ..errors import BadInputError, SearchError
 from ..measure import REFERENCE_TOLERANCE
 from ..opkey import KEY_META, OpKey
 from ..passes import CastInfo, casts_in
-from ..plan import Assignment, Plan
+from ..plan import AMP_PRECISION, Assignment, Plan
 from ..vocabulary import Precision, SampleStatus, Stage
 from .cast_cost import CastCost, fit_cast_cost
 from .profile import OpProfiles, profile_ops
 
-__all__ = ["Prediction", "Predictor", "SearchPredictor", "PREDICTED_STEP", "MEASURED_STEP", "STALE_PROFILES",
-           "STALE_PROFILE_RATIO", "STALE_CONDITIONS", "STALE_CONDITIONS_REASON", "SPOT_CHECK_OPS", "STALE_RATIO_KEPT"]
+__all__ = ["Prediction", "Predictor", "SearchPredictor", "PREDICTED_STEP", "MEASURED_STEP", "PREDICTION_SCALE",
+           "STALE_PROFILES", "STALE_PROFILE_RATIO", "STALE_CONDITIONS", "STALE_CONDITIONS_REASON", "SPOT_CHECK_OPS",
+           "STALE_RATIO_KEPT"]
 
 #: keys of a log record's ``extra`` that the report compares: predicted and measured seconds of one step
 PREDICTED_STEP, MEASURED_STEP = "predicted_step_seconds", "measured_step_seconds"
+#: key of AMP's Stage-1 record's ``extra``: how much of the predicted difference from FP32 its measurement bore out
+PREDICTION_SCALE = "prediction_scale"
 #: key of the calibration record's ``extra``: the ratio that made cached profiles be measured again
 STALE_PROFILES = "stale_profile_ratio"
 #: keys of the calibration record's ``extra``: how many cached profiles were measured again because their
@@ -251,8 +255,11 @@ class SearchPredictor:
 
     def __init__(self, predictor: Predictor, build_seconds: float = 0.0,
                  remeasure: Callable[[], Predictor] | None = None,
-                 spot_check: Callable[[list[OpKey]], OpProfiles] | None = None):
+                 spot_check: Callable[[list[OpKey]], OpProfiles] | None = None, annotate_all: bool = True):
         self.predictor = predictor
+        #: price every measured sample for its log record (cheap when ``rewrite`` hands over the modules the samples
+        #: ran); False: only the plans the search had priced anyway
+        self.annotate_all = annotate_all
         self.build_seconds = build_seconds
         self.remeasure = remeasure  # builds the predictor again from fresh profiles (None: never)
         self.spot_check = spot_check  # fresh, uncached profiles of some ops (None: a high ratio remeasures all)
@@ -263,14 +270,25 @@ class SearchPredictor:
         self.batches: int | None = None  # batches per Stage-1 epoch, known once the baseline ran
         self._steps: dict[Assignment, float] = {}
         self._dtype_decided: dict[tuple[OpKey, Precision], bool] | None = None  # see _bound_seconds
+        #: how much of the profiles' predicted difference from FP32 the measurements bear out (see observe)
+        self.scale = 1.0
+        self.fp32_step: float | None = None  # the measured FP32 step the predictor is calibrated on
+        self._amp = Assignment(AMP_PRECISION[op.category] for op in predictor.analysis.ops) \
+            if predictor.analysis is not None else None
+        self._scale_fitted = False
+        self._fp32_batches: list[float] = []
 
     @classmethod
     def build(cls, analysis, *, rewrite: Callable[[Plan], fx.GraphModule] | None = None,
-              cache_dir: str | os.PathLike | None = None, **profile_kwargs) -> "SearchPredictor":
+              cache_dir: str | os.PathLike | None = None, annotate_all: bool | None = None,
+              **profile_kwargs) -> "SearchPredictor":
         """Profile ``analysis`` and fit cast costs (:meth:`Predictor.build`), timing what that costs.
 
         ``rewrite(plan)`` makes the graph a plan runs as (the search passes the
-        modules it trains, so each plan is rewritten once); ``profile_kwargs``
+        modules it trains, so each plan is rewritten once, and every measured
+        sample is priced for its log record); without it each plan is rewritten
+        here, and only the plans the search asks about are priced (``annotate_all``
+        says otherwise); ``profile_kwargs``
         go to :func:`~compfx.costmodel.profile_ops` (``use_cache`` and
         ``refresh`` to the caches too).
         """
@@ -281,7 +299,8 @@ class SearchPredictor:
                                       **profile_kwargs)
         spot_kwargs = {k: v for k, v in profile_kwargs.items() if k != "use_cache"}
         spot_check = lambda keys: profile_ops(analysis, keys=keys, use_cache=False, **spot_kwargs)  # noqa: E731
-        return cls(predictor, time.perf_counter() - start, remeasure, spot_check)
+        return cls(predictor, time.perf_counter() - start, remeasure, spot_check,
+                   annotate_all=rewrite is not None if annotate_all is None else annotate_all)
 
     @property
     def profiles(self) -> OpProfiles:
@@ -293,7 +312,12 @@ class SearchPredictor:
 
     # -- predictions ---------------------------------------------------------------------
     def step_seconds(self, plan: Assignment) -> float:
-        """Predicted seconds of one step; NaN when the plan's graph cannot be priced (it is then measured)."""
+        """Predicted seconds of one step; NaN when the plan's graph cannot be priced (it is then measured).
+
+        Differences from the FP32 step are scaled by :attr:`scale` (see :meth:`observe`)."""
+        return self._scaled(self._raw_step(plan))
+
+    def _raw_step(self, plan: Assignment) -> float:
         plan = _assignment(plan)
         if plan not in self._steps:  # each prediction rewrites the graph: do it once per plan
             try:
@@ -301,6 +325,12 @@ class SearchPredictor:
             except Exception:  # noqa: BLE001 - e.g. an op with no low-precision kernel: the measurement will say so
                 self._steps[plan] = math.nan
         return self._steps[plan]
+
+    def _scaled(self, step: float) -> float:
+        """``step`` with its difference from the measured FP32 step scaled by :attr:`scale`."""
+        if self.scale == 1.0 or self.fp32_step is None:
+            return step
+        return self.fp32_step + self.scale * (step - self.fp32_step)
 
     def epoch_seconds(self, plan: Assignment) -> float:
         """Predicted seconds of one Stage-1 epoch under ``plan`` (step time x the baseline's batches); NaN: unknown."""
@@ -328,7 +358,11 @@ class SearchPredictor:
                 total += profile.seconds(precision is Precision.LOW)
             else:
                 total += min(profile.fp32_s, profile.low_s)
-        return total * batches
+        return self._scaled(total) * batches
+
+    def step_lower_bound(self, plan: Assignment) -> float:
+        """:meth:`lower_bound_seconds` of one step (Stage 2 times steps, not epochs)."""
+        return self.lower_bound_seconds(plan) / self._batches()
 
     def _batches(self) -> int:
         if not self.calibrated:
@@ -355,15 +389,16 @@ class SearchPredictor:
 
     # -- the search's samples --------------------------------------------------------------
     def observe(self, stage: Stage | str, plan: Assignment, status: SampleStatus | str, seconds: float | None,
-                batches: int) -> dict:
+                batches: int, batch_seconds: Sequence[float] = ()) -> dict:
         """Calibrate on the first accepted Stage-1 sample (the FP32 baseline); say what to add to its record.
 
         Returns the entries for the sample's ``extra``: predicted and measured
         step seconds (:data:`PREDICTED_STEP`, :data:`MEASURED_STEP`) for a
-        sample the predictor can price, plus ``calibration`` and the profiling
+        sample whose plan the search had the predictor price, plus ``calibration`` and the profiling
         counts on the baseline; ``{}`` when there is nothing to add. Before
         calibrating, cached profiles far above the measured FP32 step are
-        measured again (:data:`STALE_PROFILE_RATIO`, :data:`STALE_PROFILES`).
+        measured again (:data:`STALE_PROFILE_RATIO`, :data:`STALE_PROFILES`). ``batch_seconds`` (a Stage-1
+        sample's, when known) give the medians AMP's plan is compared with FP32's by (see :meth:`_fit_scale`).
         """
         stage, status, plan = Stage(stage), SampleStatus(status), _assignment(plan)
         if not self.calibrated:
@@ -372,13 +407,49 @@ class SearchPredictor:
             measured = (seconds or 0.0) / batches
             self._remeasure_if_stale(measured)
             self.predictor.calibrate(measured)
-            self.batches = batches
+            self.batches, self.fp32_step = batches, measured
+            self._fp32_batches = list(batch_seconds)
             self._steps.clear()
             return self._annotation(plan, measured, calibration=True)
         measured = _measured_step(stage, status, seconds, batches)
-        if measured is None or not math.isfinite(self.step_seconds(plan)):
+        if stage is Stage.STAGE1 and plan == self._amp and measured is not None and not self._scale_fitted:
+            self._scale_fitted = True
+            self._fit_scale(measured, list(batch_seconds))
+            extra = self._annotation(plan, measured)
+            return {**extra, "calibration": True, PREDICTION_SCALE: self.scale} if extra else {}
+        if measured is None or (plan not in self._steps and not self.annotate_all):
+            return {}  # pricing a plan only to annotate its record would cost a rewrite of its own
+        if not math.isfinite(self.step_seconds(plan)):
             return {}
         return self._annotation(plan, measured)
+
+    def _fit_scale(self, measured_amp_step: float, amp_batches: list[float]) -> None:
+        """Scale the profiles' predicted differences from FP32 by what AMP's measured step bears out.
+
+        The FP32 step calibrates the predictions' level; AMP's plan, measured
+        next, checks their slope: ``(measured AMP - FP32) / (predicted AMP -
+        FP32)``, kept in [0, 1]. Isolated ops often run low precision faster
+        than it runs inside a small model's step (where the loss, the optimizer
+        and Python take their time), so predicted wins can be larger than any
+        measured one; a measurement that shows none (the slope near 0) makes
+        every plan's prediction close to FP32's, and the search stops looking
+        for wins the profiles alone promise. Too small a predicted difference
+        (under 1% of the step) says nothing about the slope: it stays 1. With
+        both epochs' batches known, the measured difference is the median of
+        their per-batch ratios (the same batches: a burst of other work during
+        a few of them moves the median by a rank or two).
+        """
+        predicted = self._raw_step(self._amp)
+        if self.fp32_step is None or not math.isfinite(predicted):
+            return
+        difference = predicted - self.fp32_step
+        if abs(difference) < 0.01 * self.fp32_step:
+            return
+        measured = measured_amp_step - self.fp32_step
+        ratios = [amp / fp32 for amp, fp32 in zip(amp_batches, self._fp32_batches) if fp32 > 0]
+        if ratios:
+            measured = (statistics.median(ratios) - 1.0) * self.fp32_step
+        self.scale = min(1.0, max(0.0, measured / difference))
 
     def _remeasure_if_stale(self, measured_step: float) -> None:
         """Profile again when cached profiles do not match the FP32 step this machine just measured."""

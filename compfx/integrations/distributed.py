@@ -178,6 +178,10 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values)
 
 
+def _or_nan(value) -> float:
+    return math.nan if value is None else float(value)
+
+
 class SyncedEvaluator:
     """``inner`` (this rank's evaluator) with every measurement agreed over the ranks of ``ctx``.
 
@@ -231,6 +235,22 @@ class SyncedEvaluator:
 
     def time_step(self, plan: Assignment) -> float:
         return self._agreed(f"timing plan {plan}", max, lambda: self.inner.time_step(plan))
+
+    def time_steps(self, plans: Sequence[Assignment], rounds: int) -> list[list[float]]:
+        """Each rank's interleaved timings, agreed element by element: the slowest rank's step counts."""
+        try:
+            local, error = [float(s) for row in self.inner.time_steps(plans, rounds) for s in row], None
+        except Exception as caught:
+            local, error = [math.nan] * (len(plans) * rounds), caught
+        rows = self.ctx.gather([_status_of(error) if error else _BATCH, *local])
+        _raise_if_failed(rows, error, f"timing plans {' '.join(map(str, plans))} in turns")
+        agreed = [max(row[1 + k] for row in rows) for k in range(len(local))]
+        return [agreed[j * rounds:(j + 1) * rounds] for j in range(len(plans))]
+
+    def saved_bytes(self, plan: Assignment) -> int | None:
+        """The most bytes any rank's forward saves (None when a rank cannot tell)."""
+        value = self._agreed(f"the memory of plan {plan}", max, lambda: _or_nan(self.inner.saved_bytes(plan)))
+        return None if math.isnan(value) else int(value)
 
     def check_loss(self, plan: Assignment, batches: int) -> float:
         return self._agreed(f"the loss check of plan {plan}", _mean, lambda: self.inner.check_loss(plan, batches))

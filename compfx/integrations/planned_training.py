@@ -203,10 +203,10 @@ class PlannedRun:
                 f"({ops}) in {', '.join(self.regions)}")
         if self.result is None:
             return f"{head}; loaded from {self.source}, no search"
-        steps = self.result.step_seconds
-        speed = (f"; step {steps['fp32'] / steps['chosen']:.2f}x FP32's speed" if steps.get("fp32")
-                 and steps.get("chosen") else "")
-        return f"{head}; searched in {self.result.search_seconds:.1f} s{speed}"
+        comparison = self.result.step_comparison
+        speedup = comparison.speedup("fp32") if comparison is not None else None
+        speed = f"; chosen vs FP32: {speedup}" if speedup else ""  # the report's own words and figures
+        return f"{head}; searched in {self.result.search_seconds:.1f} s (not training){speed}"
 
     def metrics(self) -> dict[str, float]:
         """Numbers for a trainer's metric loggers."""
@@ -214,6 +214,11 @@ class PlannedRun:
                    "compfx/ops": float(len(self.plan)), "compfx/searched": float(self.searched)}
         if self.result is not None:
             numbers["compfx/search_seconds"] = self.result.search_seconds
+            comparison = self.result.step_comparison
+            for name in ("fp32", "amp", "chosen"):
+                median = comparison.median(name) if comparison is not None else None
+                if median is not None:
+                    numbers[f"compfx/step_seconds_{name}"] = median
         return numbers
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 try:
     from transformers import TrainerCallback
@@ -42,6 +43,18 @@ from .planned_training import LOG_FILE, PLAN_FILE, PlannedRun, first_batches, pl
 __all__ = ["CompfxCallback", "PLAN_FILE", "LOG_FILE"]
 
 logger = hf_logging.get_logger("transformers.trainer")  # the trainer's logger: its verbosity settings apply
+
+
+def _without_search(metrics: dict, search_seconds: float) -> None:
+    """The trainer's final speed metrics without the callback's search (``train_runtime`` less it, the rates
+    recomputed), and the search's seconds as ``compfx_search_runtime``."""
+    runtime = float(metrics["train_runtime"])
+    training = max(runtime - search_seconds, 1e-9)
+    for key in ("train_samples_per_second", "train_steps_per_second", "train_tokens_per_second"):
+        if key in metrics and metrics[key]:
+            metrics[key] = round(metrics[key] * runtime / training, 3)
+    metrics["train_runtime"] = round(training, 4)
+    metrics["compfx_search_runtime"] = round(search_seconds, 4)
 
 
 def check_training_arguments(args) -> None:
@@ -79,7 +92,11 @@ class CompfxCallback(TrainerCallback):
     the search log ``output_dir/compfx-search.jsonl`` (``compfx report`` prints
     it), logs a one-line summary through the trainer's logger and into
     ``trainer.state.log_history`` (saved with checkpoints), and copies the plan
-    into each checkpoint. A resumed run (``global_step > 0`` at train begin)
+    into each checkpoint. The trainer starts its clock before train begin, so its
+    final ``train_runtime`` would include the search: the callback takes it out
+    (``train_runtime`` and the ``train_*_per_second`` rates are the training's
+    alone) and reports it as ``compfx_search_runtime``, in the metrics
+    ``trainer.train()`` returns and in ``log_history``. A resumed run (``global_step > 0`` at train begin)
     loads the plan from ``output_dir/checkpoint-<step>/`` (else from
     ``output_dir``) instead of searching. ``searched`` says which happened.
     While training, the submodules the model's forward runs (its base model and
@@ -104,6 +121,7 @@ class CompfxCallback(TrainerCallback):
         self.search_batches, self.config, self.loss_fn, self.low_dtype = search_batches, config, loss_fn, low_dtype
         self.plan = Plan.load(plan) if isinstance(plan, (str, os.PathLike)) else plan
         self.run: PlannedRun | None = None
+        self.setup_seconds = 0.0  # what train begin took here: the search (or loading a plan), not training
 
     @property
     def searched(self) -> bool | None:
@@ -114,6 +132,22 @@ class CompfxCallback(TrainerCallback):
         check_training_arguments(args)  # at Trainer(...), before any work
 
     def on_train_begin(self, args, state, control, model=None, optimizer=None, train_dataloader=None, **kwargs):
+        started = time.perf_counter()
+        try:
+            self._plan(args, state, model, optimizer, train_dataloader)
+        finally:
+            self.setup_seconds = time.perf_counter() - started
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        """Take the search out of the trainer's final throughput: its ``train_runtime`` began before train begin."""
+        if not logs or "train_runtime" not in logs or not self.setup_seconds:
+            return
+        runtime = logs["train_runtime"]
+        for entry in (logs, state.log_history[-1] if state.log_history else {}):  # the history holds a copy
+            if entry.get("train_runtime") == runtime and "compfx_search_runtime" not in entry:
+                _without_search(entry, self.setup_seconds)
+
+    def _plan(self, args, state, model, optimizer, train_dataloader):
         check_training_arguments(args)
         self.restore()  # a second train() on the same trainer, or after one that failed
         plan, source = self._saved_plan(args, state)

@@ -9,6 +9,8 @@ with fake evaluators.
 ``space``           what the search knows of each op (category, TC, group)
 ``stage1``          Algorithm 1: one epoch per plan, the loss guard, exact-safe pruning
 ``stage2``          Algorithm 2: timed steps for the "other" ops between Stage-1 ops
+``compare``         the decision rule: when a candidate replaces the incumbent (paired, interleaved duels)
+``evidence``        why each op got its precision, read from the log (the report's "why" column)
 ``convergence``     the guard (loss within ``threshold`` x FP32's) and the final loss check
 ``allocation``      QSync's per-device allocator (one plan per rank)
 ``evaluator``       the Evaluator interface; the local, replaying and function evaluators
@@ -22,9 +24,10 @@ with fake evaluators.
 """
 
 from .allocation import Allocation, allocate_per_device, allocation_starts, recovery_order
+from .compare import Comparison, DecisionRule, StepComparison, median_interval, speedup_text
 from .config import DECIDES, SearchConfig, decision_settings
 from .convergence import check_plan, check_winner, is_accepted, loss_limit
-from .driver import SINGLE_PROCESS, Decision, Recorder, SingleProcess, Strategy, compare_step_times, run_search
+from .driver import SINGLE_PROCESS, Decision, Recorder, SingleProcess, Strategy, compare_steps, run_search
 from .evaluator import Evaluator, FunctionEvaluator, LocalEvaluator, ReplayingEvaluator, measured_time
 from .log import Replay, SampleRecord, SearchLog
 from .outcome import Outcome
@@ -36,7 +39,8 @@ from .stage2 import Segment, Stage2Result, algorithm2_candidates, run_stage2, st
 __all__ = [
     "SearchSpace", "SearchConfig", "DECIDES", "decision_settings", "SearchResult",
     "Evaluator", "FunctionEvaluator", "LocalEvaluator", "ReplayingEvaluator", "measured_time",
-    "run_search", "Decision", "Strategy", "SingleProcess", "SINGLE_PROCESS", "Recorder", "compare_step_times",
+    "run_search", "Decision", "Strategy", "SingleProcess", "SINGLE_PROCESS", "Recorder", "compare_steps",
+    "DecisionRule", "Comparison", "StepComparison", "median_interval", "speedup_text",
     "run_stage1", "Stage1Result", "stage1_candidates", "stage1_plan_space", "should_skip", "skip_message",
     "run_stage2", "Stage2Result", "Segment", "stage2_segments", "algorithm2_candidates",
     "loss_limit", "is_accepted", "check_plan", "check_winner",

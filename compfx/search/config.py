@@ -22,6 +22,7 @@ import torch
 from ..errors import BadInputError
 from ..plan import Plan
 from ..vocabulary import Float8Recipe
+from .compare import DecisionRule
 
 __all__ = ["SearchConfig", "DECIDES", "decision_settings", "CostFn"]
 
@@ -48,9 +49,19 @@ class SearchConfig:
       ``2**k`` the space is reduced (see :func:`compfx.search.stage1.stage1_plan_space`).
     * ``stage2_budget``: most Stage-2 candidates timed, the Stage-1 winner included.
     * ``seed``: the RNG seed every sample starts from.
-    * ``warmup``: untimed steps before each timed sample (a Stage-1 epoch or a
-      Stage-2 timing), so that one-off costs of a plan's first steps are not
-      counted; ``repeats``: timed steps per Stage-2 timing (their median counts).
+    * ``warmup``: untimed steps before each timed sample (a Stage-1 epoch, a
+      Stage-2 timing, a duel), so that one-off costs of a plan's first steps are
+      not counted; ``repeats``: timed steps per Stage-2 timing (their median counts).
+    * ``margin``, ``confidence``, ``rounds``: the decision rule
+      (:mod:`compfx.search.compare`). A candidate replaces the incumbent (first
+      AMP's plan, then FP32's, then the candidates in a fixed order) only when it
+      is faster by more than ``margin`` (a fraction: 0.03 is 3%), at
+      ``confidence``, on ``rounds`` pairs of interleaved steps on the same
+      batches (up to three blocks of them while undecided); or, saving fewer
+      activation bytes, when it is not slower by more than ``margin``. Ties keep
+      the incumbent. ``rounds=0`` decides on the stages' own timings alone, and
+      with ``margin=0`` that is CoMP's rule (the cheaper plan wins). The report's
+      step comparison of FP32, AMP and the chosen plan takes ``rounds`` rounds too.
     * ``grad_scaler``: scale the loss with ``torch.amp.GradScaler`` in every
       sample; ``None`` = on for float16, off for bfloat16 (it has FP32's range).
     * ``progress``: a tqdm bar over samples.
@@ -65,16 +76,20 @@ class SearchConfig:
       checked against FP32's (0 skips the check).
     * ``prune``: False runs every Stage-1 sample to the end (to measure what pruning saves).
     * ``per_device``: under ``torch.distributed``, let ranks hold different plans
-      (QSync's allocator, see :mod:`compfx.search.allocation`); ``memory_budget``: this
-      rank's limit on activation bytes saved for backward per step (None: no limit).
+      (QSync's allocator, see :mod:`compfx.search.allocation`).
+    * ``memory_budget``: the most activation bytes one forward of the chosen
+      plan may save for backward (measured as :func:`compfx.saved_activation_bytes`
+      does, on the loader's first batch; per rank under ``torch.distributed``);
+      plans over it are rejected before they run. None: no limit.
     * ``predictor``: ``"on"`` profiles each op once (cached, see :mod:`compfx.costmodel`),
       runs Stage-1 candidates cheapest-predicted first and skips those whose
       predicted cost exceeds ``predictor_margin`` times the best measured accepted
       cost; ``"off"`` measures every candidate (the exact CoMP search).
     * ``early_stop``: with the cost model on, a Stage-1 sample stops once its
-      pace, batch for batch against the best plan's, projects its epoch cost
-      more than this fraction over the best accepted cost (None: never; with
-      ``predictor="off"`` only exact pruning stops samples).
+      pace, batch for batch against the incumbent's, projects its epoch cost
+      more than this fraction over the most it may cost to challenge the
+      incumbent under the decision rule (None: never; with ``predictor="off"``
+      only exact pruning stops samples).
     * ``cache_plan``: save the chosen plan to the plan cache (:mod:`compfx.cache`),
       so that ``torch.compile(model, backend="compfx")`` runs it; ``cache_dir``:
       the cache folder for that plan and for the cost model's profiles (None:
@@ -104,6 +119,9 @@ class SearchConfig:
     """
 
     threshold: float = 1.01
+    margin: float = 0.03
+    confidence: float = 0.95
+    rounds: int = 7
     stage1_budget: int = 64
     stage2_budget: int = 32
     seed: int = 0
@@ -130,8 +148,19 @@ class SearchConfig:
     def __post_init__(self):
         self._real("threshold", low=1, example="1.01 (accept plans whose loss is within 1% of FP32's)")
         for name, low in (("stage1_budget", 1), ("stage2_budget", 1), ("warmup", 0), ("repeats", 1),
-                          ("stage2_check_batches", 0)):
+                          ("stage2_check_batches", 0), ("rounds", 0)):
             self._int(name, low)
+        self._real("margin", low=0, example="0.03 (a candidate must be more than 3% faster to replace the incumbent)")
+        self._real("confidence", low=0, example="0.95 (the duel's interval covers the median ratio 95% of the time)")
+        if not self.margin < 1:
+            raise BadInputError(f"SearchConfig(margin={self.margin!r}); expected a fraction below 1, e.g. 0.03.")
+        if not 0 < self.confidence < 1:
+            raise BadInputError(f"SearchConfig(confidence={self.confidence!r}); expected a probability in (0, 1), "
+                                "e.g. 0.95.")
+        try:
+            self.rule.check_rounds()
+        except BadInputError as error:
+            raise BadInputError(f"SearchConfig: {error}.") from None
         self._int("seed", _SEED_MIN, _SEED_MAX, "what torch.manual_seed accepts")
         for name in ("progress", "keep_search_training", "prune", "per_device", "cache_plan", "fp8", "verify_capture",
                      "search_pinned"):
@@ -148,11 +177,8 @@ class SearchConfig:
         if self.early_stop is not None:
             self._real("early_stop", low=0, example="0.05 (stop a sample projected 5% over the best plan), or None")
         if self.memory_budget is not None:
-            self._int("memory_budget", 1, what="bytes of activations saved for backward per step on this rank, "
+            self._int("memory_budget", 1, what="bytes of activations saved for backward per step (per rank), "
                       "or None")
-        if self.memory_budget is not None and not self.per_device:
-            raise BadInputError("SearchConfig(memory_budget=...) is a per-rank limit used by the per-device "
-                                "allocator; set per_device=True as well, or leave memory_budget=None.")
         object.__setattr__(self, "fp8_recipe", Float8Recipe.parse(self.fp8_recipe, "SearchConfig(fp8_recipe)"))
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             _refuse("cache_dir", self.cache_dir, "a folder path (str or os.PathLike) or None")
@@ -176,6 +202,11 @@ class SearchConfig:
             finite = "a number" if allow_inf else "a finite number"
             raise BadInputError(f"SearchConfig({name}={value!r}); expected {finite} >= {low:g}, e.g. {example}.")
         object.__setattr__(self, name, float(value))
+
+    @property
+    def rule(self) -> DecisionRule:
+        """The decision rule these settings make (:mod:`compfx.search.compare`)."""
+        return DecisionRule(margin=self.margin, confidence=self.confidence, rounds=self.rounds)
 
     def scaler_on(self, low_dtype: torch.dtype) -> bool:
         return self.grad_scaler if self.grad_scaler is not None else low_dtype == torch.float16

@@ -32,16 +32,16 @@ from typing import Mapping, Protocol
 from ..errors import PlanFailedError
 from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
+from .compare import StepComparison
 from .config import SearchConfig
 from .convergence import check_winner
-from .log import Replay, SampleRecord, SearchLog
+from .log import BATCHES, Replay, SampleRecord, SearchLog
 from .outcome import Reporter, failure_reason
 from .space import SearchSpace
 from .stage1 import Stage1Result, run_stage1
 from .stage2 import Stage2Result, run_stage2
 
-__all__ = ["Strategy", "SingleProcess", "SINGLE_PROCESS", "Decision", "Recorder", "run_search",
-           "compare_step_times"]
+__all__ = ["Strategy", "SingleProcess", "SINGLE_PROCESS", "Decision", "Recorder", "run_search", "compare_steps"]
 
 
 class Strategy(Protocol):
@@ -81,16 +81,22 @@ def run_search(space: SearchSpace, evaluator, config: SearchConfig, *, report: R
     """CoMP's two stages and the loss check on ``evaluator``, then ``strategy``'s decision.
 
     ``predictor`` (a :class:`compfx.costmodel.SearchPredictor`, or None for the
-    exact search) orders and skips Stage-1 candidates and enables
-    ``config.early_stop``.
+    exact search) skips candidates, stops a stage when no plan left can win
+    (:mod:`compfx.search.compare`), and enables ``config.early_stop``.
     """
     guided = predictor is not None
+    rule = config.rule
+    # per-device plans: each rank's budget is the allocator's to meet (the ranks' stages must decide alike)
+    budget = None if config.per_device else config.memory_budget
     stage1 = run_stage1(space, evaluator, threshold=config.threshold, budget=config.stage1_budget,
                         prune=config.prune, report=report,
                         predict=predictor.epoch_seconds if guided else None,
                         bound=predictor.lower_bound_seconds if guided else None,
-                        margin=config.predictor_margin, early_stop=config.early_stop if guided else None)
-    stage2 = run_stage2(space, stage1.best.plan, evaluator, budget=config.stage2_budget, report=report)
+                        margin=config.predictor_margin, early_stop=config.early_stop if guided else None,
+                        rule=rule, memory_budget=budget)
+    stage2 = run_stage2(space, stage1.best.plan, evaluator, budget=config.stage2_budget, report=report, rule=rule,
+                        memory_budget=budget, bound=predictor.step_lower_bound if guided else None,
+                        predict=predictor.step_seconds if guided else None)
     checked = check_winner(evaluator, stage2.best.plan, stage1.best.plan, stage1.baseline,
                            batches=config.stage2_check_batches, threshold=config.threshold, report=report)
     chosen = strategy.decide(checked, stage1=stage1, evaluator=evaluator, report=report or (lambda record: None))
@@ -113,7 +119,8 @@ class Recorder:
         record = fresh or record
         if self.predictor is not None and record.is_sample and record.plan:
             extra = self.predictor.observe(record.stage, Assignment.parse(record.plan), record.status,
-                                           record.seconds, record.batches)
+                                           record.seconds, record.batches,
+                                           batch_seconds=[s for _, s in record.extra.get(BATCHES, [])])
             if extra:
                 record = replace(record, extra={**record.extra, **extra})
         if fresh is not None:
@@ -123,32 +130,42 @@ class Recorder:
             self.progress.set_postfix_str(f"{record.stage} {record.status}", refresh=False)
 
 
-def compare_step_times(time_step, plans: Mapping[str, Assignment], log: SearchLog, *,
-                       rounds: int = 3, known: Mapping[Assignment, float] | None = None) -> dict[str, float]:
-    """Step time of each named plan on the same batches, for the report; logged as ``compare`` records.
+def compare_steps(time_steps, saved_bytes, plans: Mapping[str, Assignment], log: SearchLog, *, rounds: int,
+                  confidence: float) -> StepComparison:
+    """The report's step comparison: the named plans take turns on the same batches, warm, in one phase.
 
-    The plans take turns, round after round, and each reports the median of
-    its round medians: drift on a busy machine then hits all of them alike. A
-    plan equal to another is timed once; one that fails is logged and left out
-    (the comparison is informative only, never a reason to fail the search).
-    A plan in ``known`` (seconds the search already measured with the same
-    ``time_step``, e.g. Stage 2's) is not timed again.
+    ``time_steps(plans, rounds)`` (an evaluator's) times each distinct plan
+    once per round (a name that shares another's plan shares its timings), and
+    ``saved_bytes(plan)`` measures each one's saved activations. A plan that
+    fails is logged and left out, the others timed again together (the
+    comparison is informative only, never a reason to fail the search). Each
+    plan's rounds are logged as a ``compare`` record.
     """
-    known = dict(known or {})
-    medians: dict[Assignment, list[float]] = {plan: [known[plan]] if plan in known else []
-                                              for plan in plans.values()}
-    failed: set[Assignment] = set()
-    for _ in range(rounds):
-        for plan in medians:
-            if plan in failed or plan in known:
-                continue
+    timed = list(dict.fromkeys(plans.values()))
+    try:
+        rows = time_steps(timed, rounds)
+    except PlanFailedError:
+        for plan in list(timed):  # which one failed: each alone, one step
             try:
-                medians[plan].append(float(time_step(plan)))
+                time_steps([plan], 1)
             except PlanFailedError as error:
-                failed.add(plan)
+                timed.remove(plan)
                 log.append(SampleRecord(Stage.COMPARE, str(plan), SampleStatus.ERROR, reason=failure_reason(error)))
-    steps = {name: statistics.median(medians[plan]) for name, plan in plans.items() if medians[plan]}
-    for name, seconds in steps.items():
-        log.append(SampleRecord(Stage.COMPARE, str(plans[name]), SampleStatus.ACCEPTED, seconds=seconds,
-                                reason=name, extra={"round_medians": medians[plans[name]]}))
-    return steps
+        rows = time_steps(timed, rounds) if timed else []
+    seconds = {plan: tuple(map(float, row)) for plan, row in zip(timed, rows)}
+    saved: dict[str, int] = {}
+    for name, plan in plans.items():
+        try:
+            nbytes = saved_bytes(plan)
+        except PlanFailedError:
+            nbytes = None
+        if nbytes is not None:
+            saved[name] = int(nbytes)
+    comparison = StepComparison({name: str(plan) for name, plan in plans.items()},
+                                {name: seconds[plan] for name, plan in plans.items() if plan in seconds},
+                                confidence, saved)
+    for plan, row in seconds.items():
+        names = [name for name, p in plans.items() if p == plan]
+        log.append(SampleRecord(Stage.COMPARE, str(plan), SampleStatus.ACCEPTED, seconds=statistics.median(row),
+                                reason=", ".join(names), extra={"round_seconds": list(row)}))
+    return comparison

@@ -8,6 +8,12 @@ An :class:`Evaluator` answers four questions about a plan (an
   opaque artifact (the trained state) that the search keeps for the winner.
   Closing it early must restore whatever it changed.
 * ``time_step(plan)``: seconds of one training step (Stage 2).
+* ``time_steps(plans, rounds)``: seconds of one training step of each plan
+  per round, the plans taking turns on the same batches, warm (the duels of
+  :mod:`compfx.search.compare`, and the report's step comparison).
+* ``saved_bytes(plan)``: activation bytes one forward under ``plan`` saves
+  for backward (:func:`compfx.saved_activation_bytes`), or None when the
+  evaluator cannot tell (memory then plays no part in the decision).
 * ``check_loss(plan, batches)``: mean training loss over the first ``batches``
   batches, from the initial state (the loss check).
 * ``cost(plan, seconds)``: what the search minimises (``cost_unit``, an
@@ -33,12 +39,12 @@ from __future__ import annotations
 import functools
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Generator, Hashable, Protocol, runtime_checkable
+from typing import Any, Callable, ContextManager, Generator, Hashable, Protocol, Sequence, runtime_checkable
 
 import torch.nn as nn
 
 from ..errors import BadInputError, CaptureError, PlanFailedError, SearchError
-from ..measure import PhaseClock
+from ..measure import PhaseClock, interleaved_order
 from ..plan import Assignment, Plan
 from ..vocabulary import Stage
 from .log import Replay, ReplayedState
@@ -59,6 +65,10 @@ class Evaluator(Protocol):
 
     def time_step(self, plan: Assignment) -> float: ...
 
+    def time_steps(self, plans: Sequence[Assignment], rounds: int) -> list[list[float]]: ...
+
+    def saved_bytes(self, plan: Assignment) -> int | None: ...
+
     def check_loss(self, plan: Assignment, batches: int) -> float: ...
 
     def cost(self, plan: Assignment, seconds: float) -> float: ...
@@ -76,11 +86,17 @@ class FunctionEvaluator:
     """An :class:`Evaluator` made of plain functions; the ones not given refuse to be called.
 
     ``cost`` defaults to the measured seconds and ``program`` to the plan
-    itself (every plan runs a program of its own).
+    itself (every plan runs a program of its own). ``time_steps`` defaults to
+    calling ``time_step`` once per plan per round, in the interleaved order
+    (:func:`compfx.measure.interleaved_order`): an injected noisy timer then
+    sees the calls in the order a real duel makes them. ``saved_bytes``
+    defaults to None (memory unknown).
 
     >>> timer = FunctionEvaluator(time_step=lambda plan: 0.5 * str(plan).count("1"))
     >>> timer.time_step(Assignment.parse("11")), timer.cost(Assignment.parse("11"), 1.0)
     (1.0, 1.0)
+    >>> timer.time_steps([Assignment.parse("11"), Assignment.parse("01")], 2)
+    [[1.0, 1.0], [0.5, 0.5]]
     """
 
     run_epoch: Callable[[Assignment], Epoch] | None = None
@@ -88,11 +104,22 @@ class FunctionEvaluator:
     check_loss: Callable[[Assignment, int], float] | None = None
     cost: Callable[[Assignment, float], float] = measured_time
     program: Callable[[Assignment], Hashable] = lambda plan: plan  # noqa: E731
+    time_steps: Callable[[Sequence[Assignment], int], list[list[float]]] | None = None
+    saved_bytes: Callable[[Assignment], int | None] = lambda plan: None  # noqa: E731
 
     def __post_init__(self):
         for name in ("run_epoch", "time_step", "check_loss"):
             if getattr(self, name) is None:
                 setattr(self, name, functools.partial(_not_given, name))
+        if self.time_steps is None:
+            self.time_steps = self._interleaved
+
+    def _interleaved(self, plans: Sequence[Assignment], rounds: int) -> list[list[float]]:
+        seconds: list[list[float]] = [[] for _ in plans]
+        for i in range(rounds):
+            for j in interleaved_order(len(plans), i):
+                seconds[j].append(float(self.time_step(plans[j])))
+        return seconds
 
     @property
     def cost_unit(self) -> str:
@@ -139,6 +166,13 @@ class ReplayingEvaluator:
             return self.replay.time_step(plan)
         return self.inner.time_step(plan)
 
+    def time_steps(self, plans: Sequence[Assignment], rounds: int) -> list[list[float]]:
+        logged = self.replay.duel_block(plans, rounds)
+        return logged if logged is not None else self.inner.time_steps(plans, rounds)
+
+    def saved_bytes(self, plan: Assignment) -> int | None:
+        return self.inner.saved_bytes(plan)
+
     def check_loss(self, plan: Assignment, batches: int) -> float:
         if self.replay.has(Stage.CHECK, plan):
             return self.replay.check_loss(plan)
@@ -175,6 +209,8 @@ class LocalEvaluator:
         self._plans: dict[Assignment, Plan] = {}
         self._modules: dict[Plan, nn.Module] = {}  # by Plan: a plan's padding is not in its Assignment
         self._runners: dict[Plan, nn.Module] = {}
+        self._saved_bytes: dict[Assignment, int] = {}
+        self.stepped: set[Assignment] = set()  # plans whose module has run training steps (they are warm)
         self._captures = None  # the model's captures per input signature, shared by every plan's runner
 
     # -- plans and the modules that run them -------------------------------------------
@@ -242,6 +278,7 @@ class LocalEvaluator:
         with plan_failures():
             runner = self.runner(plan)
             epoch = self.sampler.epoch(runner, warmup=self.warmup)
+        self.stepped.add(plan)
         charged = each_batch(epoch, lambda: self.clock.phase("samples"), close_around=True)
         return each_batch(charged, plan_failures)  # each batch's failure is the plan's
 
@@ -249,17 +286,53 @@ class LocalEvaluator:
         """Median seconds of ``repeats`` timed steps after ``warmup`` untimed ones (default: the evaluator's)."""
         self._calibrated()
         with plan_failures():
-            return self._time(self.runner(plan), repeats=repeats, warmup=warmup)
+            runner = self.runner(plan)
+            with self.clock.phase("samples"):
+                seconds = self.sampler.step_time(runner, warmup=self.warmup if warmup is None else warmup,
+                                                 repeats=repeats or self.repeats).median
+        self.stepped.add(plan)
+        return seconds
+
+    def time_steps(self, plans: Sequence[Assignment], rounds: int, *, warmup: int | None = None
+                   ) -> list[list[float]]:
+        """Per plan, the seconds of one step per round, the plans taking turns on the same batches (warm)."""
+        with plan_failures():
+            runners = [self.runner(plan) for plan in plans]
+            with self.clock.phase("samples"):
+                seconds = self.sampler.interleaved_step_times(
+                    runners, rounds=rounds, warmup=self.warmup if warmup is None else warmup, switch=self._switch(plans))
+        self.stepped.update(plans)
+        return seconds
+
+    def _switch(self, plans: Sequence[Assignment]) -> Callable[[int], object] | None:
+        """What runs before a step of ``plans[j]`` in an interleaved timing (nothing: each plan is its own module)."""
+        return None
+
+    def saved_bytes(self, plan: Assignment) -> int:
+        """Activation bytes one forward of ``plan`` saves for backward, on the loader's first batch (measured once)."""
+        if plan not in self._saved_bytes:
+            from ..memory import saved_activation_bytes  # memory reads the sampling helpers: imported when used
+
+            with plan_failures():
+                runner = self.runner(plan)
+                with self.clock.phase("samples"):
+                    args, kwargs = self.sampler.first_inputs(runner)
+                    self._saved_bytes[plan] = saved_activation_bytes(runner, args, kwargs)
+        return self._saved_bytes[plan]
 
     def time_plan(self, plan: Plan, *, repeats: int | None = None, warmup: int | None = None) -> float:
         """:meth:`time_step` for a :class:`Plan` (the padding decision times padded plans)."""
         with plan_failures():
-            return self._time(self.runner_of(plan), repeats=repeats, warmup=warmup)
+            runner = self.runner_of(plan)
+            with self.clock.phase("samples"):
+                return self.sampler.step_time(runner, warmup=self.warmup if warmup is None else warmup,
+                                              repeats=repeats or self.repeats).median
 
-    def _time(self, runner: nn.Module, *, repeats: int | None, warmup: int | None) -> float:
-        with self.clock.phase("samples"):
-            return self.sampler.step_time(runner, warmup=self.warmup if warmup is None else warmup,
-                                          repeats=repeats or self.repeats).median
+    def settle(self, plan: Assignment, runs: Plan) -> None:
+        """From now on ``plan`` runs ``runs`` (the padding decision's padded version of it), so what is timed and
+        measured of it afterwards (the report's step comparison) is what the search returns."""
+        self._plans[plan] = runs
+        self._saved_bytes.pop(plan, None)
 
     def check_loss(self, plan: Assignment, batches: int) -> float:
         self._calibrated()

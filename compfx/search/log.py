@@ -65,8 +65,9 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks; one writer
 from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
 
-__all__ = ["SampleRecord", "SearchLog", "Replay", "ReplayedState", "HEADER", "BATCHES", "STOPPED_EARLY", "DIGEST",
-           "record_digest", "MAX_LOG_BYTES", "is_search_log"]
+__all__ = ["SampleRecord", "SearchLog", "Replay", "ReplayedState", "HEADER", "BATCHES", "STOPPED_EARLY", "DUEL",
+           "SAVED_BYTES", "PRUNED_AT", "BATCH_VERDICT", "CANNOT_WIN", "NOTHING_CAN_WIN", "DIGEST", "record_digest",
+           "MAX_LOG_BYTES", "is_search_log"]
 
 #: key, in the ``extra`` of a log's first line, of what the search was run on (fingerprint and settings)
 HEADER = "search"
@@ -74,6 +75,19 @@ HEADER = "search"
 BATCHES = "batches"
 #: key of a Stage-1 record's ``extra`` on a sample stopped early on pace (see SearchConfig.early_stop)
 STOPPED_EARLY = "stopped_early"
+#: key, in a note's ``extra``, of one duel of the decision rule (:mod:`compfx.search.compare`): the two plans, the
+#: seconds of each round, and the verdict; a resumed search replays the seconds
+DUEL = "duel"
+#: key of a sample's ``extra``: the activation bytes one forward of its plan saves for backward
+SAVED_BYTES = "saved_bytes"
+#: key of an accepted Stage-1 sample's ``extra``: why its batches, compared with the incumbent's, did not support a duel
+BATCH_VERDICT = "batch_verdict"
+#: key of a skipped sample's ``extra``: the bar its predicted cost did not get below (see Stage 1's ``cannot_win``)
+CANNOT_WIN = "cannot_win"
+#: key of a pruned Stage-1 sample's ``extra``: the cost it reached, at which it could no longer win
+PRUNED_AT = "pruned_at"
+#: key of a note's ``extra``: the search stopped a stage because the profiles show no plan left can win (how many)
+NOTHING_CAN_WIN = "nothing_can_win"
 #: key, in each line of a log file, of the chained digest of that line's record (see the module docstring)
 DIGEST = "digest"
 #: A log holds a few numbers per batch and sample; a larger file is not one compfx wrote.
@@ -465,6 +479,7 @@ class Replay:
     """
 
     def __init__(self, records=()):
+        records = list(records)
         self.logged: dict[tuple[Stage, str], SampleRecord] = {}
         self.skipped: set[tuple[Stage, str]] = set()  # never run (the cost model skipped them): nothing to replay
         for record in records:
@@ -475,6 +490,15 @@ class Replay:
                 self.logged[key] = record
         self.replayed: set[tuple[Stage, str]] = set()
         self._batches: dict[str, list[list[float]]] = {}
+        self._duels: dict[tuple[str, ...], list[list[list[float]]]] = {}  # plans -> blocks of seconds per plan
+        self._replayed_duels: set[tuple[str, ...]] = set()
+        for record in records:
+            duel = record.extra.get(DUEL) if not record.is_sample else None
+            if duel:
+                rounds, seconds = int(duel["rounds"]), duel["seconds"]
+                blocks = self._duels.setdefault((duel["incumbent"], duel["candidate"]), [])
+                for start in range(0, len(seconds[0]), rounds):
+                    blocks.append([[float(s) for s in row[start:start + rounds]] for row in seconds])
 
     def has(self, stage: Stage, plan: Assignment) -> bool:
         return (stage, str(plan)) in self.logged
@@ -519,6 +543,15 @@ class Replay:
     def time_step(self, plan: Assignment) -> float:
         return float(self._take(Stage.STAGE2, plan).seconds)
 
+    def duel_block(self, plans, rounds: int) -> list[list[float]] | None:
+        """The next logged block of a duel between ``plans`` (incumbent, candidate), or None to time it live."""
+        key = tuple(map(str, plans))
+        blocks = self._duels.get(key)
+        if not blocks or len(blocks[0][0]) != rounds:
+            return None
+        self._replayed_duels.add(key)
+        return blocks.pop(0)
+
     def check_loss(self, plan: Assignment) -> float:
         return float(self._take(Stage.CHECK, plan).loss)
 
@@ -527,6 +560,9 @@ class Replay:
         key = (record.stage, record.plan)
         if key in self.replayed or (record.status is SampleStatus.SKIPPED and key in self.skipped):
             return None
+        duel = record.extra.get(DUEL) if not record.is_sample else None
+        if duel and (duel["incumbent"], duel["candidate"]) in self._replayed_duels:
+            return None  # its seconds came from the log, which holds this note already
         if record.stage is Stage.STAGE1 and record.plan in self._batches:
             batches = self._batches.pop(record.plan)
             return replace(record, extra={**record.extra, BATCHES: batches})

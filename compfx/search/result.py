@@ -12,6 +12,7 @@ from ..errors import PlanFileError
 from ..opkey import OpKey
 from ..plan import Plan
 from ..vocabulary import Category, SampleStatus, Stage
+from .compare import StepComparison
 from .log import SearchLog
 
 __all__ = ["SearchResult", "LoggedAnalysis", "LoggedOp", "RESULT"]
@@ -58,7 +59,11 @@ class SearchResult:
     * ``stage1_mode``, ``loss0`` (the FP32 epoch's loss), ``fp32_epoch_seconds``,
       ``search_seconds`` (wall time of the whole ``optimize`` call: what the
       search cost the user), ``step_seconds`` (median step of ``"fp32"``,
-      ``"amp"`` and ``"chosen"`` on the same batches).
+      ``"amp"`` and ``"chosen"``, from ``step_comparison``).
+    * ``step_comparison``: the :class:`~compfx.search.compare.StepComparison`
+      the report quotes: FP32's, AMP's and the chosen plan's steps, round by
+      round, taken in one interleaved phase after the search on the same
+      batches, with each plan's saved activation bytes.
     * ``cost_breakdown``: where ``search_seconds`` went, in seconds per part
       (``capture``, ``profiling``, ``rewrites``, ``samples``, ``step comparison``,
       ``other``); the parts add up to ``search_seconds``.
@@ -81,6 +86,7 @@ class SearchResult:
     fp32_epoch_seconds: float
     search_seconds: float
     step_seconds: dict[str, float] = field(default_factory=dict)
+    step_comparison: StepComparison | None = None
     plan_path: Path | None = None
     plan_cache: str = ""
     cost_breakdown: dict[str, float] = field(default_factory=dict)
@@ -100,6 +106,11 @@ class SearchResult:
         return len([r for r in self.log.samples() if r.status is SampleStatus.PRUNED])
 
     @property
+    def fixed_seconds(self) -> float:
+        """What the search cost besides its samples: capture, profiling, rewrites, the step comparison, the rest."""
+        return self.search_seconds - self.cost_breakdown.get("samples", 0.0)
+
+    @property
     def samples_skipped(self) -> int:
         return len([r for r in self.log.samples() if r.status is SampleStatus.SKIPPED])
 
@@ -111,6 +122,7 @@ class SearchResult:
                         for op in self.analysis.ops], "fp8": bool(getattr(self.analysis, "fp8", False)),
                 "stage1_mode": self.stage1_mode, "loss0": self.loss0, "fp32_epoch_seconds": self.fp32_epoch_seconds,
                 "search_seconds": self.search_seconds, "step_seconds": dict(self.step_seconds),
+                "step_comparison": self.step_comparison.to_dict() if self.step_comparison is not None else None,
                 "plan_path": str(self.plan_path or ""), "plan_cache": self.plan_cache,
                 "cost_breakdown": dict(self.cost_breakdown)}
 
@@ -138,6 +150,8 @@ class SearchResult:
                        fp32_epoch_seconds=float(data["fp32_epoch_seconds"]),
                        search_seconds=float(data["search_seconds"]),
                        step_seconds={str(k): float(v) for k, v in data["step_seconds"].items()},
+                       step_comparison=(StepComparison.from_dict(data["step_comparison"])
+                                        if data.get("step_comparison") else None),
                        plan_path=Path(data["plan_path"]) if data["plan_path"] else None,
                        plan_cache=str(data["plan_cache"]),
                        cost_breakdown={str(k): float(v) for k, v in data.get("cost_breakdown", {}).items()})

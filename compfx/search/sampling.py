@@ -55,7 +55,7 @@ import math
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Iterable, Iterator, Mapping
+from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, Sequence
 
 import torch
 import torch.fx as fx
@@ -64,7 +64,7 @@ from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError, CompfxError, NonFiniteGradientError
-from ..measure import Timing, time_repeats, timed
+from ..measure import Timing, time_interleaved, time_repeats, timed
 
 __all__ = ["split_batch", "move_batch", "model_loss", "check_loss", "check_first_batch", "cuda_devices", "seed_device",
            "call_quietly", "StateSnapshot", "snapshot_state", "restore_state", "FairSampler", "MAX_EPOCH_BATCHES",
@@ -575,6 +575,37 @@ class FairSampler:
                                   warmup=warmup, repeats=repeats, device=self.device)
             read_steps(records)  # once, after the timed steps: a non-finite gradient fails the plan
             return timing
+
+    def interleaved_step_times(self, modules: Sequence[nn.Module], *, rounds: int, warmup: int,
+                               switch: Callable[[int], object] | None = None) -> list[list[float]]:
+        """Seconds of one training step of each module per round, the modules taking turns on the same batches.
+
+        From the initial state, with ``warmup`` untimed steps each first (see
+        :func:`compfx.measure.time_interleaved`); round ``i`` gives every module
+        the loader's batch ``warmup + i`` (cycled). The modules share the model's
+        Parameters, so they train one state between them; the initial state is
+        restored afterwards. ``switch(j)`` runs untimed before each step of
+        ``modules[j]`` (a model whose plan is switched in, not a module per plan).
+        """
+        with self.fresh_start(modules[0]):
+            batches = self._cycled_batches(warmup + rounds)
+            ready = []
+            for j, module in enumerate(modules):
+                module.train()
+                if switch is not None:
+                    switch(j)
+                ready.append([self.ready(module, batch) for batch in batches])
+            scalers = [self._scaler() for _ in modules]
+            records = []  # read once, after the timed rounds: no host-device sync inside a timed step
+            steps = [lambda i, j=j: records.append(self.train_step(modules[j], ready[j][i], scalers[j]))
+                     for j in range(len(modules))]
+            seconds = time_interleaved(steps, rounds=rounds, warmup=warmup, device=self.device, before=switch)
+            read_steps(records)  # a non-finite gradient fails the plans timed
+            return seconds
+
+    def first_inputs(self, module: nn.Module) -> tuple[tuple, dict]:
+        """The model inputs of the loader's first batch, on the device, ``module`` specialised to them."""
+        return split_batch(self.ready(module, self._cycled_batches(1)[0]))
 
     def mean_loss(self, module: nn.Module, batches: int) -> float:
         """Mean training loss over the loader's first ``batches`` batches, from the initial state."""

@@ -38,14 +38,15 @@ from typing import Callable, Sequence
 from ..errors import BadInputError, PlanFailedError, SearchError
 from ..plan import AMP_PRECISION, Assignment
 from ..vocabulary import Category, Precision, SampleStatus, Stage
+from .compare import Comparison, DecisionRule, duel, log_duel
 from .convergence import is_accepted, loss_limit
-from .log import STOPPED_EARLY
+from .log import BATCH_VERDICT, CANNOT_WIN, NOTHING_CAN_WIN, PRUNED_AT, SAVED_BYTES, STOPPED_EARLY
 from .outcome import Outcome, ProgramIndex, Reporter, checked_cost, cost_unit, failure_reason, note
 from .space import SearchSpace
 
 __all__ = [
     "Stage1Result", "run_stage1", "stage1_plan", "stage1_plan_space", "stage1_candidates", "should_skip",
-    "skip_message", "EARLY_STOP_MIN_BATCHES",
+    "skip_message", "cannot_win_message", "EARLY_STOP_MIN_BATCHES",
 ]
 
 Predict = Callable[[Assignment], float]  # plan -> predicted seconds of one Stage-1 epoch
@@ -146,6 +147,22 @@ def skip_message(predicted: float, best: float, unit: str = "s") -> str:
     return f"skipped (predicted cost {predicted:.3g} vs best {best:.3g}, in cost_fn's units)"
 
 
+def cannot_win_message(predicted: float, bar: float, margin: float, unit: str = "s") -> str:
+    """The reason logged for a candidate the profiles show cannot beat the incumbent by more than ``margin``.
+
+    >>> cannot_win_message(1.2, 0.873, 0.03)
+    'skipped: cannot beat the incumbent by more than 3% on the profiles (predicted 1.2 s, bar 0.873 s)'
+    >>> cannot_win_message(91.0, 5.0, 0.0, unit="")
+    "skipped: cannot beat the incumbent on the profiles (predicted cost 91 vs bar 5, in cost_fn's units)"
+    """
+    by = f" by more than {margin:.0%}" if margin else ""
+    if unit:
+        return (f"skipped: cannot beat the incumbent{by} on the profiles (predicted {predicted:.3g} {unit}, "
+                f"bar {bar:.3g} {unit})")
+    return (f"skipped: cannot beat the incumbent{by} on the profiles (predicted cost {predicted:.3g} vs bar "
+            f"{bar:.3g}, in cost_fn's units)")
+
+
 # -- sampling ----------------------------------------------------------------------
 
 def _alternatives(space: SearchSpace, plan: Assignment, i: int) -> list[Assignment]:
@@ -154,35 +171,123 @@ def _alternatives(space: SearchSpace, plan: Assignment, i: int) -> list[Assignme
 
 
 class _Stage1:
-    """Runs samples and keeps the best accepted one; the strategies below decide what to run."""
+    """Runs samples and keeps the incumbent (the best accepted plan under the decision rule)."""
 
     def __init__(self, evaluator, threshold: float, prune: bool, report: Reporter | None,
                  predict: Predict | None = None, margin: float = 1.25, bound: Predict | None = None,
-                 early_stop: float | None = None):
+                 early_stop: float | None = None, rule: DecisionRule = DecisionRule(),
+                 memory_budget: int | None = None):
         self.evaluator, self.threshold, self.prune = evaluator, threshold, prune
         self.report = report or (lambda record: None)
         self.predict, self.margin = predict, margin
         self.bound = bound if predict is not None else None
         self.early_stop = early_stop
+        self.rule, self.memory_budget = rule, memory_budget
         self.predicted: dict[Assignment, float] = {}  # plan -> predicted cost
         self.bounds: dict[Assignment, float] = {}  # plan -> cost at the lower bound of the predicted seconds
         self.samples: list[Outcome] = []
         self.seen: set[Assignment] = set()
         self.programs = ProgramIndex(evaluator.program)
-        self.best: Outcome | None = None
+        self.best: Outcome | None = None  # the incumbent; None while no accepted plan fits the memory budget
+        self.baseline_outcome: Outcome | None = None
         self.loss0: float | None = None
+        self._bytes: dict[Assignment, int | None] = {}
 
     def cost(self, plan: Assignment, seconds: float) -> float:
         return checked_cost(self.evaluator, plan, seconds)
 
-    def sample(self, plan: Assignment) -> Outcome:
-        """Run one epoch under ``plan``, stopping early when pruning allows it."""
+    # -- memory ------------------------------------------------------------------------
+    def saved_bytes(self, plan: Assignment) -> int | None:
+        """The activation bytes ``plan`` saves (None: unknown, or the plan failed; its sample will say why)."""
+        if plan not in self._bytes:
+            try:
+                found = self.evaluator.saved_bytes(plan)
+            except PlanFailedError:
+                found = None
+            self._bytes[plan] = None if found is None else int(found)
+        return self._bytes[plan]
+
+    def saves_less(self, plan: Assignment, than: Assignment | None = None) -> bool:
+        """Does ``plan`` save fewer activation bytes than ``than`` (default: the incumbent's plan)? False when unknown."""
+        if than is None:
+            if self.best is None:
+                return False
+            than = self.best.plan
+        mine, theirs = self.saved_bytes(plan), self.saved_bytes(than)
+        return mine is not None and theirs is not None and mine < theirs
+
+    def over_budget(self, plan: Assignment) -> str:
+        """Why ``plan`` cannot be chosen under the memory budget ("" when it can)."""
+        nbytes = self.saved_bytes(plan) if self.memory_budget is not None else None
+        if nbytes is None or nbytes <= self.memory_budget:
+            return ""
+        return f"saves {nbytes} activation bytes for backward, over memory_budget={self.memory_budget}"
+
+    # -- the rule ----------------------------------------------------------------------
+    def bar(self, plan: Assignment) -> float:
+        """The cost ``plan`` must stay below to challenge the incumbent (inf while there is none)."""
+        if self.best is None:
+            return math.inf
+        return self.rule.bar(self.best.cost, saves_less=self.saves_less(plan))
+
+    def judge(self, incumbent: Outcome, challenger: Outcome, *, prefix: int | None = None) -> bool:
+        """Does ``challenger`` (accepted, measured) replace ``incumbent``? The screen, the batches, the duel; logged.
+
+        Before a duel, the two epochs' batches (the same batches, timed in
+        different phases) must already show the challenger ahead of the bar,
+        in their median ratio: a duel costs steps, and one the batches do not
+        support is not run. ``prefix`` compares only the incumbent's first batches (FP32's plan against AMP's,
+        whose epoch may have been stopped at the bar: the batches up to where it crossed it, whether or not it was).
+        """
+        saves_less = self.saves_less(challenger.plan, incumbent.plan)
+        if not self.rule.passes_screen(challenger.cost, incumbent.cost, saves_less=saves_less):
+            return False
+        if not self.rule.rounds:
+            return True
+        behind = self._batches_behind(incumbent, challenger, saves_less, prefix)
+        if behind:
+            challenger.extra[BATCH_VERDICT] = behind
+            return False
+        try:
+            verdict = duel(self.evaluator, self.rule, incumbent.plan, challenger.plan, saves_less=saves_less)
+        except PlanFailedError as error:
+            note(self.report, Stage.STAGE1, f"duel of {challenger.plan} with incumbent {incumbent.plan} failed "
+                 f"({failure_reason(error)}); incumbent kept", plan=str(challenger.plan))
+            return False
+        log_duel(self.report, Stage.STAGE1, verdict, incumbent.plan, challenger.plan, self.rule.rounds)
+        return verdict.replaces
+
+    def _batches_behind(self, incumbent: Outcome, challenger: Outcome, saves_less: bool,
+                        prefix: int | None = None) -> str:
+        """Why the two epochs, batch for batch, do not even suggest the challenger wins ("" when they do).
+
+        The median of the per-batch cost ratios must be below the rule's bar,
+        as it must in the duel; a heavy-tailed outlier (another job's burst)
+        moves a median by one rank only.
+        """
+        pairs = list(zip(incumbent.batch_seconds[:prefix], challenger.batch_seconds))
+        if len(pairs) < 2:
+            return ""
+        comparison = Comparison.of([self.cost(incumbent.plan, a) for a, _ in pairs],
+                                   [self.cost(challenger.plan, b) for _, b in pairs])
+        bar = self.rule.ratio_bar(saves_less)
+        if comparison.median < bar:
+            return ""
+        return (f"batch for batch its cost is {comparison.median:.3f} x the incumbent's (median over {len(pairs)} "
+                f"batches), not below {bar:g}: no duel")
+
+    # -- samples ------------------------------------------------------------------------
+    def sample(self, plan: Assignment, bar: float = math.inf) -> Outcome:
+        """Run one epoch under ``plan``, stopping early when pruning allows it (its running cost reaches ``bar``)."""
         start = time.perf_counter()
         outcome = Outcome(plan, SampleStatus.REJECTED)
+        nbytes = self._bytes.get(plan)
+        if nbytes is not None:
+            outcome.extra[SAVED_BYTES] = nbytes
         epoch = None
         try:
             epoch = self.evaluator.run_epoch(plan)
-            outcome.artifact = self._consume(epoch, outcome)
+            outcome.artifact = self._consume(epoch, outcome, bar)
         except PlanFailedError as error:  # this plan failed: reject it, keep searching
             outcome.status, outcome.reason = SampleStatus.ERROR, failure_reason(error)
         finally:
@@ -191,7 +296,7 @@ class _Stage1:
             outcome.duration = time.perf_counter() - start
         return outcome
 
-    def _consume(self, epoch, outcome: Outcome):
+    def _consume(self, epoch, outcome: Outcome, bar: float):
         total = 0.0
         while True:
             try:
@@ -208,12 +313,13 @@ class _Stage1:
                 outcome.status, outcome.loss = SampleStatus.PRUNED, float(loss)
                 outcome.reason = f"loss became {loss} at batch {outcome.batches}; the epoch mean cannot be finite"
                 return None
-            if self.prune and self.best is not None:
+            if self.prune and math.isfinite(bar):
                 running = self.cost(outcome.plan, outcome.seconds)
-                if running >= self.best.cost:
+                if running >= bar:
                     outcome.status, outcome.cost = SampleStatus.PRUNED, running
-                    outcome.reason = (f"running cost {running:.6g} after {outcome.batches} batches already "
-                                      f">= best accepted cost {self.best.cost:.6g} ({self.best.plan})")
+                    outcome.reason = (f"running cost {running:.6g} after {outcome.batches} batches already >= "
+                                      f"{bar:.6g}, the most it may cost to challenge {self._bar_words()}")
+                    outcome.extra[PRUNED_AT] = bar
                     return None
                 if self._stopped_early(outcome):
                     return None
@@ -223,7 +329,11 @@ class _Stage1:
         outcome.cost = self.cost(outcome.plan, outcome.seconds)
         return artifact
 
+    def _bar_words(self) -> str:
+        return f"the incumbent {self.best.plan} (cost {self.best.cost:.6g})" if self.best is not None else "it"
+
     def baseline(self, plan: Assignment) -> Outcome:
+        self.saved_bytes(plan)
         outcome = self.sample(plan)
         if outcome.status is SampleStatus.ERROR or outcome.loss is None or not math.isfinite(outcome.loss):
             self.report(outcome.record(Stage.STAGE1))
@@ -231,12 +341,102 @@ class _Stage1:
                 f"the FP32 baseline epoch failed ({outcome.reason or f'loss {outcome.loss}'}); the search compares "
                 "every plan with it. Check that the model trains in FP32 with this loader, loss_fn and optimizer.")
         outcome.status, outcome.reason = SampleStatus.ACCEPTED, "FP32 baseline (loss_0)"
-        self.loss0, self.best = outcome.loss, outcome
+        over = self.over_budget(plan)
+        if over:
+            outcome.reason += f"; it {over}, so it cannot be chosen"
+        self.loss0, self.baseline_outcome = outcome.loss, outcome
+        self.best = None if over else outcome  # the incumbent until AMP's plan is measured
         self.samples.append(outcome)
         self.seen.add(plan)
         self.programs.earlier_twin(plan)  # the baseline's program is the first recorded
         self.report(outcome.record(Stage.STAGE1))
         return outcome
+
+    def first_incumbent(self, amp: Assignment) -> None:
+        """AMP's plan, the first incumbent: it stays unless FP32's plan beats it under the rule.
+
+        Its epoch stops once FP32's plan is sure to pass the screen against it
+        (exact pruning); if the duel then keeps AMP's plan after all, its epoch
+        runs again in full, for its loss.
+        """
+        if amp in self.seen:
+            return
+        self.seen.add(amp)
+        if self._same_program_sampled(amp):
+            return
+        over = self.over_budget(amp)
+        if over:
+            self._record(Outcome(amp, SampleStatus.REJECTED, reason=f"AMP's plan {over}"))
+            return
+        fp32 = self.best  # the FP32 baseline, or None when it is over the budget
+        # FP32 passes the screen against AMP once AMP costs more than fp32.cost / ratio bar: AMP's epoch stops there
+        bar = math.inf if fp32 is None else fp32.cost / self.rule.ratio_bar(self.saves_less(fp32.plan, amp))
+        early_stop, self.early_stop = self.early_stop, None  # not on pace: only the exact bar stops the first incumbent
+        try:
+            outcome = self.sample(amp, math.nextafter(bar, math.inf) if math.isfinite(bar) else bar)
+        finally:
+            self.early_stop = early_stop
+        self._predicted_extra(outcome)
+        if outcome.status is SampleStatus.PRUNED and PRUNED_AT not in outcome.extra:  # a non-finite loss
+            outcome.reason = "AMP's plan: " + outcome.reason
+            self._record(outcome)
+            return
+        if outcome.status is SampleStatus.PRUNED:  # FP32 passes the screen against its cost so far; the duel decides
+            if self.judge(outcome, fp32):  # the batches it ran: up to where it crossed the bar
+                outcome.reason = f"AMP's plan, the first incumbent: FP32's plan is faster by more than the margin " \
+                                 f"({outcome.reason})"
+                self._record(outcome)
+                return
+            note(self.report, Stage.STAGE1, f"the duel kept AMP's plan {amp} against FP32's, although its pruned "
+                 "epoch cost more: its epoch runs again in full, for its loss", plan=str(amp))
+            outcome = self.sample(amp)
+            self._predicted_extra(outcome)
+            return self._settle_amp(outcome, fp32, bar, dueled=True)
+        self._settle_amp(outcome, fp32, bar, dueled=False)
+
+    def _settle_amp(self, outcome: Outcome, fp32: Outcome | None, bar: float, *, dueled: bool) -> None:
+        if outcome.status is SampleStatus.REJECTED:
+            if is_accepted(outcome.loss, self.loss0, self.threshold):
+                outcome.status = SampleStatus.ACCEPTED
+                if fp32 is not None and not dueled and self.judge(outcome, fp32, prefix=self._crossing(outcome, bar)):
+                    outcome.reason = "AMP's plan, the first incumbent: FP32's plan is faster by more than the margin"
+                else:
+                    outcome.reason = "AMP's plan: the incumbent"
+                    self._promote(outcome)
+            else:
+                outcome.reason = "AMP's plan: " + self._loss_reason(outcome)
+        self._record(outcome)
+
+    def _crossing(self, outcome: Outcome, bar: float) -> int:
+        """How many batches ``outcome``'s epoch had run when its running cost passed ``bar`` (all: never): the batches
+        a run that stopped it at the bar would have."""
+        running = 0.0
+        for i, seconds in enumerate(outcome.batch_seconds, 1):
+            running += seconds
+            if self.cost(outcome.plan, running) >= math.nextafter(bar, math.inf):
+                return i
+        return len(outcome.batch_seconds)
+
+    def _promote(self, outcome: Outcome) -> None:
+        if self.best is not None:
+            self.best.artifact = None  # only the incumbent's trained state is kept
+        self.best = outcome
+
+    def _record(self, outcome: Outcome) -> None:
+        if outcome is not self.best:
+            outcome.artifact = None
+        self.samples.append(outcome)
+        self.report(outcome.record(Stage.STAGE1))
+
+    def _loss_reason(self, outcome: Outcome) -> str:
+        return (f"loss {outcome.loss:.6g} not below {loss_limit(self.loss0, self.threshold):.6g} "
+                f"(loss_0 {self.loss0:.6g} x threshold {self.threshold})")
+
+    def _predicted_extra(self, outcome: Outcome) -> None:
+        """The predicted cost on the sample's record, where the search priced the plan (pricing costs a rewrite)."""
+        priced = self.predicted.get(outcome.plan)
+        if priced is not None and math.isfinite(priced):
+            outcome.extra["predicted_cost"] = priced
 
     def predicted_cost(self, plan: Assignment) -> float | None:
         """``cost(plan, predicted epoch seconds)``; None without a predictor, NaN when it cannot price ``plan``."""
@@ -255,24 +455,54 @@ class _Stage1:
             cache[plan] = self.cost(plan, seconds) if math.isfinite(seconds) else math.nan
         return cache[plan]
 
-    def by_prediction(self, candidates: Sequence[Assignment]) -> list[Assignment]:
-        """Candidates cheapest-predicted first (stable; by the bound when there is one), or as given."""
-        if self.predict is None:
-            return list(candidates)
+    def cannot_win(self, plan: Assignment) -> tuple[bool, float, float]:
+        """Do the profiles show that ``plan`` cannot beat the incumbent by more than the margin?
 
-        def key(plan: Assignment) -> tuple[bool, float]:
-            value = self.bound_cost(plan)  # a plan that cannot be priced (NaN) goes after those that can
-            return (not math.isfinite(value), value if math.isfinite(value) else 0.0)
-        return sorted(candidates, key=key)
+        Like for like: the lower bound of ``plan``'s predicted cost against the
+        rule's bar on the incumbent's *predicted* cost (both from the same
+        profiles and calibration). Returns (cannot win, bound, bar); never true
+        for a plan or an incumbent that cannot be priced.
+        """
+        if self.predict is None or self.best is None:
+            return False, math.nan, math.nan
+        reference = self.predicted_cost(self.best.plan)
+        bound = self.bound_cost(plan)
+        if not (math.isfinite(reference) and math.isfinite(bound)):
+            return False, bound, math.nan
+        bar = self.rule.bar(reference, saves_less=False)
+        return bound >= bar, bound, bar
+
+    def nothing_can_win(self, candidates: Sequence[Assignment]) -> bool:
+        """True (and a note) when the profiles show that none of ``candidates`` not yet seen can beat the incumbent
+        by more than the margin (:meth:`cannot_win`): Stage 1 stops instead of sampling them."""
+        left = [plan for plan in candidates if plan not in self.seen]
+        if not left or self.predict is None or self.best is None:
+            return False
+        verdicts = [self.cannot_win(plan) for plan in left]
+        if not all(cannot for cannot, _, _ in verdicts):
+            return False
+        bar = verdicts[0][2]
+        note(self.report, Stage.STAGE1, f"stopped: the profiles show that none of the {len(left)} plans left can "
+             f"beat the incumbent {self.best.plan} by more than the margin (the lowest bound of their predicted "
+             f"costs, {min(b for _, b, _ in verdicts):.6g}, is not below {bar:.6g}, {1 - self.rule.margin:g} x the "
+             "incumbent's predicted cost); not sampled", **{NOTHING_CAN_WIN: len(left)})
+        return True
 
     def skipped(self, plan: Assignment) -> bool:
-        """Log and skip ``plan`` when its predicted cost exceeds ``margin`` x the best measured accepted cost.
+        """Log and skip ``plan`` when its predicted cost exceeds ``margin`` x the incumbent's measured cost.
 
         The cheap lower bound is tried first: when even it is over, the full
         prediction (which can only be higher) is not computed.
         """
         if self.predict is None or self.best is None:
             return False
+        cannot, bound, bar = self.cannot_win(plan)
+        if cannot:
+            name = "predicted_cost" if self.bound is None else "predicted_cost_lower_bound"
+            outcome = Outcome(plan, SampleStatus.SKIPPED, extra={name: bound, CANNOT_WIN: bar},
+                              reason=cannot_win_message(bound, bar, self.rule.margin, cost_unit(self.evaluator)))
+            self.report(outcome.record(Stage.STAGE1))
+            return True
         predicted = self.bound_cost(plan)
         name = "predicted_cost" if self.bound is None else "predicted_cost_lower_bound"  # which figure was over
         if not should_skip(predicted, self.best.cost, self.margin):
@@ -298,55 +528,62 @@ class _Stage1:
         return True
 
     def _stopped_early(self, outcome: Outcome) -> bool:
-        """Stop a sample whose pace, batch for batch against the best plan's, projects it well over the best.
+        """Stop a sample whose pace, batch for batch against the incumbent's, projects it well over the rule's bar.
 
-        Not exact (pruning is): the projection is the best plan's epoch seconds
+        Not exact (pruning is): the projection is the incumbent's epoch seconds
         times the median per-batch ratio so far, after
         :data:`EARLY_STOP_MIN_BATCHES` batches; the sample stops when that
-        projected cost exceeds the best accepted cost by more than ``early_stop``.
+        projected cost exceeds the bar it must get under (``1 - margin`` x the
+        incumbent's cost, or ``1 + margin`` x when it saves less memory) by more
+        than ``early_stop``: such a plan could only win by noise.
         """
         best, k = self.best, outcome.batches
-        if self.early_stop is None or k < EARLY_STOP_MIN_BATCHES or len(best.batch_seconds) < k:
+        if self.early_stop is None or best is None or k < EARLY_STOP_MIN_BATCHES or len(best.batch_seconds) < k:
             return False
         ratios = [mine / theirs for mine, theirs in zip(outcome.batch_seconds, best.batch_seconds) if theirs > 0]
         if len(ratios) < EARLY_STOP_MIN_BATCHES:
             return False
         projected = self.cost(outcome.plan, statistics.median(ratios) * best.seconds)
-        if not projected > (1.0 + self.early_stop) * best.cost:
+        bar = self.bar(outcome.plan)
+        if not projected > (1.0 + self.early_stop) * bar:
             return False
         outcome.status, outcome.cost = SampleStatus.PRUNED, projected
         outcome.extra[STOPPED_EARLY] = True
         outcome.reason = (f"stopped early: projected cost {projected:.6g} after {k} batches is over "
-                          f"{1.0 + self.early_stop:g} x best accepted cost {best.cost:.6g} ({best.plan})")
+                          f"{1.0 + self.early_stop:g} x {bar:.6g}, the most it may cost to challenge the incumbent "
+                          f"{best.plan} (cost {best.cost:.6g})")
         return True
 
     def try_plan(self, plan: Assignment) -> bool:
-        """Sample ``plan`` (once); True when it became the new best."""
+        """Sample ``plan`` (once); True when it replaced the incumbent."""
         if plan in self.seen:
             return False
         self.seen.add(plan)
         if self.skipped(plan) or self._same_program_sampled(plan):
             return False
-        outcome = self.sample(plan)
-        if self.predict is not None and math.isfinite(self.predicted_cost(plan)):
-            outcome.extra["predicted_cost"] = self.predicted_cost(plan)
-        became_best = False
+        over = self.over_budget(plan)
+        if over:
+            self._record(Outcome(plan, SampleStatus.REJECTED, reason=over, extra={SAVED_BYTES: self.saved_bytes(plan)}))
+            return False
+        incumbent = self.best
+        outcome = self.sample(plan, self.bar(plan))
+        self._predicted_extra(outcome)
+        replaced = False
         if outcome.status is SampleStatus.REJECTED:
             if is_accepted(outcome.loss, self.loss0, self.threshold):
                 outcome.status = SampleStatus.ACCEPTED
-                became_best = outcome.cost < self.best.cost
-                outcome.reason = "new best" if became_best else f"accepted; best cost is {self.best.cost:.6g}"
+                replaced = incumbent is None or self.judge(incumbent, outcome)
+                if replaced:
+                    outcome.reason = "new incumbent" if incumbent is not None else "the first plan within the budget"
+                else:
+                    outcome.reason = (f"accepted; not faster than the incumbent {incumbent.plan} by more than the "
+                                      "margin")
             else:
-                outcome.reason = (f"loss {outcome.loss:.6g} not below {loss_limit(self.loss0, self.threshold):.6g} "
-                                  f"(loss_0 {self.loss0:.6g} x threshold {self.threshold})")
-        if became_best:
-            self.best.artifact = None  # only the best plan's trained state is kept
-            self.best = outcome
-        else:
-            outcome.artifact = None  # only the best plan's trained state is kept
-        self.samples.append(outcome)
-        self.report(outcome.record(Stage.STAGE1))
-        return became_best
+                outcome.reason = self._loss_reason(outcome)
+        if replaced:
+            self._promote(outcome)
+        self._record(outcome)
+        return replaced
 
 
 @dataclass
@@ -363,23 +600,30 @@ class Stage1Result:
 
 def run_stage1(space: SearchSpace, evaluator, *, threshold: float = 1.01, budget: int = 64, prune: bool = True,
                report: Reporter | None = None, predict: Predict | None = None, margin: float = 1.25,
-               bound: Predict | None = None, early_stop: float | None = None) -> Stage1Result:
-    """CoMP Algorithm 1 with exact-safe pruning; ``budget`` caps samples after the FP32 baseline.
+               bound: Predict | None = None, early_stop: float | None = None, rule: DecisionRule = DecisionRule(),
+               memory_budget: int | None = None) -> Stage1Result:
+    """CoMP Algorithm 1 under compfx's decision rule, with exact pruning; ``budget`` caps samples after the baseline.
 
-    ``evaluator`` is an :class:`~compfx.search.evaluator.Evaluator`. With
-    ``predict(plan) -> predicted epoch seconds`` (called only after the FP32
-    baseline has run, so it may calibrate on it; NaN when it cannot price a
-    plan, which then runs after the priced ones and is never skipped),
-    candidates run cheapest predicted cost first, and a candidate whose
-    ``cost(plan, predicted seconds)`` exceeds ``margin`` times the best measured
-    accepted cost is not run: it is logged with status ``skipped``. Skipped
-    plans do not count against ``budget``. ``margin=math.inf`` only reorders.
-    An optional cheap ``bound(plan)`` that never exceeds ``predict(plan)``
-    orders the candidates and skips without the full prediction when even the
-    bound is over the margin (the logged figure is then that bound).
+    ``evaluator`` is an :class:`~compfx.search.evaluator.Evaluator`. After the
+    FP32 baseline, AMP's plan runs: it is the first incumbent, replaced by
+    FP32's plan only under ``rule`` (:class:`~compfx.search.compare.DecisionRule`:
+    faster by more than its margin, at its confidence). Then the other
+    candidates run, most-low first, in a fixed order; each replaces the
+    incumbent only under ``rule``. A sample stops as soon as its running cost
+    reaches the rule's bar (it could no longer win). ``memory_budget`` (bytes a
+    forward saves for backward, ``evaluator.saved_bytes``) rejects plans over
+    it before they run. With ``predict(plan) -> predicted epoch seconds``
+    (called only after the FP32 baseline has run, so it may calibrate on it;
+    NaN when it cannot price a plan, which is then never skipped), a candidate
+    whose ``cost(plan, predicted seconds)`` exceeds ``margin`` times the
+    incumbent's measured cost is not run: it is logged with status
+    ``skipped``, and does not count against ``budget``. An optional cheap
+    ``bound(plan)`` that never exceeds ``predict(plan)`` skips without the full
+    prediction when even the bound is over; it also stops Stage 1 when the
+    bounds of all plans left are at the rule's bar or over (nothing can win).
     ``early_stop`` (a fraction, e.g. 0.05; None: off) stops a sample once its
-    measured pace projects it more than that fraction over the best accepted
-    cost; unlike pruning it can misjudge a near-tie.
+    measured pace projects it more than that fraction over the incumbent;
+    unlike pruning it can misjudge a near-tie.
 
     >>> from compfx.search.evaluator import FunctionEvaluator
     >>> from compfx.vocabulary import Category as C
@@ -397,17 +641,33 @@ def run_stage1(space: SearchSpace, evaluator, *, threshold: float = 1.01, budget
     if early_stop is not None and not early_stop >= 0:
         raise SearchError(f"early_stop={early_stop}; expected a fraction >= 0 (0.05: stop samples projected "
                           "5% over the best) or None")
-    search = _Stage1(evaluator, threshold, prune, report, predict, margin, bound, early_stop)
+    search = _Stage1(evaluator, threshold, prune, report, predict, margin, bound, early_stop, rule, memory_budget)
     search.baseline(space.fp32_plan)
+    amp = stage1_plan(space, {})  # AMP's plan: Tensor-Core ops low, lists as autocast has them, the rest follow
+    search.first_incumbent(amp)
     mode = stage1_plan_space(space, budget)
     if mode == "exhaustive":
-        for plan in search.by_prediction(stage1_candidates(space)):
-            search.try_plan(plan)
+        _enumerate(search, stage1_candidates(space))
     elif mode == "grouped":
         _grouped(space, search, budget, report)
     else:
         _greedy(space, search, budget, report)
+    if search.best is None:
+        raise SearchError(f"no plan fits memory_budget={memory_budget} (activation bytes saved for backward): "
+                          f"FP32's saves {search.saved_bytes(space.fp32_plan)}, AMP's {search.saved_bytes(amp)}. "
+                          "Raise the budget, or train with smaller batches.")
     return Stage1Result(search.best, search.samples[0], search.samples, mode)
+
+
+def _enumerate(search: _Stage1, candidates: Sequence[Assignment]) -> bool:
+    """Try ``candidates`` in order, stopping when the profiles show none left can win; False when it stopped."""
+    for position, plan in enumerate(candidates):
+        if plan in search.seen:
+            continue
+        if search.nothing_can_win(candidates[position:]):
+            return False
+        search.try_plan(plan)
+    return True
 
 
 def _budget_left(search: _Stage1, budget: int) -> int:
@@ -422,9 +682,10 @@ def _grouped(space: SearchSpace, search: _Stage1, budget: int, report: Reporter 
          f"{space.plan_count(groups)} plans), then the rest of the budget refines op by op", mode="grouped",
          groups=[[space.name(i) for i in g] for g in groups])
     candidates = stage1_candidates(space, groups)
-    for plan in search.by_prediction(candidates):
-        search.try_plan(plan)
-    current = search.best.plan if search.best is not search.samples[0] else candidates[-1]
+    if not _enumerate(search, candidates):
+        return
+    best = search.best
+    current = best.plan if best is not None and best is not search.samples[0] else candidates[-1]
     _refine(space, search, budget, report, current, [i for g in groups if len(g) > 1 for i in g])
 
 
@@ -432,8 +693,7 @@ def _greedy(space: SearchSpace, search: _Stage1, budget: int, report: Reporter |
     note(report, Stage.STAGE1, f"even the {len(space.groups_of(space.searched))} groups of same-kind, same-shape "
          f"ops exceed stage1_budget={budget}: starting from autocast's choice and changing one op at a time",
          mode="greedy")
-    start = stage1_plan(space, {})
-    search.try_plan(start)
+    start = stage1_plan(space, {})  # AMP's plan, the first incumbent (already sampled)
     _refine(space, search, budget, report, start, list(space.searched))
 
 

@@ -3,21 +3,26 @@
 The Stage-1 winner fixes every whitelist and blacklist op. Between two
 consecutive such ops of different precision (a segment), the "other" ops
 decide where the one cast between them goes; Algorithm 2 enumerates them and
-times each candidate on a few batches (``evaluator.time_step``). The cheapest
-wins. Nothing here changes a Stage-1 op, so no new loss risk arises beyond
+times each candidate on a few batches (``evaluator.time_step``). A candidate
+replaces the incumbent (first the Stage-1 winner) only under the decision rule
+(:mod:`compfx.search.compare`: faster by more than a margin, confirmed by a
+duel of paired, interleaved steps). Nothing here changes a Stage-1 op, so no new loss risk arises beyond
 where casts sit; :func:`compfx.search.convergence.check_winner` checks anyway.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from itertools import product
-from typing import Sequence
+from typing import Callable, Sequence
 
 from ..errors import PlanFailedError, SearchError
 from ..plan import Assignment
 from ..vocabulary import Precision, SampleStatus, Stage
+from .compare import DecisionRule, duel, log_duel
+from .log import NOTHING_CAN_WIN, SAVED_BYTES
 from .outcome import Outcome, ProgramIndex, Reporter, checked_cost, failure_reason, note
 from .space import SearchSpace
 
@@ -84,12 +89,30 @@ class Stage2Result:
 
 
 class _Stage2:
-    def __init__(self, evaluator, report: Reporter | None):
-        self.evaluator = evaluator
+    def __init__(self, evaluator, report: Reporter | None, rule: DecisionRule = DecisionRule(),
+                 memory_budget: int | None = None, bound: Callable[[Assignment], float] | None = None,
+                 predict: Callable[[Assignment], float] | None = None):
+        self.evaluator, self.rule, self.memory_budget = evaluator, rule, memory_budget
+        self.bound, self.predict = bound, predict or bound
         self.report = report or (lambda record: None)
         self.samples: list[Outcome] = []
         self.known: dict[Assignment, Outcome] = {}
         self.programs = ProgramIndex(evaluator.program)
+        self._bytes: dict[Assignment, int | None] = {}
+        self._verdicts: dict[tuple[Assignment, Assignment], bool] = {}
+
+    def saved_bytes(self, plan: Assignment) -> int | None:
+        if plan not in self._bytes:
+            try:
+                found = self.evaluator.saved_bytes(plan)
+            except PlanFailedError:
+                found = None  # its timing will say why
+            self._bytes[plan] = None if found is None else int(found)
+        return self._bytes[plan]
+
+    def saves_less(self, plan: Assignment, than: Assignment) -> bool:
+        mine, theirs = self.saved_bytes(plan), self.saved_bytes(than)
+        return mine is not None and theirs is not None and mine < theirs
 
     def sample(self, plan: Assignment, reason: str = "") -> Outcome:
         if plan in self.known:
@@ -102,37 +125,109 @@ class _Stage2:
             return self.known[plan]
         start = time.perf_counter()
         outcome = Outcome(plan, SampleStatus.ACCEPTED, reason=reason)
-        try:
-            outcome.seconds = float(self.evaluator.time_step(plan))
-            outcome.cost = checked_cost(self.evaluator, plan, outcome.seconds)
-        except PlanFailedError as error:
-            outcome.status, outcome.reason = SampleStatus.ERROR, failure_reason(error)
+        nbytes = self.saved_bytes(plan)
+        if nbytes is not None:
+            outcome.extra[SAVED_BYTES] = nbytes
+        if nbytes is not None and self.memory_budget is not None and nbytes > self.memory_budget:
+            outcome.status = SampleStatus.REJECTED
+            outcome.reason = f"saves {nbytes} activation bytes for backward, over memory_budget={self.memory_budget}"
+        else:
+            try:
+                outcome.seconds = float(self.evaluator.time_step(plan))
+                outcome.cost = checked_cost(self.evaluator, plan, outcome.seconds)
+            except PlanFailedError as error:
+                outcome.status, outcome.reason = SampleStatus.ERROR, failure_reason(error)
         outcome.duration = time.perf_counter() - start
         self.known[plan] = outcome
         self.samples.append(outcome)
         self.report(outcome.record(Stage.STAGE2))
         return outcome
 
-    @staticmethod
-    def cheapest(outcomes: Sequence[Outcome]) -> Outcome:
-        """Lowest cost; the earliest wins a tie (``min`` keeps the first)."""
-        return min(outcomes, key=lambda o: o.cost)
+    def replaces(self, incumbent: Outcome, candidate: Outcome) -> bool:
+        """Does ``candidate`` replace ``incumbent`` under the rule (the screen on their timings, then a duel)?"""
+        if candidate is incumbent or candidate.status is not SampleStatus.ACCEPTED:
+            return False
+        saves_less = self.saves_less(candidate.plan, incumbent.plan)
+        if not self.rule.passes_screen(candidate.cost, incumbent.cost, saves_less=saves_less):
+            return False
+        if not self.rule.rounds:
+            return True
+        key = (incumbent.plan, candidate.plan)
+        if key not in self._verdicts:
+            try:
+                verdict = duel(self.evaluator, self.rule, incumbent.plan, candidate.plan, saves_less=saves_less)
+            except PlanFailedError as error:
+                note(self.report, Stage.STAGE2, f"duel of {candidate.plan} with incumbent {incumbent.plan} failed "
+                     f"({failure_reason(error)}); incumbent kept", plan=str(candidate.plan))
+                self._verdicts[key] = False
+            else:
+                log_duel(self.report, Stage.STAGE2, verdict, incumbent.plan, candidate.plan, self.rule.rounds)
+                self._verdicts[key] = verdict.replaces
+        return self._verdicts[key]
+
+    def chain(self, incumbent: Outcome, candidates: Sequence[Outcome]) -> Outcome:
+        """The incumbent after each of ``candidates`` in turn challenged it."""
+        for candidate in candidates:
+            if self.replaces(incumbent, candidate):
+                incumbent = candidate
+        return incumbent
+
+    def _priced(self, estimate, plan: Assignment) -> float:
+        seconds = float(estimate(plan))
+        return checked_cost(self.evaluator, plan, seconds) if math.isfinite(seconds) else math.nan
+
+    def cannot_win(self, incumbent: Outcome, plan: Assignment) -> bool:
+        """Do the profiles show ``plan`` cannot beat ``incumbent`` by the margin (its bound against the bar on the
+        incumbent's predicted step cost, like for like)? Never for a plan or incumbent that cannot be priced."""
+        if self.bound is None:
+            return False
+        reference, bound = self._priced(self.predict, incumbent.plan), self._priced(self.bound, plan)
+        return math.isfinite(reference) and math.isfinite(bound) and bound >= self.rule.bar(reference, saves_less=False)
+
+    def nothing_can_win(self, incumbent: Outcome, candidates: Sequence[Assignment], what: str) -> bool:
+        """True (and a note) when the profiles show none of ``candidates`` can beat ``incumbent`` by the margin."""
+        if self.bound is None or not candidates or incumbent.status is not SampleStatus.ACCEPTED:
+            return False
+        if not all(self.cannot_win(incumbent, plan) for plan in candidates):
+            return False
+        bar = self.rule.bar(self._priced(self.predict, incumbent.plan), saves_less=False)
+        lowest = min(self._priced(self.bound, plan) for plan in candidates)
+        note(self.report, Stage.STAGE2, f"{what} not timed: the profiles show that none of its {len(candidates)} "
+             f"plans can beat the incumbent {incumbent.plan} by more than the margin (the lowest bound of their "
+             f"predicted step costs, {lowest:.6g}, is not below {bar:.6g}, {1 - self.rule.margin:g} x the "
+             "incumbent's predicted step cost)", **{NOTHING_CAN_WIN: len(candidates)})
+        return True
+
+
+def _segment_candidates(base: Assignment, segment: Segment, exhaustive: bool) -> list[Assignment]:
+    """What Stage 2 would time for ``segment``: Algorithm 2's plans, or each op alone at low and FP32 (greedy)."""
+    if exhaustive:
+        return algorithm2_candidates(base, segment)
+    return [base.replaced([i], precision) for i in segment.inner for precision in (_LOW, _FP32)]
 
 
 def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int = 32,
-               report: Reporter | None = None) -> Stage2Result:
-    """CoMP Algorithm 2 on the Stage-1 winner ``base``; ``budget`` caps timed candidates (the winner included).
+               report: Reporter | None = None, rule: DecisionRule = DecisionRule(), memory_budget: int | None = None,
+               bound: Callable[[Assignment], float] | None = None,
+               predict: Callable[[Assignment], float] | None = None) -> Stage2Result:
+    """CoMP Algorithm 2 on the Stage-1 winner ``base`` under the decision rule; ``budget`` caps timed candidates.
 
     Candidates are the winner itself, then each differing segment's ``2**n``
-    plans with the rest as in the winner (Algorithm 2). A segment whose
-    ``2**n`` does not fit the budget left is searched greedily instead (each op
-    tried at low and FP32 in turn, keeping the cheaper). Last, when two or more
-    segments improved, their best plans are combined into one more candidate.
-    The cheapest candidate wins. With no segment at all the winner stands
+    plans with the rest as in the winner (Algorithm 2), each challenging the
+    segment's incumbent under ``rule`` (:class:`~compfx.search.compare.DecisionRule`;
+    the winner is the first incumbent). A segment whose ``2**n`` does not fit
+    the budget left is searched greedily instead (each op tried at low and FP32
+    in turn, keeping a change that wins). Last, when two or more segments
+    improved, their best plans are combined into one more candidate; the final
+    plan is the incumbent after each segment's best, then the combination,
+    challenged the winner in turn. With no segment at all the winner stands
     untimed (``samples`` is empty and a note says why). A candidate whose
-    program (``evaluator.program``) was already timed (e.g. follow ops set to
-    the dtype that reaches them anyway) takes that outcome instead of being
-    timed, and does not count against ``budget``.
+    program (``evaluator.program``) was already timed takes that outcome
+    instead of being timed, and does not count against ``budget``. Plans over
+    ``memory_budget`` are rejected untimed. With ``bound(plan)`` (a lower bound
+    of the predicted step seconds) and ``predict(plan)`` (the prediction itself),
+    a segment, or the whole stage, whose plans' bounds are all at the rule's bar
+    on the Stage-1 winner's predicted step or over is not timed (a note says so).
 
     >>> from compfx.search.evaluator import FunctionEvaluator
     >>> from compfx.vocabulary import Category as C
@@ -149,49 +244,56 @@ def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int =
              "winner stands, with nothing to time")
         winner = Outcome(base, SampleStatus.ACCEPTED, reason="Stage-1 winner")
         return Stage2Result(winner, winner, [], [])
-    search = _Stage2(evaluator, report)
+    search = _Stage2(evaluator, report, rule, memory_budget, bound, predict)
+    every = [plan for segment in segments for plan in _segment_candidates(base, segment, True)]
+    untimed = Outcome(base, SampleStatus.ACCEPTED, reason="Stage-1 winner")
+    if search.nothing_can_win(untimed, [p for p in every if p != base], "Stage 2"):  # the winner needs no timing
+        return Stage2Result(untimed, untimed, [], segments)
     winner = search.sample(base, "Stage-1 winner")
-    improved: list[tuple[Segment, Assignment]] = []
+    improved: list[tuple[Segment, Outcome]] = []
     for segment in segments:
         left = budget - len(search.samples)
         if left <= 0:
             note(report, Stage.STAGE2, f"stage2_budget={budget} spent: segment ({segment.start}, {segment.end}) "
                  "keeps the Stage-1 precisions (follow)", segment=[segment.start, segment.end])
             continue
-        if 2 ** len(segment.inner) <= left:
+        exhaustive = 2 ** len(segment.inner) <= left
+        if search.nothing_can_win(winner, [p for p in _segment_candidates(base, segment, exhaustive) if p != base],
+                                  f"segment ({segment.start}, {segment.end})"):
+            continue
+        if exhaustive:
             tried = [search.sample(plan, f"segment ({segment.start}, {segment.end})")
                      for plan in algorithm2_candidates(base, segment)]
+            best = search.chain(winner, tried)
         else:
-            tried = _greedy(space, search, base, segment, budget, report)
-        best = search.cheapest([winner, *tried])
+            best = _greedy(space, search, winner, segment, budget, report)
         if best is not winner:
-            improved.append((segment, best.plan))
+            improved.append((segment, best))
+    candidates = [best for _, best in improved]
     if len(improved) > 1 and len(search.samples) < budget:
         combined = list(base)
-        for segment, plan in improved:
+        for segment, best in improved:
             for i in segment.inner:
-                combined[i] = plan[i]
-        search.sample(Assignment(combined), "best plan of every segment, combined")
-    return Stage2Result(search.cheapest(search.samples), winner, search.samples, segments)
+                combined[i] = best.plan[i]
+        candidates.append(search.sample(Assignment(combined), "best plan of every segment, combined"))
+    return Stage2Result(search.chain(winner, candidates), winner, search.samples, segments)
 
 
-def _greedy(space: SearchSpace, search: _Stage2, base: Assignment, segment: Segment, budget: int,
-            report: Reporter | None) -> list[Outcome]:
+def _greedy(space: SearchSpace, search: _Stage2, winner: Outcome, segment: Segment, budget: int,
+            report: Reporter | None) -> Outcome:
     note(report, Stage.STAGE2, f"segment ({segment.start}, {segment.end}) has {len(segment.inner)} ops: 2^"
          f"{len(segment.inner)} plans exceed the budget left, so its ops are tried one at a time",
          segment=[segment.start, segment.end])
-    current = search.known[base]
-    tried = []
+    current = winner
     for position, i in enumerate(segment.inner):
         for precision in (_LOW, _FP32):
             if len(search.samples) >= budget:
                 untried = [space.name(j) for j in segment.inner[position:]]
                 note(report, Stage.STAGE2, f"stage2_budget={budget} spent inside segment ({segment.start}, "
                      f"{segment.end}); {len(untried)} ops keep 'follow'", untried=untried)
-                return tried
+                return current
             outcome = search.sample(current.plan.replaced([i], precision),
                                     f"segment ({segment.start}, {segment.end}), greedy")
-            tried.append(outcome)
-            if outcome.cost < current.cost:
+            if search.replaces(current, outcome):
                 current = outcome
-    return tried
+    return current

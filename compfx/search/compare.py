@@ -1,0 +1,273 @@
+"""The decision rule, defined once: when a candidate plan replaces the incumbent, and how sure the report may be.
+
+Timings on a real machine are noisy; a rule that lets the smaller of two
+numbers win lets noise pick between plans that are equally fast, so the same
+search reaches a different plan each run. compfx's rule:
+
+**A candidate replaces the incumbent only when it is faster by more than
+``margin``, with ``confidence``** -- or, when it saves fewer activation bytes for
+backward, when it is not slower by more than ``margin``, with ``confidence``.
+Anything else is a tie, and a tie keeps the incumbent. The first incumbent is
+AMP's plan (what the user would otherwise run); then FP32's; then the
+candidates, in a fixed order. So ties go the same way every time.
+
+Two tests, both necessary:
+
+1. **The screen** (on what the stage measured: a Stage-1 epoch, a Stage-2
+   timing): the candidate's cost is below :meth:`DecisionRule.bar` --
+   ``(1 - margin)`` x the incumbent's cost, or ``(1 + margin)`` x when it saves
+   less memory. Costs only grow as a sample runs, so a sample whose running cost
+   reaches the bar stops there (exact pruning: it could not pass).
+2. **The duel** (``rounds > 0``): the two plans take turns on the same batches,
+   ``rounds`` pairs at a time (:func:`paired_costs`, order alternating
+   AB BA AB ... so that drift hits both alike); the ratio candidate / incumbent
+   of each pair's costs is one sample, and :func:`median_interval` gives a
+   distribution-free interval of the median ratio at ``confidence`` (order
+   statistics, as a sign test; no assumption on the noise's shape, and one slow
+   outlier step moves it by one rank only). The candidate wins when the whole
+   interval lies below ``1 - margin`` (or below ``1 + margin`` with less memory).
+   While the median ratio is below the bar but the interval is not, up to
+   :data:`MAX_DUEL_BLOCKS` blocks of ``rounds`` pairs are taken (each look at the
+   stated confidence).
+
+With ``rounds=0`` the screen alone decides (with ``margin=0`` that is CoMP's
+own rule: the cheaper plan wins, ties to the earlier).
+
+The report's speed-ups come from the same statistics (:func:`speedup_text`):
+one interleaved phase of FP32, AMP and the chosen plan after the search.
+
+>>> rule = DecisionRule(margin=0.03, rounds=7)
+>>> rule.bar(10.0, saves_less=False), rule.bar(10.0, saves_less=True)
+(9.7, 10.3)
+>>> rule.verdict(Comparison.of([1.0] * 7, [0.9, 0.92, 0.91, 0.93, 0.9, 0.95, 0.91]), saves_less=False).replaces
+True
+>>> rule.verdict(Comparison.of([1.0] * 7, [0.9, 0.99, 0.91, 1.01, 0.9, 0.95, 0.91]), saves_less=False).replaces
+False
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass, replace
+from typing import Callable, Sequence
+
+from ..errors import BadInputError
+from ..measure import median_interval
+from .log import DUEL
+from .outcome import checked_cost, note
+
+__all__ = ["DecisionRule", "Comparison", "Verdict", "median_interval", "paired_costs", "speedup_text", "duel", "log_duel",
+           "StepComparison", "MAX_DUEL_BLOCKS"]
+
+#: Most blocks of ``rounds`` pairs one duel takes while it is still undecided.
+MAX_DUEL_BLOCKS = 3
+
+
+def paired_costs(seconds: Sequence[Sequence[float]], cost: Callable[[int, float], float]) -> list[list[float]]:
+    """Each plan's per-round seconds priced by ``cost(plan index, seconds)``."""
+    return [[cost(i, s) for s in row] for i, row in enumerate(seconds)]
+
+
+@dataclass(frozen=True)
+class Comparison:
+    """Paired costs of an incumbent and a candidate, round by round; ``ratios`` are candidate / incumbent."""
+
+    incumbent: tuple[float, ...]
+    candidate: tuple[float, ...]
+
+    @classmethod
+    def of(cls, incumbent: Sequence[float], candidate: Sequence[float]) -> "Comparison":
+        if len(incumbent) != len(candidate) or not incumbent:
+            raise BadInputError(f"a comparison pairs costs round by round; got {len(incumbent)} and "
+                                f"{len(candidate)} rounds")
+        return cls(tuple(map(float, incumbent)), tuple(map(float, candidate)))
+
+    @property
+    def ratios(self) -> tuple[float, ...]:
+        return tuple(c / i if i > 0 else math.inf for i, c in zip(self.incumbent, self.candidate))
+
+    @property
+    def median(self) -> float:
+        return statistics.median(self.ratios)
+
+    def interval(self, confidence: float) -> tuple[float, float, float]:
+        return median_interval(self.ratios, confidence)
+
+    def extended(self, other: "Comparison") -> "Comparison":
+        return Comparison(self.incumbent + other.incumbent, self.candidate + other.candidate)
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one duel decided, and on what."""
+
+    comparison: Comparison
+    replaces: bool
+    low: float
+    high: float
+    coverage: float
+    bar: float  # the ratio the interval had to stay below
+    reason: str
+    seconds: tuple[tuple[float, ...], ...] = ()  # (incumbent's, candidate's) seconds per round, as measured
+
+    def to_dict(self) -> dict:
+        return {"incumbent_costs": list(self.comparison.incumbent), "candidate_costs": list(self.comparison.candidate),
+                "median_ratio": self.comparison.median, "interval": [self.low, self.high], "coverage": self.coverage,
+                "bar": self.bar, "replaces": self.replaces}
+
+
+@dataclass(frozen=True)
+class DecisionRule:
+    """``margin``: the least fraction a candidate must be faster by; ``confidence``: how sure the duel must be;
+    ``rounds``: pairs per duel block (0: the screen alone decides). See the module docstring."""
+
+    margin: float = 0.0
+    confidence: float = 0.95
+    rounds: int = 0
+
+    def __post_init__(self):
+        if not (0 <= self.margin < 1):
+            raise BadInputError(f"margin={self.margin!r}; expected a fraction in [0, 1), e.g. 0.03")
+        if not (0 < self.confidence < 1):
+            raise BadInputError(f"confidence={self.confidence!r}; expected a probability in (0, 1), e.g. 0.95")
+        if self.rounds < 0:
+            raise BadInputError(f"rounds={self.rounds!r}; expected 0 (no duel) or more pairs per duel")
+
+    def ratio_bar(self, saves_less: bool) -> float:
+        """The cost ratio candidate / incumbent a candidate must stay below."""
+        return 1.0 + self.margin if saves_less else 1.0 - self.margin
+
+    def bar(self, incumbent_cost: float, *, saves_less: bool) -> float:
+        """The screen: a candidate must cost strictly less than this (pruning stops a sample that reaches it)."""
+        return self.ratio_bar(saves_less) * incumbent_cost
+
+    def passes_screen(self, candidate_cost: float, incumbent_cost: float, *, saves_less: bool) -> bool:
+        return candidate_cost < self.bar(incumbent_cost, saves_less=saves_less)
+
+    def verdict(self, comparison: Comparison, *, saves_less: bool) -> Verdict:
+        """Does the candidate replace the incumbent, on these paired costs?"""
+        low, high, coverage = comparison.interval(self.confidence)
+        bar = self.ratio_bar(saves_less)
+        replaces = high < bar
+        what = (f"not slower by more than {self.margin:.0%}, and saves less memory" if saves_less
+                else f"faster by more than {self.margin:.0%}")
+        reason = (f"cost ratio {comparison.median:.3f} ({low:.3f}-{high:.3f}, {coverage:.0%} interval over "
+                  f"{len(comparison.ratios)} pairs): " + (what if replaces else f"not confidently {what}; incumbent kept"))
+        return Verdict(comparison, replaces, low, high, coverage, bar, reason)
+
+    def decided(self, verdict: Verdict) -> bool:
+        """True when more pairs cannot change the verdict's meaning (won, or the median itself is past the bar)."""
+        return verdict.replaces or not verdict.comparison.median < verdict.bar
+
+    def check_rounds(self) -> None:
+        """Refuse ``rounds`` too few for ``confidence`` (even the full range would cover less)."""
+        if self.rounds and 1 - 2 / 2 ** self.rounds < self.confidence:
+            needed = next(n for n in range(1, 64) if 1 - 2 / 2 ** n >= self.confidence)
+            raise BadInputError(f"rounds={self.rounds} pairs cannot give {self.confidence:.0%} confidence (the "
+                                f"widest interval of {self.rounds} covers {1 - 2 / 2 ** self.rounds:.1%}); expected "
+                                f"at least {needed} rounds, or a lower confidence")
+
+
+def speedup_text(comparison: Comparison, confidence: float) -> str:
+    """The report's words for how much faster the candidate is than the incumbent, from paired costs.
+
+    ``"speed-up 1.24x (1.19-1.30)"`` when the interval of the speed-up
+    (incumbent / candidate per pair) excludes 1; otherwise ``"no measurable
+    difference (±3%)"``, the ± being the interval's wider side.
+
+    >>> speedup_text(Comparison.of([1.24, 1.3, 1.19, 1.25, 1.22], [1.0] * 5), 0.9)
+    'speed-up 1.24x (1.19-1.30)'
+    >>> speedup_text(Comparison.of([1.0, 1.02, 0.99, 1.01, 0.97], [1.0] * 5), 0.9)
+    'no measurable difference (±3%)'
+    """
+    speedups = [i / c if c > 0 else math.inf for i, c in zip(comparison.incumbent, comparison.candidate)]
+    low, high, _ = median_interval(speedups, confidence)
+    middle = statistics.median(speedups)
+    if low > 1.0 or high < 1.0:
+        return f"speed-up {middle:.2f}x ({low:.2f}-{high:.2f})"
+    spread = max(1.0 - low, high - 1.0)
+    return f"no measurable difference (±{math.ceil(spread * 100 - 1e-9):.0f}%)"
+
+
+def duel(evaluator, rule: DecisionRule, incumbent, candidate, *, saves_less: bool) -> Verdict:
+    """Time ``incumbent`` and ``candidate`` in turns on the same batches (``evaluator.time_steps``); the verdict.
+
+    Blocks of ``rule.rounds`` pairs, until the verdict is decided or
+    :data:`MAX_DUEL_BLOCKS` blocks were taken. Each pair's seconds are priced by
+    ``evaluator.cost``. A plan that fails while it is timed
+    (:class:`~compfx.errors.PlanFailedError`) propagates: the caller logs it.
+    """
+    comparison = verdict = None
+    measured: list[list[float]] = [[], []]
+    for _ in range(MAX_DUEL_BLOCKS):
+        seconds = evaluator.time_steps([incumbent, candidate], rule.rounds)
+        for row, block_seconds in zip(measured, seconds):
+            row.extend(float(s) for s in block_seconds)
+        costs = paired_costs(seconds, lambda i, s: checked_cost(evaluator, (incumbent, candidate)[i], s))
+        block = Comparison.of(*costs)
+        comparison = block if comparison is None else comparison.extended(block)
+        verdict = rule.verdict(comparison, saves_less=saves_less)
+        if rule.decided(verdict):
+            break
+    return replace(verdict, seconds=tuple(map(tuple, measured)))
+
+
+def log_duel(report, stage, verdict: Verdict, incumbent, candidate, rounds: int) -> None:
+    """Log a duel as a note: its verdict and the seconds of every round (a resumed search replays them)."""
+    note(report, stage, f"duel {candidate} vs incumbent {incumbent}: {verdict.reason}",
+         **{DUEL: {"incumbent": str(incumbent), "candidate": str(candidate), "rounds": rounds,
+                   "seconds": [list(row) for row in verdict.seconds], **verdict.to_dict()}})
+
+
+@dataclass(frozen=True)
+class StepComparison:
+    """The report's step comparison: each named plan's step seconds, round by round, from one interleaved phase.
+
+    ``plans`` names each plan's CoMP string (two names may share a plan: it
+    was timed once); ``saved_bytes`` the activation bytes one forward of each
+    saves for backward (missing where unknown).
+
+    >>> c = StepComparison({"fp32": "11", "chosen": "01"}, {"fp32": (2.0, 2.1, 2.0), "chosen": (1.0, 1.1, 1.0)}, 0.7)
+    >>> c.median("chosen"), c.speedup("fp32")
+    (1.0, 'speed-up 2.00x (1.91-2.00)')
+    """
+
+    plans: dict[str, str]
+    seconds: dict[str, tuple[float, ...]]
+    confidence: float
+    saved_bytes: dict[str, int] | None = None
+
+    def median(self, name: str) -> float | None:
+        return statistics.median(self.seconds[name]) if self.seconds.get(name) else None
+
+    def spread(self, name: str) -> tuple[float, float] | None:
+        """The interval of ``name``'s median step at ``confidence`` (None when it was not timed)."""
+        if not self.seconds.get(name):
+            return None
+        low, high, _ = median_interval(self.seconds[name], self.confidence)
+        return low, high
+
+    def speedup(self, over: str, of: str = "chosen") -> str | None:
+        """How much faster ``of`` is than ``over`` (:func:`speedup_text`); None when either was not timed."""
+        if not self.seconds.get(over) or not self.seconds.get(of):
+            return None
+        if self.plans.get(over) == self.plans.get(of):
+            return f"the same plan as {over.upper()}"
+        return speedup_text(Comparison.of(self.seconds[over], self.seconds[of]), self.confidence)
+
+    @property
+    def coverage(self) -> float:
+        """The coverage of the intervals this comparison states (its rounds and confidence give it)."""
+        rounds = max((len(s) for s in self.seconds.values()), default=0)
+        return median_interval(range(rounds), self.confidence)[2] if rounds else 0.0
+
+    def to_dict(self) -> dict:
+        return {"plans": dict(self.plans), "seconds": {k: list(v) for k, v in self.seconds.items()},
+                "confidence": self.confidence, "saved_bytes": dict(self.saved_bytes or {})}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "StepComparison":
+        return cls({str(k): str(v) for k, v in data["plans"].items()},
+                   {str(k): tuple(float(x) for x in v) for k, v in data["seconds"].items()},
+                   float(data["confidence"]), {str(k): int(v) for k, v in data.get("saved_bytes", {}).items()})

@@ -1,0 +1,437 @@
+"""The decision rule (compfx.search.compare): near ties resolve the same way whatever the noise, a clear win wins.
+
+Every timing here comes from an injected noisy timer (no wall clock): the fake
+epochs and steps are a plan's true time times a noise factor the test controls.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from compfx import SearchConfig
+from compfx.errors import BadInputError, SearchError
+from compfx.plan import Assignment
+from compfx.search import (Comparison, DecisionRule, FunctionEvaluator, SearchSpace, median_interval, run_search,
+                           run_stage1, run_stage2, speedup_text)
+from compfx.search.log import DUEL, NOTHING_CAN_WIN, SearchLog
+from compfx.vocabulary import Category
+
+W, B, O = Category.WHITELIST, Category.BLACKLIST, Category.OTHER
+#: three adjustable ops (two whitelist without Tensor Cores, one blacklist) and "other" ops between them
+SPACE = SearchSpace((W, O, B, O, W, O), (False,) * 6, tuple(range(6)))
+AMP = str(SPACE.amp_plan)  # "0f1f0f": what the user would otherwise run, the first incumbent
+BATCHES = 6
+
+
+class NoisyDevice:
+    """A fake device: ``true(plan string)`` seconds per step, times noise drawn from ``noise(rng)`` at every call.
+
+    It serves Stage-1 epochs (``BATCHES`` steps, constant loss), Stage-2 timings and the duels' interleaved
+    steps, and counts the duels' steps.
+    """
+
+    def __init__(self, true, noise, seed: int, saved_bytes=None):
+        self.true, self.noise, self.rng = true, noise, random.Random(seed)
+        self.saved = saved_bytes or (lambda plan: None)
+
+    def step(self, plan) -> float:
+        return self.true(str(plan)) * self.noise(self.rng)
+
+    def run_epoch(self, plan):
+        for _ in range(BATCHES):
+            yield 1.0, self.step(plan)
+
+    def evaluator(self) -> FunctionEvaluator:
+        return FunctionEvaluator(run_epoch=self.run_epoch, time_step=self.step, check_loss=lambda plan, n: 1.0,
+                                 saved_bytes=self.saved)
+
+
+def uniform(spread: float):
+    return lambda rng: 1.0 + rng.uniform(-spread, spread)
+
+
+def heavy_tailed(rng) -> float:
+    """5% jitter, and one step in ten hit by another job: twice as long."""
+    return (1.0 + rng.uniform(-0.05, 0.05)) * (2.0 if rng.random() < 0.1 else 1.0)
+
+
+def near_tie(code: str) -> float:
+    """Every plan within 1% of every other: low precision neither pays nor costs here."""
+    return 1.0 + 0.002 * (sum(c == "0" for c in code) % 5)
+
+
+def search(device: NoisyDevice, **config):
+    settings_ = dict(progress=False, stage2_check_batches=0, predictor="off", **config)
+    return run_search(SPACE, device.evaluator(), SearchConfig(**settings_))
+
+
+# -- the statistics -------------------------------------------------------------------------------
+
+@settings(max_examples=40, deadline=None)
+@given(values=st.lists(st.floats(0.1, 10.0), min_size=1, max_size=40), confidence=st.sampled_from([0.5, 0.9, 0.95]))
+def test_the_median_interval_brackets_the_median_at_its_stated_coverage(values, confidence):
+    low, high, coverage = median_interval(values, confidence)
+    ordered = sorted(values)
+    median = (ordered[(len(values) - 1) // 2] + ordered[len(values) // 2]) / 2
+    assert low <= median <= high and low in values and high in values
+    if 1 - 2 / 2 ** len(values) >= confidence:  # enough values to reach the confidence asked for
+        assert coverage >= confidence
+
+
+def test_the_median_interval_covers_the_median_as_often_as_it_says():
+    rng = random.Random(0)
+    hits = 0
+    for _ in range(2000):
+        sample = [rng.gauss(0.0, 1.0) for _ in range(15)]
+        low, high, coverage = median_interval(sample, 0.9)
+        hits += low <= 0.0 <= high
+    assert coverage >= 0.9 and hits / 2000 >= 0.9 - 0.02
+
+
+def test_the_report_says_no_measurable_difference_unless_the_interval_excludes_one():
+    assert speedup_text(Comparison.of([1.3, 1.24, 1.19, 1.27, 1.22, 1.25, 1.3], [1.0] * 7), 0.95) == \
+        "speed-up 1.25x (1.19-1.30)"
+    assert speedup_text(Comparison.of([1.03, 0.99, 1.01, 0.98, 1.02, 1.0, 1.0], [1.0] * 7), 0.95) == \
+        "no measurable difference (±3%)"
+
+
+@pytest.mark.parametrize("kw, match", [(dict(margin=-0.1), "margin"), (dict(margin=1.0), "margin"),
+                                       (dict(confidence=1.0), "confidence"), (dict(rounds=-1), "rounds"),
+                                       (dict(rounds=3), "rounds=3 pairs cannot give 95% confidence"),
+                                       (dict(margin="0.03"), "margin")])
+def test_config_refuses_a_bad_rule(kw, match):
+    with pytest.raises(BadInputError, match=match):
+        SearchConfig(**kw)
+
+
+# -- near ties: the same plan whatever the noise -----------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(noise=st.lists(st.floats(-0.01, 0.01), min_size=1, max_size=64))
+def test_near_ties_resolve_to_the_first_incumbent_whatever_the_noise(noise):
+    # any noise sequence up to ±1% (hypothesis picks it, adversarially if it can): with plans within 1% of each
+    # other, no ratio can get below 0.97, so no candidate can replace AMP's plan -- in any run
+    sequence = iter(noise * (10_000 // len(noise) + 1))
+    device = NoisyDevice(near_tie, lambda rng: 1.0 + next(sequence), seed=0)
+    assert str(search(device).plan) == AMP
+
+
+@pytest.mark.parametrize("noise", [uniform(0.05), heavy_tailed], ids=["uniform 5%", "heavy-tailed"])
+def test_near_ties_resolve_to_the_same_plan_in_every_run_of_a_noisy_machine(noise):
+    plans = {str(search(NoisyDevice(near_tie, noise, seed)).plan) for seed in range(25)}
+    assert plans == {AMP}
+
+
+def test_without_the_rule_noise_decides_between_near_ties():
+    # the same machine with CoMP's own rule (the cheaper plan wins): what the rule above prevents
+    plans = {str(search(NoisyDevice(near_tie, uniform(0.05), seed), margin=0.0, rounds=0).plan) for seed in range(25)}
+    assert len(plans) > 3
+
+
+# -- a clear win wins ------------------------------------------------------------------------------------
+
+FASTER = "1f0f0f"  # the blacklist op low, the first whitelist op FP32
+
+
+def clear_win(code: str) -> float:
+    return 0.8 if code.startswith("1f0f0") else 1.0  # 20% faster than anything else, Stage-2 variants alike
+
+
+@settings(max_examples=20, deadline=None)
+@given(noise=st.lists(st.floats(-0.05, 0.05), min_size=1, max_size=64))
+def test_a_candidate_faster_by_more_than_the_margin_and_the_noise_wins(noise):
+    sequence = iter(noise * (10_000 // len(noise) + 1))
+    device = NoisyDevice(clear_win, lambda rng: 1.0 + next(sequence), seed=0)
+    result = search(device)
+    assert str(result.stage1.best.plan) == FASTER and str(result.plan).startswith("1f0f0")
+
+
+def test_a_clear_win_wins_in_every_run_of_a_noisy_machine():
+    # (under heavy-tailed noise a Stage-1 epoch hit by bursts can cost more than the bar and be pruned: the
+    # epoch's sum is what pruning needs, and it is not robust; then the incumbent stays, which is a tie's outcome)
+    assert {str(search(NoisyDevice(clear_win, uniform(0.05), seed)).stage1.best.plan) for seed in range(15)} == {FASTER}
+
+
+def test_a_candidate_faster_by_less_than_the_margin_does_not_win():
+    slightly = lambda code: 0.98 if code == FASTER else 1.0  # noqa: E731 - 2% faster: below the 3% margin
+    assert str(search(NoisyDevice(slightly, uniform(0.0), 0)).plan) == AMP
+    assert str(search(NoisyDevice(slightly, uniform(0.0), 0), margin=0.01).stage1.best.plan) == FASTER
+
+
+def test_fp32_replaces_amp_only_when_faster_by_the_margin():
+    fp32_fast = lambda code: 0.5 if code == "111111" else 1.0  # noqa: E731 - low precision slow (an AVX2 CPU)
+    assert str(search(NoisyDevice(fp32_fast, uniform(0.02), 0)).plan) == "111111"
+    fp32_tie = lambda code: 0.99 if code == "111111" else 1.0  # noqa: E731
+    assert str(search(NoisyDevice(fp32_tie, uniform(0.0), 0)).plan) == AMP
+
+
+def test_every_duel_is_logged_with_its_rounds():
+    log = SearchLog()
+    evaluator = NoisyDevice(clear_win, uniform(0.02), 3).evaluator()
+    run_search(SPACE, evaluator, SearchConfig(progress=False, stage2_check_batches=0, predictor="off"),
+               report=log.append)
+    duels = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra]
+    assert duels and any(d["replaces"] for d in duels)
+    for d in duels:
+        assert len(d["seconds"][0]) == len(d["seconds"][1]) == len(d["candidate_costs"]) and len(d["seconds"][0]) % 7 == 0
+        low, high = d["interval"]
+        assert d["replaces"] == (high < d["bar"]) and low <= d["median_ratio"] <= high
+
+
+# -- memory --------------------------------------------------------------------------------------------
+
+def test_between_plans_within_the_margin_the_one_that_saves_less_wins():
+    tie = lambda code: 1.0  # noqa: E731
+    less = lambda plan: 50 if str(plan) == FASTER else 100  # noqa: E731
+    more = lambda plan: 150 if str(plan) == FASTER else 100  # noqa: E731
+    assert str(search(NoisyDevice(tie, uniform(0.01), 0, saved_bytes=less)).stage1.best.plan) == FASTER
+    assert str(search(NoisyDevice(tie, uniform(0.01), 0, saved_bytes=more)).plan) == AMP
+
+
+def test_a_memory_budget_rejects_plans_over_it_before_they_run():
+    started = []
+    device = NoisyDevice(lambda code: 0.5 if code == FASTER else 1.0, uniform(0.0), 0,
+                         saved_bytes=lambda plan: 200 if str(plan) == FASTER else 100)
+    evaluator = device.evaluator()
+    evaluator.run_epoch = lambda plan: started.append(str(plan)) or device.run_epoch(plan)
+    log = SearchLog()
+    result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), memory_budget=150,
+                        report=log.append)
+    assert str(result.best.plan) == AMP and FASTER not in started
+    [over] = [r for r in log.samples() if r.plan == FASTER]
+    assert over.status == "rejected" and "over memory_budget=150" in over.reason and over.extra["saved_bytes"] == 200
+
+
+def test_no_plan_within_the_memory_budget_is_a_search_error():
+    device = NoisyDevice(lambda code: 1.0, uniform(0.0), 0, saved_bytes=lambda plan: 100)
+    with pytest.raises(SearchError, match="no plan fits memory_budget=50"):
+        run_stage1(SPACE, device.evaluator(), memory_budget=50)
+
+
+# -- pruning stays exact against the rule --------------------------------------------------------------
+
+@settings(max_examples=30, deadline=None)
+@given(seed=st.integers(0, 2 ** 16), margin=st.sampled_from([0.0, 0.03, 0.2]), rounds=st.sampled_from([0, 7]),
+       memory=st.booleans())
+def test_pruning_picks_the_plan_the_unpruned_search_picks_under_the_rule(seed, margin, rounds, memory):
+    rng = random.Random(seed)
+    per_batch = {}
+
+    def table(code):  # a fixed random epoch per plan; its step times are its batches' median (no noise)
+        if code not in per_batch:
+            per_batch[code] = [rng.uniform(0.5, 2.0) for _ in range(BATCHES)]
+        return per_batch[code]
+
+    def run_epoch(plan):
+        for s in table(str(plan)):
+            yield 1.0, s
+
+    sizes = {}
+
+    def saved_bytes(plan):
+        return sizes.setdefault(str(plan), rng.randint(1, 4)) if memory else None
+
+    def evaluator():
+        return FunctionEvaluator(run_epoch=run_epoch, time_step=lambda plan: sorted(table(str(plan)))[BATCHES // 2],
+                                 saved_bytes=saved_bytes)
+
+    rule = DecisionRule(margin=margin, rounds=rounds)
+    pruned = run_stage1(SPACE, evaluator(), rule=rule)
+    full = run_stage1(SPACE, evaluator(), rule=rule, prune=False)
+    assert pruned.best.plan == full.best.plan and pruned.best.cost == full.best.cost
+    assert sum(s.batches for s in pruned.samples) <= sum(s.batches for s in full.samples) + BATCHES
+
+
+# -- stopping when nothing can win -------------------------------------------------------------------------
+
+def test_stage2_is_not_timed_when_the_profiles_show_nothing_can_win():
+    timed, log = [], SearchLog()
+    base = Assignment.parse("0f1f0f")
+    evaluator = FunctionEvaluator(time_step=lambda plan: timed.append(str(plan)) or 1.0)
+    result = run_stage2(SPACE, base, evaluator, rule=DecisionRule(margin=0.03), report=log.append,
+                        bound=lambda plan: 0.99, predict=lambda plan: 1.0)  # every plan within 1% of the winner
+    assert timed == [] and result.best.plan == base and result.samples == []  # not even the winner is timed
+    [stop] = [r for r in log.notes() if NOTHING_CAN_WIN in r.extra]
+    assert stop.stage == "stage2" and "Stage 2 not timed" in stop.reason
+    timed.clear()
+    run_stage2(SPACE, base, evaluator, rule=DecisionRule(margin=0.03), bound=lambda plan: 0.5,
+               predict=lambda plan: 1.0)
+    assert len(timed) > 1  # a plan that might win is timed
+
+
+# -- why each op got its precision ------------------------------------------------------------------
+
+def _evidence_search():
+    """A search whose log holds each kind of evidence: a loss rejection, a pruned plan, a win, a Stage-2 choice."""
+    from compfx.search import Recorder, Replay, ReplayingEvaluator
+
+    def true(code):  # op 0 low saves 0.2 per step; op 2 low saves 0.3 but breaks the loss; the others are free
+        return 1.0 - (0.2 if code[0] == "0" else 0.0) - (0.3 if code[2] == "0" else 0.0)
+
+    def run_epoch(plan):
+        code = str(plan)
+        for _ in range(BATCHES):
+            yield (1.5 if code[2] == "0" else 1.0), true(code)
+
+    log = SearchLog.open(None, {"fingerprint": "x", **{"threshold": 1.01, "margin": 0.03}})
+    replay = Replay()
+    evaluator = ReplayingEvaluator(FunctionEvaluator(run_epoch=run_epoch, time_step=lambda plan: true(str(plan)),
+                                                     check_loss=lambda plan, n: 1.0), replay)
+    decision = run_search(SPACE, evaluator, SearchConfig(progress=False, stage2_check_batches=0, predictor="off"),
+                          report=Recorder(log, replay=replay))
+    return log, decision
+
+
+class _Op:
+    def __init__(self, category):
+        self.category, self.tc_eligible = category, False
+
+
+def test_each_reason_in_the_evidence_column_matches_the_log():
+    import re
+
+    from compfx.search.evidence import batch_seconds, op_evidence
+
+    log, decision = _evidence_search()
+    analysis = type("A", (), {"ops": [_Op(c) for c in SPACE.categories]})()
+    chosen, stage1 = str(decision.plan), str(decision.stage1.best.plan)
+    reasons = op_evidence(analysis, log, chosen, stage1, loss0=1.0)
+    samples = log.samples()
+    names = {"low": "0", "fp32": "1", "follow": "f"}
+    assert chosen == "0f1f0f" or chosen.startswith("0f1"), chosen
+    checked = set()
+    for i, reason in enumerate(reasons):
+        assert reason.split(":")[0] == {"0": "low", "1": "fp32", "f": "follow"}[chosen[i]], reason
+        for match in re.finditer(r"sample (\d+)", reason):
+            record = samples[int(match.group(1)) - 1]
+            other = re.search(r"with (?:this op|it) (\w+)", reason)
+            if other and record.stage == "stage1":
+                assert record.plan[i] == names[other.group(1)] and record.plan[i] != chosen[i]
+            loss = re.search(r"epoch loss (\S+) > limit (\S+) ", reason)
+            if loss:
+                assert loss.group(1) == f"{record.loss:.4g}" and loss.group(2) == f"{1.01:.4g}"
+                checked.add("loss")
+            faster = re.search(r"(\d+\.\d+) ms/step faster than with it", reason)
+            if faster:
+                winner = next(r for r in reversed(samples) if r.stage == "stage1" and r.plan == stage1)
+                diffs = sorted(a - b for a, b in zip(batch_seconds(record), batch_seconds(winner)))
+                assert faster.group(1) == f"{(diffs[(len(diffs) - 1) // 2] + diffs[len(diffs) // 2]) / 2 * 1e3:.2f}"
+                checked.add("faster")
+    assert reasons[2].startswith("fp32: with this op low, epoch loss 1.5 > limit 1.01 (")  # the guard's evidence
+    assert "not adjustable (other)" in reasons[1] or "Stage 2" in reasons[1]
+    assert {"loss", "faster"} <= checked, reasons
+
+
+# -- the report -----------------------------------------------------------------------------------------
+
+def test_the_report_from_the_log_is_the_report_and_quotes_one_interleaved_comparison(tmp_path, one_thread):
+    import torch
+
+    import compfx
+    from compfx.report import render_log_report
+    from tests.helpers import batches, ce
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    loader = batches(4, (16, 8), classes=3)
+    path = tmp_path / "search.jsonl"
+    result = compfx.optimize(model, loader, loss_fn=ce, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             log=path, config=SearchConfig(progress=False, rounds=7, cache_plan=False))
+    comparison = result.step_comparison
+    assert set(comparison.seconds) == {"fp32", "amp", "chosen"}
+    assert all(len(rounds) == 7 for rounds in comparison.seconds.values())  # one phase: every plan every round
+    assert result.step_seconds == {name: comparison.median(name) for name in comparison.seconds}
+    x = loader[0][0]
+    assert comparison.saved_bytes["fp32"] == compfx.saved_activation_bytes(
+        compfx.apply(model, compfx.Plan.fp32(result.analysis), analysis=result.analysis), (x,))
+    text = result.report()
+    assert text == render_log_report(path)  # `compfx report LOG` prints the same report, numbers and evidence
+    assert f"chosen vs FP32: {comparison.speedup('fp32')}" in text and "memory " in text and "fixed part" in text
+    assert "why (sample N" in text
+
+
+def test_the_first_incumbent_is_never_stopped_on_pace():
+    # AMP's plan paces 10% over FP32's in its first batches, then catches up: early stopping (not exact) would drop
+    # it after 3 batches, while FP32's plan is not faster by more than the margin over the whole epoch
+    def run_epoch(plan):
+        for i in range(BATCHES):
+            yield 1.0, (1.1 if i < 3 else 0.9) if str(plan) == AMP else 1.0
+
+    evaluator = FunctionEvaluator(run_epoch=run_epoch, time_step=lambda plan: 1.0)
+    result = run_stage1(SPACE, evaluator, early_stop=0.05, rule=DecisionRule(margin=0.03, rounds=7))
+    assert str(result.best.plan) == AMP
+
+
+# -- the callbacks' searches pay what optimize() pays -----------------------------------------------------
+
+def test_the_cost_model_prices_a_per_module_search(one_thread, tmp_path, monkeypatch):
+    import torch
+
+    import compfx
+    from compfx.costmodel import Predictor
+    from compfx.per_module import analyze_regions
+    from tests.helpers import batches, ce
+
+    monkeypatch.setenv("COMPFX_CACHE_DIR", str(tmp_path))
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    loader = batches(3, (16, 8), classes=3)
+    result = compfx.optimize(model, loader, loss_fn=ce, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             per_module=torch.nn.Linear, config=SearchConfig(progress=False, cache_plan=False))
+    assert not any("cost model off" in r.reason for r in result.log.notes())
+    assert any(r.extra.get("calibration") for r in result.log.samples("stage1"))  # the predictor calibrated
+    # the regions' graph holds each block's ops under model keys, so a plan of the regions is priced like any other
+    analysis = analyze_regions(model, loader[0][0], torch.nn.Linear)
+    predictor = Predictor.build(analysis, use_cache=False, repeats=1)
+    fp32, low = compfx.Plan.fp32(analysis), compfx.Plan.from_bitstring(analysis, "00")
+    assert predictor.breakdown(low).low_ops == tuple(analysis.keys) and predictor.breakdown(fp32).low_ops == ()
+    assert predictor.breakdown(low).n_casts > 0 == predictor.breakdown(fp32).n_casts
+
+
+# -- the benchmarks that check the timing acceptance points (smoke: they run and say what they measured) -----
+
+def test_the_decisions_benchmark_times_the_plans_independently(one_thread):
+    from benchmarks.decisions import run_one
+
+    row = run_one("readme")
+    assert set(row["independent_step_seconds"]) == {"fp32", "amp", "chosen"}
+    assert row["independent_speedup"] > 0 and row["chosen_vs_better_of_fp32_amp"] > 0
+    assert row["report_speedup_text"] and len(row["plan"]) == 11
+
+
+def test_the_trainer_benchmark_counts_the_callbacks_search_in_fp32_epochs(one_thread):
+    from benchmarks.search_cost import run_trainer
+
+    figures = run_trainer(steps=2, search_batches=2)
+    assert figures["search_cost_fp32_epochs"] == figures["search_seconds"] / figures["fp32_epoch_seconds"] > 0
+    assert "compfx_search_runtime" in figures["trainer_metrics"]
+
+
+def test_amps_measured_step_scales_the_profiles_predicted_differences():
+    import torch
+
+    import compfx
+    from compfx.costmodel import SearchPredictor
+    from compfx.measure import Conditions
+    from compfx.vocabulary import SampleStatus as S, Stage as G
+
+    model = torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8))
+    analysis = compfx.analyze(model, torch.randn(32, 64))
+    fp32, amp = Assignment.parse("111"), Assignment.parse("0f0")
+    for measured_amp, scale in ((None, 1.0), ("same", 0.0), ("half", 0.5)):
+        p = SearchPredictor.build(analysis, use_cache=False, repeats=1, conditions=Conditions(1e-3))
+        p.observe(G.STAGE1, fp32, S.ACCEPTED, 0.004, 4)  # FP32: 1 ms a step
+        raw = p.step_seconds(amp)
+        if abs(raw - 0.001) < 1e-5:
+            pytest.skip("the profiles predict no difference between FP32 and AMP here: nothing to scale")
+        if measured_amp is not None:
+            step = 0.001 if measured_amp == "same" else 0.001 + 0.5 * (raw - 0.001)
+            extra = p.observe(G.STAGE1, amp, S.ACCEPTED, step * 4, 4)
+            assert extra["calibration"] and extra["prediction_scale"] == pytest.approx(scale)
+        assert p.scale == pytest.approx(scale)
+        assert p.step_seconds(amp) == pytest.approx(0.001 + scale * (raw - 0.001))
+        assert p.step_lower_bound(amp) <= p.step_seconds(amp) + 1e-12  # still a lower bound
