@@ -395,6 +395,8 @@ def test_a_search_that_rewards_low_precision_leaves_pinned_ops_fp32_and_the_repo
     for report in (result.report(), render_log_report(tmp_path / "search.jsonl")):
         marked = [line.split()[1] for line in report.splitlines() if ", pinned" in line]
         assert marked == [str(key) for key in pinned]
+        why = [line for line in report.splitlines() if "pinned by the model's autocast(enabled=False)" in line]
+        assert [line.split()[1] for line in why] == [str(key) for key in pinned]  # the evidence column says why
 
 
 def test_search_pinned_lets_the_search_lower_pinned_ops():

@@ -11,7 +11,8 @@ precision than the chosen one and says, in one line, what they showed:
   low saved, batch for batch on the same batches;
 * ``low: with it fp32, 0.02 ms/step faster, not by more than 3% (sample 5)``:
   a tie, which keeps the incumbent;
-* ``low: Tensor Cores (fixed low)``, ``follow: not adjustable (other)``;
+* ``low: Tensor Cores (fixed low)``, ``follow: not adjustable (other)``,
+  ``fp32: pinned by the model's autocast(enabled=False) block (not searched)``;
 * for an "other" op Stage 2 set: ``low: Stage 2, 0.12 ms/step faster than
   follow (sample 20; duel 0.95 (0.93-0.97))``.
 
@@ -194,6 +195,9 @@ def op_evidence(analysis, log: SearchLog, chosen: str, stage1: str, loss0: float
     positions = [i for i, op in enumerate(analysis.ops) if op.category is not Category.OTHER]
     lines = []
     for i, op in enumerate(analysis.ops):
+        if getattr(op, "pinned", False) and not indexed.settings.get("search_pinned", False):
+            lines.append(f"{_CODE_NAME[chosen[i]]}: pinned by the model's autocast(enabled=False) block (not searched)")
+            continue
         if op.category is Category.OTHER:
             lines.append(_stage2_reason(indexed, chosen, stage1, i))
             continue
