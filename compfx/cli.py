@@ -208,11 +208,15 @@ def _capability(text: str) -> tuple[int, int]:
     return major, minor
 
 
-def _positive_int(text: str) -> int:
+def _whole_number(text: str) -> int:
     try:
-        value = int(text)
+        return int(text)
     except ValueError as error:
         raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from error
+
+
+def _positive_int(text: str) -> int:
+    value = _whole_number(text)
     if value < 1:
         raise argparse.ArgumentTypeError(f"{text!r} is not a positive whole number (1 or more)")
     return value
@@ -229,10 +233,7 @@ def _positive_float(text: str) -> float:
 
 
 def _seed(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError as error:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number") from error
+    value = _whole_number(text)
     if not _SEED_RANGE[0] <= value <= _SEED_RANGE[1]:
         raise argparse.ArgumentTypeError(f"{text!r} is outside what torch.manual_seed takes "
                                          f"([{_SEED_RANGE[0]}, {_SEED_RANGE[1]}])")
