@@ -121,11 +121,23 @@ def test_every_fenced_block_says_what_it_is(path):
             json.loads(body)
 
 
+def anchors(text: str) -> set[str]:
+    """The anchors a Markdown renderer gives the headings of ``text`` (GitHub's rule: lower case, punctuation
+    dropped, spaces to hyphens)."""
+    headings = re.findall(r"^#+ (.*)$", re.sub(r"^```.*?^```", "", text, flags=re.DOTALL | re.MULTILINE),
+                          flags=re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
+
+
 @pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.name)
-def test_every_relative_link_names_a_file_that_exists(path):
-    links = re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", path.read_text())
-    missing = [link for link in links if "://" not in link and not (path.parent / link).exists()]
+def test_every_relative_link_names_a_file_and_heading_that_exist(path):
+    links = re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", path.read_text())
+    missing = [link for link, _ in links if link and "://" not in link and not (path.parent / link).exists()]
     assert missing == [], f"{path.name} links to missing files: {missing}"
+    broken = [f"{link}#{anchor}" for link, anchor in links if anchor and "://" not in link and link.endswith(".md")
+              and anchor not in anchors((path.parent / link).read_text())]
+    broken += [f"#{anchor}" for link, anchor in links if anchor and not link and anchor not in anchors(path.read_text())]
+    assert broken == [], f"{path.name} links to missing headings: {broken}"
 
 
 def test_the_result_tables_are_what_their_json_generates():
