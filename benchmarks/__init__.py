@@ -13,4 +13,8 @@ The GPU suite (``python -m benchmarks.gpu_suite``, one command on any machine wi
 device and a matmul probe), ``gpu_bench.py`` (the rows and the workers that measure them),
 ``timebox.py`` (subprocesses stopped at a deadline), ``gpu_report.py`` (markdown, summary lines, the
 README section), ``gpu_readme.py`` (rewrites the README's GPU section from the JSON).
+
+The single-purpose benchmarks (``decisions``, ``search_cost``, ``verify_cost``, ``capture_speed``, ``fidelity``,
+``guard_cost``, ...) write JSON under ``results/``; ``docs_tables.py`` rewrites the tables of README.md and
+docs/*.md from it.
 """

@@ -50,7 +50,7 @@ from compfx.apply import PlannedModule
 from compfx.capture import input_signature
 from compfx.files import write_json_atomic
 
-__all__ = ["bert", "gpt2", "time_capture", "shape_costs", "main"]
+__all__ = ["bert", "gpt2", "time_capture", "shape_costs", "markdown", "main"]
 
 
 def bert(layers: int = 12, hidden: int = 768, heads: int = 12, vocab: int = 30522):
@@ -207,6 +207,46 @@ def run(repeats: int, steps: int, threads: int | None, ab_steps: int = 200) -> d
         "bert_base": shape_costs(base, batch=8, lengths=[32, 24, 16], steps=6, ab_steps=3, rounds=1),
     }
     return result
+
+
+_SHAPE_MODELS = {"bert_tiny": "tiny BERT", "gpt2_tiny": "tiny GPT-2", "bert_base": "BERT-base"}
+
+
+def _seconds(seconds: float) -> str:
+    return f"{seconds:.2f} s" if seconds >= 1 else f"{seconds * 1e3:.1f} ms"
+
+
+def _varying(figures: dict) -> str:
+    run_ = figures["varying_run"]
+    per_step = (f", {run_['extra_per_step_seconds'] * 1e3:.1f} ms/step" if run_["steps"] >= 10 else "")
+    return (f"{run_['steps']} steps, {run_['signatures']} lengths: +{run_['extra_seconds']:.2f} s "
+            f"({run_['extra_per_new_signature_seconds']:.2f} s a length{per_step})")
+
+
+def markdown(result: dict) -> str:
+    """Two markdown tables: BERT-base's capture by tracer, and what a ``PlannedModule`` costs per input signature."""
+    bert_base = result["bert_base"]
+    lines = ["| BERT-base: capture + analysis | graph from | first call | median of the later calls |",
+             "|---|---|---|---|"]
+    for method in ("auto", "dynamo"):
+        figures = bert_base[method]
+        lines.append(f"| `method=\"{method}\"` | {figures['method']} tracer | {figures['first']['wall']:.2f} s | "
+                     f"{figures['median_wall']:.2f} s ({figures['runs']} calls) |")
+    lines += ["", f"`compfx.apply` of `Plan.amp` to BERT-base: {bert_base['apply_amp_seconds']:.2f} s.", ""]
+    shapes = {name: result["shapes"][name] for name in _SHAPE_MODELS if name in result["shapes"]}
+    lines += ["| | " + " | ".join(_SHAPE_MODELS[name] for name in shapes) + " |", "|---" * (len(shapes) + 1) + "|"]
+    rows = {
+        "every step, known signature: dispatch": lambda f: f"{f['dispatch_us']:.1f} us",
+        "step through `PlannedModule` / through its graph (interleaved)":
+            lambda f: f"{f['step_ratio_known_signature']:.3f}x of {_seconds(f['step_seconds_graph_module'])}",
+        "a new signature: capture + rewrite (medians)":
+            lambda f: (f"{statistics.median(f['new_signature_capture_seconds']):.3f} + "
+                       f"{statistics.median(f['new_signature_rewrite_seconds']):.3f} s"),
+        "steps cycling over sequence lengths: extra": _varying,
+    }
+    for label, cell in rows.items():
+        lines.append(f"| {label} | " + " | ".join(cell(figures) for figures in shapes.values()) + " |")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:

@@ -38,7 +38,7 @@ import compfx
 from compfx.files import write_json_atomic
 from compfx.search.sampling import model_loss, split_batch
 
-__all__ = ["independent_steps", "run_one", "CASES"]
+__all__ = ["independent_steps", "run_one", "CASES", "markdown"]
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -139,6 +139,36 @@ def run_one(case: str, seed: int = 0) -> dict:
         "chosen_vs_better_of_fp32_amp": medians["chosen"] / best_baseline,
         "report_step_seconds": dict(result.step_seconds),
     }
+
+
+def _row(label: str, row: dict) -> str:
+    steps = row["independent_step_seconds"]
+    agreement = "-" if row.get("agreement") is None else f"{row['agreement']:.3f}"
+    return (f"| {label} | `{row['plan']}` | {row['report_speedup_text']} | {row['independent_speedup']:.3f}x | "
+            f"{agreement} | {steps['fp32'] * 1e3:.2f} / {steps['amp'] * 1e3:.2f} / {steps['chosen'] * 1e3:.2f} ms | "
+            f"{row['chosen_vs_better_of_fp32_amp']:.3f} |")
+
+
+def markdown(result: dict) -> str:
+    """The results as one markdown table: a line per search, each in a fresh process.
+
+    >>> row = {"plan": "01f", "report_speedup_text": "speed-up 1.10x (1.05-1.20)", "independent_speedup": 1.08,
+    ...        "agreement": 1.02, "independent_step_seconds": {"fp32": 2e-3, "amp": 2.1e-3, "chosen": 1.85e-3},
+    ...        "chosen_vs_better_of_fp32_amp": 0.925}
+    >>> print(markdown({"repeatability": {"runs": [row]}}).splitlines()[-1])
+    | README example, run 1 | `01f` | speed-up 1.10x (1.05-1.20) | 1.080x | 1.020 | 2.00 / 2.10 / 1.85 ms | 0.925 |
+    """
+    lines = ["| search (fresh process) | chosen plan | the report says (chosen vs FP32) | independent timing: "
+             "FP32 / chosen | report / independent | independent steps FP32 / AMP / chosen | chosen / better of "
+             "FP32 and AMP |", "|---|---|---|---|---|---|---|"]
+    for number, row in enumerate((result.get("repeatability") or {}).get("runs", []), 1):
+        lines.append(_row(f"README example, run {number}", row))
+    for case, row in (result.get("agreement") or {}).items():
+        lines.append(_row({"readme": "README example", "gpt2": "tiny GPT-2"}.get(case, case) + " (agreement check)",
+                          row))
+    for number, row in enumerate((result.get("cnn128") or {}).get("runs", []), 1):
+        lines.append(_row(f"batch-128 CNN, run {number}", row))
+    return "\n".join(lines)
 
 
 def _fresh(case: str, seed: int) -> dict:

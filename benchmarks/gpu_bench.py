@@ -24,7 +24,7 @@ after the other, so a model's modes are measured side by side; each row has a
 time limit (:mod:`benchmarks.timebox` kills the worker and the next worker
 carries on with the group's remaining rows). A group runs as many of its rows,
 in order, as its estimated cost lets fit in the time left; the rest are left for
-the next call.
+the next run.
 
 The padding row (``padding=True``: :data:`PADDING_TASK`) is one model with an unfit
 shape, GPT-2's vocabulary of 50,257, trained under one plan with and without
@@ -176,7 +176,7 @@ def suite_groups(models: Iterable[str], modes: Iterable[str], *, compiled: bool 
 
 
 def needs_run(row: dict | None, *, retry_failed: bool = False) -> bool:
-    """A row runs unless it is measured already; one stopped by a call's budget runs again, a failed one only
+    """A row runs unless it is measured already; one stopped by a run's budget runs again, a failed one only
     when asked (it would most likely fail again).
 
     >>> needs_run(None), needs_run({"status": "ok"}), needs_run({"status": "timeout", "stopped_by": "budget"})
@@ -210,7 +210,7 @@ def _read_events(path: Path) -> list[dict]:
 
 
 class _Watch:
-    """Follows a worker's events file: records each row the moment it is written (a call stopped from outside
+    """Follows a worker's events file: records each row the moment it is written (a run stopped from outside
     keeps every row finished before), and knows which row is running since when."""
 
     def __init__(self, events_file: Path, record: Callable[[dict], None]):
@@ -255,7 +255,7 @@ def _run_worker(tasks: list[Task], plans: dict, settings: Settings, *, budget_en
 
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-        "COMPFX_CACHE_DIR": str(workdir / "compfx-cache")}  # starts empty in every suite call
+        "COMPFX_CACHE_DIR": str(workdir / "compfx-cache")}  # starts empty in every suite run
     boxed = run_boxed([sys.executable, "-m", "benchmarks.gpu_bench", "--worker", str(task_file), str(events_file)],
                       log_path=log_file, deadline=deadline, env=env, cwd=ROOT)
     watch.poll()
@@ -285,8 +285,8 @@ def run_groups(groups: list[list[Task]], settings: Settings, *, rows: dict, budg
                log: Callable[[str], None] = print) -> list[str]:
     """Measure every row of ``groups`` that :func:`needs_run`, group by group, while the budget lasts.
 
-    ``rows`` holds the rows measured so far (by id, from earlier calls too); ``record(row)`` receives each new
-    row as soon as it is measured. Returns the ids left for a later call, each with the reason.
+    ``rows`` holds the rows measured so far (by id, from earlier runs too); ``record(row)`` receives each new
+    row as soon as it is measured. Returns the ids left for a later run, each with the reason.
     """
     left = []
     for group in groups:
@@ -301,20 +301,20 @@ def run_groups(groups: list[list[Task]], settings: Settings, *, rows: dict, budg
                     pending.remove(task)
                     left.append(f"{task.id}: waits for the plan of {task.eager_twin}")
         fits, estimate = _fitting(pending, settings, budget_end)
-        left.extend(f"{task.id}: over this call's budget (estimate {settings.estimate_s(task):.0f} s)"
+        left.extend(f"{task.id}: over this run's budget (estimate {settings.estimate_s(task):.0f} s)"
                     for task in pending[len(fits):])
         if not fits:
             continue
         log(f"bench: {', '.join(task.id for task in fits)} (estimate {estimate:.0f} s)")
         while fits and time.time() < budget_end:
             fits = _run_worker(fits, plans, settings, budget_end=budget_end, workdir=workdir, record=record, log=log)
-        left.extend(f"{task.id}: over this call's budget" for task in fits)
+        left.extend(f"{task.id}: over this run's budget" for task in fits)
     return left
 
 
 def _fitting(pending: list[Task], settings: Settings, budget_end: float) -> tuple[list[Task], float]:
-    """The longest head of ``pending`` whose estimate fits the time left (a group larger than a whole call
-    still runs, a few rows per call), and that estimate."""
+    """The longest head of ``pending`` whose estimate fits the time left (a group larger than a whole run
+    still runs, a few rows per run), and that estimate."""
     estimate, fits = settings.estimate_s(None), []
     for task in pending:
         if time.time() + estimate + settings.estimate_s(task) > budget_end:

@@ -18,7 +18,7 @@ slow compile cannot eat the rest:
    fp16 + GradScaler, AMP bf16 and compfx (searched), eager and under ``torch.compile``: steps/s, peak memory,
    MFU against the probe, the search's cost and share of a 100-epoch run, the plan's casts
    (:mod:`benchmarks.gpu_bench`). Rows are measured model by model, each group in one worker process, and only
-   while the budget lasts; a later call with ``--merge-from`` measures the rows still missing. One more row
+   while the budget lasts; a later run with ``--merge-from`` measures the rows still missing. One more row
    (``--no-padding`` leaves it out) trains a GPT with GPT-2's vocabulary of 50,257 under one plan with and
    without Tensor Core shape padding, in turns (:mod:`benchmarks.padding`).
 4. ``fp8``: bf16 AMP against torchao float8 (every linear) against compfx's searched FP8 / bf16 / FP32 plan on
@@ -30,7 +30,7 @@ If the environment probe fails, the results file records it (``environment.statu
 tail) under the device's ``nvidia-smi`` name, the other parts still run, and the suite exits 1.
 
 Results go to ``ROOT/<gpu-slug>/`` (default ``benchmarks/results/<gpu-slug>/``): ``gpu-suite.json`` (every
-number, every call's environment), ``gpu-suite.md`` and ``cuda-tests.txt``; ``--smoke`` writes
+number, every run's environment), ``gpu-suite.md`` and ``cuda-tests.txt``; ``--smoke`` writes
 ``gpu-suite-smoke.*``, by default under the temp directory. An existing ``gpu-suite.json`` there (or under ``--merge-from ROOT``) is merged:
 rows already measured are kept, not run again. The output ends with one line per row.
 
@@ -42,8 +42,8 @@ well under a minute; CI runs it (``tests/test_gpu_suite.py``).
     # from the repository root, on any machine with a CUDA GPU (compfx installed: pip install -e ".[fp8]")
     python -m benchmarks.gpu_suite
 
-then ``python -m benchmarks.gpu_readme`` regenerates the README's GPU section from the results. Where a call
-must stay short, ``--budget-min`` bounds it and a later call with ``--merge-from`` measures what is left.
+then ``python -m benchmarks.gpu_readme`` regenerates the README's GPU section from the results. ``--budget-min``
+bounds a run's time; a later run with ``--merge-from`` measures what is left.
 """
 
 from __future__ import annotations
@@ -88,9 +88,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--out", help="results root; a folder per device is made inside (default: "
                                       "benchmarks/results; smoke: a folder in the temp directory)")
     parser.add_argument("--budget-min", type=float, default=None,
-                        help="minutes for this call (default 8.5; smoke: 10)")
+                        help="minutes for this run (default 8.5; smoke: 10)")
     parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, from {', '.join(PARTS)}")
-    parser.add_argument("--merge-from", help="results root of an earlier call, e.g. benchmarks/results: its "
+    parser.add_argument("--merge-from", help="results root of an earlier run, e.g. benchmarks/results: its "
                                              "<gpu-slug>/gpu-suite.json is merged when --out has none")
     parser.add_argument("--models", nargs="+", help=f"bench models (default: {' '.join(SUITE_MODELS)})")
     parser.add_argument("--modes", nargs="+", default=list(MODES), help=f"bench modes (default: {' '.join(MODES)})")
@@ -98,8 +98,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--no-padding", action="store_true", help="skip the shape-padding row")
     parser.add_argument("--retry-failed", action="store_true", help="run again rows that failed or hit their limit")
     parser.add_argument("--fresh", action="store_true", help="merge nothing: start a new result")
-    parser.add_argument("--note", default="", help="free text kept with this call, e.g. the commit measured "
-                                                   "(where the tree has no git history)")
+    parser.add_argument("--note", default="", help="free text kept with this run's results, e.g. what was "
+                                                   "measured and why")
     args = parser.parse_args(argv)
     args.parts = [part.strip() for part in args.parts.split(",") if part.strip()]
     unknown = sorted(set(args.parts) - set(PARTS))
@@ -224,7 +224,7 @@ def run_fp8(smoke: bool, workdir: Path, log_path: Path, budget_end: float) -> di
     argv = [sys.executable, "-m", "benchmarks.fp8", "--out", str(out)] + (["--smoke"] if smoke else [])
     end = min(budget_end, time.time() + _FP8_TIMEOUT_S[smoke])
     if end - time.time() < 30:
-        return {"status": "not measured", "why": "no budget left in this call; run --parts fp8"}
+        return {"status": "not measured", "why": "no budget left in this run; run --parts fp8"}
     boxed = run_boxed(argv, log_path=log_path, deadline=lambda: end, env=_subprocess_env(workdir), cwd=ROOT)
     found = sorted(out.glob("*/fp8.json"))
     if boxed.returncode == 0 and found:
@@ -236,13 +236,13 @@ def run_fp8(smoke: bool, workdir: Path, log_path: Path, budget_end: float) -> di
 # -- the results file ------------------------------------------------------------------------
 
 def load_state(path: Path, *, device_name: str, smoke: bool) -> dict | None:
-    """An earlier call's results for this device, or None (with a note why an existing file is not used)."""
+    """An earlier run's results for this device, or None (with a note why an existing file is not used)."""
     if not path.exists():
         return None
     state = json.loads(path.read_text())
     if state.get("device_name") != device_name or bool(state.get("smoke")) != smoke:
         print(f"not merging {path}: it was measured on {state.get('device_name')!r} (smoke={state.get('smoke')}), "
-              f"this call runs on {device_name!r} (smoke={smoke})", file=sys.stderr)
+              f"this run is on {device_name!r} (smoke={smoke})", file=sys.stderr)
         return None
     return state
 
@@ -260,7 +260,7 @@ def _now() -> str:
 
 
 class _Results:
-    """The merged state of every call for one device, written to disk after every change."""
+    """The merged state of every run for one device, written to disk after every change."""
 
     def __init__(self, folder: Path, state: dict, smoke: bool):
         self.folder, self.state, self.smoke = folder, state, smoke
@@ -282,7 +282,7 @@ class _Results:
                                      peak_tflops=probe.get("tflops"))
         self.rows[row["id"]] = row
         self.write()
-        print("  " + row_line(self.rows, row), flush=True)  # as it is measured: a call cut short still shows it
+        print("  " + row_line(self.rows, row), flush=True)  # as it is measured: a run cut short still shows it
 
     def write(self) -> None:
         self.folder.mkdir(parents=True, exist_ok=True)
@@ -342,12 +342,12 @@ def main(argv=None) -> int:
         results.write()
     print("\n".join(["", f"== {results.json_path} and {results.markdown_path.name}", *summary_lines(results.state)]))
     if left:
-        print(f"left for a later call ({len(left)}): " + "; ".join(left))
+        print(f"left for a later run ({len(left)}): " + "; ".join(left))
     return 0 if succeeded(results.state, args.parts) else 1
 
 
 def succeeded(state: dict, parts) -> bool:
-    """Did every part this call ran succeed? An FP8 part skipped for want of torchao is no failure.
+    """Did every part this run ran succeed? An FP8 part skipped for want of torchao is no failure.
 
     >>> succeeded({"environment": {"status": "ok"}, "bench": {"rows": {}}, "fp8": {"status": "skipped"}}, PARTS)
     True

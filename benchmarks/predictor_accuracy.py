@@ -1,4 +1,4 @@
-"""How well does the cost model predict a plan's training-step time? (issue 9, CPU)
+"""How well does the cost model predict a plan's training-step time? (CPU)
 
 For three small models and the CPU benchmark models with one network
 (``benchmarks/models``, small configs) this profiles every op (fresh cache),

@@ -37,7 +37,7 @@ import torch
 import compfx
 from compfx.files import write_json_atomic
 
-__all__ = ["bert", "fp32_step_seconds", "measure", "main"]
+__all__ = ["bert", "fp32_step_seconds", "measure", "markdown", "main"]
 
 
 def bert(tiny: bool = False):
@@ -109,6 +109,30 @@ def spread_of(values: list[float]) -> dict:
 def _range(figures: dict, unit: str = " s", digits: int = 2) -> str:
     return (f"{figures['median']:.{digits}f}{unit} (range {figures['min']:.{digits}f}-{figures['max']:.{digits}f}"
             f"{unit})")
+
+
+def markdown(result: dict) -> str:
+    """The results as a markdown table: median and range over the rounds.
+
+    >>> spread = {"median": 2.0, "min": 1.5, "max": 2.5}
+    >>> print(markdown({"verification": spread, "verification_in_steps": spread, "fp32_step": spread,
+    ...                 "analyze_unverified": spread, "analyze_verified": spread}).splitlines()[2])
+    | the verification | 2.00 s | 1.50-2.50 s |
+    """
+    def cells(figures: dict, unit: str = " s", digits: int = 2) -> str:
+        return (f"{figures['median']:.{digits}f}{unit} | {figures['min']:.{digits}f}-{figures['max']:.{digits}f}"
+                f"{unit}")
+
+    off, on = result["analyze_unverified"], result["analyze_verified"]
+    return "\n".join([
+        "| | median | range |", "|---|---|---|",
+        f"| the verification | {cells(result['verification'])} |",
+        f"| the same, in FP32 training steps (forward, backward, SGD step) | "
+        f"{cells(result['verification_in_steps'], ' steps')} |",
+        f"| one FP32 training step | {cells(result['fp32_step'])} |",
+        f"| `compfx.analyze` without / with verification | {off['median']:.2f} s / {on['median']:.2f} s | "
+        f"{off['min']:.2f}-{off['max']:.2f} s / {on['min']:.2f}-{on['max']:.2f} s |",
+    ])
 
 
 def main(argv=None) -> int:

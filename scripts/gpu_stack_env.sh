@@ -4,8 +4,8 @@
 # The GPU machines compfx is measured on run Python 3.12, torch 2.11.0 (the CUDA 13.0 build that PyPI serves),
 # transformers 5.17.0, lightning 2.6.6 and accelerate 1.15.0, without torchao. torch's CUDA build runs on a CPU
 # too, so that stack can be rehearsed anywhere: this is the oldest stack pyproject.toml declares, and the suite
-# must pass in it as well as in the newest one. Run it (with --test, with and without --torchao) before every
-# submission; the full suite in it takes longer than CI allows beside the main run.
+# must pass in it as well as in the newest one. Run it (with --test, with and without --torchao) before merging a
+# change; the full suite in it takes longer than CI allows beside the main run.
 #
 #   scripts/gpu_stack_env.sh                 # build or refresh the environment, without torchao
 #   scripts/gpu_stack_env.sh --test          # ... then run the whole suite in it

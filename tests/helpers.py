@@ -186,8 +186,12 @@ def _owner_of(filename: str) -> str:
 
 def compfx_warning_origin(stack: list[traceback.FrameSummary]) -> str | None:
     """Where compfx caused a warning, or None: the innermost frame of ``stack`` (the warning's) that is not library
-    code decides (compfx deep-copying a graph that makes torch warn is compfx's; a model's own warning is not)."""
+    code decides (compfx deep-copying a graph that makes torch warn is compfx's; a model's own warning is not).
+    A warning raised while a module is being imported is that module's, whoever imported it (Inductor imports
+    ``torch.utils.mkldnn`` on first use, which warns about torch's own ``torch.jit.script_method``)."""
     for frame in reversed(stack):
+        if frame.filename.startswith("<frozen importlib"):
+            return None
         owner = _owner_of(frame.filename)
         if owner == "compfx":
             return f"{frame.filename}:{frame.lineno}"

@@ -103,7 +103,7 @@ def test_each_use_of_an_activation_has_its_own_cast_and_a_parameter_one_for_all_
 
 
 def test_a_shared_low_cast_sums_the_uses_gradients_in_the_low_dtype():
-    """The cause of issue 14's gap, in plain torch: one bf16 copy read three times is not autocast's numbers."""
+    """Why an activation gets one cast per use, in plain torch: one bf16 copy read thrice is not autocast's numbers."""
     torch.manual_seed(0)
     norm, projections = nn.LayerNorm(16), [nn.Linear(16, 16) for _ in range(3)]
     x = _x()

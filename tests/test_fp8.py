@@ -1,4 +1,4 @@
-"""FP8 as a third precision (issue 16): eligibility, plans, the torchao rewrite, the search, the compile backend.
+"""FP8 as a third precision: eligibility, plans, the torchao rewrite, the search, the compile backend.
 
 Float8 GEMMs are emulated on this CPU (torchao's ``emulate=True``): same numbers, no speed. The search test
 uses a ``cost_fn`` that prices FP8 as a device with float8 GEMMs would, never the CPU's seconds.

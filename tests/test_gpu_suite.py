@@ -1,5 +1,5 @@
 """The GPU suite cannot rot between GPU runs: its smoke run (CPU, tiny shapes) goes through the same code, the
-results merge across calls, a row that overruns is stopped, and the README's GPU section is what the committed
+results merge across runs, a row that overruns is stopped, and the README's GPU section is what the committed
 results generate."""
 
 from __future__ import annotations
@@ -130,10 +130,10 @@ def test_groups_over_the_budget_are_left_for_a_later_call(tmp_path):
     groups = suite_groups(["bert_squad"], ["fp32", "compfx-fp16"])
     left = run_groups(groups, Settings(), rows={}, budget_end=time.time() + 30, workdir=tmp_path,
                       record=lambda row: pytest.fail("nothing fits 30 s"), log=lambda line: None)
-    assert left == ["bert_squad/fp32: over this call's budget (estimate 15 s)",
-                    "bert_squad/compfx-fp16: over this call's budget (estimate 180 s)",
+    assert left == ["bert_squad/fp32: over this run's budget (estimate 15 s)",
+                    "bert_squad/compfx-fp16: over this run's budget (estimate 180 s)",
                     "bert_squad/compfx-fp16+compile: waits for the plan of bert_squad/compfx-fp16",
-                    "bert_squad/fp32+compile: over this call's budget (estimate 120 s)"]
+                    "bert_squad/fp32+compile: over this run's budget (estimate 120 s)"]
 
 
 def test_a_group_larger_than_the_time_left_runs_its_head():

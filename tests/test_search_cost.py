@@ -1,4 +1,4 @@
-"""What the search costs, and the pieces that keep it down (issue 18).
+"""What the search costs, and the pieces that keep it down.
 
 * the cost breakdown adds up to the whole ``optimize()`` call;
 * an incremental rewrite (a plan built after others, reusing their per-op dtype
