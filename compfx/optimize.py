@@ -27,13 +27,14 @@ from .errors import BadInputError, CompfxError
 from .float8 import require_torchao
 from .measure import PhaseClock, describe_fp32_math, fp32_math
 from .memory import saved_activation_bytes
-from .per_module import PerModuleEvaluator, is_regions_analysis, prepare_search
+from .per_module import is_regions_analysis
 from .rng import rng_preserved
 from .search import (SINGLE_PROCESS, LocalEvaluator, Recorder, Replay, ReplayingEvaluator, SearchConfig,
                      SearchLog, SearchResult, SearchSpace, StepComparison, compare_steps, decision_settings,
                      measured_time,
                      run_search)
 from .search.padding import PaddingDecision, decide_padding, padding_candidates, padding_gate
+from .search.per_module import PerModuleEvaluator, prepare_search
 from .search.result import RESULT
 from .search.sampling import FairSampler, check_first_batch, cuda_devices, loader_batches
 from .vocabulary import Stage, dtype_name

@@ -14,6 +14,7 @@ with fake evaluators.
 ``convergence``     the guard (loss within ``threshold`` x FP32's) and the final loss check
 ``allocation``      QSync's per-device allocator (one plan per rank)
 ``evaluator``       the Evaluator interface; the local, replaying and function evaluators
+``per_module``      the search over a model's blocks (``optimize(..., per_module=...)``): its evaluator
 ``sampling``        fair training samples: same state, same RNG, same batches, restored in place
 ``driver``          runs the stages and the check, then a strategy's decision; the recorder
 ``config``          :class:`SearchConfig` and the settings that decide (for resume)
