@@ -35,7 +35,7 @@ from .search import (SINGLE_PROCESS, LocalEvaluator, Recorder, Replay, Replaying
                      run_search)
 from .search.padding import PaddingDecision, decide_padding, padding_candidates, padding_gate
 from .search.per_module import PerModuleEvaluator, prepare_search
-from .search.result import RESULT
+from .search.log import RESULT
 from .search.sampling import FairSampler, check_first_batch, cuda_devices, loader_batches
 from .vocabulary import Stage, dtype_name
 

@@ -21,6 +21,7 @@ with fake evaluators.
 ``log``             the JSON Lines search log and its replay
 ``outcome``         what one sample gave
 ``result``          :class:`SearchResult`, what :func:`compfx.optimize` returns
+``report``          the report of a result (``result.report()``)
 ==================  ==============================================================
 """
 
