@@ -47,7 +47,8 @@ def prepare_search(model: nn.Module, example_inputs, per_module, *, device=None,
 
 
 class PerModuleEvaluator(LocalEvaluator):
-    """:class:`~compfx.search.evaluator.LocalEvaluator` over a model whose blocks are :class:`~compfx.per_module.PlannedBlock` s.
+    """:class:`~compfx.search.evaluator.LocalEvaluator` over a model whose blocks are
+    :class:`~compfx.per_module.PlannedBlock` s.
 
     A plan is not a module of its own: it is switched into the model's blocks,
     and the model itself (as the user wrapped it: FSDP2, checkpointing) trains,
