@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from .capture import buffers_restored
-from .search.sampling import cuda_devices
+from .rng import cuda_devices
 
 __all__ = ["SavedStorages", "saved_storages", "saved_activation_bytes"]
 

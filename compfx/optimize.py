@@ -1,7 +1,8 @@
 """``compfx.optimize``: search a convergence-safe precision plan on your data, return the model running it.
 
-This module checks the arguments and wires the stages together; the search
-itself is :mod:`compfx.search`. The search trains real samples: one FP32
+This module checks the arguments and wires the stages together (analysis,
+sampler, log); the search itself is :mod:`compfx.search`, run by
+:class:`~compfx.search.session.SearchSession`. The search trains real samples: one FP32
 epoch over ``sample_loader``, one epoch per Stage-1 plan, a few timed steps
 per Stage-2 plan. Every sample starts from the same state
 (:mod:`compfx.search.sampling`), so the plans are compared fairly and the
@@ -11,32 +12,24 @@ model and optimizer are left as ``SearchConfig.keep_search_training`` says.
 from __future__ import annotations
 
 import contextlib
-import functools
 import logging
-import statistics
 import time
-from pathlib import Path
 from typing import Iterable, Iterator
 
 import torch
 import torch.nn as nn
 
 from . import cache
-from .analyze import analyze, model_device, parameter_shapes
-from .errors import BadInputError, CompfxError
+from .analyze import analyze, model_device
+from .errors import BadInputError
 from .float8 import require_torchao
-from .measure import PhaseClock, describe_fp32_math, fp32_math
-from .memory import saved_activation_bytes
-from .per_module import PerModuleEvaluator, is_regions_analysis, prepare_search
+from .measure import PhaseClock
 from .rng import rng_preserved
-from .search import (SINGLE_PROCESS, LocalEvaluator, Recorder, Replay, ReplayingEvaluator, SearchConfig,
-                     SearchLog, SearchResult, SearchSpace, StepComparison, compare_steps, decision_settings,
-                     measured_time,
-                     run_search)
-from .search.padding import PaddingDecision, decide_padding, padding_candidates, padding_gate
-from .search.result import RESULT
-from .search.sampling import FairSampler, check_first_batch, cuda_devices, loader_batches
-from .vocabulary import Stage, dtype_name
+from .search import SearchConfig, SearchLog, SearchResult, decision_settings
+from .search.per_module import prepare_search
+from .search.sampling import FairSampler, check_first_batch, loader_batches
+from .search.session import SearchSession
+from .vocabulary import dtype_name
 
 __all__ = ["optimize"]
 
@@ -122,12 +115,8 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,
                               grad_scaler=config.scaler_on(analysis.low_dtype))
         search_log = SearchLog.open(log, _log_header(analysis, config), resume=resume)
-        return _Search(model, optimizer, analysis, sampler, config, search_log, inputs, clock).run(started)
+        return SearchSession(model, optimizer, analysis, sampler, config, search_log, inputs, clock).run(started)
 
-
-#: The fewest rounds of the report's step comparison (SearchConfig.rounds when it is more): with fewer, no
-#: interval of a median could exclude anything.
-COMPARE_ROUNDS = 3
 
 _NO_BATCH = object()  # what an empty loader yields first (None is a batch, and a bad one)
 
@@ -197,245 +186,3 @@ def _log_header(analysis, config: SearchConfig) -> dict:
     """What a resumed search must share with the logged one to replay its samples."""
     return {"fingerprint": analysis.fingerprint, "low_dtype": dtype_name(analysis.low_dtype),
             **decision_settings(config)}
-
-
-def _distributed() -> bool:
-    return torch.distributed.is_available() and torch.distributed.is_initialized()
-
-
-class _Search:
-    """One optimize() run: the evaluators, the strategy, the cost model and the log, wired to the driver."""
-
-    def __init__(self, model, optimizer, analysis, sampler: FairSampler, config: SearchConfig, log: SearchLog,
-                 inputs: tuple[tuple, dict], clock: PhaseClock):
-        self.model, self.analysis, self.sampler, self.config, self.log = model, analysis, sampler, config, log
-        self.clock = clock
-        self.space = SearchSpace.from_analysis(analysis, fp8=config.fp8, search_pinned=config.search_pinned)
-        evaluator = PerModuleEvaluator if is_regions_analysis(analysis) else LocalEvaluator
-        self.local = evaluator(model, analysis, sampler, warmup=config.warmup, repeats=config.repeats,
-                                    cost_fn=config.cost_fn or measured_time, clock=clock,
-                                    fp8_recipe=config.fp8_recipe)
-        self.plan_path: Path | None = None
-        self.plan_cache = ""  # what became of the chosen plan in the plan cache, for the report
-        self.replay = Replay(log.records)  # samples a resumed log already holds are not run again
-        self.evaluator = ReplayingEvaluator(self.local, self.replay)
-        self.strategy = SINGLE_PROCESS
-        if config.per_device or _distributed():
-            self._distribute(optimizer, inputs)
-
-    def _distribute(self, optimizer, inputs) -> None:
-        """Ranks agree on one plan (or get one each); every measurement is agreed on first."""
-        from .integrations.distributed import PerDeviceAllocation, RankAgreement, SyncedEvaluator, rank_context
-
-        ctx = rank_context(device=self.analysis.device)  # the collectives use this rank's own GPU
-        if ctx.distributed:
-            self.evaluator = SyncedEvaluator(self.evaluator, ctx)
-        if self.config.per_device:
-            args, kwargs = inputs  # every plan's bytes are of the same batch
-            self.strategy = PerDeviceAllocation(
-                ctx, self.model, optimizer, space=self.space, local=self.local, memory_budget=self.config.memory_budget,
-                activation_bytes=lambda plan: saved_activation_bytes(self.local.module(plan), args, kwargs),
-                threshold=self.config.threshold, check_batches=self.config.stage2_check_batches)
-        else:
-            self.strategy = RankAgreement(ctx, self.model, optimizer)
-
-    def _predictor(self):
-        """The cost model, or None when it is off or cannot be built (then the search is exact)."""
-        if self.config.predictor == "off":
-            return None
-        if any(self.space.fp8_eligible):
-            self.log.note(Stage.SEARCH, "cost model off: it does not price FP8 ops yet, so every candidate is "
-                          "measured (FP8 costs come from the measured seconds and cost_fn)")
-            return None
-        if _distributed():
-            # Each rank would profile its own ops and order or skip candidates on its own
-            # predictions, and the ranks' collectives would stop matching; measure them all.
-            self.log.note(Stage.SEARCH, "cost model off under torch.distributed: every rank measures every candidate")
-            return None
-        from .costmodel import SearchPredictor
-
-        # predictions price the very modules the samples run; per block, the blocks' graphs side by side
-        regions = is_regions_analysis(self.analysis)
-        rewrite = self._regions_graph_of if regions else self.local.module_of
-        try:
-            return SearchPredictor.build(self.analysis, rewrite=rewrite, cache_dir=self.config.cache_dir,
-                                         annotate_all=not regions)  # a regions graph is rewritten for pricing alone
-        except Exception as error:  # the predictor only orders and skips: never fail the search for it
-            self.log.note(Stage.SEARCH, f"cost model unavailable ({type(error).__name__}: {error}); measuring every "
-                          "candidate")
-            return None
-
-    def _regions_graph_of(self, plan):
-        """The blocks' graphs side by side, rewritten for ``plan``: what the cost model prices per block."""
-        from .apply import apply
-
-        with self.clock.phase("rewrites"):
-            return apply(self.analysis.graph_module, plan, analysis=self.analysis)
-
-    def run(self, started: float) -> SearchResult:
-        """The search; ``started`` is when ``optimize`` was called (its whole wall time is the search's cost)."""
-        config, clock = self.config, self.clock
-        progress = _progress_bar(config.progress)
-        try:
-            with torch.random.fork_rng(devices=cuda_devices(self.analysis.device)):  # the user's RNG is untouched
-                with clock.phase("profiling"):
-                    predictor = self._predictor()
-                recorder = Recorder(self.log, replay=self.replay, predictor=predictor, progress=progress)
-                decision = run_search(self.space, self.evaluator, config, report=recorder, predictor=predictor,
-                                      strategy=self.strategy)
-                padding = self._decide_padding(decision, predictor is not None, recorder)
-                if padding.kept:  # the chosen plan runs padded from here on: the comparison times what is returned
-                    self.local.settle(decision.plan, padding.plan)
-                comparison = self._compare_steps(decision)
-                self.local.leave_state(decision.stage1.best, keep_training=config.keep_search_training)
-            self._note_specializations()
-            self._note_fp32_math()
-            self._save_plan(padding.plan)
-            search_seconds = time.perf_counter() - started
-            result = SearchResult(
-                module=self.local.runner_of(padding.plan), plan=padding.plan,
-                stage1_plan=self.local.plan(decision.stage1.best.plan), analysis=self.analysis, log=self.log,
-                stage1_mode=decision.stage1.mode, loss0=decision.stage1.loss0,
-                fp32_epoch_seconds=decision.stage1.baseline.duration, search_seconds=search_seconds,
-                step_seconds={name: comparison.median(name) for name in comparison.seconds},
-                step_comparison=comparison, plan_path=self.plan_path, plan_cache=self.plan_cache,
-                cost_breakdown=_breakdown(clock, search_seconds))
-            # the log's last word: what `compfx report LOG` renders without the model
-            self.log.note(Stage.SEARCH, f"finished: chosen plan {decision.plan}", **{RESULT: result.log_summary()})
-        except KeyboardInterrupt:
-            self.sampler.restore()
-            self.log.note(Stage.SEARCH, "interrupted: the model and optimizer were restored to their state before "
-                          "the search")
-            raise
-        except BaseException:
-            self.sampler.restore()
-            raise
-        finally:
-            progress.close()
-            self.log.close()
-        self.strategy.finish()
-        return result
-
-    def _decide_padding(self, decision, cost_model: bool, report) -> PaddingDecision:
-        """Pad the chosen plan's Tensor Core misfits where that pays (:mod:`compfx.search.padding`)."""
-        plan = self.local.plan(decision.plan)
-        if self.strategy is not SINGLE_PROCESS or is_regions_analysis(self.analysis):
-            # each rank would decide on its own timings; per_module plans are keyed by block
-            reason = "padding not searched " + ("with per_module" if is_regions_analysis(self.analysis)
-                                                else "under torch.distributed") + ": the plan pads nothing"
-            self.log.note(Stage.SEARCH, reason)
-            return PaddingDecision(plan, reason=reason)
-        from .costmodel import profile_padding  # the cost model loads when first needed, as in _predictor
-
-        candidates = padding_candidates(self.analysis, plan)
-        device = self.analysis.device
-        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
-        with self.clock.phase("profiling"):
-            gate = padding_gate(plan, cost=self.local.cost_fn, seconds=_step_seconds(decision), analysis=self.analysis,
-                                capability=capability, candidates=candidates,
-                                profiles=functools.partial(profile_padding, self.analysis,
-                                                           cache_dir=self.config.cache_dir) if cost_model else None)
-        return decide_padding(plan, candidates, can_pay=gate, time_plan=self.local.time_plan,
-                              cost=self.local.cost_fn, report=report)
-
-    def _compare_steps(self, decision) -> StepComparison:
-        """FP32's, AMP's and the chosen plan's steps (padded, where the padding decision kept padding), for the
-        report: one interleaved phase, warm, same batches.
-
-        It is not part of the decision, and it is the only timing the report
-        quotes: ``config.rounds`` rounds (at least three), each giving every plan one step on the same
-        batch (:func:`compfx.search.driver.compare_steps`); a plan that has not trained in the search yet
-        gets a warm-up step first. Timings the search took earlier, in other phases, are not mixed in.
-        """
-        samples_before = self.clock.seconds.get("samples", 0.0)
-        rounds = max(self.config.rounds, COMPARE_ROUNDS)
-        plans = {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan, "chosen": decision.plan}
-        # warm: a plan that trained in the search has paid its one-off costs; one that did not gets a warm-up step
-        warmup = 0 if all(plan in self.local.stepped for plan in plans.values()) else max(1, self.config.warmup)
-        with self.clock.phase("step comparison"):
-            comparison = compare_steps(functools.partial(self.local.time_steps, warmup=warmup), self.local.saved_bytes,
-                                       plans, self.log, rounds=rounds, confidence=self.config.confidence)
-        self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
-                        target="step comparison")
-        return comparison
-
-    def _note_fp32_math(self) -> None:
-        """Say what 'fp32' computes in here: the user's TF32 settings, kept as they are (PyTorch's CUDA default
-        runs FP32 convolutions in TF32)."""
-        math_ = fp32_math(self.analysis.device)
-        where = ("torch.backends.cuda.matmul / torch.backends.cudnn.conv .fp32_precision"
-                 if self.analysis.device.type == "cuda" else "torch.backends.mkldnn .fp32_precision")
-        self.log.note(Stage.SEARCH, f"'fp32' (the FP32 baseline, and ops a plan keeps in FP32) means "
-                      f"{describe_fp32_math(math_)} on {self.analysis.device.type}: this process's settings ({where}), "
-                      "which compfx keeps", fp32_math=math_)
-
-    def _note_specializations(self) -> None:
-        """Say in the log (and so the report) how many input signatures the loader had, and what they cost."""
-        captured, specializations = self.local.specializations()
-        if not specializations:
-            return
-        capture = sum(s.capture_seconds for s in specializations)
-        rewrite = sum(s.rewrite_seconds for s in specializations)
-        # specialising happens as a sample meets a new signature: capture and rewrite, not training
-        self.clock.move(capture, source="samples", target="capture")
-        self.clock.move(rewrite, source="samples", target="rewrites")
-        shapes = sorted({s.inputs for s in specializations})
-        unplanned = sum(bool(s.unplanned or s.missing) for s in specializations)
-        fp8_fallbacks = sorted({f"{key} at {s.inputs} ({why})" for s in specializations for key, why in s.fp8_fallbacks})
-        self.log.note(
-            Stage.SEARCH,
-            f"input signatures: {captured} ({len(shapes)} besides the first batch's, e.g. {shapes[0]}); each plan's "
-            f"module re-specialises per signature from the same plan: {captured - 1} capture(s) in {capture:.2f} s, "
-            f"{len(specializations)} rewrite(s) in {rewrite:.2f} s, outside the timed steps"
-            + (f"; {unplanned} of them ran ops the plan does not name (they follow)" if unplanned else "")
-            + (f"; FP8 op(s) that cannot run FP8 at a signature ran at AMP's precision there: "
-               f"{'; '.join(fp8_fallbacks[:3])}" if fp8_fallbacks else ""),
-            signatures=captured, specializations=len(specializations), capture_seconds=capture,
-            rewrite_seconds=rewrite)
-
-    def _save_plan(self, plan) -> None:
-        """Put the chosen plan in the plan cache (where ``backend="compfx"`` looks), and say so in the log.
-
-        A cache that cannot be written costs the search nothing: the plan is
-        in the result; the log and a warning say why it was not saved.
-        """
-        if not self.config.cache_plan:
-            self.plan_cache = "not saved (SearchConfig(cache_plan=False))"
-            self.log.note(Stage.SEARCH, f"plan cache: {self.plan_cache}", plan_path="")
-            return
-        if self.config.per_device:
-            self.plan_cache = "not saved: per-device plans differ by rank, and the cache holds one plan per model"
-        elif _distributed() and torch.distributed.get_rank() != 0:
-            self.plan_cache = "saved by rank 0"
-        else:
-            try:
-                shapes = None if is_regions_analysis(self.analysis) else parameter_shapes(self.analysis.graph_module)
-                self.plan_path = cache.save_plan(plan, cache_dir=self.config.cache_dir, parameter_shapes=shapes)
-                self.plan_cache = (f"saved to {self.plan_path}; torch.compile(model, backend=\"compfx\") runs this "
-                                   "plan")
-            except CompfxError as error:
-                self.plan_cache = f"not saved: {error}"
-                log.warning("compfx: the chosen plan was not saved to the plan cache: %s", error)
-        # this process runs it for this model under torch.compile(backend="compfx"), whatever the file holds later
-        cache.remember_plan(self.model, plan, self.plan_path)
-        self.log.note(Stage.SEARCH, f"plan cache: {self.plan_cache}", plan_path=str(self.plan_path or ""))
-
-
-def _step_seconds(decision) -> float:
-    """A measured step of the chosen plan (Stage 2's timing, else its Stage-1 batches'), for pricing padding."""
-    if decision.stage2.best.seconds > 0:
-        return decision.stage2.best.seconds
-    batches = decision.stage1.best.batch_seconds
-    return statistics.median(batches) if batches else 1.0
-
-
-def _breakdown(clock: PhaseClock, total: float) -> dict[str, float]:
-    """The clock's phases, plus ``other``: the rest of ``total`` (argument checks, planning, logging, pricing)."""
-    parts = {name: seconds for name, seconds in clock.seconds.items() if seconds > 0}
-    return {**parts, "other": max(0.0, total - sum(parts.values()))}
-
-
-def _progress_bar(enabled: bool):
-    from tqdm.auto import tqdm
-
-    return tqdm(desc="compfx search", unit="sample", disable=not enabled, leave=False)

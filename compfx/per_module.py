@@ -24,8 +24,8 @@ applied (a warning says how many); name their modules' types in
 ``per_module`` too to plan them. Each block captures on its own, so one block
 that cannot be traced no longer blocks the rest (:func:`analyze_regions`).
 
-The search (``compfx.optimize(..., per_module=...)``) uses
-:class:`PerModuleEvaluator`: every plan is switched into the same blocks
+The search (``compfx.optimize(..., per_module=...)``,
+:mod:`compfx.search.per_module`) switches every plan into the same blocks
 (:meth:`PlannedBlock.use_plan`), so the samples train the user's model as it
 is wrapped (FSDP2, activation checkpointing) and their timings include the
 all-gathers.
@@ -33,7 +33,6 @@ all-gathers.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import logging
 from typing import Hashable, Iterable, Mapping
@@ -50,12 +49,11 @@ from .errors import BadInputError, CaptureError
 from .float8 import fp8_fallbacks
 from .opkey import KEY_META, OpKey
 from .passes import apply_precisions
-from .plan import Assignment, Plan
-from .search.evaluator import LocalEvaluator, each_batch
+from .plan import Plan
 from .vocabulary import Category, Precision, check_low_dtype, default_low_dtype, dtype_name
 
-__all__ = ["PlannedBlock", "apply_per_module", "analyze_regions", "region_paths", "block_types", "model_key",
-           "PerModuleEvaluator", "prepare_search", "is_regions_analysis", "resharded", "restore_blocks"]
+__all__ = ["PlannedBlock", "apply_per_module", "analyze_regions", "captured_regions", "regions_analysis",
+           "region_paths", "block_types", "model_key", "is_regions_analysis", "resharded", "restore_blocks"]
 
 log = logging.getLogger("compfx")
 
@@ -205,6 +203,11 @@ class PlannedBlock(nn.Module):
         if found is None:
             found = self._captures[signature] = self._capture(args, kwargs)
         return found
+
+    def keep_capture(self, signature: Hashable, analysis: Analysis) -> None:
+        """Take ``analysis`` (block-relative keys), captured elsewhere at ``signature``, as this block's own capture
+        there, unless it has one: the block then does not capture those inputs again."""
+        self._captures.setdefault(signature, analysis)
 
     def graph_for(self, *args, **kwargs) -> fx.GraphModule:
         """The planned graph for these inputs under the current plan and mode, built now if it is new."""
@@ -392,17 +395,19 @@ def analyze_regions(model: nn.Module, example_inputs, per_module, *, device=None
     >>> [str(k) for k in analyze_regions(model, torch.randn(3, 4), torch.nn.Linear).keys]
     ['0:linear#0', '2:linear#0']
     """
-    return _analysis_of_regions(*_captured_regions(model, example_inputs, per_module, device, low_dtype, verify))
+    return regions_analysis(*captured_regions(model, example_inputs, per_module, device, low_dtype, verify))
 
 
-def _analysis_of_regions(captured: Mapping[str, Analysis], signatures, device, low_dtype) -> Analysis:
+def regions_analysis(captured: Mapping[str, Analysis], signatures, device, low_dtype) -> Analysis:
+    """One analysis of the blocks :func:`captured_regions` captured: their ops under model keys, their graphs side
+    by side."""
     ops = tuple(dataclasses.replace(op, key=model_key(path, op.key)) for path in captured for op in captured[path].ops)
     graph = regions_graph(captured)  # no graph of the whole model exists: the blocks' graphs side by side
     graph.meta[_BLOCK_METHODS] = {path: captured[path].capture_method for path in captured}
     return Analysis(ops, device, low_dtype, graph, REGIONS_METHOD)
 
 
-def _captured_regions(model: nn.Module, example_inputs, per_module, device, low_dtype, verify: bool):
+def captured_regions(model: nn.Module, example_inputs, per_module, device, low_dtype, verify: bool):
     """Each block's analysis (block-relative keys) and the input signature it was captured at, by path."""
     paths = region_paths(model, per_module)
     device = torch.device(device) if device is not None else model_device(model)
@@ -492,27 +497,6 @@ def _cuda_indices(device: torch.device) -> list[int]:
     return [device.index or 0] if device.type == "cuda" else []
 
 
-# -- the search ------------------------------------------------------------------------------
-
-def prepare_search(model: nn.Module, example_inputs, per_module, *, device=None,
-                   low_dtype: torch.dtype | None = None, verify: bool = True) -> Analysis:
-    """What ``compfx.optimize(..., per_module=...)`` searches over: :func:`analyze_regions`, with every block of
-    ``model`` made a :class:`PlannedBlock` (running FP32, as it was) so that each plan can be switched into it.
-
-    Blocks planned already (``compfx.apply(..., per_module=...)`` before ``fully_shard``) are kept as they are.
-    """
-    captured, signatures, device, low_dtype = _captured_regions(model, example_inputs, per_module, device, low_dtype,
-                                                                verify)
-    analysis = _analysis_of_regions(captured, signatures, device, low_dtype)
-    apply_per_module(model, Plan.fp32(analysis), analysis, per_module)
-    for path, signature in signatures.items():  # the blocks' captures, made here, are what each block would make
-        block = model.get_submodule(path)
-        if isinstance(block, PlannedBlock):
-            block._captures.setdefault(signature, captured[path])
-    resharded(model)
-    return analysis
-
-
 def resharded(model: nn.Module) -> nn.Module:
     """Reshard every FSDP2 module of ``model`` (a no-op without FSDP2); returns ``model``.
 
@@ -529,49 +513,3 @@ def resharded(model: nn.Module) -> nn.Module:
 def is_regions_analysis(analysis: Analysis) -> bool:
     """True for an analysis of the blocks alone (:func:`analyze_regions`): its plans are applied per block."""
     return analysis.capture_method == REGIONS_METHOD
-
-
-class PerModuleEvaluator(LocalEvaluator):
-    """:class:`~compfx.search.evaluator.LocalEvaluator` over a model whose blocks are :class:`PlannedBlock` s.
-
-    A plan is not a module of its own: it is switched into the model's blocks,
-    and the model itself (as the user wrapped it: FSDP2, checkpointing) trains,
-    so a step's time includes FSDP2's all-gathers and reduce-scatters.
-    """
-
-    def runner(self, plan: Assignment) -> nn.Module:
-        """The model, with ``plan`` switched into its blocks."""
-        return self.runner_of(self.plan(plan))
-
-    def runner_of(self, plan: Plan) -> nn.Module:
-        """:meth:`runner` for a :class:`~compfx.plan.Plan`."""
-        categories = {op.key: op.category for op in self.analysis.ops}
-        for module in self.model.modules():
-            if isinstance(module, PlannedBlock):
-                module.use_plan(plan, categories)
-        return self.model
-
-    def module(self, plan: Assignment) -> nn.Module:
-        return self.runner(plan)
-
-    def module_of(self, plan: Plan) -> nn.Module:
-        return self.runner_of(plan)
-
-    def program(self, plan: Assignment) -> Hashable:
-        """Every plan is a program of its own (the blocks build their graphs on first use)."""
-        return plan
-
-    def specializations(self) -> tuple[int, list]:
-        return 1, []
-
-    def _switch(self, plans):
-        return lambda j: self.runner(plans[j])  # every plan runs in the same model: switch it in before its step
-
-    def run_epoch(self, plan: Assignment):
-        # another sample may have switched the blocks between two batches: switch them back before each
-        return each_batch(super().run_epoch(plan), lambda: self._switched_to(plan))
-
-    @contextlib.contextmanager
-    def _switched_to(self, plan: Assignment):
-        self.runner(plan)
-        yield

@@ -27,7 +27,14 @@ from typing import Iterable, Iterator
 
 import torch
 
-__all__ = ["rng_preserved"]
+__all__ = ["rng_preserved", "cuda_devices"]
+
+
+def cuda_devices(device: torch.device) -> list[int]:
+    """The CUDA device whose RNG ``torch.random.fork_rng`` must protect for work on ``device`` ([] off CUDA)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return []
+    return [device.index if device.index is not None else torch.cuda.current_device()]
 
 
 def _cuda_indices(devices: Iterable) -> list[int]:

@@ -240,7 +240,7 @@ def _nccl_search_then_ddp(port: int, out_path: str) -> None:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
-    from compfx.integrations.distributed import rank_context
+    from compfx.search.distributed import rank_context
 
     report = {}
     try:

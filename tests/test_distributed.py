@@ -12,12 +12,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from compfx.errors import BadInputError, PlanFailedError, SearchError
-from compfx.integrations.distributed import (PerDeviceAllocation, RankAgreement, RankContext, SyncedEvaluator,
-                                             rank_context)
 from compfx.memory import saved_activation_bytes
 from compfx.plan import Assignment
 from compfx.search import (FunctionEvaluator, SearchConfig, SearchSpace, allocate_per_device, allocation_starts,
                            recovery_order, run_search, run_stage1, stage1_candidates)
+from compfx.search.distributed import (PerDeviceAllocation, RankAgreement, RankContext, SyncedEvaluator,
+                                       rank_context)
 from compfx.vocabulary import Precision
 from helpers import run_scenarios, spawn_ranks
 
@@ -510,3 +510,11 @@ def test_gloo_collectives_stay_on_the_cpu(nccl_rank):
 
     nccl_rank.setattr(dist, "get_backend", lambda group=None: "gloo")
     assert rank_context(device="cuda:1").device == torch.device("cpu")
+
+
+def test_the_integrations_path_names_the_search_distributed_pieces():
+    import compfx.integrations.distributed as old_path
+    import compfx.search.distributed as new_path
+
+    assert old_path.__all__ == new_path.__all__
+    assert all(getattr(old_path, name) is getattr(new_path, name) for name in new_path.__all__)

@@ -14,10 +14,10 @@ from dataclasses import dataclass
 import pytest
 
 from compfx.errors import PlanFailedError, SearchError
-from compfx.integrations.distributed import PerDeviceAllocation, RankAgreement, RankContext, SyncedEvaluator
 from compfx.plan import Assignment
 from compfx.search import (SINGLE_PROCESS, FunctionEvaluator, Replay, ReplayingEvaluator, SearchConfig, SearchLog,
                            SearchSpace, run_search)
+from compfx.search.distributed import PerDeviceAllocation, RankAgreement, RankContext, SyncedEvaluator
 from compfx.search.log import BATCHES, SampleRecord
 from compfx.vocabulary import Category, SampleStatus, Stage
 

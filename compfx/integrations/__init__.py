@@ -1,8 +1,9 @@
 """compfx inside the training stacks users already run.
 
 * :mod:`compfx.integrations.distributed`: ``torch.distributed`` (``torchrun``,
-  DDP): a synchronised evaluator and the rank-agreement / per-device strategies
-  the search uses when a process group is initialised.
+  DDP): the names of the synchronised evaluator and the rank-agreement /
+  per-device strategies the search uses when a process group is initialised
+  (they are the search's: :mod:`compfx.search.distributed`).
 * :mod:`compfx.integrations.transformers` / :mod:`compfx.integrations.lightning`:
   ``CompfxCallback`` for Hugging Face's and Lightning's ``Trainer`` (optional
   extras); :mod:`compfx.integrations.planned_training` is what they share.

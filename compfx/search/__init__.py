@@ -13,13 +13,17 @@ with fake evaluators.
 ``evidence``        why each op got its precision, read from the log (the report's "why" column)
 ``convergence``     the guard (loss within ``threshold`` x FP32's) and the final loss check
 ``allocation``      QSync's per-device allocator (one plan per rank)
+``distributed``     the search under ``torch.distributed``: a synchronised evaluator, the rank strategies
 ``evaluator``       the Evaluator interface; the local, replaying and function evaluators
+``per_module``      the search over a model's blocks (``optimize(..., per_module=...)``): its evaluator
 ``sampling``        fair training samples: same state, same RNG, same batches, restored in place
 ``driver``          runs the stages and the check, then a strategy's decision; the recorder
+``session``         one search of a real model (what :func:`compfx.optimize` runs once it has wired the inputs)
 ``config``          :class:`SearchConfig` and the settings that decide (for resume)
 ``log``             the JSON Lines search log and its replay
 ``outcome``         what one sample gave
 ``result``          :class:`SearchResult`, what :func:`compfx.optimize` returns
+``report``          the report of a result (``result.report()``)
 ==================  ==============================================================
 """
 

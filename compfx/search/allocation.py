@@ -4,7 +4,7 @@ Each rank starts at its fastest plan that fits its memory budget (activation
 bytes saved for backward, see :mod:`compfx.memory`), then gives ops back to
 FP32 one at a time while the slowest rank's step time does not grow and the
 memory still fits. Measurements come from a callable, so the allocator is
-exactly testable with a fake device model; :mod:`compfx.integrations.distributed`
+exactly testable with a fake device model; :mod:`compfx.search.distributed`
 gathers real ones over ranks.
 """
 

@@ -30,7 +30,7 @@ Implementations here: :class:`LocalEvaluator` trains the real model in this
 process (:mod:`compfx.search.sampling`); :class:`ReplayingEvaluator` wraps
 another and serves samples a resumed log already holds;
 :class:`FunctionEvaluator` adapts plain functions (tests, custom measurement).
-Under ``torch.distributed``, :class:`compfx.integrations.distributed.SyncedEvaluator`
+Under ``torch.distributed``, :class:`compfx.search.distributed.SyncedEvaluator`
 wraps one so that every rank sees the same numbers.
 """
 

@@ -66,8 +66,8 @@ from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
 
 __all__ = ["SampleRecord", "SearchLog", "Replay", "ReplayedState", "HEADER", "BATCHES", "STOPPED_EARLY", "DUEL",
-           "SAVED_BYTES", "PRUNED_AT", "BATCH_VERDICT", "CANNOT_WIN", "NOTHING_CAN_WIN", "DIGEST", "record_digest",
-           "MAX_LOG_BYTES", "is_search_log"]
+           "SAVED_BYTES", "PRUNED_AT", "BATCH_VERDICT", "CANNOT_WIN", "NOTHING_CAN_WIN", "DIGEST", "RESULT",
+           "record_digest", "MAX_LOG_BYTES", "is_search_log"]
 
 #: key, in the ``extra`` of a log's first line, of what the search was run on (fingerprint and settings)
 HEADER = "search"
@@ -88,6 +88,9 @@ CANNOT_WIN = "cannot_win"
 PRUNED_AT = "pruned_at"
 #: key of a note's ``extra``: the search stopped a stage because the profiles show no plan left can win (how many)
 NOTHING_CAN_WIN = "nothing_can_win"
+#: key, in the ``extra`` of the note that ends a finished search's log, of what the report needs (see
+#: ``SearchResult.log_summary``)
+RESULT = "result"
 #: key, in each line of a log file, of the chained digest of that line's record (see the module docstring)
 DIGEST = "digest"
 #: A log holds a few numbers per batch and sample; a larger file is not one compfx wrote.

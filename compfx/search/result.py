@@ -13,12 +13,10 @@ from ..opkey import OpKey
 from ..plan import Plan
 from ..vocabulary import Category, SampleStatus, Stage
 from .compare import StepComparison
-from .log import SearchLog
+from .log import RESULT, SearchLog
+from .report import render_report
 
 __all__ = ["SearchResult", "LoggedAnalysis", "LoggedOp", "RESULT"]
-
-#: key, in the ``extra`` of the note that ends a finished search's log, of what the report needs (see ``log_summary``)
-RESULT = "result"
 
 
 @dataclass(frozen=True)
@@ -92,9 +90,7 @@ class SearchResult:
     cost_breakdown: dict[str, float] = field(default_factory=dict)
 
     def report(self, tablefmt: str = "simple") -> str:
-        """The per-op table, then the search and the timing summary (see :mod:`compfx.report`)."""
-        from ..report import render_report  # report reads this class: imported when used
-
+        """The per-op table, then the search and the timing summary (see :mod:`compfx.search.report`)."""
         return render_report(self, tablefmt)
 
     @property

@@ -65,6 +65,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError, CompfxError, NonFiniteGradientError
 from ..measure import Timing, time_interleaved, time_repeats, timed
+from ..rng import cuda_devices  # re-exported: the search's callers read it here
 
 __all__ = ["split_batch", "move_batch", "model_loss", "check_loss", "check_first_batch", "cuda_devices", "seed_device",
            "call_quietly", "StateSnapshot", "snapshot_state", "restore_state", "FairSampler", "MAX_EPOCH_BATCHES",
@@ -183,13 +184,6 @@ def check_loss(loss) -> torch.Tensor:
         raise BadInputError(f"loss_fn returned a {type(loss).__name__}{shape}; expected a scalar tensor. Reduce "
                             "the loss (e.g. .mean()) inside loss_fn.")
     return loss
-
-
-def cuda_devices(device: torch.device) -> list[int]:
-    """The CUDA device whose RNG ``torch.random.fork_rng`` must protect for work on ``device`` ([] off CUDA)."""
-    if device.type != "cuda" or not torch.cuda.is_available():
-        return []
-    return [device.index if device.index is not None else torch.cuda.current_device()]
 
 
 def seed_device(seed: int, device: torch.device) -> None:
