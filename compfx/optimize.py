@@ -258,8 +258,9 @@ class _Search:
         regions = is_regions_analysis(self.analysis)
         rewrite = self._regions_graph_of if regions else self.local.module_of
         try:
+            # a regions graph is rewritten for pricing alone: only the plans the search prices are annotated
             return SearchPredictor.build(self.analysis, rewrite=rewrite, cache_dir=self.config.cache_dir,
-                                         annotate_all=not regions)  # a regions graph is rewritten for pricing alone
+                                         annotate_all=not regions, confidence=self.config.confidence)
         except Exception as error:  # the predictor only orders and skips: never fail the search for it
             self.log.note(Stage.SEARCH, f"cost model unavailable ({type(error).__name__}: {error}); measuring every "
                           "candidate")

@@ -93,10 +93,12 @@ def run_search(space: SearchSpace, evaluator, config: SearchConfig, *, report: R
                         predict=predictor.epoch_seconds if guided else None,
                         bound=predictor.lower_bound_seconds if guided else None,
                         margin=config.predictor_margin, early_stop=config.early_stop if guided else None,
-                        rule=rule, memory_budget=budget)
+                        rule=rule, memory_budget=budget,
+                        bound_against=predictor.lower_bound_against if guided else None)
     stage2 = run_stage2(space, stage1.best.plan, evaluator, budget=config.stage2_budget, report=report, rule=rule,
                         memory_budget=budget, bound=predictor.step_lower_bound if guided else None,
-                        predict=predictor.step_seconds if guided else None)
+                        predict=predictor.step_seconds if guided else None,
+                        bound_against=predictor.step_lower_bound_against if guided else None)
     checked = check_winner(evaluator, stage2.best.plan, stage1.best.plan, stage1.baseline,
                            batches=config.stage2_check_batches, threshold=config.threshold, report=report)
     chosen = strategy.decide(checked, stage1=stage1, evaluator=evaluator, report=report or (lambda record: None))
