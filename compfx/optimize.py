@@ -281,7 +281,7 @@ class _Search:
             with torch.random.fork_rng(devices=cuda_devices(self.analysis.device)):  # the user's RNG is untouched
                 with clock.phase("profiling"):
                     predictor = self._predictor()
-                recorder = Recorder(self.log, replay=self.replay, predictor=predictor, progress=progress)
+                recorder = Recorder(self.log, replay=self.replay, predictor=predictor, progress=progress, clock=clock)
                 decision = run_search(self.space, self.evaluator, config, report=recorder, predictor=predictor,
                                       strategy=self.strategy)
                 padding = self._decide_padding(decision, predictor is not None, recorder)

@@ -26,10 +26,12 @@ to the log and moves the progress bar.
 from __future__ import annotations
 
 import statistics
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Mapping, Protocol
 
 from ..errors import PlanFailedError
+from ..measure import PhaseClock
 from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
 from .compare import StepComparison
@@ -109,20 +111,23 @@ class Recorder:
     """The ``report`` callable of a search: replayed records dropped, predictions added, the log written.
 
     ``replay`` knows which records a resumed log already holds; ``predictor``
-    (optional) calibrates on the FP32 baseline and annotates measured samples;
-    ``progress`` is a tqdm bar (or None).
+    (optional) calibrates on the FP32 baseline and annotates measured samples,
+    charged to ``clock``'s "profiling" phase; ``progress`` is a tqdm bar (or None).
     """
 
-    def __init__(self, log: SearchLog, *, replay: Replay | None = None, predictor=None, progress=None):
+    def __init__(self, log: SearchLog, *, replay: Replay | None = None, predictor=None, progress=None,
+                 clock: PhaseClock | None = None):
         self.log, self.replay, self.predictor, self.progress = log, replay, predictor, progress
+        self.clock = clock  # the cost model's work here (calibrating, profiling again) is charged to "profiling"
 
     def __call__(self, record: SampleRecord) -> None:
         fresh = self.replay.annotate(record) if self.replay is not None else record  # None: already logged
         record = fresh or record
         if self.predictor is not None and record.is_sample and record.plan:
-            extra = self.predictor.observe(record.stage, Assignment.parse(record.plan), record.status,
-                                           record.seconds, record.batches,
-                                           batch_seconds=[s for _, s in record.extra.get(BATCHES, [])])
+            with self.clock.phase("profiling") if self.clock is not None else nullcontext():
+                extra = self.predictor.observe(record.stage, Assignment.parse(record.plan), record.status,
+                                               record.seconds, record.batches,
+                                               batch_seconds=[s for _, s in record.extra.get(BATCHES, [])])
             if extra:
                 record = replace(record, extra={**record.extra, **extra})
         if fresh is not None:
