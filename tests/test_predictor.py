@@ -210,6 +210,8 @@ def test_a_bound_read_off_a_priced_plan_never_exceeds_the_prediction(name, data)
     priced = [p for p in Precision if p is not Precision.FP8]
     plans = st.lists(st.sampled_from(priced), min_size=n, max_size=n).map(Assignment)
     plan, reference = data.draw(plans), data.draw(plans)
+    for other in data.draw(st.lists(plans, max_size=3)):  # plans priced already: the bound is read off them too
+        p.epoch_seconds(other)
     full = p.epoch_seconds(plan)
     bound = p.lower_bound_against(plan, reference)
     assert p.lower_bound_seconds(plan) <= bound <= full + 1e-9 * abs(full) + 1e-9
@@ -222,6 +224,17 @@ def test_a_bound_read_off_a_priced_plan_is_tight_where_the_plans_differ_little()
     amp, other = Assignment.parse("0f0"), Assignment.parse("0f1")
     # every cast of AMP's graph around fc2 may go; those around fc1 stay (fc1's precision casts its inputs)
     assert p.lower_bound_seconds(other) < p.lower_bound_against(other, amp) <= p.epoch_seconds(other)
+
+
+def test_a_bound_is_also_read_off_the_nearest_plans_priced_already():
+    a = _analysis("mlp")  # fc1, relu, fc2
+    p = _calibrated(a, fp32=[1.0, 2.0, 3.0], low=[1.0, 2.0, 3.0], alpha=0.0, beta=10.0)
+    fp32, plan = Assignment.parse("111"), Assignment.parse("1f0")  # fc2 low
+    alone = p.lower_bound_against(plan, fp32)  # FP32's graph has no casts: all the bound knows is the profiles
+    assert alone == p.lower_bound_seconds(plan)
+    p.epoch_seconds(Assignment.parse("0f0"))  # priced (as the search prices a plan): differs from ``plan`` in fc1
+    # read off AMP's graph, fc2's casts (out of fc1's reach) are in ``plan``'s too
+    assert alone < p.lower_bound_against(plan, fp32) <= p.epoch_seconds(plan)
 
 
 def test_lower_bound_prices_ops_at_their_precision_and_follow_ops_at_the_cheaper_profile():

@@ -68,6 +68,8 @@ SCALE_EVIDENCE = "prediction_scale_evidence"
 #: key of AMP's Stage-1 record's ``extra``: profiles measured again because AMP's measured batches contradicted
 #: the prediction they made and a fresh timing of the ops behind it disagreed with them (cached over fresh seconds)
 CONTRADICTED_PROFILES = "profiles_contradicted"
+#: how many plans priced already (besides the one asked for) a bound relative to a priced plan is also read off
+NEAREST_REFERENCES = 3
 #: key of the calibration record's ``extra``: the ratio that made cached profiles be measured again
 STALE_PROFILES = "stale_profile_ratio"
 #: keys of the calibration record's ``extra``: how many cached profiles were measured again because their
@@ -282,6 +284,7 @@ class SearchPredictor:
         self._dtype_decided: dict[tuple[OpKey, Precision], bool] | None = None  # see _bound_seconds
         self._flow: _Dataflow | None = None  # the analysis graph's dataflow, for bounds relative to a priced plan
         self._references: dict[Assignment, _Reference] = {}  # priced plans that bounds are taken relative to
+        self._against: dict[tuple[Assignment, Assignment], float] = {}  # (plan, priced plan) -> bound read off it
         #: how much of the profiles' predicted difference from FP32 the measurements bear out (see observe)
         self.scale = 1.0
         self.fp32_step: float | None = None  # the measured FP32 step the predictor is calibrated on
@@ -391,12 +394,26 @@ class SearchPredictor:
         ``plan`` against it; the bound is the larger of this and
         :meth:`lower_bound_seconds` (NaN when ``reference`` cannot be priced).
         """
-        plan, reference, batches = _assignment(plan), _assignment(reference), self._batches()
+        plan, reference = _assignment(plan), _assignment(reference)
         if not self._casts_non_negative():
             return self.epoch_seconds(plan)
-        seen = self._reference(reference)
-        if seen is None:
+        if self._reference(reference) is None:
             return math.nan
+        return max(self._bound_read_off(plan, other) for other in [reference, *self._nearest_priced(plan, reference)])
+
+    def _nearest_priced(self, plan: Assignment, but: Assignment) -> list[Assignment]:
+        """Up to :data:`NEAREST_REFERENCES` plans priced already (other than ``but``), those differing from ``plan``
+        in the fewest ops first: each gives a lower bound as valid as the reference's, and often a tighter one."""
+        priced = [other for other, seen in self._references.items() if seen is not None and other != but]
+        distance = lambda other: sum(a is not b for a, b in zip(plan, other))  # noqa: E731
+        return sorted(priced, key=distance)[:NEAREST_REFERENCES]
+
+    def _bound_read_off(self, plan: Assignment, reference: Assignment) -> float:
+        """:meth:`lower_bound_against` ``reference`` alone (priced already); cached per pair of plans."""
+        key = (plan, reference)
+        if key in self._against:
+            return self._against[key]
+        seen, batches = self._references[reference], self._batches()
         if self._flow is None:
             self._flow = _Dataflow(self.predictor.analysis)
         reached = self._flow.reached(plan, reference)
@@ -412,7 +429,8 @@ class SearchPredictor:
             else:
                 total += min(profile.fp32_s, profile.low_s)
         total += sum(seconds for seconds, touches in seen.casts if not self._flow.touches(touches, reached))
-        return max(self._scaled(total) * batches, self.lower_bound_seconds(plan))
+        self._against[key] = max(self._scaled(total) * batches, self.lower_bound_seconds(plan))
+        return self._against[key]
 
     def step_lower_bound_against(self, plan: Assignment, reference: Assignment) -> float:
         """:meth:`lower_bound_against` of one step (Stage 2 times steps, not epochs)."""
@@ -476,6 +494,7 @@ class SearchPredictor:
             self.batches, self.fp32_step = batches, measured
             self._fp32_batches = list(batch_seconds)
             self._steps.clear()  # the overhead changed; the prices of compute and casts did not
+            self._against.clear()
             return self._annotation(plan, measured, calibration=True)
         measured = _measured_step(stage, status, seconds, batches)
         if stage is Stage.STAGE1 and plan == self._amp and measured is not None and not self._scale_fitted:
@@ -542,11 +561,13 @@ class SearchPredictor:
             return
         nearest = high if predicted > high else low
         self.scale = min(1.0, max(0.0, (nearest - 1.0) / (predicted - 1.0)))
+        self._against.clear()  # bounds are scaled as predictions are
 
     def _forget_prices(self) -> None:
         """New profiles: every price made from the old ones is void."""
         self._steps.clear()
         self._references.clear()
+        self._against.clear()
 
     def _predicted_amp_ratio(self) -> float | None:
         """The profiles' AMP step over the measured FP32 step (None when AMP's plan cannot be priced)."""

@@ -187,7 +187,7 @@ class _Stage1:
         self.rule, self.memory_budget = rule, memory_budget
         self.predicted: dict[Assignment, float] = {}  # plan -> predicted cost
         self.bounds: dict[Assignment, float] = {}  # plan -> cost at the lower bound of the predicted seconds
-        self.bounds_against: dict[tuple[Assignment, Assignment], float] = {}  # (plan, incumbent) -> bound against it
+        self.bounds_against: dict[tuple, float] = {}  # (plan, incumbent, plans priced) -> bound against it
         self.samples: list[Outcome] = []
         self.seen: set[Assignment] = set()
         self.programs = ProgramIndex(evaluator.program)
@@ -453,7 +453,7 @@ class _Stage1:
         if self.bound is None:
             return self.predicted_cost(plan)
         if self.bound_against is not None and self.best is not None:
-            key = (plan, self.best.plan)
+            key = (plan, self.best.plan, len(self.predicted))  # each plan priced may tighten the bound
             if key not in self.bounds_against:
                 seconds = float(self.bound_against(plan, self.best.plan))
                 self.bounds_against[key] = self.cost(plan, seconds) if math.isfinite(seconds) else math.nan
