@@ -401,12 +401,15 @@ class SearchPredictor:
             return math.nan
         return max(self._bound_read_off(plan, other) for other in [reference, *self._nearest_priced(plan, reference)])
 
-    def _nearest_priced(self, plan: Assignment, but: Assignment) -> list[Assignment]:
-        """Up to :data:`NEAREST_REFERENCES` plans priced already (other than ``but``), those differing from ``plan``
-        in the fewest ops first: each gives a lower bound as valid as the reference's, and often a tighter one."""
-        priced = [other for other, seen in self._references.items() if seen is not None and other != but]
+    def _nearest_priced(self, plan: Assignment, reference: Assignment) -> list[Assignment]:
+        """Up to :data:`NEAREST_REFERENCES` plans priced already that differ from ``plan`` in fewer ops than
+        ``reference`` does, the nearest first: each gives a lower bound as valid as the reference's, and a nearer
+        one is usually tighter (a plan that differs from it less is not read off it: it would rarely add)."""
         distance = lambda other: sum(a is not b for a, b in zip(plan, other))  # noqa: E731
-        return sorted(priced, key=distance)[:NEAREST_REFERENCES]
+        limit = distance(reference)
+        nearer = [(d, i, other) for i, (other, seen) in enumerate(self._references.items())
+                  if seen is not None and (d := distance(other)) < limit]
+        return [other for _, _, other in sorted(nearer)[:NEAREST_REFERENCES]]
 
     def _bound_read_off(self, plan: Assignment, reference: Assignment) -> float:
         """:meth:`lower_bound_against` ``reference`` alone (priced already); cached per pair of plans."""
