@@ -102,6 +102,7 @@ class _Stage2:
         self.programs = ProgramIndex(evaluator.program)
         self._bytes: dict[Assignment, int | None] = {}
         self._verdicts: dict[tuple[Assignment, Assignment], bool] = {}
+        self._predicted: dict[tuple[Assignment, Assignment], float] = {}  # (incumbent, plan) -> predicted_cost
 
     def saved_bytes(self, plan: Assignment) -> int | None:
         if plan not in self._bytes:
@@ -179,16 +180,26 @@ class _Stage2:
         return checked_cost(self.evaluator, plan, seconds) if math.isfinite(seconds) else math.nan
 
     def predicted_cost(self, incumbent: Outcome, plan: Assignment) -> float:
-        """The figure that says whether ``plan`` can beat ``incumbent``: its cheap lower bound when that is at the
-        bar or over, else its full prediction (a rewrite); NaN when it cannot be priced."""
+        """The figure that says whether ``plan`` can beat ``incumbent``: the first of its lower bounds (the cheap
+        one, then the one read off the incumbent's priced graph) that is at the bar or over, else its full
+        prediction (a rewrite); NaN when it cannot be priced. Each figure is worked out once."""
+        key = (incumbent.plan, plan)
+        if key not in self._predicted:
+            self._predicted[key] = self._predicted_cost(incumbent, plan)
+        return self._predicted[key]
+
+    def _predicted_cost(self, incumbent: Outcome, plan: Assignment) -> float:
         bound = self._priced(self.bound, plan)
+        reference = self._priced(self.predict, incumbent.plan)
+        if not math.isfinite(reference) or self.predict is self.bound:
+            return bound
+        bar = self.rule.bar(reference, saves_less=False)
+        if math.isfinite(bound) and bound >= bar:
+            return bound
         if self.bound_against is not None:
             against = self._priced(lambda p: self.bound_against(p, incumbent.plan), plan)
             bound = against if math.isfinite(against) else bound
-        reference = self._priced(self.predict, incumbent.plan)
-        if not (math.isfinite(bound) and math.isfinite(reference)) or self.predict is self.bound:
-            return bound
-        if bound >= self.rule.bar(reference, saves_less=False):
+        if not math.isfinite(bound) or bound >= bar:
             return bound
         return self._priced(self.predict, plan)
 
