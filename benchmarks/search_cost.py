@@ -34,6 +34,7 @@ Run from the repository root::
     python -m benchmarks.search_cost            # writes benchmarks/results/<device>/search_cost.json
     python -m benchmarks.search_cost --cases demo,cnn13,bert --no-exactness   # the fixed-cost cases only
     python -m benchmarks.search_cost --cases readme,gpt2 --no-exactness       # the README example, a tiny GPT-2
+    python -m benchmarks.search_cost --cases trivial --no-exactness           # the floor: a one-layer model
     python -m benchmarks.search_cost --trainer --repeat 3 --log /tmp/trainer.jsonl
         # the Trainer callback's search on a tiny GPT-2 in FP32 epochs, three fresh processes: each run, their
         # median and range under the JSON's "trainer" key (the other keys kept); each run's search log kept
@@ -305,12 +306,22 @@ def _gpt2_case():
     return model, gpt2_batches(), None, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+def _trivial_case():
+    """The floor: one linear layer on 4 batches of 8x8 inputs -- what any search pays (the process's one-off costs,
+    the capture and its check, the baseline, the report's comparison), whatever the model."""
+    model = nn.Linear(8, 4)
+    g = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(4)]
+    return model, loader, _ce, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 CASES = {
     "readme": ("the README's first example (compfx.examples.cnn, 8 batches of 32 random 8x8 images)", _readme_case),
     "gpt2": ("tiny HF GPT2LMHeadModel (2 layers, hidden 64), 9 batches of 8x32 tokens", _gpt2_case),
     "demo": ("the demo's digits CNN (compfx.examples.cnn), 20 batches of 64 8x8 images", _digits_case),
     "cnn13": ("ThirteenOpCNN, 20 batches of 16 3x16x16 images", _cnn13_case),
     "bert": ("tiny HF BertForSequenceClassification (2 layers, hidden 64), 20 batches of 8x32 tokens", _bert_case),
+    "trivial": ("the floor: one nn.Linear(8, 4), 4 batches of 8 inputs", _trivial_case),
 }
 
 
