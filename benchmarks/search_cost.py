@@ -445,6 +445,9 @@ def run_trainer(steps: int = 20, search_batches: int = 9, batch_size: int = 8, s
             "search_batches": search_batches, "steps": steps, "fp32_epoch_seconds": epoch,
             "search_seconds": result.search_seconds, "search_cost_fp32_epochs": result.search_seconds / epoch,
             "breakdown_seconds": result.cost_breakdown, "samples": result.samples_run,
+            # of those, the plans that trained or were timed (the rest the cost model skipped, or a duplicate)
+            "measured_samples": sum(r.status != "skipped" and bool(r.batches or r.seconds)
+                                    for r in result.log.samples() if r.stage in ("stage1", "stage2")),
             "chosen_plan": result.plan.bitstring(result.analysis), "trainer_metrics": metrics,
             "target_fp32_epochs": TRAINER_TARGET_FP32_EPOCHS,
             "within_target": result.search_seconds / epoch <= TRAINER_TARGET_FP32_EPOCHS,
@@ -482,7 +485,8 @@ def run_trainer_repeated(repeat: int, seed: int = 0, log: str | None = None, thr
         path = _numbered(log, index, repeat)
         run = _trainer_run_in_fresh_process(seed, path, threads)
         runs.append(run)
-        print(f"run {index}: {run['search_cost_fp32_epochs']:.3g} FP32 epochs, {run['samples']} samples, "
+        print(f"run {index}: {run['search_cost_fp32_epochs']:.3g} FP32 epochs, {run['samples']} samples "
+              f"({run.get('measured_samples', '?')} measured), "
               f"plan {run['chosen_plan']}" + (f", log {path}" if path else ""), flush=True)
     costs = [run["search_cost_fp32_epochs"] for run in runs]
     samples = [run["samples"] for run in runs]
@@ -490,6 +494,8 @@ def run_trainer_repeated(repeat: int, seed: int = 0, log: str | None = None, thr
             "search_cost_fp32_epochs_median": statistics.median(costs),
             "search_cost_fp32_epochs_range": [min(costs), max(costs)],
             "samples_median": statistics.median(samples), "samples_range": [min(samples), max(samples)],
+            "measured_samples_range": [min(run.get("measured_samples", 0) for run in runs),
+                                       max(run.get("measured_samples", 0) for run in runs)],
             "runs_within_target": sum(cost <= TRAINER_TARGET_FP32_EPOCHS for cost in costs),
             "chosen_plans": sorted({run["chosen_plan"] for run in runs}), "runs": runs}
 

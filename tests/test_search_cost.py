@@ -250,5 +250,6 @@ def test_a_trainer_run_keeps_its_search_log(tmp_path):
     log = tmp_path / "logs" / "trainer.jsonl"
     figures = run_trainer(steps=2, search_batches=3, log=log)
     assert figures["search_cost_fp32_epochs"] > 0 and figures["log"] == str(log)
+    assert 2 <= figures["measured_samples"] <= figures["samples"]  # FP32's and AMP's epochs at least
     records = SearchLog.read(log)
     assert records.samples("stage1")[0].reason.startswith("FP32 baseline")
