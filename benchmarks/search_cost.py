@@ -34,7 +34,11 @@ Run from the repository root::
     python -m benchmarks.search_cost            # writes benchmarks/results/<device>/search_cost.json
     python -m benchmarks.search_cost --cases demo,cnn13,bert --no-exactness   # the fixed-cost cases only
     python -m benchmarks.search_cost --cases readme,gpt2 --no-exactness       # the README example, a tiny GPT-2
-    python -m benchmarks.search_cost --trainer   # the Trainer callback's search on a tiny GPT-2, in FP32 epochs
+    python -m benchmarks.search_cost --cases trivial --no-exactness           # the floor: a one-layer model
+    python -m benchmarks.search_cost --trainer --repeat 3 --log /tmp/trainer.jsonl
+        # the Trainer callback's search on a tiny GPT-2 in FP32 epochs, three fresh processes: each run, their
+        # median and range under the JSON's "trainer" key (the other keys kept); each run's search log kept
+        # (/tmp/trainer-0.jsonl, ...: ``compfx report`` prints one)
 """
 
 from __future__ import annotations
@@ -44,6 +48,7 @@ import copy
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -301,12 +306,22 @@ def _gpt2_case():
     return model, gpt2_batches(), None, torch.optim.AdamW(model.parameters(), lr=1e-3)
 
 
+def _trivial_case():
+    """The floor: one linear layer on 4 batches of 8x8 inputs -- what any search pays (the process's one-off costs,
+    the capture and its check, the baseline, the report's comparison), whatever the model."""
+    model = nn.Linear(8, 4)
+    g = torch.Generator().manual_seed(0)
+    loader = [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(4)]
+    return model, loader, _ce, torch.optim.SGD(model.parameters(), lr=0.1)
+
+
 CASES = {
     "readme": ("the README's first example (compfx.examples.cnn, 8 batches of 32 random 8x8 images)", _readme_case),
     "gpt2": ("tiny HF GPT2LMHeadModel (2 layers, hidden 64), 9 batches of 8x32 tokens", _gpt2_case),
     "demo": ("the demo's digits CNN (compfx.examples.cnn), 20 batches of 64 8x8 images", _digits_case),
     "cnn13": ("ThirteenOpCNN, 20 batches of 16 3x16x16 images", _cnn13_case),
     "bert": ("tiny HF BertForSequenceClassification (2 layers, hidden 64), 20 batches of 8x32 tokens", _bert_case),
+    "trivial": ("the floor: one nn.Linear(8, 4), 4 batches of 8 inputs", _trivial_case),
 }
 
 
@@ -395,13 +410,15 @@ def run_cases(names: list[str], seed: int = 0, threads: int | None = 1) -> dict:
 
 # -- the Trainer callback: what its search costs ---------------------------------------------------
 
-def run_trainer(steps: int = 20, search_batches: int = 9, batch_size: int = 8, seed: int = 0) -> dict:
+def run_trainer(steps: int = 20, search_batches: int = 9, batch_size: int = 8, seed: int = 0,
+                log: str | os.PathLike | None = None) -> dict:
     """A tiny GPT-2 in the Hugging Face ``Trainer`` with ``CompfxCallback``: the search in FP32 epochs, and the
     trainer's throughput with and without it.
 
     The FP32 epoch is the model's own eager FP32 epoch over the ``search_batches`` batches the callback
     searches on (same batch size), timed in this process before the run (median of three, the model and
-    optimizer restored). The search's seconds are the callback's ``optimize()`` call.
+    optimizer restored). The search's seconds are the callback's ``optimize()`` call. ``log``: where to keep
+    the callback's search log (``compfx report`` prints it; otherwise it goes with the trainer's output folder).
     """
     from transformers import Trainer, TrainingArguments
 
@@ -420,13 +437,67 @@ def run_trainer(steps: int = 20, search_batches: int = 9, batch_size: int = 8, s
                                  save_strategy="no", logging_steps=steps)
         trainer = Trainer(model=model, args=args, train_dataset=rows, callbacks=[callback])
         metrics = trainer.train().metrics
+        if log is not None:
+            Path(log).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(Path(out) / "compfx-search.jsonl", log)
     result = callback.run.result
     return {"model": "tiny GPT2LMHeadModel (2 layers, hidden 64), batches of 8x32 tokens",
             "search_batches": search_batches, "steps": steps, "fp32_epoch_seconds": epoch,
             "search_seconds": result.search_seconds, "search_cost_fp32_epochs": result.search_seconds / epoch,
             "breakdown_seconds": result.cost_breakdown, "samples": result.samples_run,
+            # of those, the plans that trained or were timed (the rest the cost model skipped, or a duplicate)
+            "measured_samples": sum(r.status != "skipped" and bool(r.batches or r.seconds)
+                                    for r in result.log.samples() if r.stage in ("stage1", "stage2")),
             "chosen_plan": result.plan.bitstring(result.analysis), "trainer_metrics": metrics,
-            "target_fp32_epochs": 10.0, "within_target": result.search_seconds / epoch <= 10.0}
+            "target_fp32_epochs": TRAINER_TARGET_FP32_EPOCHS,
+            "within_target": result.search_seconds / epoch <= TRAINER_TARGET_FP32_EPOCHS,
+            **({"log": str(log)} if log is not None else {})}
+
+
+#: what the Trainer callback's search on the tiny GPT-2 may cost, in FP32 epochs of its search batches
+TRAINER_TARGET_FP32_EPOCHS = 10.0
+
+
+def _trainer_run_in_fresh_process(seed: int, log: str | None, threads: int | None) -> dict:
+    """:func:`run_trainer` in a new Python process; its figures."""
+    command = [sys.executable, "-m", "benchmarks.search_cost", "--trainer-run", "--seed", str(seed),
+               "--threads", str(threads or 0)] + (["--log", log] if log is not None else [])
+    done = subprocess.run(command, capture_output=True, text=True, check=False,
+                          cwd=Path(__file__).resolve().parent.parent)
+    if done.returncode != 0:
+        raise RuntimeError(f"trainer run failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _numbered(log: str | None, index: int, repeat: int) -> str | None:
+    """The log path of run ``index``: ``log`` itself for one run, else ``name-<index>.jsonl`` beside it."""
+    if log is None or repeat == 1:
+        return log
+    path = Path(log)
+    return str(path.with_name(f"{path.stem}-{index}{path.suffix or '.jsonl'}"))
+
+
+def run_trainer_repeated(repeat: int, seed: int = 0, log: str | None = None, threads: int | None = 1) -> dict:
+    """``repeat`` Trainer runs, each in a fresh process (each pays a first search's one-off costs, as a user's
+    job does), and their median and range of the search cost in FP32 epochs and of the samples run."""
+    runs = []
+    for index in range(repeat):
+        path = _numbered(log, index, repeat)
+        run = _trainer_run_in_fresh_process(seed, path, threads)
+        runs.append(run)
+        print(f"run {index}: {run['search_cost_fp32_epochs']:.3g} FP32 epochs, {run['samples']} samples "
+              f"({run.get('measured_samples', '?')} measured), "
+              f"plan {run['chosen_plan']}" + (f", log {path}" if path else ""), flush=True)
+    costs = [run["search_cost_fp32_epochs"] for run in runs]
+    samples = [run["samples"] for run in runs]
+    return {"model": runs[0]["model"], "repeat": repeat, "target_fp32_epochs": TRAINER_TARGET_FP32_EPOCHS,
+            "search_cost_fp32_epochs_median": statistics.median(costs),
+            "search_cost_fp32_epochs_range": [min(costs), max(costs)],
+            "samples_median": statistics.median(samples), "samples_range": [min(samples), max(samples)],
+            "measured_samples_range": [min(run.get("measured_samples", 0) for run in runs),
+                                       max(run.get("measured_samples", 0) for run in runs)],
+            "runs_within_target": sum(cost <= TRAINER_TARGET_FP32_EPOCHS for cost in costs),
+            "chosen_plans": sorted({run["chosen_plan"] for run in runs}), "runs": runs}
 
 
 PARTS = ("capture", "profiling", "rewrites", "samples", "step comparison", "other")
@@ -457,7 +528,12 @@ def main(argv=None) -> int:
     parser.add_argument("--no-exactness", action="store_true",
                         help="skip the six-op CNN's exact-vs-predictor searches")
     parser.add_argument("--trainer", action="store_true",
-                        help="only the Hugging Face Trainer callback's search on a tiny GPT-2, in FP32 epochs")
+                        help="only the Hugging Face Trainer callback's search on a tiny GPT-2, in FP32 epochs "
+                             "(written under the JSON's 'trainer' key, the other keys kept)")
+    parser.add_argument("--repeat", type=int, default=3, help="--trainer: runs, each in a fresh process")
+    parser.add_argument("--log", default=None,
+                        help="--trainer: keep each run's search log here (NAME-<run>.jsonl for several runs)")
+    parser.add_argument("--trainer-run", action="store_true", help=argparse.SUPPRESS)  # one run, JSON on stdout
     parser.add_argument("--case", choices=sorted(CASES), help=argparse.SUPPRESS)  # one case, JSON on stdout
     args = parser.parse_args(argv)
     if args.threads:
@@ -465,10 +541,19 @@ def main(argv=None) -> int:
     if args.case:
         print(json.dumps(run_case(args.case, args.seed)))
         return 0
+    if args.trainer_run:
+        print(json.dumps(run_trainer(seed=args.seed, log=args.log), default=str))
+        return 0
     if args.trainer:
-        figures = run_trainer(seed=args.seed)
+        if args.repeat < 1:
+            parser.error(f"--repeat {args.repeat}: expected at least 1 run")
+        figures = run_trainer_repeated(args.repeat, args.seed, args.log, args.threads or None)
         for key, value in figures.items():
-            print(f"{key:28s} {value:.4g}" if isinstance(value, float) else f"{key:28s} {value}")
+            if key != "runs":
+                print(f"{key:36s} {value:.4g}" if isinstance(value, float) else f"{key:36s} {value}")
+        out = Path(args.out or Path(__file__).parent / "results" / "cpu" / "search_cost.json")
+        _merge_json(out, {"trainer": figures})
+        print(f"wrote {out}")
         return 0
     result = {} if args.no_exactness else run(args.batches, args.seed, args.threads or None, args.validate)
     names = [n for n in args.cases.split(",") if n]
@@ -486,11 +571,18 @@ def main(argv=None) -> int:
         else:
             print(f"{key:40s} {value:.4g}" if isinstance(value, float) else f"{key:40s} {value}")
     out = Path(args.out or Path(__file__).parent / "results" / torch.device(result["device"]).type / "search_cost.json")
-    if args.no_exactness and out.exists():  # keep the exactness figures of an earlier full run
-        result = {**json.loads(out.read_text()), **result}
-    write_json_atomic(out, result)
+    if args.no_exactness:  # keep the exactness figures of an earlier full run
+        _merge_json(out, result)
+    else:
+        trainer = json.loads(out.read_text()).get("trainer") if out.exists() else None
+        write_json_atomic(out, {**result, **({"trainer": trainer} if trainer is not None else {})})
     print(f"wrote {out}")
     return 0
+
+
+def _merge_json(out: Path, figures: dict) -> None:
+    """Write ``figures`` into the JSON at ``out``, keeping its other keys."""
+    write_json_atomic(out, {**(json.loads(out.read_text()) if out.exists() else {}), **figures})
 
 
 if __name__ == "__main__":

@@ -40,11 +40,11 @@ from typing import Hashable, Iterable, Mapping
 import torch
 import torch.fx as fx
 import torch.nn as nn
+from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .analyze import Analysis, analyze_graph, model_device
 from .capture import (buffers_restored, capture, describe_inputs, input_signature, keep_checkpoints,
                       normalize_example_inputs)
-from .capture.nodes import copy_graph
 from .errors import BadInputError, CaptureError
 from .float8 import fp8_fallbacks
 from .opkey import KEY_META, OpKey
@@ -254,7 +254,10 @@ class PlannedBlock(nn.Module):
                         "for them (%s)", self.path, len(fallbacks),
                         "; ".join(f"{key}: {why}" for key, (_, why) in list(fallbacks.items())[:3]))
         source = analysis.graph_module
-        gm = fx.GraphModule(source, copy_graph(source.graph), class_name=self.block_type.__name__ + "Mixed")
+        # as compfx.apply builds a planned graph: on the analysis's own graph, which the cast pass copies and swaps
+        # out before it changes anything (one copy, not two), and lazy (its code is generated once, when it runs)
+        gm = _LazyGraphModule(source, source.graph, class_name=self.block_type.__name__ + "Mixed")
+        source.graph.owning_module = source  # the new module took it over; it stays the analysis's
         apply_precisions(gm, precisions, low_dtype=self.plan.low_dtype, categories=categories,
                          default_precision=Precision.FOLLOW, restore_outputs=self.restore_output_dtypes,
                          fp8_recipe=self.plan.fp8_recipe,

@@ -257,10 +257,13 @@ def test_stage2_is_not_timed_when_the_profiles_show_nothing_can_win():
     assert timed == [] and result.best.plan == base and result.samples == []  # not even the winner is timed
     [stop] = [r for r in log.notes() if NOTHING_CAN_WIN in r.extra]
     assert stop.stage == "stage2" and "Stage 2 not timed" in stop.reason
-    timed.clear()
+    timed.clear()  # bounds under the bar, but every prediction within the margin: priced in full, nothing timed
     run_stage2(SPACE, base, evaluator, rule=DecisionRule(margin=0.03), bound=lambda plan: 0.5,
                predict=lambda plan: 1.0)
-    assert len(timed) > 1  # a plan that might win is timed
+    assert timed == []
+    run_stage2(SPACE, base, evaluator, rule=DecisionRule(margin=0.03), bound=lambda plan: 0.5,
+               predict=lambda plan: 1.0 if plan == base else 0.9)
+    assert len(timed) > 1  # a plan predicted to win is timed
 
 
 # -- why each op got its precision ------------------------------------------------------------------
@@ -424,6 +427,9 @@ def test_amps_measured_step_scales_the_profiles_predicted_differences():
     fp32, amp = Assignment.parse("111"), Assignment.parse("0f0")
     for measured_amp, scale in ((None, 1.0), ("same", 0.0), ("half", 0.5)):
         p = SearchPredictor.build(analysis, use_cache=False, repeats=1, conditions=Conditions(1e-3))
+        # the profiles as they are: timed again (on a busy machine) they would move the prediction the steps below
+        # are made from (tests/test_predictor.py checks the re-timing of contradicted profiles)
+        p.spot_check = None
         p.observe(G.STAGE1, fp32, S.ACCEPTED, 0.004, 4)  # FP32: 1 ms a step
         raw = p.step_seconds(amp)
         if abs(raw - 0.001) < 1e-5:

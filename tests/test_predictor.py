@@ -20,7 +20,8 @@ from compfx.measure import Conditions
 from compfx.apply import apply
 from compfx.costmodel import (MEASURED_STEP, PREDICTED_STEP, STALE_PROFILE_RATIO, STALE_PROFILES, CastCost, OpProfile,
                               OpProfiles, Predictor, SearchPredictor)
-from compfx.costmodel.predictor import SPOT_CHECK_OPS, STALE_RATIO_KEPT
+from compfx.costmodel.predictor import (CONTRADICTED_PROFILES, PREDICTION_SCALE, SCALE_EVIDENCE, SPOT_CHECK_OPS,
+                                       STALE_RATIO_KEPT)
 from compfx.plan import Assignment
 from compfx.vocabulary import Precision, SampleStatus, Stage
 from tests.zoo import make
@@ -196,6 +197,46 @@ def test_lower_bound_never_exceeds_the_prediction(name, data):
     assert p.lower_bound_seconds(plan) <= full + 1e-9 * abs(full) + 1e-9
 
 
+@pytest.mark.parametrize("name", ["mlp", "cnn", "mha", "embed_gru", "writes", "encoder_sdpa"])
+@settings(max_examples=25, deadline=None)
+@given(data=st.data())
+def test_a_bound_read_off_a_priced_plan_never_exceeds_the_prediction(name, data):
+    a = _analysis(name)
+    n = len(a.ops)
+    times = st.lists(st.floats(0.0, 10.0), min_size=n, max_size=n)
+    costs = st.floats(0.0, 1e-3)
+    p = _calibrated(a, step=data.draw(st.floats(0.1, 100.0)), fp32=data.draw(times), low=data.draw(times),
+                    alpha=data.draw(costs), beta=data.draw(costs))
+    priced = [p for p in Precision if p is not Precision.FP8]
+    plans = st.lists(st.sampled_from(priced), min_size=n, max_size=n).map(Assignment)
+    plan, reference = data.draw(plans), data.draw(plans)
+    for other in data.draw(st.lists(plans, max_size=3)):  # plans priced already: the bound is read off them too
+        p.epoch_seconds(other)
+    full = p.epoch_seconds(plan)
+    bound = p.lower_bound_against(plan, reference)
+    assert p.lower_bound_seconds(plan) <= bound <= full + 1e-9 * abs(full) + 1e-9
+    assert p.lower_bound_against(plan, plan) == pytest.approx(full, rel=1e-9, abs=1e-9)  # against itself: exact
+
+
+def test_a_bound_read_off_a_priced_plan_is_tight_where_the_plans_differ_little():
+    a = _analysis("mlp")  # fc1, relu, fc2
+    p = _calibrated(a, fp32=[1.0, 2.0, 3.0], low=[1.0, 2.0, 3.0], alpha=0.0, beta=10.0)  # each cast 10 s each way
+    amp, other = Assignment.parse("0f0"), Assignment.parse("0f1")
+    # every cast of AMP's graph around fc2 may go; those around fc1 stay (fc1's precision casts its inputs)
+    assert p.lower_bound_seconds(other) < p.lower_bound_against(other, amp) <= p.epoch_seconds(other)
+
+
+def test_a_bound_is_also_read_off_the_nearest_plans_priced_already():
+    a = _analysis("mlp")  # fc1, relu, fc2
+    p = _calibrated(a, fp32=[1.0, 2.0, 3.0], low=[1.0, 2.0, 3.0], alpha=0.0, beta=10.0)
+    fp32, plan = Assignment.parse("111"), Assignment.parse("1f0")  # fc2 low
+    alone = p.lower_bound_against(plan, fp32)  # FP32's graph has no casts: all the bound knows is the profiles
+    assert alone == p.lower_bound_seconds(plan)
+    p.epoch_seconds(Assignment.parse("0f0"))  # priced (as the search prices a plan): differs from ``plan`` in fc1
+    # read off AMP's graph, fc2's casts (out of fc1's reach) are in ``plan``'s too
+    assert alone < p.lower_bound_against(plan, fp32) <= p.epoch_seconds(plan)
+
+
 def test_lower_bound_prices_ops_at_their_precision_and_follow_ops_at_the_cheaper_profile():
     a = _analysis("mlp")  # fc1, relu, fc2; overhead 1000 - (1+2+3) = 994 per step
     p = _calibrated(a)
@@ -225,3 +266,79 @@ def test_build_profiles_and_prices_through_the_given_rewrite(tmp_path):
     assert SearchPredictor.build(a, rewrite=rewrite, cache_dir=tmp_path, **FAST).profiles.reused == 2 * len(a.ops)
     refreshed = SearchPredictor.build(a, rewrite=rewrite, cache_dir=tmp_path, refresh=True, **FAST)
     assert (refreshed.profiles.measured, refreshed.profiles.reused) == (2 * len(a.ops), 0)
+
+
+# -- the slope check: AMP's measured batches against the profiles' prediction -----------------------------------
+
+def _amp_checked(amp_ratios, *, spot_check=None, remeasure=None, confidence=0.95):
+    """The predictor after a 9-batch FP32 epoch (1000 s a batch) and AMP's epoch whose batches are
+    ``amp_ratios`` x FP32's. The profiles predict AMP's step at 0.6 x FP32's (fc1, relu, fc2: 300, 100, 300 at
+    FP32, 100 each low; casts free)."""
+    a = _analysis("mlp")
+    p = SearchPredictor(_predictor(a, fp32=[300.0, 100.0, 300.0], low=[100.0, 100.0, 100.0], alpha=0.0, beta=0.0),
+                        spot_check=spot_check, remeasure=remeasure, confidence=confidence)
+    p.observe(Stage.STAGE1, _fp32(a), ACCEPTED, 9000.0, 9, batch_seconds=[1000.0] * 9)
+    amp = Assignment.parse("0f0")
+    assert p.step_seconds(amp) == pytest.approx(600.0)  # the profiles' prediction
+    batches = [1000.0 * r for r in amp_ratios]
+    return p, p.observe(Stage.STAGE1, amp, ACCEPTED, sum(batches), 9, batch_seconds=batches), amp
+
+
+@pytest.mark.parametrize("ratios", [
+    [0.6] * 9,
+    [0.45, 0.5, 0.55, 0.6, 0.6, 0.62, 0.7, 0.75, 0.8],  # noisy around the prediction
+    [0.55, 0.58, 0.6, 0.6, 0.61, 0.62, 0.64, 0.66, 1.8],  # and a burst of other work in one batch
+])
+def test_batches_that_cannot_tell_the_prediction_wrong_leave_it_as_it_is(ratios):
+    p, extra, amp = _amp_checked(ratios)
+    assert p.scale == 1.0 and extra[PREDICTION_SCALE] == 1.0 and p.step_seconds(amp) == pytest.approx(600.0)
+    assert extra[SCALE_EVIDENCE]["predicted_ratio"] == pytest.approx(0.6)
+
+
+def test_batches_that_contradict_the_prediction_scale_it_as_far_as_they_demand():
+    # AMP as fast as FP32 within 1% on every batch: the profiles' 40% is contradicted; the interval's end nearest
+    # the prediction (0.99 on 9 pairs at 95%: the second smallest ratio) bears out 1% / 40% of it
+    p, extra, amp = _amp_checked([0.985, 0.99, 0.995, 1.0, 1.0, 1.0, 1.005, 1.01, 1.015])
+    low, high = extra[SCALE_EVIDENCE]["interval"]
+    assert (low, high) == (pytest.approx(0.99), pytest.approx(1.01))
+    assert p.scale == pytest.approx((0.99 - 1.0) / (0.6 - 1.0)) and p.step_seconds(amp) == pytest.approx(990.0)
+    # AMP confidently slower than FP32, as the profiles predicted it faster: none of the difference holds
+    p, _, amp = _amp_checked([1.05, 1.1, 1.1, 1.12, 1.15, 1.15, 1.2, 1.2, 1.3])
+    assert p.scale == 0.0 and p.step_seconds(amp) == pytest.approx(1000.0)
+
+
+def test_the_scale_moves_with_the_evidence_without_jumping():
+    # as AMP's measured batches move from FP32's to the prediction, the scale grows steadily to 1
+    scales = [_amp_checked([c + d for d in (-0.02, -0.01, -0.01, 0.0, 0.0, 0.0, 0.01, 0.01, 0.02)])[0].scale
+              for c in (1.0, 0.9, 0.8, 0.7, 0.65, 0.62, 0.6)]
+    assert scales == sorted(scales) and scales[-1] == 1.0
+    assert max(b - a for a, b in zip(scales, scales[1:])) <= 0.3
+
+
+def test_a_contradiction_has_the_profiles_behind_it_timed_again_first():
+    a = _analysis("mlp")
+    asked = []
+
+    def spot(keys):  # timed afresh: fc1 and fc2 low are as slow as at FP32 (the cache was off)
+        asked.append([str(k) for k in keys])
+        linear = {k: "linear" in str(k) for k in keys}
+        return OpProfiles({k: OpProfile(k, 300.0 if linear[k] else 100.0, 300.0 if linear[k] else 100.0)
+                           for k in keys}, LOW, a.device)
+
+    fresh = _predictor(a, fp32=[300.0, 100.0, 300.0], low=[300.0, 100.0, 300.0], alpha=0.0, beta=0.0)
+    p, extra, amp = _amp_checked([1.0] * 9, spot_check=spot, remeasure=lambda: fresh)
+    # the ops AMP runs low, the most different first, one per distinct profile (fc2's is fc1's: one signature)
+    assert asked == [["fc1:linear#0", ":relu#0"]]
+    assert p.predictor is fresh and set(extra[CONTRADICTED_PROFILES]) == {"fc1:linear#0"}
+    assert p.scale == 1.0 and p.step_seconds(amp) == pytest.approx(1000.0)  # the fresh profiles agree
+    # fresh timings that confirm the cache: the contradiction stands, and scales the prediction
+    p, extra, amp = _amp_checked([1.0] * 9, spot_check=lambda keys: OpProfiles(
+        {k: OpProfile(k, 300.0 if "linear" in str(k) else 100.0, 100.0) for k in keys}, LOW, a.device),
+        remeasure=lambda: pytest.fail("measured again"))
+    assert CONTRADICTED_PROFILES not in extra and p.scale == 0.0
+
+
+def test_batches_that_agree_with_the_prediction_time_nothing_again():
+    p, extra, _ = _amp_checked([0.6] * 9, spot_check=lambda keys: pytest.fail("timed again"),
+                               remeasure=lambda: pytest.fail("measured again"))
+    assert p.scale == 1.0 and CONTRADICTED_PROFILES not in extra

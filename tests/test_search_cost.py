@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import importlib
+import json
 import os
 from unittest import mock
 
@@ -216,3 +217,39 @@ def test_the_fixed_cost_benchmark_measures_each_search_and_its_parts(monkeypatch
     assert all(run["fixed_seconds"] == run["search_seconds"] - run["breakdown_seconds"]["samples"]
                for run in (row[name] for name, _ in RUNS))
     assert "| cnn13 |" in cases_table({"cnn13": row})
+
+
+def test_the_trainer_benchmark_reports_each_run_and_their_median_and_range_and_keeps_the_other_keys(
+        monkeypatch, tmp_path, capsys):
+    from benchmarks import search_cost
+
+    costs = iter([9.5, 30.0, 8.0])
+    logs = []
+
+    def fake_run(seed, log, threads):  # a fresh process's figures
+        logs.append(log)
+        return {"model": "tiny", "search_cost_fp32_epochs": next(costs), "samples": 2, "chosen_plan": "f0"}
+
+    monkeypatch.setattr(search_cost, "_trainer_run_in_fresh_process", fake_run)
+    out = tmp_path / "search_cost.json"
+    out.write_text('{"device": "cpu", "fixed_cost_cases": {"readme": 1}}')
+    assert search_cost.main(["--trainer", "--repeat", "3", "--out", str(out), "--log", str(tmp_path / "t.jsonl")]) == 0
+    written = json.loads(out.read_text())
+    assert written["fixed_cost_cases"] == {"readme": 1} and written["device"] == "cpu"
+    trainer = written["trainer"]
+    assert [run["search_cost_fp32_epochs"] for run in trainer["runs"]] == [9.5, 30.0, 8.0]
+    assert trainer["search_cost_fp32_epochs_median"] == 9.5 and trainer["search_cost_fp32_epochs_range"] == [8.0, 30.0]
+    assert trainer["runs_within_target"] == 2 and trainer["repeat"] == 3
+    assert logs == [str(tmp_path / f"t-{i}.jsonl") for i in range(3)]
+    assert "run 1: 30 FP32 epochs" in capsys.readouterr().out
+
+
+def test_a_trainer_run_keeps_its_search_log(tmp_path):
+    from benchmarks.search_cost import run_trainer
+
+    log = tmp_path / "logs" / "trainer.jsonl"
+    figures = run_trainer(steps=2, search_batches=3, log=log)
+    assert figures["search_cost_fp32_epochs"] > 0 and figures["log"] == str(log)
+    assert 2 <= figures["measured_samples"] <= figures["samples"]  # FP32's and AMP's epochs at least
+    records = SearchLog.read(log)
+    assert records.samples("stage1")[0].reason.startswith("FP32 baseline")

@@ -46,7 +46,7 @@ from ..apply import apply
 from ..capture import meta_value
 from ..cast_policy import castable_inputs, compute_dtype, runs_under_autocast
 from ..errors import BadInputError, SearchError
-from ..measure import REFERENCE_TOLERANCE
+from ..measure import REFERENCE_TOLERANCE, median_interval
 from ..opkey import KEY_META, OpKey
 from ..passes import CastInfo, casts_in
 from ..plan import AMP_PRECISION, Assignment, Plan
@@ -55,13 +55,21 @@ from .cast_cost import CastCost, fit_cast_cost
 from .profile import OpProfiles, profile_ops
 
 __all__ = ["Prediction", "Predictor", "SearchPredictor", "PREDICTED_STEP", "MEASURED_STEP", "PREDICTION_SCALE",
-           "STALE_PROFILES", "STALE_PROFILE_RATIO", "STALE_CONDITIONS", "STALE_CONDITIONS_REASON", "SPOT_CHECK_OPS",
-           "STALE_RATIO_KEPT"]
+           "SCALE_EVIDENCE", "STALE_PROFILES", "STALE_PROFILE_RATIO", "STALE_CONDITIONS", "STALE_CONDITIONS_REASON",
+           "SPOT_CHECK_OPS", "STALE_RATIO_KEPT", "CONTRADICTED_PROFILES"]
 
 #: keys of a log record's ``extra`` that the report compares: predicted and measured seconds of one step
 PREDICTED_STEP, MEASURED_STEP = "predicted_step_seconds", "measured_step_seconds"
 #: key of AMP's Stage-1 record's ``extra``: how much of the predicted difference from FP32 its measurement bore out
 PREDICTION_SCALE = "prediction_scale"
+#: key of AMP's Stage-1 record's ``extra``: what the scale was fitted on -- the predicted AMP / FP32 step ratio, the
+#: measured median of the paired batch ratios and its interval at the rule's confidence (see ``_fit_scale``)
+SCALE_EVIDENCE = "prediction_scale_evidence"
+#: key of AMP's Stage-1 record's ``extra``: profiles measured again because AMP's measured batches contradicted
+#: the prediction they made and a fresh timing of the ops behind it disagreed with them (cached over fresh seconds)
+CONTRADICTED_PROFILES = "profiles_contradicted"
+#: how many plans priced already (besides the one asked for) a bound relative to a priced plan is also read off
+NEAREST_REFERENCES = 3
 #: key of the calibration record's ``extra``: the ratio that made cached profiles be measured again
 STALE_PROFILES = "stale_profile_ratio"
 #: keys of the calibration record's ``extra``: how many cached profiles were measured again because their
@@ -255,8 +263,12 @@ class SearchPredictor:
 
     def __init__(self, predictor: Predictor, build_seconds: float = 0.0,
                  remeasure: Callable[[], Predictor] | None = None,
-                 spot_check: Callable[[list[OpKey]], OpProfiles] | None = None, annotate_all: bool = True):
+                 spot_check: Callable[[list[OpKey]], OpProfiles] | None = None, annotate_all: bool = True,
+                 confidence: float = 0.95):
         self.predictor = predictor
+        #: how sure AMP's and FP32's batches must be that they contradict the profiles before predictions are scaled
+        #: (the decision rule's confidence)
+        self.confidence = confidence
         #: price every measured sample for its log record (cheap when ``rewrite`` hands over the modules the samples
         #: ran); False: only the plans the search had priced anyway
         self.annotate_all = annotate_all
@@ -270,6 +282,9 @@ class SearchPredictor:
         self.batches: int | None = None  # batches per Stage-1 epoch, known once the baseline ran
         self._steps: dict[Assignment, float] = {}
         self._dtype_decided: dict[tuple[OpKey, Precision], bool] | None = None  # see _bound_seconds
+        self._flow: _Dataflow | None = None  # the analysis graph's dataflow, for bounds relative to a priced plan
+        self._references: dict[Assignment, _Reference] = {}  # priced plans that bounds are taken relative to
+        self._against: dict[tuple[Assignment, Assignment], float] = {}  # (plan, priced plan) -> bound read off it
         #: how much of the profiles' predicted difference from FP32 the measurements bear out (see observe)
         self.scale = 1.0
         self.fp32_step: float | None = None  # the measured FP32 step the predictor is calibrated on
@@ -277,18 +292,20 @@ class SearchPredictor:
             if predictor.analysis is not None else None
         self._scale_fitted = False
         self._fp32_batches: list[float] = []
+        self.scale_evidence: dict[str, Any] = {}  # what the scale was fitted on (SCALE_EVIDENCE)
+        self.contradicted: dict[str, list[float]] = {}  # op -> cached / fresh (fp32, low) seconds, when re-measured
 
     @classmethod
     def build(cls, analysis, *, rewrite: Callable[[Plan], fx.GraphModule] | None = None,
               cache_dir: str | os.PathLike | None = None, annotate_all: bool | None = None,
-              **profile_kwargs) -> "SearchPredictor":
+              confidence: float = 0.95, **profile_kwargs) -> "SearchPredictor":
         """Profile ``analysis`` and fit cast costs (:meth:`Predictor.build`), timing what that costs.
 
         ``rewrite(plan)`` makes the graph a plan runs as (the search passes the
         modules it trains, so each plan is rewritten once, and every measured
         sample is priced for its log record); without it each plan is rewritten
         here, and only the plans the search asks about are priced (``annotate_all``
-        says otherwise); ``profile_kwargs``
+        says otherwise); ``confidence`` is the decision rule's (see :meth:`observe`); ``profile_kwargs``
         go to :func:`~compfx.costmodel.profile_ops` (``use_cache`` and
         ``refresh`` to the caches too).
         """
@@ -300,7 +317,7 @@ class SearchPredictor:
         spot_kwargs = {k: v for k, v in profile_kwargs.items() if k != "use_cache"}
         spot_check = lambda keys: profile_ops(analysis, keys=keys, use_cache=False, **spot_kwargs)  # noqa: E731
         return cls(predictor, time.perf_counter() - start, remeasure, spot_check,
-                   annotate_all=rewrite is not None if annotate_all is None else annotate_all)
+                   annotate_all=rewrite is not None if annotate_all is None else annotate_all, confidence=confidence)
 
     @property
     def profiles(self) -> OpProfiles:
@@ -320,10 +337,8 @@ class SearchPredictor:
     def _raw_step(self, plan: Assignment) -> float:
         plan = _assignment(plan)
         if plan not in self._steps:  # each prediction rewrites the graph: do it once per plan
-            try:
-                self._steps[plan] = self.predictor.predict(plan)
-            except Exception:  # noqa: BLE001 - e.g. an op with no low-precision kernel: the measurement will say so
-                self._steps[plan] = math.nan
+            seen = self._reference(plan)
+            self._steps[plan] = math.nan if seen is None else seen.priced + self.predictor.overhead
         return self._steps[plan]
 
     def _scaled(self, step: float) -> float:
@@ -363,6 +378,78 @@ class SearchPredictor:
     def step_lower_bound(self, plan: Assignment) -> float:
         """:meth:`lower_bound_seconds` of one step (Stage 2 times steps, not epochs)."""
         return self.lower_bound_seconds(plan) / self._batches()
+
+    def lower_bound_against(self, plan: Assignment, reference: Assignment) -> float:
+        """A lower bound of :meth:`epoch_seconds` for ``plan``, read off ``reference``'s priced graph: tighter than
+        :meth:`lower_bound_seconds` when the two plans differ in a few ops, and never above the prediction.
+
+        Only what ``plan``'s precisions can reach may differ from
+        ``reference``: an op whose precision differs, and what its dtype flows
+        into up to an op whose precision casts its inputs
+        (:class:`_Dataflow`). Every other op costs what it costs in
+        ``reference``'s graph, and every cast of that graph whose input and
+        consumers are out of reach is in ``plan``'s graph too. An op within
+        reach costs as in :meth:`lower_bound_seconds`, and ``plan``'s own new
+        casts nothing. One rewrite of ``reference`` (made once) prices every
+        ``plan`` against it; the bound is the larger of this and
+        :meth:`lower_bound_seconds` (NaN when ``reference`` cannot be priced).
+        """
+        plan, reference = _assignment(plan), _assignment(reference)
+        if not self._casts_non_negative():
+            return self.epoch_seconds(plan)
+        if self._reference(reference) is None:
+            return math.nan
+        return max(self._bound_read_off(plan, other) for other in [reference, *self._nearest_priced(plan, reference)])
+
+    def _nearest_priced(self, plan: Assignment, reference: Assignment) -> list[Assignment]:
+        """Up to :data:`NEAREST_REFERENCES` plans priced already that differ from ``plan`` in fewer ops than
+        ``reference`` does, the nearest first: each gives a lower bound as valid as the reference's, and a nearer
+        one is usually tighter (a plan that differs from it less is not read off it: it would rarely add)."""
+        distance = lambda other: sum(a is not b for a, b in zip(plan, other))  # noqa: E731
+        limit = distance(reference)
+        nearer = [(d, i, other) for i, (other, seen) in enumerate(self._references.items())
+                  if seen is not None and (d := distance(other)) < limit]
+        return [other for _, _, other in sorted(nearer)[:NEAREST_REFERENCES]]
+
+    def _bound_read_off(self, plan: Assignment, reference: Assignment) -> float:
+        """:meth:`lower_bound_against` ``reference`` alone (priced already); cached per pair of plans."""
+        key = (plan, reference)
+        if key in self._against:
+            return self._against[key]
+        seen, batches = self._references[reference], self._batches()
+        if self._flow is None:
+            self._flow = _Dataflow(self.predictor.analysis)
+        reached = self._flow.reached(plan, reference)
+        total = self.predictor.overhead
+        for op, precision, node in zip(self.predictor.analysis.ops, plan, self._flow.op_nodes, strict=True):
+            profile = self.profiles.get(op.key)
+            if profile is None:
+                continue
+            if node not in reached:
+                total += profile.seconds(op.key in seen.low_ops)
+            elif self._dtype_decided_by(op.key, precision):
+                total += profile.seconds(precision is Precision.LOW)
+            else:
+                total += min(profile.fp32_s, profile.low_s)
+        total += sum(seconds for seconds, touches in seen.casts if not self._flow.touches(touches, reached))
+        self._against[key] = max(self._scaled(total) * batches, self.lower_bound_seconds(plan))
+        return self._against[key]
+
+    def step_lower_bound_against(self, plan: Assignment, reference: Assignment) -> float:
+        """:meth:`lower_bound_against` of one step (Stage 2 times steps, not epochs)."""
+        return self.lower_bound_against(plan, reference) / self._batches()
+
+    def _reference(self, plan: Assignment) -> "_Reference | None":
+        """``plan`` priced: its prediction, and what :meth:`lower_bound_against` reads of its rewritten graph
+        (rewritten once per plan; None when it cannot be priced)."""
+        if plan not in self._references:
+            try:
+                graph = self.predictor._graph_of(plan)
+                prediction = self.predictor._breakdown_graph(graph, self.predictor.overhead)
+                self._references[plan] = _Reference.of(graph, prediction, self.predictor._cast_seconds)
+            except Exception:  # noqa: BLE001 - e.g. an op with no low-precision kernel: the measurement will say so
+                self._references[plan] = None
+        return self._references[plan]
 
     def _batches(self) -> int:
         if not self.calibrated:
@@ -409,14 +496,20 @@ class SearchPredictor:
             self.predictor.calibrate(measured)
             self.batches, self.fp32_step = batches, measured
             self._fp32_batches = list(batch_seconds)
-            self._steps.clear()
+            self._steps.clear()  # the overhead changed; the prices of compute and casts did not
+            self._against.clear()
             return self._annotation(plan, measured, calibration=True)
         measured = _measured_step(stage, status, seconds, batches)
         if stage is Stage.STAGE1 and plan == self._amp and measured is not None and not self._scale_fitted:
             self._scale_fitted = True
             self._fit_scale(measured, list(batch_seconds))
             extra = self._annotation(plan, measured)
-            return {**extra, "calibration": True, PREDICTION_SCALE: self.scale} if extra else {}
+            if not extra:
+                return {}
+            extra.update({"calibration": True, PREDICTION_SCALE: self.scale, SCALE_EVIDENCE: self.scale_evidence})
+            if self.contradicted:
+                extra[CONTRADICTED_PROFILES] = self.contradicted
+            return extra
         if measured is None or (plan not in self._steps and not self.annotate_all):
             return {}  # pricing a plan only to annotate its record would cost a rewrite of its own
         if not math.isfinite(self.step_seconds(plan)):
@@ -424,32 +517,108 @@ class SearchPredictor:
         return self._annotation(plan, measured)
 
     def _fit_scale(self, measured_amp_step: float, amp_batches: list[float]) -> None:
-        """Scale the profiles' predicted differences from FP32 by what AMP's measured step bears out.
+        """Scale the profiles' predicted differences from FP32 by as much as AMP's measured batches demand.
 
         The FP32 step calibrates the predictions' level; AMP's plan, measured
-        next, checks their slope: ``(measured AMP - FP32) / (predicted AMP -
-        FP32)``, kept in [0, 1]. Isolated ops often run low precision faster
+        next, checks their slope. Isolated ops often run low precision faster
         than it runs inside a small model's step (where the loss, the optimizer
         and Python take their time), so predicted wins can be larger than any
-        measured one; a measurement that shows none (the slope near 0) makes
-        every plan's prediction close to FP32's, and the search stops looking
-        for wins the profiles alone promise. Too small a predicted difference
-        (under 1% of the step) says nothing about the slope: it stays 1. With
-        both epochs' batches known, the measured difference is the median of
-        their per-batch ratios (the same batches: a burst of other work during
-        a few of them moves the median by a rank or two).
+        measured one. The evidence is paired, as the decision rule's is: the
+        ratios AMP / FP32 of the same batches, and the interval of their median
+        at the rule's :attr:`confidence` (:func:`~compfx.measure.median_interval`).
+
+        * The predicted ratio inside that interval: the batches cannot tell the
+          profiles wrong, whatever the noise; the scale stays 1 (the profiles'
+          prediction stands). So does a predicted difference under 1% of the
+          step, which says nothing about a slope.
+        * Outside it: the batches contradict the profiles at that confidence.
+          First the profiles behind the difference are timed again
+          (:meth:`_recheck_contradicted`: a cached profile taken on a busy
+          machine can be far off); if they were off, everything is measured
+          again and the check repeats. If the contradiction stands, the
+          predicted differences are scaled by the least the measurement
+          demands: to the interval's end nearest the prediction, kept in
+          [0, 1] (0 when the batches show AMP confidently on the other side of
+          FP32). Noise widens the interval, which scales less: it never makes
+          the search believe in wins the batches do not show, nor stop
+          believing the profiles on a difference the batches cannot resolve.
+
+        Without the FP32 epoch's batches (fewer than two pairs), the measured
+        step's difference is compared directly (no interval).
         """
-        predicted = self._raw_step(self._amp)
-        if self.fp32_step is None or not math.isfinite(predicted):
+        if self.fp32_step is None:
             return
-        difference = predicted - self.fp32_step
-        if abs(difference) < 0.01 * self.fp32_step:
-            return
-        measured = measured_amp_step - self.fp32_step
         ratios = [amp / fp32 for amp, fp32 in zip(amp_batches, self._fp32_batches) if fp32 > 0]
-        if ratios:
-            measured = (statistics.median(ratios) - 1.0) * self.fp32_step
-        self.scale = min(1.0, max(0.0, measured / difference))
+        if len(ratios) >= 2:
+            low, high, coverage = median_interval(ratios, self.confidence)
+            median = statistics.median(ratios)
+        else:
+            low = high = median = measured_amp_step / self.fp32_step
+            coverage = 0.0
+        predicted = self._predicted_amp_ratio()
+        if predicted is not None and not low <= predicted <= high and self._recheck_contradicted():
+            predicted = self._predicted_amp_ratio()
+        self.scale_evidence = {"predicted_ratio": predicted, "median_ratio": median, "interval": [low, high],
+                               "coverage": coverage, "pairs": len(ratios)}
+        if predicted is None or abs(predicted - 1.0) < 0.01 or low <= predicted <= high:
+            return
+        nearest = high if predicted > high else low
+        self.scale = min(1.0, max(0.0, (nearest - 1.0) / (predicted - 1.0)))
+        self._against.clear()  # bounds are scaled as predictions are
+
+    def _forget_prices(self) -> None:
+        """New profiles: every price made from the old ones is void."""
+        self._steps.clear()
+        self._references.clear()
+        self._against.clear()
+
+    def _predicted_amp_ratio(self) -> float | None:
+        """The profiles' AMP step over the measured FP32 step (None when AMP's plan cannot be priced)."""
+        predicted = self._raw_step(self._amp)
+        return predicted / self.fp32_step if math.isfinite(predicted) and self.fp32_step else None
+
+    def _recheck_contradicted(self) -> bool:
+        """Time again the ops behind AMP's predicted difference from FP32; True when they disagreed with their
+        profiles (beyond :data:`~compfx.measure.REFERENCE_TOLERANCE`) and every profile was measured again.
+
+        The ops checked are the :data:`SPOT_CHECK_OPS` whose low and FP32
+        profiles differ most among those AMP's plan runs low (one per distinct
+        profile). A cached profile taken on a busy machine, or a first call's
+        one-off cost, can be many times the op's time; such a profile makes the
+        prediction, not the machine, disagree with the batches.
+        """
+        if self.spot_check is None or self.remeasure is None:
+            return False
+        try:
+            low_ops = self.predictor.breakdown(self._amp).low_ops
+        except Exception:  # noqa: BLE001 - an unpriceable plan: nothing to recheck
+            return False
+        seen, suspects = set(), []
+        for key in sorted(low_ops, key=lambda k: -abs(self.profiles[k].low_s - self.profiles[k].fp32_s)):
+            times = (self.profiles[key].fp32_s, self.profiles[key].low_s)
+            if times not in seen and min(times) > 0:
+                seen.add(times)
+                suspects.append(key)
+            if len(suspects) == SPOT_CHECK_OPS:
+                break
+        if not suspects:
+            return False
+        start = time.perf_counter()
+        fresh = self.spot_check(suspects)
+        off = {}
+        for key in suspects:
+            if key not in fresh or fresh[key].skipped or min(fresh[key].fp32_s, fresh[key].low_s) <= 0:
+                continue
+            ratios = [self.profiles[key].fp32_s / fresh[key].fp32_s, self.profiles[key].low_s / fresh[key].low_s]
+            if any(not 1 / REFERENCE_TOLERANCE <= r <= REFERENCE_TOLERANCE for r in ratios):
+                off[str(key)] = ratios
+        if off:
+            self.predictor = self.remeasure()  # overwrites the cache entries
+            self.predictor.calibrate(self.fp32_step)
+            self._forget_prices()
+            self.contradicted = off
+        self.build_seconds += time.perf_counter() - start
+        return bool(off)
 
     def _remeasure_if_stale(self, measured_step: float) -> None:
         """Profile again when cached profiles do not match the FP32 step this machine just measured."""
@@ -464,6 +633,7 @@ class SearchPredictor:
             self.kept_ratio = (ratio, agreement)  # this device's isolated ops just sum to more than its step
         else:
             self.predictor = self.remeasure()  # overwrites the stale cache entries
+            self._forget_prices()
             self.stale_ratio = ratio
         self.build_seconds += time.perf_counter() - start
 
@@ -492,6 +662,75 @@ class SearchPredictor:
             if self.stale_conditions:
                 extra[STALE_CONDITIONS], extra[STALE_CONDITIONS_REASON] = self.stale_conditions
         return extra
+
+
+@dataclass(frozen=True)
+class _Reference:
+    """What a bound relative to a priced plan needs of its graph: the ops it runs low, and each cast's seconds with
+    the nodes (by name) it touches -- its input and its consumers."""
+
+    priced: float  # the predicted step's compute and casts (the calibrated overhead is added when it is read)
+    low_ops: frozenset[OpKey]
+    casts: tuple[tuple[float, frozenset[str]], ...]
+
+    @classmethod
+    def of(cls, gm: fx.GraphModule, prediction: Prediction, cast_seconds: Callable[[CastInfo], float]) -> "_Reference":
+        nodes = {node.name: node for node in gm.graph.nodes}
+        casts = []
+        for cast in prediction.casts:
+            node = nodes[cast.node]
+            touches = {arg.name for arg in node.all_input_nodes} | {user.name for user in node.users}
+            casts.append((cast_seconds(cast), frozenset(touches)))
+        return cls(prediction.compute_s + prediction.cast_s, frozenset(prediction.low_ops), tuple(casts))
+
+
+class _Dataflow:
+    """Which nodes of the analysis graph a change of precisions can reach (their dtype may differ).
+
+    A node is reached when it is an op whose precision differs between the two
+    plans, or when one of its inputs is reached -- except at an op whose
+    precision (the same in both) casts its inputs: the inputs it casts reach it
+    no further (:func:`~compfx.cast_policy.castable_inputs`). An op the low
+    precision runs under autocast casts nothing itself, so its inputs reach it.
+    Nodes a rewrite inserts (casts) are named apart and count as reached.
+    """
+
+    def __init__(self, analysis):
+        index = {op.key: i for i, op in enumerate(analysis.ops)}
+        self.nodes: list[tuple[str, tuple[str, ...], int | None, frozenset[str], bool]] = []
+        op_nodes: dict[int, str] = {}
+        for node in analysis.graph_module.graph.nodes:
+            key = node.meta.get(KEY_META)
+            i = index.get(key) if key is not None else None
+            cast, autocast = frozenset(), False
+            if i is not None:
+                op_nodes[i] = node.name
+                cast = frozenset(arg.name for _, arg in castable_inputs(node))
+                autocast = node.op != "call_method" and runs_under_autocast(key.kind,
+                                                                            is_module_call=node.op == "call_module")
+            self.nodes.append((node.name, tuple(arg.name for arg in node.all_input_nodes), i, cast, autocast))
+        self.op_nodes = [op_nodes.get(i, "") for i in range(len(analysis.ops))]
+        self.names = frozenset(name for name, *_ in self.nodes)
+
+    def reached(self, plan: Assignment, reference: Assignment) -> set[str]:
+        """The names of the nodes whose dtype may differ between ``plan`` and ``reference``."""
+        reached: set[str] = set()
+        for name, inputs, i, cast, autocast in self.nodes:
+            if i is not None and plan[i] is not reference[i]:
+                reached.add(name)
+                continue
+            changed = [arg for arg in inputs if arg in reached]
+            if not changed:
+                continue
+            precision = plan[i] if i is not None else None
+            casts_them = (precision is Precision.FP32 or (precision is Precision.LOW and not autocast)) and cast
+            if not casts_them or any(arg not in cast for arg in changed):
+                reached.add(name)
+        return reached
+
+    def touches(self, names: frozenset[str], reached: set[str]) -> bool:
+        """Does any of ``names`` lie within ``reached``, or outside the analysis graph (a node a rewrite inserted)?"""
+        return any(name in reached or name not in self.names for name in names)
 
 
 def _assignment(plan) -> Assignment:

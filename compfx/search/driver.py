@@ -26,10 +26,12 @@ to the log and moves the progress bar.
 from __future__ import annotations
 
 import statistics
+from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from typing import Mapping, Protocol
 
 from ..errors import PlanFailedError
+from ..measure import PhaseClock
 from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
 from .compare import StepComparison
@@ -93,10 +95,12 @@ def run_search(space: SearchSpace, evaluator, config: SearchConfig, *, report: R
                         predict=predictor.epoch_seconds if guided else None,
                         bound=predictor.lower_bound_seconds if guided else None,
                         margin=config.predictor_margin, early_stop=config.early_stop if guided else None,
-                        rule=rule, memory_budget=budget)
+                        rule=rule, memory_budget=budget,
+                        bound_against=predictor.lower_bound_against if guided else None)
     stage2 = run_stage2(space, stage1.best.plan, evaluator, budget=config.stage2_budget, report=report, rule=rule,
                         memory_budget=budget, bound=predictor.step_lower_bound if guided else None,
-                        predict=predictor.step_seconds if guided else None)
+                        predict=predictor.step_seconds if guided else None,
+                        bound_against=predictor.step_lower_bound_against if guided else None)
     checked = check_winner(evaluator, stage2.best.plan, stage1.best.plan, stage1.baseline,
                            batches=config.stage2_check_batches, threshold=config.threshold, report=report)
     chosen = strategy.decide(checked, stage1=stage1, evaluator=evaluator, report=report or (lambda record: None))
@@ -107,20 +111,23 @@ class Recorder:
     """The ``report`` callable of a search: replayed records dropped, predictions added, the log written.
 
     ``replay`` knows which records a resumed log already holds; ``predictor``
-    (optional) calibrates on the FP32 baseline and annotates measured samples;
-    ``progress`` is a tqdm bar (or None).
+    (optional) calibrates on the FP32 baseline and annotates measured samples,
+    charged to ``clock``'s "profiling" phase; ``progress`` is a tqdm bar (or None).
     """
 
-    def __init__(self, log: SearchLog, *, replay: Replay | None = None, predictor=None, progress=None):
+    def __init__(self, log: SearchLog, *, replay: Replay | None = None, predictor=None, progress=None,
+                 clock: PhaseClock | None = None):
         self.log, self.replay, self.predictor, self.progress = log, replay, predictor, progress
+        self.clock = clock  # the cost model's work here (calibrating, profiling again) is charged to "profiling"
 
     def __call__(self, record: SampleRecord) -> None:
         fresh = self.replay.annotate(record) if self.replay is not None else record  # None: already logged
         record = fresh or record
         if self.predictor is not None and record.is_sample and record.plan:
-            extra = self.predictor.observe(record.stage, Assignment.parse(record.plan), record.status,
-                                           record.seconds, record.batches,
-                                           batch_seconds=[s for _, s in record.extra.get(BATCHES, [])])
+            with self.clock.phase("profiling") if self.clock is not None else nullcontext():
+                extra = self.predictor.observe(record.stage, Assignment.parse(record.plan), record.status,
+                                               record.seconds, record.batches,
+                                               batch_seconds=[s for _, s in record.extra.get(BATCHES, [])])
             if extra:
                 record = replace(record, extra={**record.extra, **extra})
         if fresh is not None:

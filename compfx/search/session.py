@@ -105,8 +105,9 @@ class SearchSession:
         regions = is_regions_analysis(self.analysis)
         rewrite = self._regions_graph_of if regions else self.local.module_of
         try:
+            # a regions graph is rewritten for pricing alone: only the plans the search prices are annotated
             return SearchPredictor.build(self.analysis, rewrite=rewrite, cache_dir=self.config.cache_dir,
-                                         annotate_all=not regions)  # a regions graph is rewritten for pricing alone
+                                         annotate_all=not regions, confidence=self.config.confidence)
         except Exception as error:  # the predictor only orders and skips: never fail the search for it
             self.log.note(Stage.SEARCH, f"cost model unavailable ({type(error).__name__}: {error}); measuring every "
                           "candidate")
@@ -127,7 +128,7 @@ class SearchSession:
             with torch.random.fork_rng(devices=cuda_devices(self.analysis.device)):  # the user's RNG is untouched
                 with clock.phase("profiling"):
                     predictor = self._predictor()
-                recorder = Recorder(self.log, replay=self.replay, predictor=predictor, progress=progress)
+                recorder = Recorder(self.log, replay=self.replay, predictor=predictor, progress=progress, clock=clock)
                 decision = run_search(self.space, self.evaluator, config, report=recorder, predictor=predictor,
                                       strategy=self.strategy)
                 padding = self._decide_padding(decision, predictor is not None, recorder)

@@ -50,6 +50,7 @@ __all__ = [
 ]
 
 Predict = Callable[[Assignment], float]  # plan -> predicted seconds of one Stage-1 epoch
+BoundAgainst = Callable[[Assignment, Assignment], float]  # (plan, a priced plan) -> a lower bound of predict(plan)
 
 #: batches a Stage-1 sample runs before an early stop may judge its pace
 EARLY_STOP_MIN_BATCHES = 3
@@ -176,15 +177,17 @@ class _Stage1:
     def __init__(self, evaluator, threshold: float, prune: bool, report: Reporter | None,
                  predict: Predict | None = None, margin: float = 1.25, bound: Predict | None = None,
                  early_stop: float | None = None, rule: DecisionRule = DecisionRule(),
-                 memory_budget: int | None = None):
+                 memory_budget: int | None = None, bound_against: BoundAgainst | None = None):
         self.evaluator, self.threshold, self.prune = evaluator, threshold, prune
         self.report = report or (lambda record: None)
         self.predict, self.margin = predict, margin
         self.bound = bound if predict is not None else None
+        self.bound_against = bound_against if self.bound is not None else None
         self.early_stop = early_stop
         self.rule, self.memory_budget = rule, memory_budget
         self.predicted: dict[Assignment, float] = {}  # plan -> predicted cost
         self.bounds: dict[Assignment, float] = {}  # plan -> cost at the lower bound of the predicted seconds
+        self.bounds_against: dict[tuple, float] = {}  # (plan, incumbent, plans priced) -> bound against it
         self.samples: list[Outcome] = []
         self.seen: set[Assignment] = set()
         self.programs = ProgramIndex(evaluator.program)
@@ -443,9 +446,19 @@ class _Stage1:
         return None if self.predict is None else self._priced(self.predict, self.predicted, plan)
 
     def bound_cost(self, plan: Assignment) -> float:
-        """``cost(plan, lower bound of the predicted seconds)``: the full prediction when there is no bound."""
+        """``cost(plan, lower bound of the predicted seconds)``: the full prediction when there is no bound.
+
+        With ``bound_against``, the bound read off the incumbent's priced graph (tighter for a plan that differs
+        from it in a few ops), where it can be had."""
         if self.bound is None:
             return self.predicted_cost(plan)
+        if self.bound_against is not None and self.best is not None:
+            key = (plan, self.best.plan, len(self.predicted))  # each plan priced may tighten the bound
+            if key not in self.bounds_against:
+                seconds = float(self.bound_against(plan, self.best.plan))
+                self.bounds_against[key] = self.cost(plan, seconds) if math.isfinite(seconds) else math.nan
+            if math.isfinite(self.bounds_against[key]):
+                return self.bounds_against[key]
         return self._priced(self.bound, self.bounds, plan)
 
     def _priced(self, estimate: Predict, cache: dict[Assignment, float], plan: Assignment) -> float:
@@ -455,13 +468,17 @@ class _Stage1:
             cache[plan] = self.cost(plan, seconds) if math.isfinite(seconds) else math.nan
         return cache[plan]
 
-    def cannot_win(self, plan: Assignment) -> tuple[bool, float, float]:
-        """Do the profiles show that ``plan`` cannot beat the incumbent by more than the margin?
+    def cannot_win(self, plan: Assignment, *, price: bool = True) -> tuple[bool, float, float]:
+        """Does the cost model show that ``plan`` cannot beat the incumbent by more than the margin?
 
-        Like for like: the lower bound of ``plan``'s predicted cost against the
-        rule's bar on the incumbent's *predicted* cost (both from the same
-        profiles and calibration). Returns (cannot win, bound, bar); never true
-        for a plan or an incumbent that cannot be priced.
+        Like for like: ``plan``'s predicted cost against the rule's bar on the
+        incumbent's *predicted* cost (both from the same profiles and
+        calibration). The cheap lower bound of the prediction (casts free,
+        follow ops at their faster dtype) is tried first; only when it is under
+        the bar is the plan priced in full (a rewrite), and its prediction
+        decides (``price=False``: a prediction already made, else the bound).
+        Returns (cannot win, the figure that decided, bar); never true for a plan
+        or an incumbent that cannot be priced.
         """
         if self.predict is None or self.best is None:
             return False, math.nan, math.nan
@@ -470,21 +487,27 @@ class _Stage1:
         if not (math.isfinite(reference) and math.isfinite(bound)):
             return False, bound, math.nan
         bar = self.rule.bar(reference, saves_less=False)
-        return bound >= bar, bound, bar
+        if bound >= bar or self.bound is None:
+            return bound >= bar, bound, bar
+        if not price and plan not in self.predicted:
+            return False, bound, bar
+        predicted = self.predicted_cost(plan)
+        return math.isfinite(predicted) and predicted >= bar, predicted, bar
 
     def nothing_can_win(self, candidates: Sequence[Assignment]) -> bool:
-        """True (and a note) when the profiles show that none of ``candidates`` not yet seen can beat the incumbent
-        by more than the margin (:meth:`cannot_win`): Stage 1 stops instead of sampling them."""
+        """True (and a note) when the cost model shows that none of ``candidates`` not yet seen can beat the incumbent
+        by more than the margin (:meth:`cannot_win`, on their bounds and the predictions already made; a plan
+        still in doubt is priced when its turn comes): Stage 1 stops instead of sampling them."""
         left = [plan for plan in candidates if plan not in self.seen]
         if not left or self.predict is None or self.best is None:
             return False
-        verdicts = [self.cannot_win(plan) for plan in left]
+        verdicts = [self.cannot_win(plan, price=False) for plan in left]
         if not all(cannot for cannot, _, _ in verdicts):
             return False
         bar = verdicts[0][2]
         note(self.report, Stage.STAGE1, f"stopped: the profiles show that none of the {len(left)} plans left can "
-             f"beat the incumbent {self.best.plan} by more than the margin (the lowest bound of their predicted "
-             f"costs, {min(b for _, b, _ in verdicts):.6g}, is not below {bar:.6g}, {1 - self.rule.margin:g} x the "
+             f"beat the incumbent {self.best.plan} by more than the margin (the lowest of their predicted costs, "
+             f"{min(b for _, b, _ in verdicts):.6g}, is not below {bar:.6g}, {1 - self.rule.margin:g} x the "
              "incumbent's predicted cost); not sampled", **{NOTHING_CAN_WIN: len(left)})
         return True
 
@@ -496,11 +519,12 @@ class _Stage1:
         """
         if self.predict is None or self.best is None:
             return False
-        cannot, bound, bar = self.cannot_win(plan)
+        cannot, figure, bar = self.cannot_win(plan)
         if cannot:
-            name = "predicted_cost" if self.bound is None else "predicted_cost_lower_bound"
-            outcome = Outcome(plan, SampleStatus.SKIPPED, extra={name: bound, CANNOT_WIN: bar},
-                              reason=cannot_win_message(bound, bar, self.rule.margin, cost_unit(self.evaluator)))
+            bounded = self.bound is not None and figure == self.bound_cost(plan)  # the cheap bound sufficed
+            name = "predicted_cost_lower_bound" if bounded else "predicted_cost"
+            outcome = Outcome(plan, SampleStatus.SKIPPED, extra={name: figure, CANNOT_WIN: bar},
+                              reason=cannot_win_message(figure, bar, self.rule.margin, cost_unit(self.evaluator)))
             self.report(outcome.record(Stage.STAGE1))
             return True
         predicted = self.bound_cost(plan)
@@ -601,7 +625,7 @@ class Stage1Result:
 def run_stage1(space: SearchSpace, evaluator, *, threshold: float = 1.01, budget: int = 64, prune: bool = True,
                report: Reporter | None = None, predict: Predict | None = None, margin: float = 1.25,
                bound: Predict | None = None, early_stop: float | None = None, rule: DecisionRule = DecisionRule(),
-               memory_budget: int | None = None) -> Stage1Result:
+               memory_budget: int | None = None, bound_against: BoundAgainst | None = None) -> Stage1Result:
     """CoMP Algorithm 1 under compfx's decision rule, with exact pruning; ``budget`` caps samples after the baseline.
 
     ``evaluator`` is an :class:`~compfx.search.evaluator.Evaluator`. After the
@@ -621,6 +645,10 @@ def run_stage1(space: SearchSpace, evaluator, *, threshold: float = 1.01, budget
     ``bound(plan)`` that never exceeds ``predict(plan)`` skips without the full
     prediction when even the bound is over; it also stops Stage 1 when the
     bounds of all plans left are at the rule's bar or over (nothing can win).
+    ``bound_against(plan, incumbent)``, a bound read off the incumbent's priced
+    plan (never above ``predict(plan)`` either), replaces ``bound`` where it can
+    be had. A plan whose bound is under the bar is priced in full, and skipped
+    when its prediction is not under it (it is predicted not to win).
     ``early_stop`` (a fraction, e.g. 0.05; None: off) stops a sample once its
     measured pace projects it more than that fraction over the incumbent;
     unlike pruning it can misjudge a near-tie.
@@ -641,7 +669,8 @@ def run_stage1(space: SearchSpace, evaluator, *, threshold: float = 1.01, budget
     if early_stop is not None and not early_stop >= 0:
         raise SearchError(f"early_stop={early_stop}; expected a fraction >= 0 (0.05: stop samples projected "
                           "5% over the best) or None")
-    search = _Stage1(evaluator, threshold, prune, report, predict, margin, bound, early_stop, rule, memory_budget)
+    search = _Stage1(evaluator, threshold, prune, report, predict, margin, bound, early_stop, rule, memory_budget,
+                     bound_against)
     search.baseline(space.fp32_plan)
     amp = stage1_plan(space, {})  # AMP's plan: Tensor-Core ops low, lists as autocast has them, the rest follow
     search.first_incumbent(amp)

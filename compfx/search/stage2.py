@@ -91,15 +91,18 @@ class Stage2Result:
 class _Stage2:
     def __init__(self, evaluator, report: Reporter | None, rule: DecisionRule = DecisionRule(),
                  memory_budget: int | None = None, bound: Callable[[Assignment], float] | None = None,
-                 predict: Callable[[Assignment], float] | None = None):
+                 predict: Callable[[Assignment], float] | None = None,
+                 bound_against: Callable[[Assignment, Assignment], float] | None = None):
         self.evaluator, self.rule, self.memory_budget = evaluator, rule, memory_budget
         self.bound, self.predict = bound, predict or bound
+        self.bound_against = bound_against
         self.report = report or (lambda record: None)
         self.samples: list[Outcome] = []
         self.known: dict[Assignment, Outcome] = {}
         self.programs = ProgramIndex(evaluator.program)
         self._bytes: dict[Assignment, int | None] = {}
         self._verdicts: dict[tuple[Assignment, Assignment], bool] = {}
+        self._predicted: dict[tuple[Assignment, Assignment], float] = {}  # (incumbent, plan) -> predicted_cost
 
     def saved_bytes(self, plan: Assignment) -> int | None:
         if plan not in self._bytes:
@@ -176,24 +179,50 @@ class _Stage2:
         seconds = float(estimate(plan))
         return checked_cost(self.evaluator, plan, seconds) if math.isfinite(seconds) else math.nan
 
+    def predicted_cost(self, incumbent: Outcome, plan: Assignment) -> float:
+        """The figure that says whether ``plan`` can beat ``incumbent``: the first of its lower bounds (the cheap
+        one, then the one read off the incumbent's priced graph) that is at the bar or over, else its full
+        prediction (a rewrite); NaN when it cannot be priced. Each figure is worked out once."""
+        key = (incumbent.plan, plan)
+        if key not in self._predicted:
+            self._predicted[key] = self._predicted_cost(incumbent, plan)
+        return self._predicted[key]
+
+    def _predicted_cost(self, incumbent: Outcome, plan: Assignment) -> float:
+        bound = self._priced(self.bound, plan)
+        reference = self._priced(self.predict, incumbent.plan)
+        if not math.isfinite(reference) or self.predict is self.bound:
+            return bound
+        bar = self.rule.bar(reference, saves_less=False)
+        if math.isfinite(bound) and bound >= bar:
+            return bound
+        if self.bound_against is not None:
+            against = self._priced(lambda p: self.bound_against(p, incumbent.plan), plan)
+            bound = against if math.isfinite(against) else bound
+        if not math.isfinite(bound) or bound >= bar:
+            return bound
+        return self._priced(self.predict, plan)
+
     def cannot_win(self, incumbent: Outcome, plan: Assignment) -> bool:
-        """Do the profiles show ``plan`` cannot beat ``incumbent`` by the margin (its bound against the bar on the
-        incumbent's predicted step cost, like for like)? Never for a plan or incumbent that cannot be priced."""
+        """Does the cost model show ``plan`` cannot beat ``incumbent`` by the margin (its predicted step cost against
+        the bar on the incumbent's predicted step cost, like for like; the cheap bound first)? Never for a plan or
+        incumbent that cannot be priced."""
         if self.bound is None:
             return False
-        reference, bound = self._priced(self.predict, incumbent.plan), self._priced(self.bound, plan)
-        return math.isfinite(reference) and math.isfinite(bound) and bound >= self.rule.bar(reference, saves_less=False)
+        reference, predicted = self._priced(self.predict, incumbent.plan), self.predicted_cost(incumbent, plan)
+        return (math.isfinite(reference) and math.isfinite(predicted)
+                and predicted >= self.rule.bar(reference, saves_less=False))
 
     def nothing_can_win(self, incumbent: Outcome, candidates: Sequence[Assignment], what: str) -> bool:
-        """True (and a note) when the profiles show none of ``candidates`` can beat ``incumbent`` by the margin."""
+        """True (and a note) when the cost model shows none of ``candidates`` can beat ``incumbent`` by the margin."""
         if self.bound is None or not candidates or incumbent.status is not SampleStatus.ACCEPTED:
             return False
         if not all(self.cannot_win(incumbent, plan) for plan in candidates):
             return False
         bar = self.rule.bar(self._priced(self.predict, incumbent.plan), saves_less=False)
-        lowest = min(self._priced(self.bound, plan) for plan in candidates)
+        lowest = min(self.predicted_cost(incumbent, plan) for plan in candidates)
         note(self.report, Stage.STAGE2, f"{what} not timed: the profiles show that none of its {len(candidates)} "
-             f"plans can beat the incumbent {incumbent.plan} by more than the margin (the lowest bound of their "
+             f"plans can beat the incumbent {incumbent.plan} by more than the margin (the lowest of their "
              f"predicted step costs, {lowest:.6g}, is not below {bar:.6g}, {1 - self.rule.margin:g} x the "
              "incumbent's predicted step cost)", **{NOTHING_CAN_WIN: len(candidates)})
         return True
@@ -209,7 +238,8 @@ def _segment_candidates(base: Assignment, segment: Segment, exhaustive: bool) ->
 def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int = 32,
                report: Reporter | None = None, rule: DecisionRule = DecisionRule(), memory_budget: int | None = None,
                bound: Callable[[Assignment], float] | None = None,
-               predict: Callable[[Assignment], float] | None = None) -> Stage2Result:
+               predict: Callable[[Assignment], float] | None = None,
+               bound_against: Callable[[Assignment, Assignment], float] | None = None) -> Stage2Result:
     """CoMP Algorithm 2 on the Stage-1 winner ``base`` under the decision rule; ``budget`` caps timed candidates.
 
     Candidates are the winner itself, then each differing segment's ``2**n``
@@ -227,7 +257,9 @@ def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int =
     ``memory_budget`` are rejected untimed. With ``bound(plan)`` (a lower bound
     of the predicted step seconds) and ``predict(plan)`` (the prediction itself),
     a segment, or the whole stage, whose plans' bounds are all at the rule's bar
-    on the Stage-1 winner's predicted step or over is not timed (a note says so).
+    on the Stage-1 winner's predicted step or over is not timed (a note says so); a plan whose bound is under
+    that bar is priced in full, and its prediction decides. ``bound_against(plan, incumbent)`` is a tighter bound
+    read off the incumbent's priced plan, used where it can be had.
 
     >>> from compfx.search.evaluator import FunctionEvaluator
     >>> from compfx.vocabulary import Category as C
@@ -244,7 +276,7 @@ def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int =
              "winner stands, with nothing to time")
         winner = Outcome(base, SampleStatus.ACCEPTED, reason="Stage-1 winner")
         return Stage2Result(winner, winner, [], [])
-    search = _Stage2(evaluator, report, rule, memory_budget, bound, predict)
+    search = _Stage2(evaluator, report, rule, memory_budget, bound, predict, bound_against)
     every = [plan for segment in segments for plan in _segment_candidates(base, segment, True)]
     untimed = Outcome(base, SampleStatus.ACCEPTED, reason="Stage-1 winner")
     if search.nothing_can_win(untimed, [p for p in every if p != base], "Stage 2"):  # the winner needs no timing
