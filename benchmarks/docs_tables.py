@@ -54,6 +54,12 @@ def _search_cost() -> str:
     return cases_table(_json("cpu/search_cost.json")["fixed_cost_cases"])
 
 
+def _search_cost_trainer() -> str:
+    from .search_cost import trainer_table
+
+    return trainer_table(_json("cpu/search_cost.json")["trainer"])
+
+
 def _decisions() -> str:
     from .decisions import markdown
 
@@ -89,6 +95,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "cpu-small-real": lambda: _run_rows("amd-epyc/small-real.json"),
     "cpu-paper-vgg16-resnet": lambda: _run_rows("amd-epyc/paper-synthetic-vgg16-resnet.json"),
     "cpu-search-cost": _search_cost,
+    "cpu-search-cost-trainer": _search_cost_trainer,
     "cpu-decisions": _decisions,
     "cpu-verify-cost": _verify_cost,
     "cpu-capture-speed": _capture_speed,

@@ -516,6 +516,24 @@ def cases_table(cases: dict) -> str:
     return "\n".join(lines)
 
 
+def trainer_table(trainer: dict) -> str:
+    """Markdown: each Trainer-callback run's search cost in FP32 epochs, by part, then the median and range."""
+    lines = ["| run | FP32 epoch | search | cost (FP32 epochs) | " + " | ".join(PARTS) + " | plans measured | plan |",
+             "|" + "---|" * (6 + len(PARTS))]
+    for i, run in enumerate(trainer["runs"]):
+        epoch = run["fp32_epoch_seconds"]
+        by_part = [f"{run['breakdown_seconds'].get(p, 0.0) / epoch:.2f}" for p in PARTS]
+        cost = f"{run['search_seconds']:.2f} s | **{run['search_cost_fp32_epochs']:.1f}**"
+        lines.append(f"| {i} | {epoch * 1e3:.0f} ms | {cost} | " + " | ".join(by_part)
+                     + f" | {run['measured_samples']} | `{run['chosen_plan']}` |")
+    low, high = trainer["search_cost_fp32_epochs_range"]
+    median = trainer["search_cost_fp32_epochs_median"]
+    lines.append(f"\nMedian **{median:.1f}** FP32 epochs ({low:.1f}-{high:.1f}) over {trainer['repeat']} runs; "
+                 f"{trainer['runs_within_target']} of {trainer['repeat']} within "
+                 f"{trainer['target_fp32_epochs']:g}.")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batches", type=int, default=20, help="batches in the sample loader")
