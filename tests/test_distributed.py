@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compfx.errors import BadInputError, PlanFailedError, SearchError
+from compfx.errors import PlanFailedError, SearchError
 from compfx.memory import saved_activation_bytes
 from compfx.plan import Assignment
 from compfx.search import (FunctionEvaluator, SearchConfig, SearchSpace, allocate_per_device, allocation_starts,

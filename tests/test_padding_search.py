@@ -14,7 +14,6 @@ import torch.nn.functional as F
 
 import compfx
 from compfx import SearchConfig, cache, optimize
-from compfx.apply import apply
 from compfx.backend import compile_with_plan
 from compfx.costmodel import PaddingProfile
 from compfx.errors import PlanFailedError

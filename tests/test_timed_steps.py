@@ -61,7 +61,7 @@ def _setup(loss_fn=ce, grad_scaler=False):
 def test_a_training_step_reads_nothing_from_the_device():
     model, _, loader, sampler = _setup()
     with counted_syncs() as counts:
-        record = sampler.train_step(model, loader[0])
+        sampler.train_step(model, loader[0])
     assert not counts, counts
     assert sampler.step(model, loader[1]) > 0  # the reading variant, for callers that do not time
 
