@@ -369,6 +369,41 @@ def test_the_first_incumbent_is_never_stopped_on_pace():
     assert str(result.best.plan) == AMP
 
 
+def _counting_epochs(amp_batch_seconds):
+    """An evaluator whose AMP plan takes ``amp_batch_seconds`` per batch (FP32 and the rest 1.0), every step alike
+    in a duel; it counts the batches each plan's epochs ran."""
+    ran: dict[str, list[int]] = {}
+
+    def run_epoch(plan):
+        ran.setdefault(str(plan), []).append(0)
+        for _ in range(BATCHES):
+            ran[str(plan)][-1] += 1
+            yield 1.0, amp_batch_seconds if str(plan) == AMP else 1.0
+
+    return FunctionEvaluator(run_epoch=run_epoch, time_step=lambda plan: 1.0), ran
+
+
+def test_amps_epoch_crossing_the_bar_late_runs_once_and_the_duel_keeps_it():
+    # AMP's plan 4% slower batch for batch: its running cost passes FP32's bar (1.0 x 6 / 0.97) only in its last
+    # batch, so the batches suggest FP32 is faster by the margin and a duel (equal steps) keeps AMP's plan. Stopped
+    # there, its epoch would have to run again for its loss; in the last quarter of its epoch it is not stopped.
+    evaluator, ran = _counting_epochs(1.04)
+    log = SearchLog()
+    result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+    assert str(result.best.plan) == AMP
+    assert ran[AMP] == [BATCHES]  # one epoch, in full
+    assert any(DUEL in r.extra for r in log.notes())  # the same decision: judged on the batches, then the duel
+
+
+def test_amps_epoch_crossing_the_bar_early_stops_there_and_fp32_wins():
+    # AMP's plan 3x slower (an AVX2 CPU): it passes the bar in its third batch of six and stops there (as a plan
+    # 1.5x slower stops in its seventh of ten: tests/test_search.py)
+    evaluator, ran = _counting_epochs(3.0)
+    result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=0))
+    assert str(result.best.plan) == "111111"
+    assert ran[AMP] == [3]
+
+
 # -- the callbacks' searches pay what optimize() pays -----------------------------------------------------
 
 def test_the_cost_model_prices_a_per_module_search(one_thread, tmp_path, monkeypatch):
