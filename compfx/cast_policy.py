@@ -58,7 +58,7 @@ from .vocabulary import Precision, short_dtype_name
 
 __all__ = [
     "NORM_KINDS", "COMPOSITE_KINDS", "PROMOTING_KINDS", "CAST_KINDS", "CAST_META", "AutocastRegion",
-    "mutated_positions", "castable", "castable_inputs", "is_model_tensor", "shares_cast", "runs_under_autocast",
+    "mutated_positions", "castable", "castable_inputs", "is_model_tensor", "shares_cast", "runs_under_autocast", "low_runs_under_autocast",
     "runs_as_is", "is_cast", "compute_dtype", "precision_dtype",
 ]
 
@@ -174,6 +174,13 @@ def shares_cast(node: fx.Node, value) -> bool:
 def runs_under_autocast(kind: str, *, is_module_call: bool) -> bool:
     """True when "low" runs the op under ``torch.autocast`` rather than casting its inputs."""
     return kind in COMPOSITE_KINDS or is_module_call
+
+
+def low_runs_under_autocast(node: fx.Node) -> bool:
+    """:func:`runs_under_autocast` for a keyed graph node. A ``call_method`` op has no function to wrap in an
+    autocast region, so "low" casts its inputs instead."""
+    return node.op != "call_method" and runs_under_autocast(node.meta[KEY_META].kind,
+                                                            is_module_call=node.op == "call_module")
 
 
 def runs_as_is(kind: str, dtypes: Iterable[torch.dtype]) -> bool:

@@ -35,7 +35,7 @@ import torch.fx as fx
 from compfx.capture import get_attribute, has_side_effects
 from compfx.capture.nodes import copy_graph, inherit_location
 from compfx.cast_policy import (CAST_META, AutocastRegion, castable_inputs, precision_dtype, runs_as_is,
-                                runs_under_autocast, shares_cast)
+                                low_runs_under_autocast, shares_cast)
 from compfx.errors import PassError
 from compfx.opkey import KEY_META, OpKey
 from compfx.oplists import classify
@@ -163,7 +163,7 @@ class _CastInserter:
         """Give ``node`` its precision; True when it now runs under an autocast region (its value must be redone)."""
         kind = node.meta[KEY_META].kind
         precision = self._precision(node)
-        if precision is Precision.LOW and runs_under_autocast(kind, is_module_call=node.op == "call_module"):
+        if precision is Precision.LOW and low_runs_under_autocast(node):
             return self._run_under_autocast(node)
         castable = castable_inputs(node, self.dtypes.value)
         if precision is Precision.FOLLOW and self._category(node) is Category.OTHER:
@@ -193,13 +193,7 @@ class _CastInserter:
         node.kwargs = {name: cast_uses(name, value) for name, value in node.kwargs.items()}
 
     def _run_under_autocast(self, node: fx.Node) -> bool:
-        if node.op == "call_module":
-            fn = self.gm.get_submodule(node.target)
-        elif node.op == "call_function":
-            fn = node.target
-        else:  # call_method: no function to wrap; cast like any other op
-            self._cast_inputs(node, castable_inputs(node, self.dtypes.value), self.low_dtype)
-            return False
+        fn = self.gm.get_submodule(node.target) if node.op == "call_module" else node.target
         name = self._free_name(f"{node.meta[KEY_META].module or node.name}_autocast_{short_dtype_name(self.low_dtype)}")
         self.gm.add_submodule(name, AutocastRegion(fn, self.device_type, self.low_dtype))
         self.regions.append(name)

@@ -44,7 +44,7 @@ from torch.utils import _pytree as pytree
 
 from ..apply import apply
 from ..capture import meta_value
-from ..cast_policy import castable_inputs, compute_dtype, runs_under_autocast
+from ..cast_policy import castable_inputs, compute_dtype, low_runs_under_autocast
 from ..errors import BadInputError, SearchError
 from ..measure import REFERENCE_TOLERANCE, median_interval
 from ..opkey import KEY_META, OpKey
@@ -468,8 +468,7 @@ class SearchPredictor:
                 if KEY_META not in node.meta:
                     continue
                 cast = bool(castable_inputs(node))  # castable-ness is the same in every plan's graph
-                autocast = node.op != "call_method" and runs_under_autocast(
-                    node.meta[KEY_META].kind, is_module_call=node.op == "call_module")
+                autocast = low_runs_under_autocast(node)
                 self._dtype_decided[(node.meta[KEY_META], Precision.LOW)] = cast or autocast
                 self._dtype_decided[(node.meta[KEY_META], Precision.FP32)] = cast
         return self._dtype_decided.get((key, precision), False)
@@ -706,8 +705,7 @@ class _Dataflow:
             if i is not None:
                 op_nodes[i] = node.name
                 cast = frozenset(arg.name for _, arg in castable_inputs(node))
-                autocast = node.op != "call_method" and runs_under_autocast(key.kind,
-                                                                            is_module_call=node.op == "call_module")
+                autocast = low_runs_under_autocast(node)
             self.nodes.append((node.name, tuple(arg.name for arg in node.all_input_nodes), i, cast, autocast))
         self.op_nodes = [op_nodes.get(i, "") for i in range(len(analysis.ops))]
         self.names = frozenset(name for name, *_ in self.nodes)

@@ -4,7 +4,7 @@ Each op runs on real tensors made from its recorded input metadata, the way
 the cast pass would run it: which inputs its low variant casts, and whether it
 runs under ``torch.autocast`` instead, is :mod:`compfx.cast_policy`'s to say
 (:func:`~compfx.cast_policy.castable`, :func:`~compfx.cast_policy.mutated_positions`,
-:func:`~compfx.cast_policy.runs_under_autocast`), so a profile times the op the
+:func:`~compfx.cast_policy.low_runs_under_autocast`), so a profile times the op the
 pass builds. Timing goes through :func:`compfx.measure.time_fastest`.
 
 Profiles are cached through :mod:`compfx.cache`, one small JSON entry per
@@ -34,7 +34,7 @@ from torch.utils import _pytree as pytree
 from ..cache import discard_entry, entry_path, profile_folder, read_entry, write_entry
 from ..capture import LIMIT_META, get_attribute
 from ..capture.dtype_limits import limit_value
-from ..cast_policy import AutocastRegion, castable, mutated_positions, runs_under_autocast
+from ..cast_policy import AutocastRegion, castable, low_runs_under_autocast, mutated_positions
 from ..errors import BadInputError, SearchError
 from ..measure import Conditions, check_clock, environment_key, measure_conditions, time_fastest
 from ..opkey import KEY_META, OpKey
@@ -177,10 +177,7 @@ class _OpBench:
         self.module = gm.get_submodule(node.target) if node.op == "call_module" else None
         self.values = pytree.tree_map(lambda a: self._value(gm, a) if isinstance(a, fx.Node) else a,
                                       (node.args, node.kwargs))
-        # The pass wraps call_function and call_module ops in an autocast region; a call_method op has no
-        # function to wrap, so the pass casts its inputs instead (insert_casts._run_under_autocast).
-        self.low_under_autocast = node.op != "call_method" and runs_under_autocast(
-            self.kind, is_module_call=node.op == "call_module")
+        self.low_under_autocast = low_runs_under_autocast(node)
 
     @staticmethod
     def _value(gm: fx.GraphModule, arg: fx.Node):
