@@ -588,11 +588,11 @@ class SearchPredictor:
         """
         if self.spot_check is None or self.remeasure is None:
             return False
-        try:
-            low_ops = self.predictor.breakdown(self._amp).low_ops
-        except Exception:  # noqa: BLE001 - an unpriceable plan: nothing to recheck
+        amp = self._reference(self._amp)  # priced already (rewritten once): the prediction being checked
+        if amp is None:  # an unpriceable plan: nothing to recheck
             return False
         seen, suspects = set(), []
+        low_ops = [op.key for op in self.predictor.analysis.ops if op.key in amp.low_ops]  # in the graph's order
         for key in sorted(low_ops, key=lambda k: -abs(self.profiles[k].low_s - self.profiles[k].fp32_s)):
             times = (self.profiles[key].fp32_s, self.profiles[key].low_s)
             if times not in seen and min(times) > 0:
