@@ -22,3 +22,14 @@ def session_cache_dir(tmp_path_factory):
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(CACHE_DIR_ENV, str(tmp_path_factory.mktemp("compfx-cache")))
         yield
+
+
+@pytest.fixture
+def fresh_dynamo(tmp_path, monkeypatch):
+    """Compile from scratch and see an empty plan cache: dynamo reset before and after, a cache folder of the test."""
+    from compfx.cache import CACHE_DIR_ENV
+
+    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path / "plans"))
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()

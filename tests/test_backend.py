@@ -34,13 +34,7 @@ def aot_tolerance(plan) -> dict:
     return AOT_LOW_TOL if "low" in plan.values() else FP32_TOL
 
 
-@pytest.fixture(autouse=True)
-def fresh_dynamo(tmp_path, monkeypatch):
-    """Each test compiles from scratch and sees an empty plan cache."""
-    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "plans"))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
+pytestmark = pytest.mark.usefixtures("fresh_dynamo")  # each test compiles from scratch, on an empty plan cache
 
 
 def random_plan(analysis, seed: int) -> compfx.Plan:

@@ -25,6 +25,7 @@ from compfx.cast_policy import is_cast
 from compfx.errors import CaptureError
 from compfx.opkey import KEY_META
 from compfx.vocabulary import Precision
+from zoo import NativeMHA
 
 TRACERS = ["symbolic", "record"]
 
@@ -509,23 +510,10 @@ def test_an_eager_model_that_does_not_reproduce_itself_is_reported_not_passed_si
     assert "within twice that spread, not bitwise" in verification.notes[0] and "output" in verification.notes[0]
 
 
-class _InferenceOnly(nn.Module):
-    """A fused op without a derivative: the model has no backward at all."""
-
-    def __init__(self):
-        super().__init__()
-        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
-
-    def forward(self, x):
-        m = self.mha
-        return torch._native_multi_head_attention(x, x, x, 16, 2, m.in_proj_weight, m.in_proj_bias,
-                                                  m.out_proj.weight, m.out_proj.bias, None, False, True, 1)[0]
-
-
 def test_a_model_without_backward_is_verified_forward_only_and_says_so():
     torch.manual_seed(0)
     with pytest.warns(UserWarning, match="only the forward was compared"):
-        analysis = compfx.analyze(_InferenceOnly().eval(), torch.randn(2, 5, 16))
+        analysis = compfx.analyze(NativeMHA(weights=False).eval(), torch.randn(2, 5, 16))  # no backward at all
     verification = analysis.verification
     assert verification.faithful and verification.gradients == 0
     assert "derivative for aten::_native_multi_head_attention is not implemented" in verification.notes[0]

@@ -29,7 +29,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
-from compfx import cache
 from compfx.apply import apply
 from compfx.backend import backend, registered_backend
 from compfx.measure import device_name, timed
@@ -199,14 +198,6 @@ def test_an_overflowing_fp16_step_is_skipped_by_the_scaler_not_failed():
 
 
 # -- the compile backend with Inductor on CUDA ------------------------------------------------------
-
-@pytest.fixture
-def fresh_dynamo(tmp_path, monkeypatch):
-    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "plans"))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
 
 def test_registered_compfx_backend_runs_the_default_amp_plan_through_inductor(fresh_dynamo):
     model, inputs = _on_cuda("mlp")

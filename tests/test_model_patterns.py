@@ -47,6 +47,22 @@ def _train(model, step_model, x, steps=3):
     return losses
 
 
+def _assert_the_backend_trains_as_autocast(model_class, x):
+    """Two seeded copies of ``model_class`` train on ``x``: one eagerly under bf16 autocast, one compiled with
+    ``backend="compfx"`` (no cached plan: it runs ``Plan.amp``); their losses agree to bf16's rounding."""
+    torch.manual_seed(0)
+    eager, compiled_model = model_class(), model_class()
+    compiled_model.load_state_dict(eager.state_dict())
+
+    def under_autocast(*args, **kwargs):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            return eager(*args, **kwargs)
+
+    expected = _train(eager, under_autocast, x)
+    got = _train(compiled_model, torch.compile(compiled_model, backend="compfx"), x)
+    torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-3)
+
+
 # ---------------------------------------------------------------------------
 # constants read from a tensor's dtype
 
@@ -99,27 +115,9 @@ def test_finfo_masking_under_the_compile_backend_is_autocast():
         torch._dynamo.reset()
 
 
-def test_finfo_masking_trains_under_inductor(tmp_path, monkeypatch):
+def test_finfo_masking_trains_under_inductor(fresh_dynamo):
     """Inductor turned the FP32 limit into bf16 -inf (NaN losses); now it trains as autocast does."""
-    from compfx.cache import CACHE_DIR_ENV
-
-    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))  # no cached plan: the backend runs Plan.amp
-    torch._dynamo.reset()
-    x = _padded(2, 8)
-    torch.manual_seed(0)
-    eager, compiled_model = FinfoMaskedAttention(), FinfoMaskedAttention()
-    compiled_model.load_state_dict(eager.state_dict())
-
-    def under_autocast(**batch):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return eager(**batch)
-
-    try:
-        expected = _train(eager, under_autocast, x)
-        got = _train(compiled_model, torch.compile(compiled_model, backend="compfx"), x)
-    finally:
-        torch._dynamo.reset()
-    torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-3)
+    _assert_the_backend_trains_as_autocast(FinfoMaskedAttention, _padded(2, 8))
 
 
 def test_a_search_that_rewards_low_precision_finds_low_plans_for_finfo_masking():
@@ -234,28 +232,9 @@ class VmapScan(nn.Module):
         return self.out(scanned)
 
 
-def test_vmap_model_trains_under_the_compfx_backend(tmp_path, monkeypatch):
+def test_vmap_model_trains_under_the_compfx_backend(fresh_dynamo):
     """Dead-code elimination used to drop ``_vmap_decrement_nesting`` (its result is unused)."""
-    from compfx.cache import CACHE_DIR_ENV
-
-    monkeypatch.setenv(CACHE_DIR_ENV, str(tmp_path))  # no cached plan: the backend runs Plan.amp
-    torch._dynamo.reset()
-    x = _x(3, 5, 8)
-    torch.manual_seed(0)
-    eager = VmapScan()
-    compiled_model = VmapScan()
-    compiled_model.load_state_dict(eager.state_dict())
-
-    def under_autocast(batch):
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            return eager(batch)
-
-    try:
-        expected = _train(eager, under_autocast, x)
-        got = _train(compiled_model, torch.compile(compiled_model, backend="compfx"), x)
-    finally:
-        torch._dynamo.reset()
-    torch.testing.assert_close(got, expected, rtol=2e-2, atol=1e-3)
+    _assert_the_backend_trains_as_autocast(VmapScan, _x(3, 5, 8))
 
 
 def test_passes_keep_functorch_levels_random_draws_and_writes():

@@ -201,14 +201,6 @@ def test_only_pad_eligible_ops_the_plan_runs_low_are_candidates():
 
 # -- under torch.compile: the plan's padding, once ------------------------------------------------------------
 
-@pytest.fixture
-def fresh_dynamo(tmp_path, monkeypatch):
-    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "plans"))
-    torch._dynamo.reset()
-    yield
-    torch._dynamo.reset()
-
-
 def _padded_plan():
     model, _, loader, analysis = _setup()
     keys = [op.key for op in analysis.ops if op.pad_eligible]

@@ -21,7 +21,7 @@ from compfx.capture import meta_value
 from compfx.cast_policy import CAST_META, AutocastRegion, shares_cast
 from compfx.passes import (apply_precisions, cast_report, count_autocast_casts, count_casts, insert_casts,
                            output_dtypes, propagate_dtypes, restore_output_dtypes)
-from zoo import ZOO, make
+from zoo import ZOO, NativeMHA, make
 
 # ---------------------------------------------------------------------------
 # helpers
@@ -288,22 +288,9 @@ def test_a_returned_activation_gets_its_own_cast_back_even_where_an_op_reads_one
     assert [t.dtype for t in gm(torch.randn(3, 4))] == [torch.float32, torch.float32]
 
 
-class _NativeMHA(nn.Module):
-    """Returns the (output, weights) tuple of the fused op whole, as nn.MultiheadAttention's fast path does."""
-
-    def __init__(self):
-        super().__init__()
-        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
-
-    def forward(self, x):
-        m = self.mha
-        return torch._native_multi_head_attention(x, x, x, 16, 2, m.in_proj_weight, m.in_proj_bias,
-                                                  m.out_proj.weight, m.out_proj.bias, None, True, True, 1)
-
-
 @pytest.mark.parametrize("plan", ["amp", "low"])
 def test_native_multi_head_attentions_tuple_comes_back_in_the_models_dtype(plan):
-    model, x = _NativeMHA().eval(), torch.randn(2, 5, 16)
+    model, x = NativeMHA().eval(), torch.randn(2, 5, 16)
     with torch.no_grad():
         expected = model(x)
         analysis = compfx.analyze(model, (x,))

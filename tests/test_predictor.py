@@ -183,16 +183,26 @@ def test_profiles_are_trusted_when_measured_now_or_close_to_the_step(reused, ste
     assert STALE_PROFILES not in p.observe(Stage.STAGE1, _fp32(a), ACCEPTED, step * 4, 4)
 
 
+#: the precisions the cost model prices (it does not price FP8: it is off then)
+PRICED = [p for p in Precision if p is not Precision.FP8]
+
+
+def _drawn_calibrated(data, a, *, cast_costs: bool = False):
+    """:func:`_calibrated` on profiles, a step and (``cast_costs``) cast-cost coefficients that hypothesis draws."""
+    times = st.lists(st.floats(0.0, 10.0), min_size=len(a.ops), max_size=len(a.ops))
+    drawn = dict(step=data.draw(st.floats(0.1, 100.0)), fp32=data.draw(times), low=data.draw(times))
+    if cast_costs:
+        drawn.update(alpha=data.draw(st.floats(0.0, 1e-3)), beta=data.draw(st.floats(0.0, 1e-3)))
+    return _calibrated(a, **drawn)
+
+
 @pytest.mark.parametrize("name", ["mlp", "cnn", "mha", "embed_gru", "writes"])
 @settings(max_examples=15, deadline=None)
 @given(data=st.data())
 def test_lower_bound_never_exceeds_the_prediction(name, data):
     a = _analysis(name)
-    n = len(a.ops)
-    times = st.lists(st.floats(0.0, 10.0), min_size=n, max_size=n)
-    p = _calibrated(a, step=data.draw(st.floats(0.1, 100.0)), fp32=data.draw(times), low=data.draw(times))
-    priced = [p for p in Precision if p is not Precision.FP8]  # the cost model does not price FP8 (it is off then)
-    plan = Assignment(data.draw(st.sampled_from(priced)) for _ in a.ops)
+    p = _drawn_calibrated(data, a)
+    plan = Assignment(data.draw(st.sampled_from(PRICED)) for _ in a.ops)
     full = p.epoch_seconds(plan)  # negative when the calibrated overhead is: the tolerance is relative to |full|
     assert p.lower_bound_seconds(plan) <= full + 1e-9 * abs(full) + 1e-9
 
@@ -202,13 +212,8 @@ def test_lower_bound_never_exceeds_the_prediction(name, data):
 @given(data=st.data())
 def test_a_bound_read_off_a_priced_plan_never_exceeds_the_prediction(name, data):
     a = _analysis(name)
-    n = len(a.ops)
-    times = st.lists(st.floats(0.0, 10.0), min_size=n, max_size=n)
-    costs = st.floats(0.0, 1e-3)
-    p = _calibrated(a, step=data.draw(st.floats(0.1, 100.0)), fp32=data.draw(times), low=data.draw(times),
-                    alpha=data.draw(costs), beta=data.draw(costs))
-    priced = [p for p in Precision if p is not Precision.FP8]
-    plans = st.lists(st.sampled_from(priced), min_size=n, max_size=n).map(Assignment)
+    p = _drawn_calibrated(data, a, cast_costs=True)
+    plans = st.lists(st.sampled_from(PRICED), min_size=len(a.ops), max_size=len(a.ops)).map(Assignment)
     plan, reference = data.draw(plans), data.draw(plans)
     for other in data.draw(st.lists(plans, max_size=3)):  # plans priced already: the bound is read off them too
         p.epoch_seconds(other)

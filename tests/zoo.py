@@ -76,6 +76,22 @@ class MHAModel(nn.Module):
         return self.out(y)
 
 
+class NativeMHA(nn.Module):
+    """nn.MultiheadAttention's fused fast path, ``torch._native_multi_head_attention``, which has no derivative.
+    ``weights=True`` returns its (output, weights) tuple whole, as the fast path does; otherwise the output alone."""
+
+    def __init__(self, weights: bool = True):
+        super().__init__()
+        self.mha = nn.MultiheadAttention(16, 2, batch_first=True)
+        self.weights = weights
+
+    def forward(self, x):
+        m = self.mha
+        out = torch._native_multi_head_attention(x, x, x, 16, 2, m.in_proj_weight, m.in_proj_bias,
+                                                 m.out_proj.weight, m.out_proj.bias, None, self.weights, True, 1)
+        return out if self.weights else out[0]
+
+
 class EmbedGRU(nn.Module):
     def __init__(self, vocab: int = 20, dim: int = 16):
         super().__init__()
