@@ -50,6 +50,7 @@ from .float8 import fp8_fallbacks
 from .opkey import KEY_META, OpKey
 from .passes import apply_precisions
 from .plan import Plan
+from .rng import cuda_devices
 from .vocabulary import Category, Precision, check_low_dtype, default_low_dtype, dtype_name
 
 __all__ = ["PlannedBlock", "apply_per_module", "analyze_regions", "captured_regions", "regions_analysis",
@@ -437,7 +438,7 @@ def captured_regions(model: nn.Module, example_inputs, per_module, device, low_d
 
     handles = [model.get_submodule(p).register_forward_pre_hook(capture_block(p), with_kwargs=True) for p in paths]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=_cuda_indices(device)), buffers_restored(model):
+        with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices(device)), buffers_restored(model):
             model(*args, **kwargs)
     finally:
         for handle in handles:
@@ -494,10 +495,6 @@ def regions_graph(captured: Mapping[str, Analysis]) -> fx.GraphModule:
 def _attribute(gm: fx.GraphModule, target: str):
     owner, _, name = target.rpartition(".")
     return getattr(gm.get_submodule(owner) if owner else gm, name)
-
-
-def _cuda_indices(device: torch.device) -> list[int]:
-    return [device.index or 0] if device.type == "cuda" else []
 
 
 def resharded(model: nn.Module) -> nn.Module:
