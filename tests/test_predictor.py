@@ -20,7 +20,8 @@ from compfx.measure import Conditions
 from compfx.apply import apply
 from compfx.costmodel import (MEASURED_STEP, PREDICTED_STEP, STALE_PROFILE_RATIO, STALE_PROFILES, CastCost, OpProfile,
                               OpProfiles, Predictor, SearchPredictor)
-from compfx.costmodel.predictor import (CONTRADICTED_PROFILES, PREDICTION_SCALE, SCALE_EVIDENCE, SPOT_CHECK_OPS,
+from compfx.costmodel.predictor import (CONTRADICTED_PROFILES, EVIDENCE_SCALE, PREDICTION_SCALE, SCALE_EVIDENCE,
+                                       SPOT_CHECK_OPS,
                                        STALE_RATIO_KEPT)
 from compfx.plan import Assignment
 from compfx.vocabulary import Precision, SampleStatus, Stage
@@ -347,3 +348,74 @@ def test_batches_that_agree_with_the_prediction_time_nothing_again():
     p, extra, _ = _amp_checked([0.6] * 9, spot_check=lambda keys: pytest.fail("timed again"),
                                remeasure=lambda: pytest.fail("measured again"))
     assert p.scale == 1.0 and CONTRADICTED_PROFILES not in extra
+
+
+# -- evidence from samples and duels: predicted wins the measurements do not show -----------------------------
+
+def _after_amp(fp32_profile=(300.0, 100.0, 300.0), low_profile=(100.0, 400.0, 100.0)):
+    """A predictor calibrated on a 9-batch FP32 epoch (1000 s a batch), with AMP's epoch measured as predicted.
+
+    With a slow low-precision relu, AMP's plan (relu follows fc1 low) is predicted at 900 s a step and plan
+    ``1f0`` (fc1 FP32, so relu runs FP32) at 800 s (each with the 300 s the profiles leave of FP32's step): a
+    predicted win of 1/9 over AMP's."""
+    a = _analysis("mlp")
+    p = SearchPredictor(_predictor(a, fp32=list(fp32_profile), low=list(low_profile), alpha=0.0, beta=0.0))
+    p.observe(Stage.STAGE1, _fp32(a), ACCEPTED, 9000.0, 9, batch_seconds=[1000.0] * 9)
+    amp, win = Assignment.parse("0f0"), Assignment.parse("1f0")
+    assert (p.step_seconds(amp), p.step_seconds(win)) == (pytest.approx(900.0), pytest.approx(800.0))
+    p.observe(Stage.STAGE1, amp, ACCEPTED, 8100.0, 9, batch_seconds=[900.0] * 9)
+    assert p.scale == 1.0
+    return p, amp, win
+
+
+_NOISE = (0.98, 0.99, 0.99, 1.0, 1.0, 1.0, 1.01, 1.01, 1.02)
+
+
+def test_a_sample_measured_as_predicted_leaves_the_predictions_as_they_are():
+    p, amp, win = _after_amp()
+    extra = p.observe(Stage.STAGE1, win, ACCEPTED, 7200.0, 9, batch_seconds=[800.0 * n for n in _NOISE])
+    assert p.scale == 1.0 and EVIDENCE_SCALE not in extra and p.step_seconds(win) == pytest.approx(800.0)
+
+
+def test_samples_that_do_not_show_a_predicted_win_scale_the_predictions_down_as_far_as_they_demand():
+    p, amp, win = _after_amp()
+    version = p.version
+    # measured as fast as AMP's batch for batch (within 2%): the predicted 1/9 win does not show
+    extra = p.observe(Stage.STAGE1, win, ACCEPTED, 8100.0, 9, batch_seconds=[900.0 * n for n in _NOISE])
+    assert extra[PREDICTED_STEP] == pytest.approx(800.0)  # the record keeps the prediction the search went by
+    evidence = extra[EVIDENCE_SCALE]
+    assert evidence["scale_before"] == 1.0 and evidence["measured_over_predicted"][0] > 1.0
+    assert 0.0 <= p.scale < 0.2 and p.version > version  # the stages price again
+    assert p._evidence_interval(p.scale)[0] <= 1.0  # the least scale the evidence demands, not less
+    ratio = p.step_seconds(win) / p.step_seconds(amp)
+    assert ratio > 0.97  # at the new scale, the plan no longer beats AMP's by a 3% margin
+
+
+def test_a_duel_that_shows_part_of_a_predicted_win_keeps_that_part():
+    p, amp, win = _after_amp()
+    # the duel: the candidate at 0.95 x the incumbent, where 0.889 was predicted
+    extra = p.observe_duel(amp, win, [900.0] * 9, [900.0 * 0.95 * n for n in _NOISE])
+    assert 0.3 < p.scale < 0.8 and extra[EVIDENCE_SCALE]["scale"] == p.scale
+    assert p.step_seconds(win) / p.step_seconds(amp) == pytest.approx(0.95, abs=0.015)
+
+
+def test_measurements_faster_than_predicted_never_raise_the_scale():
+    p, amp, win = _after_amp()
+    assert p.observe_duel(amp, win, [900.0] * 9, [900.0 * 0.5 * n for n in _NOISE]) == {}
+    assert p.scale == 1.0
+
+
+def test_a_plan_predicted_slower_than_its_reference_is_no_evidence_on_a_win():
+    p, amp, _ = _after_amp()
+    slower = Assignment.parse("0f1")  # fc2 FP32: predicted 1100 s, slower than AMP's 900
+    p.step_seconds(slower)
+    p.observe(Stage.STAGE1, slower, ACCEPTED, 13500.0, 9, batch_seconds=[1500.0 * n for n in _NOISE])
+    assert p.scale == 1.0
+
+
+def test_an_unpriced_sample_is_not_priced_for_its_evidence():
+    p, amp, _ = _after_amp()
+    unpriced = Assignment.parse("010")
+    p.annotate_all = False
+    assert p.observe(Stage.STAGE1, unpriced, ACCEPTED, 9000.0, 9, batch_seconds=[1000.0] * 9) == {}
+    assert unpriced not in p._steps and p.scale == 1.0

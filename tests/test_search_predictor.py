@@ -232,3 +232,58 @@ def test_lower_bound_skips_without_the_full_prediction():
     skipped = [r for r in records if r.status == "skipped"]
     assert [r.plan for r in skipped] == ["01"] and "cannot beat the incumbent" in skipped[0].reason
     assert skipped[0].extra["predicted_cost_lower_bound"] == 1.2  # the figure logged is the bound's
+
+
+def test_stage1_prices_again_when_the_predictor_scales_its_predictions_down():
+    # the profiles predict "01" and "10" 30% faster than FP32; measured, "01" is no faster than AMP's plan. Once
+    # it is recorded, the predictor (here: the report hook) scales every predicted difference to nothing.
+    measured = {"11": 1.0, "00": 0.9, "01": 0.95, "10": 0.95}
+    raw = {"00": 0.9, "01": 0.7, "10": 0.7}
+    scale, version = [1.0], [0]
+
+    def predict(plan):
+        return 1.0 + scale[0] * (raw[str(plan)] - 1.0)
+
+    def learn(record):
+        if record.plan == "01" and record.is_sample:
+            scale[0], version[0] = 0.0, version[0] + 1
+
+    for price_version, expected in ((lambda: version[0], ["11", "00", "01"]), (None, ["11", "00", "01", "10"])):
+        scale[0], calls = 1.0, []
+        run_stage1(space(), epochs(measured.__getitem__, calls), predict=predict, report=learn,
+                   rule=DecisionRule(margin=0.03), price_version=price_version)
+        # with the version, "10" is priced again at the new scale and cannot win; without it, the stale prices
+        # (made before "01" ran) still show a win, and it runs
+        assert calls == expected
+
+
+def test_the_recorder_hands_each_duel_to_the_predictor_and_logs_what_it_changed():
+    from compfx.search.compare import Comparison, DecisionRule as Rule, log_duel
+    from compfx.search.driver import Recorder
+
+    class Predictor:
+        seen = []
+
+        def observe_duel(self, incumbent, candidate, incumbent_seconds, candidate_seconds):
+            self.seen.append((str(incumbent), str(candidate), list(incumbent_seconds), list(candidate_seconds)))
+            return {"evidence_scale": {"scale": 0.5}}
+
+    log = SearchLog()
+    verdict = Rule(margin=0.03, rounds=3).verdict(Comparison.of([1.0, 1.0, 1.0], [0.99, 1.0, 1.01]), saves_less=False)
+    verdict = type(verdict)(**{**verdict.__dict__, "seconds": ((1.0, 1.0, 1.0), (0.99, 1.0, 1.01))})
+    log_duel(Recorder(log, predictor=Predictor()), Stage.STAGE1, verdict, "00", "01", 3)
+    assert Predictor.seen == [("00", "01", [1.0, 1.0, 1.0], [0.99, 1.0, 1.01])]
+    [record] = log.notes()
+    assert record.extra["evidence_scale"] == {"scale": 0.5} and "duel" in record.extra
+
+
+def test_the_report_says_how_far_evidence_scaled_the_predictions():
+    from compfx.search.report import _evidence_scaling
+
+    log = SearchLog()
+    log.append(SampleRecord(Stage.STAGE1, "01", SampleStatus.ACCEPTED, seconds=1.0, batches=2))
+    assert _evidence_scaling(log) == ""
+    for scale in (0.8, 0.45):
+        log.append(SampleRecord(Stage.STAGE1, "", SampleStatus.NOTE, reason="duel",
+                                extra={"evidence_scale": {"scale": scale}}))
+    assert "in 2 of the samples and duels, scaled the predicted differences down to 45%" in _evidence_scaling(log)

@@ -56,7 +56,7 @@ from .profile import OpProfiles, profile_ops
 
 __all__ = ["Prediction", "Predictor", "SearchPredictor", "PREDICTED_STEP", "MEASURED_STEP", "PREDICTION_SCALE",
            "SCALE_EVIDENCE", "STALE_PROFILES", "STALE_PROFILE_RATIO", "STALE_CONDITIONS", "STALE_CONDITIONS_REASON",
-           "SPOT_CHECK_OPS", "STALE_RATIO_KEPT", "CONTRADICTED_PROFILES"]
+           "SPOT_CHECK_OPS", "STALE_RATIO_KEPT", "CONTRADICTED_PROFILES", "EVIDENCE_SCALE"]
 
 #: keys of a log record's ``extra`` that the report compares: predicted and measured seconds of one step
 PREDICTED_STEP, MEASURED_STEP = "predicted_step_seconds", "measured_step_seconds"
@@ -65,6 +65,11 @@ PREDICTION_SCALE = "prediction_scale"
 #: key of AMP's Stage-1 record's ``extra``: what the scale was fitted on -- the predicted AMP / FP32 step ratio, the
 #: measured median of the paired batch ratios and its interval at the rule's confidence (see ``_fit_scale``)
 SCALE_EVIDENCE = "prediction_scale_evidence"
+#: key of a sample's or a duel's log record's ``extra``: with it, the plans measured so far were confidently slower
+#: against their references than predicted, and the predictions were scaled down (``SearchPredictor._weigh_evidence``)
+EVIDENCE_SCALE = "evidence_scale"
+#: the scale falls in steps of 1/this of its value when the evidence demands it (see ``_weigh_evidence``)
+EVIDENCE_SCALE_STEPS = 20
 #: key of AMP's Stage-1 record's ``extra``: profiles measured again because AMP's measured batches contradicted
 #: the prediction they made and a fresh timing of the ops behind it disagreed with them (cached over fresh seconds)
 CONTRADICTED_PROFILES = "profiles_contradicted"
@@ -290,8 +295,15 @@ class SearchPredictor:
         self.fp32_step: float | None = None  # the measured FP32 step the predictor is calibrated on
         self._amp = Assignment(AMP_PRECISION[op.category] for op in predictor.analysis.ops) \
             if predictor.analysis is not None else None
+        self._fp32 = Assignment(Precision.FP32 for _ in predictor.analysis.ops) if predictor.analysis is not None \
+            else None
         self._scale_fitted = False
+        #: counts the changes of :attr:`scale` and of the profiles: a search's cached prices are void when it moves
+        self.version = 0
         self._fp32_batches: list[float] = []
+        self._amp_batches: list[float] = []  # AMP's latest Stage-1 epoch: the reference of later samples' batches
+        #: (plan, reference, measured ratios plan / reference) of every sample and duel seen: see _weigh_evidence
+        self._evidence: list[tuple[Assignment, Assignment, list[float]]] = []
         self.scale_evidence: dict[str, Any] = {}  # what the scale was fitted on (SCALE_EVIDENCE)
         self.contradicted: dict[str, list[float]] = {}  # op -> cached / fresh (fp32, low) seconds, when re-measured
 
@@ -343,9 +355,12 @@ class SearchPredictor:
 
     def _scaled(self, step: float) -> float:
         """``step`` with its difference from the measured FP32 step scaled by :attr:`scale`."""
-        if self.scale == 1.0 or self.fp32_step is None:
+        return self._at_scale(step, self.scale)
+
+    def _at_scale(self, step: float, scale: float) -> float:
+        if scale == 1.0 or self.fp32_step is None:
             return step
-        return self.fp32_step + self.scale * (step - self.fp32_step)
+        return self.fp32_step + scale * (step - self.fp32_step)
 
     def epoch_seconds(self, plan: Assignment) -> float:
         """Predicted seconds of one Stage-1 epoch under ``plan`` (step time x the baseline's batches); NaN: unknown."""
@@ -502,6 +517,7 @@ class SearchPredictor:
         if stage is Stage.STAGE1 and plan == self._amp and measured is not None and not self._scale_fitted:
             self._scale_fitted = True
             self._fit_scale(measured, list(batch_seconds))
+            self._amp_batches = list(batch_seconds)
             extra = self._annotation(plan, measured)
             if not extra:
                 return {}
@@ -513,7 +529,10 @@ class SearchPredictor:
             return {}  # pricing a plan only to annotate its record would cost a rewrite of its own
         if not math.isfinite(self.step_seconds(plan)):
             return {}
-        return self._annotation(plan, measured)
+        extra = self._annotation(plan, measured)  # the prediction the search went by, before this evidence
+        if stage is Stage.STAGE1 and plan != self._fp32 and batch_seconds:
+            extra.update(self._sample_evidence(plan, list(batch_seconds)))
+        return extra
 
     def _fit_scale(self, measured_amp_step: float, amp_batches: list[float]) -> None:
         """Scale the profiles' predicted differences from FP32 by as much as AMP's measured batches demand.
@@ -562,11 +581,81 @@ class SearchPredictor:
         if predicted is None or abs(predicted - 1.0) < 0.01 or low <= predicted <= high:
             return
         nearest = high if predicted > high else low
-        self.scale = min(1.0, max(0.0, (nearest - 1.0) / (predicted - 1.0)))
+        fitted = min(1.0, max(0.0, (nearest - 1.0) / (predicted - 1.0)))
+        if fitted < self.scale:  # a duel of the two plans may have scaled it further already
+            self._scale_to(fitted)
+
+    def _scale_to(self, scale: float) -> None:
+        self.scale = scale
         self._against.clear()  # bounds are scaled as predictions are
+        self.version += 1
+
+    def observe_duel(self, incumbent: Assignment, candidate: Assignment, incumbent_seconds: Sequence[float],
+                     candidate_seconds: Sequence[float]) -> dict:
+        """A duel's paired steps as evidence on the predictions (see :meth:`_weigh_evidence`); what to add to the
+        duel's record (``{}``: the predictions stand)."""
+        if not self.calibrated:
+            return {}
+        ratios = [c / i for i, c in zip(incumbent_seconds, candidate_seconds) if i > 0]
+        return self._weigh_evidence(_assignment(candidate), _assignment(incumbent), ratios)
+
+    def _sample_evidence(self, plan: Assignment, batch_seconds: list[float]) -> dict:
+        """A Stage-1 sample's batches against AMP's plan's, batch for batch (the same batches), as evidence."""
+        if plan == self._amp:
+            self._amp_batches = batch_seconds
+            return {}
+        if not self._amp_batches or plan not in self._steps:  # unpriced plans are not priced only for this
+            return {}
+        ratios = [mine / amp for mine, amp in zip(batch_seconds, self._amp_batches) if amp > 0]
+        return self._weigh_evidence(plan, self._amp, ratios)
+
+    def _weigh_evidence(self, plan: Assignment, reference: Assignment, ratios: list[float]) -> dict:
+        """Scale the predicted differences down when the measurements so far confidently bear out less of them.
+
+        Each measured ratio ``plan / reference`` of one pair of steps (a
+        duel's, or a Stage-1 sample's batch against the same batch of AMP's
+        epoch) divided by the predicted ratio of the two plans is one value,
+        where the plan was predicted faster than its reference (a predicted
+        win, which a scale too high overstates). Every such value the search
+        has seen is pooled, and the interval of their
+        median is taken at the rule's :attr:`confidence`
+        (:func:`~compfx.measure.median_interval`, as :meth:`_fit_scale` takes
+        AMP's). Only when its lower end is above 1 -- the plans measured
+        confidently slower against their references than predicted -- is
+        :attr:`scale` lowered, in steps of :data:`EVIDENCE_SCALE_STEPS`, to the
+        largest scale at which the interval reaches 1 (0 when none does): the
+        least the evidence demands. The scale only ever falls, so no
+        measurement makes the search believe in wins the profiles did not
+        predict. It is what stops a search on a noisy machine, where the
+        profiles predict small wins that sample after sample does not show,
+        from sampling them all.
+        """
+        if self.fp32_step is None or self.scale <= 0.0 or not ratios:
+            return {}
+        self._evidence.append((plan, reference, list(ratios)))
+        low, high, coverage, pairs = self._evidence_interval(self.scale)
+        if not low > 1.0:
+            return {}
+        before = self.scale
+        lower = (before * (1.0 - k / EVIDENCE_SCALE_STEPS) for k in range(1, EVIDENCE_SCALE_STEPS + 1))
+        self._scale_to(next((s for s in lower if self._evidence_interval(s)[0] <= 1.0), 0.0))
+        return {EVIDENCE_SCALE: {"measured_over_predicted": [low, high], "coverage": coverage, "pairs": pairs,
+                                 "scale_before": before, "scale": self.scale}}
+
+    def _evidence_interval(self, scale: float) -> tuple[float, float, float, int]:
+        """The interval of the median measured / predicted ratio over the evidence, at ``scale``; and its size."""
+        values = []
+        for plan, reference, measured in self._evidence:
+            predicted = self._at_scale(self._raw_step(plan), scale) / self._at_scale(self._raw_step(reference), scale)
+            if math.isfinite(predicted) and 0 < predicted < 1:  # a predicted win: what the scale could overstate
+                values.extend(ratio / predicted for ratio in measured)
+        if not values:
+            return math.nan, math.nan, 0.0, 0
+        return (*median_interval(values, self.confidence), len(values))
 
     def _forget_prices(self) -> None:
         """New profiles: every price made from the old ones is void."""
+        self.version += 1
         self._steps.clear()
         self._references.clear()
         self._against.clear()

@@ -37,7 +37,7 @@ from ..vocabulary import SampleStatus, Stage
 from .compare import StepComparison
 from .config import SearchConfig
 from .convergence import check_winner
-from .log import BATCHES, Replay, SampleRecord, SearchLog
+from .log import BATCHES, DUEL, Replay, SampleRecord, SearchLog
 from .outcome import Reporter, failure_reason
 from .space import SearchSpace
 from .stage1 import Stage1Result, run_stage1
@@ -96,15 +96,22 @@ def run_search(space: SearchSpace, evaluator, config: SearchConfig, *, report: R
                         bound=predictor.lower_bound_seconds if guided else None,
                         margin=config.predictor_margin, early_stop=config.early_stop if guided else None,
                         rule=rule, memory_budget=budget,
-                        bound_against=predictor.lower_bound_against if guided else None)
+                        bound_against=predictor.lower_bound_against if guided else None,
+                        price_version=_price_version(predictor) if guided else None)
     stage2 = run_stage2(space, stage1.best.plan, evaluator, budget=config.stage2_budget, report=report, rule=rule,
                         memory_budget=budget, bound=predictor.step_lower_bound if guided else None,
                         predict=predictor.step_seconds if guided else None,
-                        bound_against=predictor.step_lower_bound_against if guided else None)
+                        bound_against=predictor.step_lower_bound_against if guided else None,
+                        price_version=_price_version(predictor) if guided else None)
     checked = check_winner(evaluator, stage2.best.plan, stage1.best.plan, stage1.baseline,
                            batches=config.stage2_check_batches, threshold=config.threshold, report=report)
     chosen = strategy.decide(checked, stage1=stage1, evaluator=evaluator, report=report or (lambda record: None))
     return Decision(chosen, stage1, stage2)
+
+
+def _price_version(predictor):
+    """What moves when ``predictor``'s prices change (a duel's evidence scaled them): stages price again then."""
+    return lambda: getattr(predictor, "version", 0)
 
 
 class Recorder:
@@ -130,11 +137,23 @@ class Recorder:
                                                batch_seconds=[s for _, s in record.extra.get(BATCHES, [])])
             if extra:
                 record = replace(record, extra={**record.extra, **extra})
+        elif self.predictor is not None and DUEL in record.extra:
+            record = self._observe_duel(record)
         if fresh is not None:
             self.log.append(record)
         if record.is_sample and self.progress is not None:
             self.progress.update(1)
             self.progress.set_postfix_str(f"{record.stage} {record.status}", refresh=False)
+
+
+    def _observe_duel(self, record: SampleRecord) -> SampleRecord:
+        """A duel checks the cost model's predicted ratio of its two plans (it may scale its predictions down)."""
+        duel = record.extra[DUEL]
+        incumbent_seconds, candidate_seconds = duel["seconds"]
+        with self.clock.phase("profiling") if self.clock is not None else nullcontext():
+            extra = self.predictor.observe_duel(Assignment.parse(duel["incumbent"]), Assignment.parse(duel["candidate"]),
+                                                incumbent_seconds, candidate_seconds)
+        return replace(record, extra={**record.extra, **extra}) if extra else record
 
 
 def compare_steps(time_steps, saved_bytes, plans: Mapping[str, Assignment], log: SearchLog, *, rounds: int,

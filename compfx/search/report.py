@@ -14,7 +14,7 @@ from tabulate import tabulate
 
 from ..analyze import category_label
 from ..costmodel.predictor import MEASURED_STEP as _MEASURED, PREDICTED_STEP as _PREDICTED, STALE_PROFILES as _STALE
-from ..costmodel.predictor import PREDICTION_SCALE as _SCALE
+from ..costmodel.predictor import EVIDENCE_SCALE as _EVIDENCE, PREDICTION_SCALE as _SCALE
 from ..costmodel.predictor import STALE_CONDITIONS as _STALE_N, STALE_CONDITIONS_REASON as _STALE_WHY
 from ..vocabulary import Precision, SampleStatus, Stage, dtype_name
 from .evidence import op_evidence
@@ -99,6 +99,15 @@ def _precision(plan, key) -> str:
 
 def _ms(seconds: float | None) -> str:
     return "n/a" if seconds is None else f"{seconds * 1e3:.2f} ms"
+
+
+def _evidence_scaling(log: SearchLog) -> str:
+    """The scalings of the predictions that the samples' and duels' evidence demanded ("" when none did)."""
+    scalings = [r.extra[_EVIDENCE] for r in log.records if _EVIDENCE in r.extra]
+    if not scalings:
+        return ""
+    return (f"; plans measured slower against their references than predicted, in {len(scalings)} of the samples "
+            f"and duels, scaled the predicted differences down to {scalings[-1]['scale']:.0%}")
 
 
 def _stale_profiles(log: SearchLog) -> str:
@@ -240,7 +249,7 @@ def render_report(summary, tablefmt: str = "simple") -> str:
                   + ("" if scale is None or scale == 1.0 else
                      f"; AMP's measured step bore out {scale:.0%} of the predicted difference from FP32, and "
                      "predictions were scaled so")
-                  + _stale_profiles(log)]
+                  + _evidence_scaling(log) + _stale_profiles(log)]
         if error is not None:
             lines.append(prediction_table(log, tablefmt))
     notes = [r.reason for r in log.notes()  # the plan cache has a line of its own above; the result is the report

@@ -177,7 +177,8 @@ class _Stage1:
     def __init__(self, evaluator, threshold: float, prune: bool, report: Reporter | None,
                  predict: Predict | None = None, margin: float = 1.25, bound: Predict | None = None,
                  early_stop: float | None = None, rule: DecisionRule = DecisionRule(),
-                 memory_budget: int | None = None, bound_against: BoundAgainst | None = None):
+                 memory_budget: int | None = None, bound_against: BoundAgainst | None = None,
+                 price_version: Callable[[], int] | None = None):
         self.evaluator, self.threshold, self.prune = evaluator, threshold, prune
         self.report = report or (lambda record: None)
         self.predict, self.margin = predict, margin
@@ -188,6 +189,8 @@ class _Stage1:
         self.predicted: dict[Assignment, float] = {}  # plan -> predicted cost
         self.bounds: dict[Assignment, float] = {}  # plan -> cost at the lower bound of the predicted seconds
         self.bounds_against: dict[tuple, float] = {}  # (plan, incumbent, plans priced) -> bound against it
+        self.price_version = price_version or (lambda: 0)  # moves when the cost model's prices change
+        self._prices_of = self.price_version()
         self.samples: list[Outcome] = []
         self.seen: set[Assignment] = set()
         self.programs = ProgramIndex(evaluator.program)
@@ -450,8 +453,18 @@ class _Stage1:
         if priced is not None and math.isfinite(priced):
             outcome.extra["predicted_cost"] = priced
 
+    def _prices_current(self) -> None:
+        """Forget every figure priced before the cost model's prices changed (a duel scaled them down)."""
+        version = self.price_version()
+        if version != self._prices_of:
+            self._prices_of = version
+            self.predicted.clear()
+            self.bounds.clear()
+            self.bounds_against.clear()
+
     def predicted_cost(self, plan: Assignment) -> float | None:
         """``cost(plan, predicted epoch seconds)``; None without a predictor, NaN when it cannot price ``plan``."""
+        self._prices_current()
         return None if self.predict is None else self._priced(self.predict, self.predicted, plan)
 
     def bound_cost(self, plan: Assignment) -> float:
@@ -461,6 +474,7 @@ class _Stage1:
         from it in a few ops), where it can be had."""
         if self.bound is None:
             return self.predicted_cost(plan)
+        self._prices_current()
         if self.bound_against is not None and self.best is not None:
             key = (plan, self.best.plan, len(self.predicted))  # each plan priced may tighten the bound
             if key not in self.bounds_against:
@@ -634,7 +648,8 @@ class Stage1Result:
 def run_stage1(space: SearchSpace, evaluator, *, threshold: float = 1.01, budget: int = 64, prune: bool = True,
                report: Reporter | None = None, predict: Predict | None = None, margin: float = 1.25,
                bound: Predict | None = None, early_stop: float | None = None, rule: DecisionRule = DecisionRule(),
-               memory_budget: int | None = None, bound_against: BoundAgainst | None = None) -> Stage1Result:
+               memory_budget: int | None = None, bound_against: BoundAgainst | None = None,
+               price_version: Callable[[], int] | None = None) -> Stage1Result:
     """CoMP Algorithm 1 under compfx's decision rule, with exact pruning; ``budget`` caps samples after the baseline.
 
     ``evaluator`` is an :class:`~compfx.search.evaluator.Evaluator`. After the
@@ -658,6 +673,8 @@ def run_stage1(space: SearchSpace, evaluator, *, threshold: float = 1.01, budget
     plan (never above ``predict(plan)`` either), replaces ``bound`` where it can
     be had. A plan whose bound is under the bar is priced in full, and skipped
     when its prediction is not under it (it is predicted not to win).
+    ``price_version()`` moves when the predictor's prices change mid-stage (a
+    duel scaled them down): figures priced before are then priced again.
     ``early_stop`` (a fraction, e.g. 0.05; None: off) stops a sample once its
     measured pace projects it more than that fraction over the incumbent;
     unlike pruning it can misjudge a near-tie.
@@ -679,7 +696,7 @@ def run_stage1(space: SearchSpace, evaluator, *, threshold: float = 1.01, budget
         raise SearchError(f"early_stop={early_stop}; expected a fraction >= 0 (0.05: stop samples projected "
                           "5% over the best) or None")
     search = _Stage1(evaluator, threshold, prune, report, predict, margin, bound, early_stop, rule, memory_budget,
-                     bound_against)
+                     bound_against, price_version)
     search.baseline(space.fp32_plan)
     amp = stage1_plan(space, {})  # AMP's plan: Tensor-Core ops low, lists as autocast has them, the rest follow
     search.first_incumbent(amp)

@@ -92,7 +92,8 @@ class _Stage2:
     def __init__(self, evaluator, report: Reporter | None, rule: DecisionRule = DecisionRule(),
                  memory_budget: int | None = None, bound: Callable[[Assignment], float] | None = None,
                  predict: Callable[[Assignment], float] | None = None,
-                 bound_against: Callable[[Assignment, Assignment], float] | None = None):
+                 bound_against: Callable[[Assignment, Assignment], float] | None = None,
+                 price_version: Callable[[], int] | None = None):
         self.evaluator, self.rule, self.memory_budget = evaluator, rule, memory_budget
         self.bound, self.predict = bound, predict or bound
         self.bound_against = bound_against
@@ -103,6 +104,8 @@ class _Stage2:
         self._bytes: dict[Assignment, int | None] = {}
         self._verdicts: dict[tuple[Assignment, Assignment], bool] = {}
         self._predicted: dict[tuple[Assignment, Assignment], float] = {}  # (incumbent, plan) -> predicted_cost
+        self.price_version = price_version or (lambda: 0)  # moves when the cost model's prices change
+        self._prices_of = self.price_version()
 
     def saved_bytes(self, plan: Assignment) -> int | None:
         if plan not in self._bytes:
@@ -184,6 +187,9 @@ class _Stage2:
         one, then the one read off the incumbent's priced graph) that is at the bar or over, else its full
         prediction (a rewrite); NaN when it cannot be priced. Each figure is worked out once."""
         key = (incumbent.plan, plan)
+        if self.price_version() != self._prices_of:  # a duel scaled the prices down: price again
+            self._prices_of = self.price_version()
+            self._predicted.clear()
         if key not in self._predicted:
             self._predicted[key] = self._predicted_cost(incumbent, plan)
         return self._predicted[key]
@@ -239,7 +245,8 @@ def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int =
                report: Reporter | None = None, rule: DecisionRule = DecisionRule(), memory_budget: int | None = None,
                bound: Callable[[Assignment], float] | None = None,
                predict: Callable[[Assignment], float] | None = None,
-               bound_against: Callable[[Assignment, Assignment], float] | None = None) -> Stage2Result:
+               bound_against: Callable[[Assignment, Assignment], float] | None = None,
+               price_version: Callable[[], int] | None = None) -> Stage2Result:
     """CoMP Algorithm 2 on the Stage-1 winner ``base`` under the decision rule; ``budget`` caps timed candidates.
 
     Candidates are the winner itself, then each differing segment's ``2**n``
@@ -259,7 +266,8 @@ def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int =
     a segment, or the whole stage, whose plans' bounds are all at the rule's bar
     on the Stage-1 winner's predicted step or over is not timed (a note says so); a plan whose bound is under
     that bar is priced in full, and its prediction decides. ``bound_against(plan, incumbent)`` is a tighter bound
-    read off the incumbent's priced plan, used where it can be had.
+    read off the incumbent's priced plan, used where it can be had. ``price_version()`` moves when the
+    predictor's prices change mid-stage (a duel scaled them down): figures priced before are priced again.
 
     >>> from compfx.search.evaluator import FunctionEvaluator
     >>> from compfx.vocabulary import Category as C
@@ -276,7 +284,7 @@ def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int =
              "winner stands, with nothing to time")
         winner = Outcome(base, SampleStatus.ACCEPTED, reason="Stage-1 winner")
         return Stage2Result(winner, winner, [], [])
-    search = _Stage2(evaluator, report, rule, memory_budget, bound, predict, bound_against)
+    search = _Stage2(evaluator, report, rule, memory_budget, bound, predict, bound_against, price_version)
     every = [plan for segment in segments for plan in _segment_candidates(base, segment, True)]
     untimed = Outcome(base, SampleStatus.ACCEPTED, reason="Stage-1 winner")
     if search.nothing_can_win(untimed, [p for p in every if p != base], "Stage 2"):  # the winner needs no timing
