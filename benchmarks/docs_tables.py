@@ -60,6 +60,12 @@ def _search_cost_trainer() -> str:
     return trainer_table(_json("cpu/search_cost.json")["trainer"])
 
 
+def _search_cost_trainer_default_threads() -> str:
+    from .search_cost import trainer_table
+
+    return trainer_table(_json("cpu/search_cost_trainer_default_threads.json")["trainer"])
+
+
 def _decisions() -> str:
     from .decisions import markdown
 
@@ -96,6 +102,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "cpu-paper-vgg16-resnet": lambda: _run_rows("amd-epyc/paper-synthetic-vgg16-resnet.json"),
     "cpu-search-cost": _search_cost,
     "cpu-search-cost-trainer": _search_cost_trainer,
+    "cpu-search-cost-trainer-default-threads": _search_cost_trainer_default_threads,
     "cpu-decisions": _decisions,
     "cpu-verify-cost": _verify_cost,
     "cpu-capture-speed": _capture_speed,

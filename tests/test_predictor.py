@@ -386,7 +386,7 @@ def test_samples_that_do_not_show_a_predicted_win_scale_the_predictions_down_as_
     evidence = extra[EVIDENCE_SCALE]
     assert evidence["scale_before"] == 1.0 and evidence["measured_over_predicted"][0] > 1.0
     assert 0.0 <= p.scale < 0.2 and p.version > version  # the stages price again
-    assert p._evidence_interval(p.scale)[0] <= 1.0  # the least scale the evidence demands, not less
+    assert p._evidence_interval("sample", p.scale)[0] <= 1.0  # the least scale the evidence demands, not less
     ratio = p.step_seconds(win) / p.step_seconds(amp)
     assert ratio > 0.97  # at the new scale, the plan no longer beats AMP's by a 3% margin
 
@@ -419,3 +419,13 @@ def test_an_unpriced_sample_is_not_priced_for_its_evidence():
     p.annotate_all = False
     assert p.observe(Stage.STAGE1, unpriced, ACCEPTED, 9000.0, 9, batch_seconds=[1000.0] * 9) == {}
     assert unpriced not in p._steps and p.scale == 1.0
+
+
+def test_duels_are_weighed_apart_from_samples_which_a_drifting_machine_moves():
+    p, amp, win = _after_amp()
+    # AMP's epoch ran in a slow phase: the sample looks far faster than predicted against it...
+    p.observe(Stage.STAGE1, win, ACCEPTED, 5400.0, 9, batch_seconds=[600.0 * n for n in _NOISE])
+    assert p.scale == 1.0
+    # ...and the duel, both plans taking turns, shows no win at all: its evidence alone decides
+    extra = p.observe_duel(amp, win, [900.0] * 9, [900.0 * n for n in _NOISE])
+    assert extra[EVIDENCE_SCALE]["kind"] == "duel" and p.scale < 0.2

@@ -302,8 +302,8 @@ class SearchPredictor:
         self.version = 0
         self._fp32_batches: list[float] = []
         self._amp_batches: list[float] = []  # AMP's latest Stage-1 epoch: the reference of later samples' batches
-        #: (plan, reference, measured ratios plan / reference) of every sample and duel seen: see _weigh_evidence
-        self._evidence: list[tuple[Assignment, Assignment, list[float]]] = []
+        #: (kind, plan, reference, measured ratios plan / reference) of every sample and duel seen: _weigh_evidence
+        self._evidence: list[tuple[str, Assignment, Assignment, list[float]]] = []
         self.scale_evidence: dict[str, Any] = {}  # what the scale was fitted on (SCALE_EVIDENCE)
         self.contradicted: dict[str, list[float]] = {}  # op -> cached / fresh (fp32, low) seconds, when re-measured
 
@@ -597,7 +597,7 @@ class SearchPredictor:
         if not self.calibrated:
             return {}
         ratios = [c / i for i, c in zip(incumbent_seconds, candidate_seconds) if i > 0]
-        return self._weigh_evidence(_assignment(candidate), _assignment(incumbent), ratios)
+        return self._weigh_evidence("duel", _assignment(candidate), _assignment(incumbent), ratios)
 
     def _sample_evidence(self, plan: Assignment, batch_seconds: list[float]) -> dict:
         """A Stage-1 sample's batches against AMP's plan's, batch for batch (the same batches), as evidence."""
@@ -607,9 +607,9 @@ class SearchPredictor:
         if not self._amp_batches or plan not in self._steps:  # unpriced plans are not priced only for this
             return {}
         ratios = [mine / amp for mine, amp in zip(batch_seconds, self._amp_batches) if amp > 0]
-        return self._weigh_evidence(plan, self._amp, ratios)
+        return self._weigh_evidence("sample", plan, self._amp, ratios)
 
-    def _weigh_evidence(self, plan: Assignment, reference: Assignment, ratios: list[float]) -> dict:
+    def _weigh_evidence(self, kind: str, plan: Assignment, reference: Assignment, ratios: list[float]) -> dict:
         """Scale the predicted differences down when the measurements so far confidently bear out less of them.
 
         Each measured ratio ``plan / reference`` of one pair of steps (a
@@ -617,13 +617,15 @@ class SearchPredictor:
         epoch) divided by the predicted ratio of the two plans is one value,
         where the plan was predicted faster than its reference (a predicted
         win, which a scale too high overstates). Every such value the search
-        has seen is pooled, and the interval of their
-        median is taken at the rule's :attr:`confidence`
+        has seen is pooled by ``kind`` (duels apart from samples: a sample's
+        batches and AMP's ran in different phases, and a machine that drifts
+        between phases moves them, never a duel's), and the interval of each
+        pool's median is taken at the rule's :attr:`confidence`
         (:func:`~compfx.measure.median_interval`, as :meth:`_fit_scale` takes
-        AMP's). Only when its lower end is above 1 -- the plans measured
+        AMP's). Only when a lower end is above 1 -- the plans measured
         confidently slower against their references than predicted -- is
         :attr:`scale` lowered, in steps of :data:`EVIDENCE_SCALE_STEPS`, to the
-        largest scale at which the interval reaches 1 (0 when none does): the
+        largest scale at which every pool's interval reaches 1 (0 when none does): the
         least the evidence demands. The scale only ever falls, so no
         measurement makes the search believe in wins the profiles did not
         predict. It is what stops a search on a noisy machine, where the
@@ -632,20 +634,23 @@ class SearchPredictor:
         """
         if self.fp32_step is None or self.scale <= 0.0 or not ratios:
             return {}
-        self._evidence.append((plan, reference, list(ratios)))
-        low, high, coverage, pairs = self._evidence_interval(self.scale)
+        self._evidence.append((kind, plan, reference, list(ratios)))
+        low, high, coverage, pairs = self._evidence_interval(kind, self.scale)
         if not low > 1.0:
             return {}
         before = self.scale
         lower = (before * (1.0 - k / EVIDENCE_SCALE_STEPS) for k in range(1, EVIDENCE_SCALE_STEPS + 1))
-        self._scale_to(next((s for s in lower if self._evidence_interval(s)[0] <= 1.0), 0.0))
-        return {EVIDENCE_SCALE: {"measured_over_predicted": [low, high], "coverage": coverage, "pairs": pairs,
-                                 "scale_before": before, "scale": self.scale}}
+        kinds = {entry[0] for entry in self._evidence}
+        self._scale_to(next((s for s in lower if all(not self._evidence_interval(k, s)[0] > 1.0 for k in kinds)),
+                            0.0))
+        return {EVIDENCE_SCALE: {"kind": kind, "measured_over_predicted": [low, high], "coverage": coverage,
+                                 "pairs": pairs, "scale_before": before, "scale": self.scale}}
 
-    def _evidence_interval(self, scale: float) -> tuple[float, float, float, int]:
-        """The interval of the median measured / predicted ratio over the evidence, at ``scale``; and its size."""
+    def _evidence_interval(self, kind: str, scale: float) -> tuple[float, float, float, int]:
+        """The interval of the median measured / predicted ratio over the evidence of ``kind``, at ``scale``; and
+        how many values it is taken over."""
         values = []
-        for plan, reference, measured in self._evidence:
+        for plan, reference, measured in (entry[1:] for entry in self._evidence if entry[0] == kind):
             predicted = self._at_scale(self._raw_step(plan), scale) / self._at_scale(self._raw_step(reference), scale)
             if math.isfinite(predicted) and 0 < predicted < 1:  # a predicted win: what the scale could overstate
                 values.extend(ratio / predicted for ratio in measured)
