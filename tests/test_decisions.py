@@ -476,3 +476,39 @@ def test_amps_measured_step_scales_the_profiles_predicted_differences():
         assert p.scale == pytest.approx(scale)
         assert p.step_seconds(amp) == pytest.approx(0.001 + scale * (raw - 0.001))
         assert p.step_lower_bound(amp) <= p.step_seconds(amp) + 1e-12  # still a lower bound
+
+
+def test_the_step_comparison_reads_the_first_duel_when_the_chosen_plan_is_fp32s_or_amps():
+    # the duel of FP32's and AMP's plans is the phase the comparison would run: the plans taking turns on the same
+    # batches, warm; when the chosen plan is one of them, it is not timed again
+    from dataclasses import replace
+    from types import SimpleNamespace
+
+    from compfx.measure import PhaseClock
+    from compfx.search.compare import IN_THE_FIRST_DUEL, Comparison
+    from compfx.search.driver import SINGLE_PROCESS
+    from compfx.search.session import SearchSession
+
+    fp32, amp = SPACE.fp32_plan, SPACE.amp_plan
+    rounds = (tuple(1.0 + 0.01 * i for i in range(7)), tuple(1.1 + 0.01 * i for i in range(7)))  # AMP's, FP32's
+    verdict = DecisionRule(margin=0.03, rounds=7).verdict(Comparison.of(*rounds), saves_less=False)
+    verdict = replace(verdict, seconds=rounds)
+
+    def comparison(chosen, duels=((amp, fp32, verdict),), padded=False, config=SearchConfig(progress=False)):
+        session = SimpleNamespace(space=SPACE, config=config, strategy=SINGLE_PROCESS, clock=PhaseClock(),
+                                  local=SimpleNamespace(saved_bytes=lambda plan: 100), log=SearchLog())
+        decision = SimpleNamespace(plan=chosen, stage1=SimpleNamespace(duels=list(duels)))
+        return SearchSession._first_duel_comparison(session, decision, SimpleNamespace(kept=padded)), session.log
+
+    read, log = comparison(amp)
+    assert read.phase == IN_THE_FIRST_DUEL
+    assert read.seconds == {"fp32": rounds[1], "amp": rounds[0], "chosen": rounds[0]}
+    assert read.speedup("amp") == "the same plan as AMP" and read.speedup("fp32").startswith("speed-up 1.10x")
+    assert [(r.plan, r.extra["phase"]) for r in log.records] == [(str(amp), IN_THE_FIRST_DUEL),
+                                                                  (str(fp32), IN_THE_FIRST_DUEL)]
+    assert comparison(fp32)[0].seconds["chosen"] == rounds[1]
+    other = Assignment.parse("0f0f0f")
+    assert comparison(other)[0] is None  # another plan: timed in a phase of its own
+    assert comparison(amp, padded=True)[0] is None  # the chosen plan runs padded: not the program the duel timed
+    assert comparison(amp, duels=())[0] is None  # no duel of the two
+    assert comparison(amp, config=SearchConfig(progress=False, rounds=9))[0] is None  # fewer rounds than asked

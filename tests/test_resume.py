@@ -156,3 +156,21 @@ def test_resume_without_a_log_file_starts_a_fresh_search(tmp_path):
     result = optimize(model, loader, loss_fn=nll, optimizer=opt, config=config(0, True),
                       log=tmp_path / "new.jsonl", resume=True)
     assert SearchLog.read(tmp_path / "new.jsonl").samples("stage1")[0].plan == "1" * len(result.plan)
+
+
+def test_the_log_syncs_to_disk_what_a_resumed_search_would_otherwise_measure_again(tmp_path, monkeypatch):
+    import compfx.search.log as log_module
+    from compfx.search.log import DUEL, SampleRecord, SearchLog
+    from compfx.vocabulary import SampleStatus, Stage
+
+    synced = []
+    monkeypatch.setattr(log_module.os, "fsync", lambda fd: synced.append(fd))
+    log = SearchLog.open(tmp_path / "search.jsonl", {"fingerprint": "x"})
+    log.note(Stage.STAGE1, "a note")
+    log.append(SampleRecord(Stage.STAGE1, "01", SampleStatus.SKIPPED, reason="predicted not to win"))
+    assert synced == []  # written and flushed (a killed process keeps them), not worth a disk sync each
+    log.append(SampleRecord(Stage.STAGE1, "01", SampleStatus.ACCEPTED, loss=1.0, seconds=2.0, batches=4))
+    log.note(Stage.STAGE1, "duel", **{DUEL: {"seconds": [[1.0], [1.0]]}})
+    assert len(synced) == 2
+    log.close()
+    assert len((tmp_path / "search.jsonl").read_text().splitlines()) == 4

@@ -235,10 +235,11 @@ def test_lower_bound_skips_without_the_full_prediction():
 
 
 def test_stage1_prices_again_when_the_predictor_scales_its_predictions_down():
-    # the profiles predict "01" and "10" 30% faster than FP32; measured, "01" is no faster than AMP's plan. Once
-    # it is recorded, the predictor (here: the report hook) scales every predicted difference to nothing.
-    measured = {"11": 1.0, "00": 0.9, "01": 0.95, "10": 0.95}
-    raw = {"00": 0.9, "01": 0.7, "10": 0.7}
+    # the profiles predict AMP's plan 20% and "01" and "10" 10% slower than FP32: both candidates beat AMP's by more
+    # than the margin. Measured, "01" is no faster than AMP's plan. Once it is recorded, the predictor (here: the
+    # report hook) scales every predicted difference to nothing: no plan can beat AMP's any more.
+    measured = {"11": 1.2, "00": 1.1, "01": 1.1, "10": 1.1}
+    raw = {"00": 1.2, "01": 1.1, "10": 1.1}
     scale, version = [1.0], [0]
 
     def predict(plan):
@@ -252,8 +253,8 @@ def test_stage1_prices_again_when_the_predictor_scales_its_predictions_down():
         scale[0], calls = 1.0, []
         run_stage1(space(), epochs(measured.__getitem__, calls), predict=predict, report=learn,
                    rule=DecisionRule(margin=0.03), price_version=price_version)
-        # with the version, "10" is priced again at the new scale and cannot win; without it, the stale prices
-        # (made before "01" ran) still show a win, and it runs
+        # with the version, AMP's predicted cost is priced again at the new scale and "10" cannot beat it; without,
+        # the stale price of AMP's plan (made before "01" ran) still leaves room for a win, and "10" runs
         assert calls == expected
 
 

@@ -34,7 +34,8 @@ With ``rounds=0`` the screen alone decides (with ``margin=0`` that is CoMP's
 own rule: the cheaper plan wins, ties to the earlier).
 
 The report's speed-ups come from the same statistics (:func:`speedup_text`):
-one interleaved phase of FP32, AMP and the chosen plan after the search.
+one interleaved phase of FP32, AMP and the chosen plan after the search (or, when the chosen plan is
+FP32's or AMP's, Stage 1's duel of those two: the same kind of phase).
 
 >>> rule = DecisionRule(margin=0.03, rounds=7)
 >>> rule.bar(10.0, saves_less=False), rule.bar(10.0, saves_less=True)
@@ -58,10 +59,15 @@ from .log import DUEL
 from .outcome import checked_cost, note
 
 __all__ = ["DecisionRule", "Comparison", "Verdict", "median_interval", "paired_costs", "speedup_text", "duel", "log_duel",
-           "StepComparison", "MAX_DUEL_BLOCKS"]
+           "StepComparison", "MAX_DUEL_BLOCKS", "AFTER_THE_SEARCH", "IN_THE_FIRST_DUEL"]
 
 #: Most blocks of ``rounds`` pairs one duel takes while it is still undecided.
 MAX_DUEL_BLOCKS = 3
+
+#: When the report's step comparison was timed (:attr:`StepComparison.phase`): its own phase after the search, or,
+#: when the chosen plan is FP32's or AMP's, the search's duel of those two plans, which is such a phase already.
+AFTER_THE_SEARCH = "after the search"
+IN_THE_FIRST_DUEL = "in the search's duel of FP32's and AMP's plans"
 
 
 def paired_costs(seconds: Sequence[Sequence[float]], cost: Callable[[int, float], float]) -> list[list[float]]:
@@ -226,7 +232,8 @@ class StepComparison:
 
     ``plans`` names each plan's CoMP string (two names may share a plan: it
     was timed once); ``saved_bytes`` the activation bytes one forward of each
-    saves for backward (missing where unknown).
+    saves for backward (missing where unknown); ``phase`` says when the plans
+    took their turns (:data:`AFTER_THE_SEARCH`, or :data:`IN_THE_FIRST_DUEL`).
 
     >>> c = StepComparison({"fp32": "11", "chosen": "01"}, {"fp32": (2.0, 2.1, 2.0), "chosen": (1.0, 1.1, 1.0)}, 0.7)
     >>> c.median("chosen"), c.speedup("fp32")
@@ -237,6 +244,7 @@ class StepComparison:
     seconds: dict[str, tuple[float, ...]]
     confidence: float
     saved_bytes: dict[str, int] | None = None
+    phase: str = AFTER_THE_SEARCH
 
     def median(self, name: str) -> float | None:
         return statistics.median(self.seconds[name]) if self.seconds.get(name) else None
@@ -264,10 +272,11 @@ class StepComparison:
 
     def to_dict(self) -> dict:
         return {"plans": dict(self.plans), "seconds": {k: list(v) for k, v in self.seconds.items()},
-                "confidence": self.confidence, "saved_bytes": dict(self.saved_bytes or {})}
+                "confidence": self.confidence, "saved_bytes": dict(self.saved_bytes or {}), "phase": self.phase}
 
     @classmethod
     def from_dict(cls, data: dict) -> "StepComparison":
         return cls({str(k): str(v) for k, v in data["plans"].items()},
                    {str(k): tuple(float(x) for x in v) for k, v in data["seconds"].items()},
-                   float(data["confidence"]), {str(k): int(v) for k, v in data.get("saved_bytes", {}).items()})
+                   float(data["confidence"]), {str(k): int(v) for k, v in data.get("saved_bytes", {}).items()},
+                   str(data.get("phase", AFTER_THE_SEARCH)))

@@ -28,13 +28,13 @@ from __future__ import annotations
 import statistics
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
-from typing import Mapping, Protocol
+from typing import Mapping, Protocol, Sequence
 
 from ..errors import PlanFailedError
 from ..measure import PhaseClock
 from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
-from .compare import StepComparison
+from .compare import AFTER_THE_SEARCH, StepComparison
 from .config import SearchConfig
 from .convergence import check_winner
 from .log import BATCHES, DUEL, Replay, SampleRecord, SearchLog
@@ -43,7 +43,8 @@ from .space import SearchSpace
 from .stage1 import Stage1Result, run_stage1
 from .stage2 import Stage2Result, run_stage2
 
-__all__ = ["Strategy", "SingleProcess", "SINGLE_PROCESS", "Decision", "Recorder", "run_search", "compare_steps"]
+__all__ = ["Strategy", "SingleProcess", "SINGLE_PROCESS", "Decision", "Recorder", "run_search", "compare_steps",
+           "comparison_of"]
 
 
 class Strategy(Protocol):
@@ -178,7 +179,17 @@ def compare_steps(time_steps, saved_bytes, plans: Mapping[str, Assignment], log:
                 timed.remove(plan)
                 log.append(SampleRecord(Stage.COMPARE, str(plan), SampleStatus.ERROR, reason=failure_reason(error)))
         rows = time_steps(timed, rounds) if timed else []
-    seconds = {plan: tuple(map(float, row)) for plan, row in zip(timed, rows)}
+    return comparison_of({plan: row for plan, row in zip(timed, rows)}, saved_bytes, plans, log,
+                         confidence=confidence)
+
+
+def comparison_of(seconds_by_plan: Mapping[Assignment, Sequence[float]], saved_bytes,
+                  plans: Mapping[str, Assignment], log: SearchLog, *, confidence: float,
+                  phase: str = AFTER_THE_SEARCH) -> StepComparison:
+    """The report's step comparison of ``plans`` from one interleaved phase's seconds per round of each distinct
+    plan (a plan missing from it failed), with each plan's saved activations; each plan's rounds logged as a
+    ``compare`` record."""
+    seconds = {plan: tuple(map(float, row)) for plan, row in seconds_by_plan.items()}
     saved: dict[str, int] = {}
     for name, plan in plans.items():
         try:
@@ -189,9 +200,9 @@ def compare_steps(time_steps, saved_bytes, plans: Mapping[str, Assignment], log:
             saved[name] = int(nbytes)
     comparison = StepComparison({name: str(plan) for name, plan in plans.items()},
                                 {name: seconds[plan] for name, plan in plans.items() if plan in seconds},
-                                confidence, saved)
+                                confidence, saved, phase)
     for plan, row in seconds.items():
         names = [name for name, p in plans.items() if p == plan]
         log.append(SampleRecord(Stage.COMPARE, str(plan), SampleStatus.ACCEPTED, seconds=statistics.median(row),
-                                reason=", ".join(names), extra={"round_seconds": list(row)}))
+                                reason=", ".join(names), extra={"round_seconds": list(row), "phase": phase}))
     return comparison

@@ -189,6 +189,12 @@ def _check_types(record: SampleRecord) -> None:
         raise TypeError(f"field {wrong[0]!r} is a {type(getattr(record, wrong[0])).__name__}, not what compfx writes")
 
 
+def _holds_measurements(record: SampleRecord) -> bool:
+    """Does ``record`` hold what a resumed search replays instead of measuring again (a sample that ran, a duel)?
+    Notes and skipped samples a resumed search writes again, in microseconds."""
+    return record.status not in (SampleStatus.NOTE, SampleStatus.SKIPPED) or DUEL in record.extra
+
+
 class SearchLog:
     """Records of one search, kept in memory and, given a path, appended to a JSON Lines file.
 
@@ -293,8 +299,9 @@ class SearchLog:
             data = record.to_dict()
             self._digest = record_digest(self._digest, data)
             self._file.write(json.dumps({**data, DIGEST: self._digest}) + "\n")
-            self._file.flush()  # one line per finished sample survives a crash
-            os.fsync(self._file.fileno())
+            self._file.flush()  # one line per finished sample survives a crash of the process
+            if _holds_measurements(record):  # and of the machine, for what cost time to measure
+                os.fsync(self._file.fileno())
 
     def note(self, stage: Stage, message: str, **extra) -> None:
         self.append(SampleRecord(stage, "", SampleStatus.NOTE, reason=message, extra=extra))

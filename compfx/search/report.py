@@ -163,8 +163,8 @@ def _step_lines(summary) -> list[str]:
         parts.append(text)
     rounds = max(len(v) for v in comparison.seconds.values()) if comparison.seconds else 0
     lines = [f"step time      {'; '.join(parts)}",
-             f"               [medians of {rounds} rounds, the plans taking turns on the same batches after the search, "
-             f"warm; {comparison.coverage:.0%} intervals]"]
+             f"               [medians of {rounds} rounds, the plans taking turns on the same batches "
+             f"{comparison.phase}, warm; {comparison.coverage:.0%} intervals]"]
     saved = comparison.saved_bytes or {}
     if saved:
         memory = "; ".join(f"{_LABELS[name]} {_mb(saved.get(name))}" for name in ("chosen", "fp32", "amp"))

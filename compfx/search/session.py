@@ -26,9 +26,9 @@ from ..measure import PhaseClock, describe_fp32_math, fp32_math
 from ..memory import saved_activation_bytes
 from ..per_module import is_regions_analysis
 from ..vocabulary import Stage
-from .compare import StepComparison
+from .compare import IN_THE_FIRST_DUEL, StepComparison
 from .config import SearchConfig
-from .driver import SINGLE_PROCESS, Recorder, compare_steps, run_search
+from .driver import SINGLE_PROCESS, Recorder, compare_steps, comparison_of, run_search
 from .evaluator import LocalEvaluator, ReplayingEvaluator, measured_time
 from .log import RESULT, Replay, SearchLog
 from .padding import PaddingDecision, decide_padding, padding_candidates, padding_gate
@@ -134,7 +134,7 @@ class SearchSession:
                 padding = self._decide_padding(decision, predictor is not None, recorder)
                 if padding.kept:  # the chosen plan runs padded from here on: the comparison times what is returned
                     self.local.settle(decision.plan, padding.plan)
-                comparison = self._compare_steps(decision)
+                comparison = self._first_duel_comparison(decision, padding) or self._compare_steps(decision)
                 self.local.leave_state(decision.stage1.best, keep_training=config.keep_search_training)
             self._note_specializations()
             self._note_fp32_math()
@@ -206,6 +206,22 @@ class SearchSession:
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
                         target="step comparison")
         return comparison
+
+    def _first_duel_comparison(self, decision, padding) -> StepComparison | None:
+        """The step comparison read off Stage 1's duel of FP32's and AMP's plans, when the chosen plan is one of
+        them (unpadded): that duel was the phase :meth:`_compare_steps` would run -- the plans taking turns on the
+        same batches, warm, each having trained an epoch first -- so it is not run again. None otherwise."""
+        fp32, amp, chosen = self.space.fp32_plan, self.space.amp_plan, decision.plan
+        if padding.kept or chosen not in (fp32, amp) or self.strategy is not SINGLE_PROCESS:
+            return None
+        rounds = max(self.config.rounds, COMPARE_ROUNDS)
+        for incumbent, challenger, verdict in decision.stage1.duels:
+            if {incumbent, challenger} == {fp32, amp} and min(map(len, verdict.seconds), default=0) >= rounds:
+                with self.clock.phase("step comparison"):
+                    return comparison_of(dict(zip((incumbent, challenger), verdict.seconds)), self.local.saved_bytes,
+                                         {"fp32": fp32, "amp": amp, "chosen": chosen}, self.log,
+                                         confidence=self.config.confidence, phase=IN_THE_FIRST_DUEL)
+        return None
 
     def _note_fp32_math(self) -> None:
         """Say what 'fp32' computes in here: the user's TF32 settings, kept as they are (PyTorch's CUDA default

@@ -31,14 +31,14 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from itertools import product
 from typing import Callable, Sequence
 
 from ..errors import BadInputError, PlanFailedError, SearchError
 from ..plan import AMP_PRECISION, Assignment
 from ..vocabulary import Category, Precision, SampleStatus, Stage
-from .compare import Comparison, DecisionRule, duel, log_duel
+from .compare import Comparison, DecisionRule, Verdict, duel, log_duel
 from .convergence import is_accepted, loss_limit
 from .log import BATCH_VERDICT, CANNOT_WIN, NOTHING_CAN_WIN, PRUNED_AT, SAVED_BYTES, STOPPED_EARLY
 from .outcome import Outcome, ProgramIndex, Reporter, checked_cost, cost_unit, failure_reason, note
@@ -196,6 +196,7 @@ class _Stage1:
         self.programs = ProgramIndex(evaluator.program)
         self.best: Outcome | None = None  # the incumbent; None while no accepted plan fits the memory budget
         self.baseline_outcome: Outcome | None = None
+        self.duels: list[tuple[Assignment, Assignment, Verdict]] = []  # (incumbent, challenger, verdict), in order
         self.loss0: float | None = None
         self._bytes: dict[Assignment, int | None] = {}
 
@@ -261,6 +262,7 @@ class _Stage1:
                  f"({failure_reason(error)}); incumbent kept", plan=str(challenger.plan))
             return False
         log_duel(self.report, Stage.STAGE1, verdict, incumbent.plan, challenger.plan, self.rule.rounds)
+        self.duels.append((incumbent.plan, challenger.plan, verdict))
         return verdict.replaces
 
     def _batches_behind(self, incumbent: Outcome, challenger: Outcome, saves_less: bool,
@@ -524,9 +526,10 @@ class _Stage1:
         left = [plan for plan in candidates if plan not in self.seen]
         if not left or self.predict is None or self.best is None:
             return False
-        verdicts = [self.cannot_win(plan, price=False) for plan in left]
-        if not all(cannot for cannot, _, _ in verdicts):
+        # the next candidate usually can win: asked first, it settles the question without pricing the rest
+        if not all(self.cannot_win(plan, price=False)[0] for plan in left):
             return False
+        verdicts = [self.cannot_win(plan, price=False) for plan in left]  # cached now: for the note's figures
         bar = verdicts[0][2]
         note(self.report, Stage.STAGE1, f"stopped: the profiles show that none of the {len(left)} plans left can "
              f"beat the incumbent {self.best.plan} by more than the margin (the lowest of their predicted costs, "
@@ -639,6 +642,8 @@ class Stage1Result:
     baseline: Outcome
     samples: list[Outcome]
     mode: str
+    #: each duel Stage 1 ran: (incumbent's plan, challenger's plan, verdict with the seconds of every round)
+    duels: list[tuple[Assignment, Assignment, Verdict]] = field(default_factory=list)
 
     @property
     def loss0(self) -> float:
@@ -711,7 +716,7 @@ def run_stage1(space: SearchSpace, evaluator, *, threshold: float = 1.01, budget
         raise SearchError(f"no plan fits memory_budget={memory_budget} (activation bytes saved for backward): "
                           f"FP32's saves {search.saved_bytes(space.fp32_plan)}, AMP's {search.saved_bytes(amp)}. "
                           "Raise the budget, or train with smaller batches.")
-    return Stage1Result(search.best, search.samples[0], search.samples, mode)
+    return Stage1Result(search.best, search.samples[0], search.samples, mode, search.duels)
 
 
 def _enumerate(search: _Stage1, candidates: Sequence[Assignment]) -> bool:
