@@ -173,3 +173,25 @@ def test_search_per_module_returns_the_model_running_the_chosen_plan():
     assert result.module is model
     assert all(k.module.startswith("blocks.") for k in result.plan)
     assert all(b.plan is result.plan for b in model.blocks)
+
+
+def test_decoder_blocks_handed_the_models_kv_cache_are_captured_without_writing_into_it():
+    # a Hugging Face decoder with use_cache on (its config's default) hands every block the forward's DynamicCache,
+    # which the block writes its keys into; capturing and checking the block must neither crash on it nor leave
+    # the tracer's fake tensors or extra keys in it
+    transformers = pytest.importorskip("transformers")
+    from torch._subclasses.fake_tensor import FakeTensor
+    from transformers.models.gpt2.modeling_gpt2 import GPT2Block
+
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64,
+                                                                  n_positions=16, bos_token_id=0, eos_token_id=0))
+    ids = torch.randint(0, 64, (2, 8))
+    assert model.config.use_cache
+    analysis = analyze_regions(model, {"input_ids": ids}, GPT2Block)
+    assert {str(k).split(":")[0].split(".attn")[0] for k in analysis.keys} >= {"transformer.h.0", "transformer.h.1"}
+    cache = transformers.DynamicCache(config=model.config)  # the caller's own cache, passed in
+    analyze_regions(model, {"input_ids": ids, "past_key_values": cache}, GPT2Block)
+    keys = [layer.keys for layer in cache.layers]
+    assert not any(isinstance(k, FakeTensor) for k in keys)
+    assert cache.get_seq_length() == 8  # what the model's own forward wrote, once: no capture's keys on top

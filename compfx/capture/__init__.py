@@ -81,7 +81,7 @@ from .nodes import (
     writes_input,
 )
 from .checkpoints import keep_checkpoints
-from .record import is_kv_cache, record_capture
+from .record import is_kv_cache, record_capture, with_kv_caches_copied
 from .signature import (
     ExampleInputs,
     check_input_shapes,
@@ -222,7 +222,8 @@ def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.Graph
             )
             leaf_modules = ()
         try:
-            gm = _trace(tracer, model, args, kwargs, leaf_modules, device_type)
+            # a KV cache passed in is written by the run: each tracer writes into a copy of its own
+            gm = _trace(tracer, model, *with_kv_caches_copied((args, kwargs)), leaf_modules, device_type)
         except BadInputError:
             raise
         except ValueBranchError as error:

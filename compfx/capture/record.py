@@ -13,6 +13,7 @@ value is read into Python (``t.item()``), or a buffer is reassigned.
 from __future__ import annotations
 
 import contextlib
+import copy
 import inspect
 import operator
 import warnings
@@ -35,7 +36,7 @@ from .functions import NOT_TRACED, FunctionCall, functions_as_calls, unrepresent
 from .model_state import named_tensors
 from .nodes import has_side_effects, is_in_place
 
-__all__ = ["record_capture", "is_kv_cache"]
+__all__ = ["record_capture", "is_kv_cache", "with_kv_caches_copied"]
 
 
 def record_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
@@ -432,3 +433,21 @@ def _holds_tensor(value) -> bool:
     if isinstance(value, torch.Tensor):
         return True
     return isinstance(value, (tuple, list)) and any(isinstance(v, torch.Tensor) for v in value)
+
+
+def with_kv_caches_copied(inputs):
+    """``inputs`` with every Hugging Face KV cache in them replaced by a deep copy (tensors otherwise shared).
+
+    A decoder block receives the model's cache and writes its keys and
+    values into it. A tracer that runs the block writes its own values there
+    (a recording tracer's are fake tensors), and a check that runs the block
+    twice would see the first run's keys in the second: each run gets a copy
+    of the cache as the caller passed it, and the caller's cache is not
+    touched. (A planned block's graph does not write a cache passed in:
+    training never reads it.)
+
+    >>> with_kv_caches_copied(((1, None), {"x": 2}))
+    ((1, None), {'x': 2})
+    """
+    return pytree.tree_map(lambda leaf: copy.deepcopy(leaf) if is_kv_cache(leaf) else leaf, inputs,
+                           is_leaf=is_kv_cache)

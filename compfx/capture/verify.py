@@ -53,7 +53,7 @@ from ..errors import BadInputError
 from ._sites import first_line
 from .model_state import get_attribute
 from .nodes import writes_input
-from .record import is_kv_cache
+from .record import is_kv_cache, with_kv_caches_copied
 
 __all__ = ["CaptureVerification", "verify_capture", "SAVED_TENSOR_SLACK", "COMPILED_PATH_BOUND", "VERIFICATION_META"]
 
@@ -398,13 +398,14 @@ def _written_parameters(gm: fx.GraphModule) -> list[torch.Tensor]:
 
 
 def _fresh_inputs(inputs):
-    """A copy of every input tensor (a forward may write its inputs), a leaf that requires grad where it did."""
+    """A copy of every input tensor (a forward may write its inputs), a leaf that requires grad where it did, and of
+    every KV cache (a decoder block writes its keys into it: :func:`~compfx.capture.record.with_kv_caches_copied`)."""
     def fresh(leaf):
         if not isinstance(leaf, torch.Tensor):
             return leaf
         copy = leaf.detach().clone()
         return copy.requires_grad_(leaf.requires_grad) if copy.is_floating_point() or copy.is_complex() else copy
-    return pytree.tree_map(fresh, inputs)
+    return pytree.tree_map(fresh, with_kv_caches_copied(inputs))
 
 
 def _output_tensors(output) -> dict[str, torch.Tensor]:
