@@ -346,7 +346,9 @@ def test_the_report_from_the_log_is_the_report_and_quotes_one_interleaved_compar
                              log=path, config=SearchConfig(progress=False, rounds=7, cache_plan=False))
     comparison = result.step_comparison
     assert set(comparison.seconds) == {"fp32", "amp", "chosen"}
-    assert all(len(rounds) == 7 for rounds in comparison.seconds.values())  # one phase: every plan every round
+    # one phase, every plan every round: 7 rounds, or the 7, 14 or 21 pairs of Stage 1's FP32-vs-AMP duel
+    counts = {len(rounds) for rounds in comparison.seconds.values()}
+    assert len(counts) == 1 and min(counts) >= 7 and min(counts) % 7 == 0
     assert result.step_seconds == {name: comparison.median(name) for name in comparison.seconds}
     x = loader[0][0]
     assert comparison.saved_bytes["fp32"] == compfx.saved_activation_bytes(
