@@ -288,3 +288,24 @@ def test_the_report_says_how_far_evidence_scaled_the_predictions():
         log.append(SampleRecord(Stage.STAGE1, "", SampleStatus.NOTE, reason="duel",
                                 extra={"evidence_scale": {"scale": scale}}))
     assert "in 2 of the samples and duels, scaled the predicted differences down to 45%" in _evidence_scaling(log)
+
+
+def test_stage2_prices_again_when_the_predictor_scales_its_predictions_down():
+    from compfx.plan import Assignment
+    from compfx.search.outcome import Outcome
+    from compfx.search.stage2 import _Stage2
+
+    scale, version = [1.0], [0]
+    raw = {"0f1": 1.2, "001": 1.1}
+
+    def predict(plan):
+        return 1.0 + scale[0] * (raw[str(plan)] - 1.0)
+
+    stage = _Stage2(FunctionEvaluator(time_step=lambda plan: 1.0), None, DecisionRule(margin=0.03), bound=predict,
+                    predict=predict, price_version=lambda: version[0])
+    incumbent = Outcome(Assignment.parse("0f1"), SampleStatus.ACCEPTED)
+    assert stage.predicted_cost(incumbent, Assignment.parse("001")) == pytest.approx(1.1)
+    assert not stage.cannot_win(incumbent, Assignment.parse("001"))
+    scale[0], version[0] = 0.0, 1  # the evidence scaled the predicted differences to nothing
+    assert stage.predicted_cost(incumbent, Assignment.parse("001")) == pytest.approx(1.0)
+    assert stage.cannot_win(incumbent, Assignment.parse("001"))
