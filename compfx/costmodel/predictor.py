@@ -295,8 +295,6 @@ class SearchPredictor:
         self.fp32_step: float | None = None  # the measured FP32 step the predictor is calibrated on
         self._amp = Assignment(AMP_PRECISION[op.category] for op in predictor.analysis.ops) \
             if predictor.analysis is not None else None
-        self._fp32 = Assignment(Precision.FP32 for _ in predictor.analysis.ops) if predictor.analysis is not None \
-            else None
         self._scale_fitted = False
         #: counts the changes of :attr:`scale` and of the profiles: a search's cached prices are void when it moves
         self.version = 0
@@ -514,10 +512,11 @@ class SearchPredictor:
             self._against.clear()
             return self._annotation(plan, measured, calibration=True)
         measured = _measured_step(stage, status, seconds, batches)
+        if stage is Stage.STAGE1 and plan == self._amp and batch_seconds:
+            self._amp_batches = list(batch_seconds)  # the latest: what later samples' batches are compared with
         if stage is Stage.STAGE1 and plan == self._amp and measured is not None and not self._scale_fitted:
             self._scale_fitted = True
             self._fit_scale(measured, list(batch_seconds))
-            self._amp_batches = list(batch_seconds)
             extra = self._annotation(plan, measured)
             if not extra:
                 return {}
@@ -530,7 +529,7 @@ class SearchPredictor:
         if not math.isfinite(self.step_seconds(plan)):
             return {}
         extra = self._annotation(plan, measured)  # the prediction the search went by, before this evidence
-        if stage is Stage.STAGE1 and plan != self._fp32 and batch_seconds:
+        if stage is Stage.STAGE1 and plan != self._amp and batch_seconds:
             extra.update(self._sample_evidence(plan, list(batch_seconds)))
         return extra
 
@@ -601,9 +600,6 @@ class SearchPredictor:
 
     def _sample_evidence(self, plan: Assignment, batch_seconds: list[float]) -> dict:
         """A Stage-1 sample's batches against AMP's plan's, batch for batch (the same batches), as evidence."""
-        if plan == self._amp:
-            self._amp_batches = batch_seconds
-            return {}
         if not self._amp_batches or plan not in self._steps:  # unpriced plans are not priced only for this
             return {}
         ratios = [mine / amp for mine, amp in zip(batch_seconds, self._amp_batches) if amp > 0]

@@ -132,28 +132,23 @@ class Recorder:
         fresh = self.replay.annotate(record) if self.replay is not None else record  # None: already logged
         record = fresh or record
         if self.predictor is not None and record.is_sample and record.plan:
-            with self.clock.phase("profiling") if self.clock is not None else nullcontext():
-                extra = self.predictor.observe(record.stage, Assignment.parse(record.plan), record.status,
-                                               record.seconds, record.batches,
-                                               batch_seconds=[s for _, s in record.extra.get(BATCHES, [])])
-            if extra:
-                record = replace(record, extra={**record.extra, **extra})
-        elif self.predictor is not None and DUEL in record.extra:
-            record = self._observe_duel(record)
+            record = self._annotated(record, lambda: self.predictor.observe(
+                record.stage, Assignment.parse(record.plan), record.status, record.seconds, record.batches,
+                batch_seconds=[s for _, s in record.extra.get(BATCHES, [])]))
+        elif self.predictor is not None and DUEL in record.extra:  # a duel checks the predicted ratio of its plans
+            duel = record.extra[DUEL]
+            record = self._annotated(record, lambda: self.predictor.observe_duel(
+                Assignment.parse(duel["incumbent"]), Assignment.parse(duel["candidate"]), *duel["seconds"]))
         if fresh is not None:
             self.log.append(record)
         if record.is_sample and self.progress is not None:
             self.progress.update(1)
             self.progress.set_postfix_str(f"{record.stage} {record.status}", refresh=False)
 
-
-    def _observe_duel(self, record: SampleRecord) -> SampleRecord:
-        """A duel checks the cost model's predicted ratio of its two plans (it may scale its predictions down)."""
-        duel = record.extra[DUEL]
-        incumbent_seconds, candidate_seconds = duel["seconds"]
+    def _annotated(self, record: SampleRecord, observe) -> SampleRecord:
+        """``record`` with what ``observe()`` (the cost model's work, charged to "profiling") adds to its extra."""
         with self.clock.phase("profiling") if self.clock is not None else nullcontext():
-            extra = self.predictor.observe_duel(Assignment.parse(duel["incumbent"]), Assignment.parse(duel["candidate"]),
-                                                incumbent_seconds, candidate_seconds)
+            extra = observe()
         return replace(record, extra={**record.extra, **extra}) if extra else record
 
 

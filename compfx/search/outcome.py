@@ -16,7 +16,7 @@ from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
 from .log import SampleRecord
 
-__all__ = ["Outcome", "Reporter", "note", "failure_reason", "ProgramIndex", "checked_cost", "cost_unit"]
+__all__ = ["Outcome", "Reporter", "note", "failure_reason", "ProgramIndex", "PriceVersion", "checked_cost", "cost_unit"]
 
 Reporter = Callable[[SampleRecord], None]
 
@@ -89,6 +89,26 @@ def failure_reason(error: PlanFailedError) -> str:
     already names it ("RuntimeError: ..."); a subclass names itself.
     """
     return str(error) if type(error) is PlanFailedError else f"{type(error).__name__}: {error}"
+
+
+class PriceVersion:
+    """Tells a stage when the cost model's prices moved since it last asked: the figures it cached are void then
+    (a duel or a sample scaled the predictions down). ``version()`` is the predictor's counter; None: never moves.
+
+    >>> count = [0]
+    >>> prices = PriceVersion(lambda: count[0])
+    >>> prices.moved(), (count.__setitem__(0, 1), prices.moved())[1], prices.moved()
+    (False, True, False)
+    """
+
+    def __init__(self, version: Callable[[], int] | None = None):
+        self._version = version or (lambda: 0)
+        self._seen = self._version()
+
+    def moved(self) -> bool:
+        now = self._version()
+        moved, self._seen = now != self._seen, now
+        return moved
 
 
 class ProgramIndex:

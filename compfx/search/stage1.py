@@ -41,7 +41,8 @@ from ..vocabulary import Category, Precision, SampleStatus, Stage
 from .compare import Comparison, DecisionRule, Verdict, duel, log_duel
 from .convergence import is_accepted, loss_limit
 from .log import BATCH_VERDICT, CANNOT_WIN, NOTHING_CAN_WIN, PRUNED_AT, SAVED_BYTES, STOPPED_EARLY
-from .outcome import Outcome, ProgramIndex, Reporter, checked_cost, cost_unit, failure_reason, note
+from .outcome import (Outcome, PriceVersion, ProgramIndex, Reporter, checked_cost, cost_unit, failure_reason,
+                      note)
 from .space import SearchSpace
 
 __all__ = [
@@ -189,8 +190,7 @@ class _Stage1:
         self.predicted: dict[Assignment, float] = {}  # plan -> predicted cost
         self.bounds: dict[Assignment, float] = {}  # plan -> cost at the lower bound of the predicted seconds
         self.bounds_against: dict[tuple, float] = {}  # (plan, incumbent, plans priced) -> bound against it
-        self.price_version = price_version or (lambda: 0)  # moves when the cost model's prices change
-        self._prices_of = self.price_version()
+        self.prices = PriceVersion(price_version)
         self.samples: list[Outcome] = []
         self.seen: set[Assignment] = set()
         self.programs = ProgramIndex(evaluator.program)
@@ -457,9 +457,7 @@ class _Stage1:
 
     def _prices_current(self) -> None:
         """Forget every figure priced before the cost model's prices changed (a duel scaled them down)."""
-        version = self.price_version()
-        if version != self._prices_of:
-            self._prices_of = version
+        if self.prices.moved():
             self.predicted.clear()
             self.bounds.clear()
             self.bounds_against.clear()

@@ -23,7 +23,7 @@ from ..plan import Assignment
 from ..vocabulary import Precision, SampleStatus, Stage
 from .compare import DecisionRule, duel, log_duel
 from .log import NOTHING_CAN_WIN, SAVED_BYTES
-from .outcome import Outcome, ProgramIndex, Reporter, checked_cost, failure_reason, note
+from .outcome import Outcome, PriceVersion, ProgramIndex, Reporter, checked_cost, failure_reason, note
 from .space import SearchSpace
 
 __all__ = ["Segment", "Stage2Result", "stage2_segments", "algorithm2_candidates", "run_stage2"]
@@ -104,8 +104,7 @@ class _Stage2:
         self._bytes: dict[Assignment, int | None] = {}
         self._verdicts: dict[tuple[Assignment, Assignment], bool] = {}
         self._predicted: dict[tuple[Assignment, Assignment], float] = {}  # (incumbent, plan) -> predicted_cost
-        self.price_version = price_version or (lambda: 0)  # moves when the cost model's prices change
-        self._prices_of = self.price_version()
+        self.prices = PriceVersion(price_version)
 
     def saved_bytes(self, plan: Assignment) -> int | None:
         if plan not in self._bytes:
@@ -187,8 +186,7 @@ class _Stage2:
         one, then the one read off the incumbent's priced graph) that is at the bar or over, else its full
         prediction (a rewrite); NaN when it cannot be priced. Each figure is worked out once."""
         key = (incumbent.plan, plan)
-        if self.price_version() != self._prices_of:  # a duel scaled the prices down: price again
-            self._prices_of = self.price_version()
+        if self.prices.moved():  # evidence scaled the prices down: price again
             self._predicted.clear()
         if key not in self._predicted:
             self._predicted[key] = self._predicted_cost(incumbent, plan)
