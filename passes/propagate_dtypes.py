@@ -36,6 +36,7 @@ import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
 from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
 from compfx.capture import get_attribute, meta_value
 from compfx.cast_policy import mutated_positions
@@ -72,7 +73,29 @@ def propagate_dtypes(gm: fx.GraphModule) -> fx.GraphModule:
 def dtypes_of(value) -> tuple:
     """The dtype facts of a value: tensor dtypes, and dtype values themselves (``x.dtype`` nodes)."""
     return tuple(leaf.dtype if isinstance(leaf, torch.Tensor) else leaf if isinstance(leaf, torch.dtype) else None
-                 for leaf in pytree.tree_leaves(value))
+                 for leaf in _leaves(value))
+
+
+def _leaves(value) -> list:
+    """The leaves of a node's value (tuples, lists and dicts opened), in order.
+
+    What ``pytree.tree_leaves`` gives for the values a graph's metadata holds,
+    without its per-node type lookups: a rewrite asks this of every node it
+    touches, several times, and pytree's walk was a fifth of a rewrite's time.
+    """
+    out: list = []
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if type(item) in (tuple, list):
+            stack.extend(reversed(item))
+        elif type(item) is dict:
+            stack.extend(reversed(list(item.values())))
+        elif isinstance(item, (tuple, list, dict)) and not isinstance(item, torch.Size):
+            stack.extend(reversed(pytree.tree_leaves(item)))  # namedtuples and the like: pytree's own reading
+        else:
+            out.append(item)
+    return out
 
 
 class DtypePropagator:
@@ -167,7 +190,7 @@ class DtypePropagator:
     def _execute(self, node: fx.Node):
         """Run the node on FakeTensors; UNKNOWN when it cannot run."""
         args, kwargs = fx.node.map_arg((node.args, node.kwargs), self.value)
-        if any(leaf is UNKNOWN for leaf in pytree.tree_leaves((args, kwargs))):
+        if any(leaf is UNKNOWN for leaf in _leaves((args, kwargs))):
             return UNKNOWN
         if node.op == "call_module":  # modules may hold state: never shared
             module = self.gm.get_submodule(node.target)
@@ -216,31 +239,55 @@ class DtypePropagator:
         for key in keys:
             node.meta[key] = value
         if isinstance(value, torch.Tensor) and "tensor_meta" in like.meta:
-            node.meta["tensor_meta"] = _extract_tensor_metadata(value)
+            node.meta["tensor_meta"] = _tensor_metadata(value)
+
+
+class _NoKey(Exception):
+    """A call with no hashable description (symbolic sizes, an unhashable argument)."""
+
+
+#: Each fake value's ``tensor_meta``: shared fake results hand the same value to many rewrites, and working out
+#: its contiguity each time was a tenth of a rewrite.
+_TENSOR_METADATA: "WeakIdKeyDictionary" = WeakIdKeyDictionary()
+
+
+def _tensor_metadata(value: torch.Tensor):
+    found = _TENSOR_METADATA.get(value)
+    if found is None:
+        found = _TENSOR_METADATA[value] = _extract_tensor_metadata(value)
+    return found
 
 
 def _fake_call_key(*call) -> tuple | None:
     """A hashable description of a call on fake values; None when there is none (symbolic sizes...)."""
-    leaves, spec = pytree.tree_flatten(call)
-    parts = []
-    for leaf in leaves:
-        if isinstance(leaf, torch.Tensor):
-            sizes = (*leaf.shape, *leaf.stride(), leaf.storage_offset())
-            if not all(type(size) is int for size in sizes):
-                return None
-            parts.append((sizes, leaf.dtype, leaf.device, leaf.requires_grad))
-        else:
-            parts.append((type(leaf), leaf))
-    key = (str(spec), tuple(parts), torch.is_grad_enabled())  # grad mode decides the outputs' requires_grad
     try:
+        key = (_described(call), torch.is_grad_enabled())  # grad mode decides the outputs' requires_grad
         hash(key)
-    except TypeError:  # e.g. a slice argument
+    except (_NoKey, TypeError):  # e.g. a slice argument
         return None
     return key
 
 
+def _described(value):
+    """``value`` as nested tuples of hashable parts: containers by type and order, tensors by their metadata."""
+    kind = type(value)
+    if kind in (tuple, list):
+        return (kind, *map(_described, value))
+    if kind is dict:
+        return (kind, *((name, _described(item)) for name, item in value.items()))
+    if isinstance(value, torch.Tensor):
+        sizes = (*value.shape, *value.stride(), value.storage_offset())
+        if not all(type(size) is int for size in sizes):
+            raise _NoKey
+        return (torch.Tensor, sizes, value.dtype, value.device, value.requires_grad)
+    if isinstance(value, (tuple, list, dict)) and not isinstance(value, torch.Size):
+        leaves, spec = pytree.tree_flatten(value)  # namedtuples and the like: pytree's own reading
+        return (kind, str(spec), *map(_described, leaves))
+    return (kind, value)
+
+
 def _float_leaves(value) -> list[torch.Tensor]:
-    return [t for t in pytree.tree_leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
+    return [t for t in _leaves(value) if isinstance(t, torch.Tensor) and t.is_floating_point()]
 
 
 _FAKE_TENSOR_LOGGERS = ("torch._subclasses.fake_tensor", "torch._subclasses.fake_tensor.__not_implemented")
