@@ -22,6 +22,7 @@ import time
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping
 
+import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
@@ -35,7 +36,7 @@ from .passes import apply_precisions
 from .plan import Plan
 from .vocabulary import Category, Precision, dtype_name
 
-__all__ = ["apply", "PlannedModule", "Specialization", "SignatureCaptures"]
+__all__ = ["apply", "priced_regions_graph", "PlannedModule", "Specialization", "SignatureCaptures"]
 
 log = logging.getLogger("compfx")
 
@@ -110,6 +111,20 @@ def apply(
                         restore_output_dtypes=restore_output_dtypes)
     gm.train(model.training)
     return gm
+
+
+def priced_regions_graph(analysis: Analysis, plan: Plan) -> fx.GraphModule:
+    """The blocks' graphs side by side (``compfx.per_module.regions_graph``) rewritten for ``plan``: what the cost
+    model prices for a model planned block by block.
+
+    It is built as each :class:`~compfx.per_module.PlannedBlock` builds the
+    graph it runs, under ``no_grad``: the rewrite's FakeTensor results are
+    shared between rewrites of one grad mode, so a plan whose blocks have run
+    is not worked out on FakeTensors a second time to be priced (on a first
+    use, that is most of a rewrite).
+    """
+    with torch.no_grad():
+        return apply(analysis.graph_module, plan, analysis=analysis)
 
 
 def _planned_graph(model: nn.Module, analysis: Analysis, plan: Plan, categories: Mapping[OpKey, Category],

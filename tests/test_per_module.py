@@ -195,3 +195,28 @@ def test_decoder_blocks_handed_the_models_kv_cache_are_captured_without_writing_
     keys = [layer.keys for layer in cache.layers]
     assert not any(isinstance(k, FakeTensor) for k in keys)
     assert cache.get_seq_length() == 8  # what the model's own forward wrote, once: no capture's keys on top
+
+
+def test_pricing_a_plan_whose_blocks_ran_works_nothing_out_on_faketensors_again(monkeypatch):
+    # the search prices plans on the blocks' graphs side by side; a plan the blocks have run was worked out on
+    # FakeTensors when they built their graphs, and pricing it must reuse that, not do it again
+    from compfx.passes.propagate_dtypes import DtypePropagator
+    from compfx.apply import priced_regions_graph
+    from compfx.search.per_module import prepare_search
+
+    model, (x, _) = Net(), data()
+    analysis = prepare_search(model, x, Block)
+    plan = compfx.Plan.amp(analysis)
+    categories = {op.key: op.category for op in analysis.ops}
+    for module in model.modules():
+        if isinstance(module, PlannedBlock):
+            module.use_plan(plan, categories)
+    model(x).sum().backward()  # a training step builds each block's graph for the plan
+
+    fake_runs = []
+    run_fake = DtypePropagator._run_fake
+    monkeypatch.setattr(DtypePropagator, "_run_fake",
+                        lambda self, run: fake_runs.append(run) or run_fake(self, run))
+    priced = priced_regions_graph(analysis, plan)
+    assert fake_runs == []
+    assert compfx.passes.count_casts(priced) > 0  # it is the plan's graph, casts and all

@@ -115,10 +115,10 @@ class SearchSession:
 
     def _regions_graph_of(self, plan):
         """The blocks' graphs side by side, rewritten for ``plan``: what the cost model prices per block."""
-        from ..apply import apply
+        from ..apply import priced_regions_graph  # the apply stage imports the passes: load it when first needed
 
         with self.clock.phase("rewrites"):
-            return apply(self.analysis.graph_module, plan, analysis=self.analysis)
+            return priced_regions_graph(self.analysis, plan)
 
     def run(self, started: float) -> SearchResult:
         """The search; ``started`` is when ``optimize`` was called (its whole wall time is the search's cost)."""
