@@ -32,6 +32,7 @@ reference timed now, and the cost model measures again when they disagree.
 
 from __future__ import annotations
 
+import functools
 import math
 import os
 import platform
@@ -496,6 +497,7 @@ def _load_per_cpu() -> float | None:
         return None
 
 
+@functools.cache  # a process runs on one CPU model; /proc/cpuinfo was read for every profile entry's key
 def _cpu_model() -> str:
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
