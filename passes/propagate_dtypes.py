@@ -169,6 +169,7 @@ class DtypePropagator:
         value = UNKNOWN if node.is_impure() else self._execute(node)
         if value is UNKNOWN:
             value = self._guessed(node)
+        value = self._needing_grad_like(value, self.initial_value(node))
         self.values[node] = value
         if self.retyped(node) or force:
             self._write_meta(node, value, like=node)
@@ -185,7 +186,29 @@ class DtypePropagator:
 
     def converted(self, value, dtype: torch.dtype):
         """``value.to(dtype)`` on fakes (shared between runs); :data:`UNKNOWN` when it cannot be computed."""
-        return self._shared(("to", dtype), value, run=lambda: value.to(dtype))
+        return self._needing_grad_like(self._shared(("to", dtype), value, run=lambda: value.to(dtype)), value)
+
+    def _needing_grad_like(self, value, recorded):
+        """``value``, needing a gradient wherever ``recorded`` does (a float tensor's ``requires_grad``).
+
+        Retyping changes dtypes, not what needs a gradient; and a rewrite may
+        run under ``no_grad`` (a planned block builds its graph inside a
+        forward), where every fake result would say it needs none. So the
+        metadata, and the cost model's pricing of a cast's backward, read the
+        same whatever the grad mode of the rewrite.
+        """
+        if isinstance(value, torch.Tensor) and isinstance(recorded, torch.Tensor):
+            wanted = recorded.requires_grad and value.is_floating_point()
+            if value.requires_grad == wanted:
+                return value
+            return self._shared(("requires_grad", wanted), value,
+                                run=lambda: value.detach().requires_grad_(wanted))
+        values, recorded_values = _leaves(value), _leaves(recorded)
+        if (type(value) in (tuple, list) and len(values) == len(recorded_values)
+                and any(isinstance(v, torch.Tensor) for v in values)):
+            pairs = iter(zip(values, recorded_values))
+            return pytree.tree_map(lambda _: self._needing_grad_like(*next(pairs)), value)
+        return value
 
     def _execute(self, node: fx.Node):
         """Run the node on FakeTensors; UNKNOWN when it cannot run."""

@@ -20,7 +20,7 @@ from compfx.errors import PassError
 from compfx.opkey import KEY_META
 from compfx.capture import meta_value
 from compfx.cast_policy import CAST_META, AutocastRegion, shares_cast
-from compfx.passes import (apply_precisions, cast_report, count_autocast_casts, count_casts, insert_casts,
+from compfx.passes import (apply_precisions, cast_report, casts_in, count_autocast_casts, count_casts, insert_casts,
                            output_dtypes, propagate_dtypes, restore_output_dtypes)
 from zoo import ZOO, NativeMHA, make
 
@@ -432,3 +432,17 @@ def test_a_call_with_an_unhashable_argument_shares_nothing_and_alike_scalars_sta
     assert _fake_call_key("op", torch.empty(2), 1) != _fake_call_key("op", torch.empty(2), 1.0)
     assert _fake_call_key("op", torch.empty(2), 1) != _fake_call_key("op", torch.empty(2), True)
     assert _fake_call_key("op", [torch.empty(2)]) != _fake_call_key("op", (torch.empty(2),))
+
+
+def test_a_rewrite_under_no_grad_prices_the_same_casts_as_one_with_grad():
+    # a planned block builds its graph inside a forward, under no_grad; what needs a gradient (and so whether a
+    # cast has a backward to pay for) must read as the capture recorded it, whatever the rewrite's grad mode
+    model, inputs = make("mlp")
+    analysis = compfx.analyze(model, inputs)
+    plan = compfx.Plan.amp(analysis)
+    with torch.no_grad():
+        quiet = apply(analysis.graph_module, plan, analysis=analysis)
+    with torch.enable_grad():
+        loud = apply(analysis.graph_module, plan, analysis=analysis)
+    assert casts_in(quiet) == casts_in(loud)
+    assert any(cast.backward and not cast.parameter for cast in casts_in(loud))  # activations' casts have one
