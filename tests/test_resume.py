@@ -172,5 +172,7 @@ def test_the_log_syncs_to_disk_what_a_resumed_search_would_otherwise_measure_aga
     log.append(SampleRecord(Stage.STAGE1, "01", SampleStatus.ACCEPTED, loss=1.0, seconds=2.0, batches=4))
     log.note(Stage.STAGE1, "duel", **{DUEL: {"seconds": [[1.0], [1.0]]}})
     assert len(synced) == 2
+    log.append(SampleRecord(Stage.COMPARE, "01", SampleStatus.ACCEPTED, seconds=0.5))  # timed again on resume
+    assert len(synced) == 2
     log.close()
-    assert len((tmp_path / "search.jsonl").read_text().splitlines()) == 4
+    assert len((tmp_path / "search.jsonl").read_text().splitlines()) == 5

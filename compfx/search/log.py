@@ -190,9 +190,11 @@ def _check_types(record: SampleRecord) -> None:
 
 
 def _holds_measurements(record: SampleRecord) -> bool:
-    """Does ``record`` hold what a resumed search replays instead of measuring again (a sample that ran, a duel)?
-    Notes and skipped samples a resumed search writes again, in microseconds."""
-    return record.status not in (SampleStatus.NOTE, SampleStatus.SKIPPED) or DUEL in record.extra
+    """Does ``record`` hold what a resumed search replays instead of measuring again (a sample of a replayed stage
+    that ran, a duel)? Notes and skipped samples a resumed search writes again, in microseconds, and the step
+    comparison it times again."""
+    ran = record.status not in (SampleStatus.NOTE, SampleStatus.SKIPPED) and record.stage in _REPLAYED_STAGES
+    return ran or DUEL in record.extra
 
 
 class SearchLog:
