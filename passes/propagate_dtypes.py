@@ -292,21 +292,21 @@ def _fake_call_key(*call) -> tuple | None:
 
 
 def _described(value):
-    """``value`` as nested tuples of hashable parts: containers by type and order, tensors by their metadata."""
-    kind = type(value)
-    if kind in (tuple, list):
-        return (kind, *map(_described, value))
-    if kind is dict:
-        return (kind, *((name, _described(item)) for name, item in value.items()))
+    """``value`` as nested tuples of hashable parts: containers by type and items, tensors by their metadata.
+
+    Any tuple, list or dict is opened (an FX node's ``immutable_list`` arguments, ``torch.Size``, a namedtuple),
+    its type kept in the description: two calls share a key only when their arguments have the same types.
+    """
+    if isinstance(value, (tuple, list)):
+        return (type(value), *map(_described, value))
+    if isinstance(value, dict):
+        return (type(value), *((name, _described(item)) for name, item in value.items()))
     if isinstance(value, torch.Tensor):
         sizes = (*value.shape, *value.stride(), value.storage_offset())
         if not all(type(size) is int for size in sizes):
             raise _NoKey
         return (torch.Tensor, sizes, value.dtype, value.device, value.requires_grad)
-    if isinstance(value, (tuple, list, dict)) and not isinstance(value, torch.Size):
-        leaves, spec = pytree.tree_flatten(value)  # namedtuples and the like: pytree's own reading
-        return (kind, str(spec), *map(_described, leaves))
-    return (kind, value)
+    return (type(value), value)
 
 
 def _float_leaves(value) -> list[torch.Tensor]:
