@@ -32,7 +32,9 @@ reference timed now, and the cost model measures again when they disagree.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import gc
 import math
 import os
 import platform
@@ -49,7 +51,7 @@ from .errors import BadInputError
 __all__ = ["synchronize", "timed", "Timing", "time_repeats", "time_interleaved", "interleaved_order", "median_interval", "PhaseClock", "CLOCKS", "check_clock", "time_calls",
            "time_fastest",
            "device_name", "hardware_name", "environment_key", "Conditions", "measure_conditions", "reference_seconds",
-           "REFERENCE_TOLERANCE", "fp32_math", "describe_fp32_math"]
+           "REFERENCE_TOLERANCE", "fp32_math", "describe_fp32_math", "long_lived_objects_frozen"]
 
 T = TypeVar("T")
 
@@ -180,6 +182,34 @@ def median_interval(values: Sequence[float], confidence: float) -> tuple[float, 
     while k < (n + 1) // 2 and 1 - 2 * _binomial_tail(n, k) >= confidence:
         k += 1
     return ordered[k - 1], ordered[n - k], 1 - 2 * _binomial_tail(n, k - 1)
+
+
+@contextlib.contextmanager
+def long_lived_objects_frozen():
+    """The objects the process holds now left out of garbage collection until the block ends (``gc.freeze``).
+
+    A search makes FX graphs and FakeTensors by the hundred thousand, enough
+    to set off full collections, and a full collection walks every object the
+    process holds: with transformers imported, 400,000 objects and about 0.2 s
+    on a 2-core EPYC, a fifth of a tiny GPT-2's first search. One that lands in
+    a timed step distorts it too. Frozen, a collection walks the block's own
+    objects only. They are unfrozen afterwards, whatever happens; a process
+    that froze objects itself is left to its own management.
+
+    >>> import gc
+    >>> with long_lived_objects_frozen():
+    ...     frozen = gc.get_freeze_count() > 0
+    >>> frozen, gc.get_freeze_count()
+    (True, 0)
+    """
+    if gc.get_freeze_count():
+        yield
+        return
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 class PhaseClock:

@@ -273,6 +273,39 @@ def test_a_reseeding_forward_leaves_the_callers_rng_as_it_was(call):
     assert _same(_rng(), before)
 
 
+def test_the_search_freezes_the_processs_objects_for_the_garbage_collector_and_gives_them_back():
+    # a full collection during the search walks only the search's objects; the process's are given back after,
+    # also when the search fails
+    import gc
+
+    frozen_during = []
+
+    def loss(output, batch):
+        frozen_during.append(gc.get_freeze_count())
+        return ce(output, batch)
+
+    model = Net()
+    compfx.optimize(model, batches(), loss_fn=loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                    config=SearchConfig(**QUICK))
+    assert frozen_during and min(frozen_during) > 0
+    assert gc.get_freeze_count() == 0
+    with pytest.raises(BadInputError):
+        compfx.optimize(model, [], loss_fn=loss, optimizer=torch.optim.SGD(model.parameters(), lr=0.1))
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_process_that_froze_its_objects_itself_keeps_them_frozen():
+    import gc
+
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        search(Net())
+        assert frozen and gc.get_freeze_count() > 0  # unfreezing would have emptied it
+    finally:
+        gc.unfreeze()
+
+
 # -- the loader's own errors ------------------------------------------------------------
 
 class FailsOnThirdPass:
