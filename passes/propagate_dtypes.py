@@ -203,11 +203,8 @@ class DtypePropagator:
                 return value
             return self._shared(("requires_grad", wanted), value,
                                 run=lambda: value.detach().requires_grad_(wanted))
-        values, recorded_values = _leaves(value), _leaves(recorded)
-        if (type(value) in (tuple, list) and len(values) == len(recorded_values)
-                and any(isinstance(v, torch.Tensor) for v in values)):
-            pairs = iter(zip(values, recorded_values))
-            return pytree.tree_map(lambda _: self._needing_grad_like(*next(pairs)), value)
+        if type(value) in (tuple, list) and pytree.tree_structure(value) == pytree.tree_structure(recorded):
+            return pytree.tree_map(self._needing_grad_like, value, recorded)  # leaf by leaf
         return value
 
     def _execute(self, node: fx.Node):
