@@ -406,6 +406,64 @@ def test_amps_epoch_crossing_the_bar_early_stops_there_and_fp32_wins():
     assert ran[AMP] == [3]
 
 
+# -- FP32's and AMP's epochs taking turns ---------------------------------------------------------------
+
+ONE_OP = SearchSpace((W,), (False,), ("mm",))  # one adjustable op: FP32's plan "1" and AMP's "0", nothing else
+
+
+def _taking_turns(true, noise, seed: int, batches: int = BATCHES):
+    """An evaluator that runs epochs in turns (each plan's a generator of its own, the caller advancing them in
+    turns, the noise drawn in that order); it counts the steps timed outside the epochs, and each epoch's batches."""
+    rng, counts = random.Random(seed), {"steps": 0, "batches": {}}
+
+    def run_epoch(plan):
+        counts["batches"][str(plan)] = 0
+        for _ in range(batches):
+            counts["batches"][str(plan)] += 1
+            yield 1.0, true(str(plan)) * noise(rng)
+
+    def time_step(plan):
+        counts["steps"] += 1
+        return true(str(plan)) * noise(rng)
+
+    evaluator = FunctionEvaluator(run_epoch=run_epoch, time_step=time_step,
+                                  run_epochs_taking_turns=lambda plans: [run_epoch(plan) for plan in plans])
+    return evaluator, counts
+
+
+@pytest.mark.parametrize("noise", [uniform(0.05), heavy_tailed], ids=["uniform", "heavy-tailed"])
+def test_fp32s_and_amps_epochs_taking_turns_are_their_duel_and_a_near_tie_keeps_amp(noise):
+    for seed in range(10):
+        evaluator, counts = _taking_turns(lambda code: 1.0 if code == "0" else 0.99, noise, seed, batches=14)
+        log = SearchLog()
+        result = run_stage1(ONE_OP, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+        assert str(result.best.plan) == "0" and result.first_epochs_in_turns
+        assert counts["steps"] == 0 and counts["batches"] == {"1": 14, "0": 14}  # no steps besides the epochs
+        (duel,) = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra]
+        assert duel["of_epochs"] and not duel["replaces"] and len(duel["seconds"][0]) == 14
+        assert [r.plan for r in log.samples()] == ["1", "0"]  # FP32's record first: loss_0
+
+
+def test_fp32s_plan_faster_by_the_margin_on_the_pairs_wins_and_amps_epoch_stops_after_a_block():
+    evaluator, counts = _taking_turns(lambda code: 1.0 if code == "0" else 0.8, uniform(0.02), 0, batches=16)
+    log = SearchLog()
+    result = run_stage1(ONE_OP, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+    assert str(result.best.plan) == "1"
+    assert counts["batches"] == {"1": 16, "0": 7}  # AMP's epoch stopped once a block of pairs decided
+    amp = next(r for r in log.samples() if r.plan == "0")
+    assert amp.status == "pruned" and "faster by more than the margin" in amp.reason
+    (duel,) = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra]
+    assert duel["replaces"] and len(duel["seconds"][0]) == 7
+
+
+def test_without_turns_fp32s_and_amps_epochs_run_one_after_the_other():
+    # an evaluator that cannot run epochs in turns (the distributed one, or copies that may not fit): as before
+    evaluator, counts = _taking_turns(lambda code: 1.0, uniform(0.0), 0)
+    evaluator.run_epochs_taking_turns = None
+    result = run_stage1(ONE_OP, evaluator, rule=DecisionRule(margin=0.03, rounds=7))
+    assert str(result.best.plan) == "0" and not result.first_epochs_in_turns
+
+
 # -- the callbacks' searches pay what optimize() pays -----------------------------------------------------
 
 def test_the_cost_model_prices_a_per_module_search(one_thread, tmp_path, monkeypatch):
@@ -487,7 +545,7 @@ def test_the_step_comparison_reads_the_first_duel_when_the_chosen_plan_is_fp32s_
     from types import SimpleNamespace
 
     from compfx.measure import PhaseClock
-    from compfx.search.compare import IN_THE_FIRST_DUEL, Comparison
+    from compfx.search.compare import IN_THE_FIRST_DUEL, IN_THE_FIRST_EPOCHS, Comparison
     from compfx.search.driver import SINGLE_PROCESS
     from compfx.search.session import SearchSession
 
@@ -496,10 +554,12 @@ def test_the_step_comparison_reads_the_first_duel_when_the_chosen_plan_is_fp32s_
     verdict = DecisionRule(margin=0.03, rounds=7).verdict(Comparison.of(*rounds), saves_less=False)
     verdict = replace(verdict, seconds=rounds)
 
-    def comparison(chosen, duels=((amp, fp32, verdict),), padded=False, config=SearchConfig(progress=False)):
+    def comparison(chosen, duels=((amp, fp32, verdict),), padded=False, config=SearchConfig(progress=False),
+                   in_turns=False):
         session = SimpleNamespace(space=SPACE, config=config, strategy=SINGLE_PROCESS, clock=PhaseClock(),
                                   local=SimpleNamespace(saved_bytes=lambda plan: 100), log=SearchLog())
-        decision = SimpleNamespace(plan=chosen, stage1=SimpleNamespace(duels=list(duels)))
+        decision = SimpleNamespace(plan=chosen, stage1=SimpleNamespace(duels=list(duels),
+                                                                       first_epochs_in_turns=in_turns))
         return SearchSession._first_duel_comparison(session, decision, SimpleNamespace(kept=padded)), session.log
 
     read, log = comparison(amp)
@@ -514,3 +574,5 @@ def test_the_step_comparison_reads_the_first_duel_when_the_chosen_plan_is_fp32s_
     assert comparison(amp, padded=True)[0] is None  # the chosen plan runs padded: not the program the duel timed
     assert comparison(amp, duels=())[0] is None  # no duel of the two
     assert comparison(amp, config=SearchConfig(progress=False, rounds=9))[0] is None  # fewer rounds than asked
+    # FP32's and AMP's epochs took turns: their pairs were the duel, and the report says where they were taken
+    assert comparison(amp, in_turns=True)[0].phase == IN_THE_FIRST_EPOCHS

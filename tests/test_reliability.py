@@ -166,7 +166,9 @@ def test_keyboard_interrupt_restores_state_and_the_log_holds_every_finished_samp
     assert_untouched(model, before)
     assert torch.equal(torch.get_rng_state(), rng)
     log = SearchLog.read(path)
-    assert len(log.samples("stage1")) == sample  # the interrupted sample is not logged, every earlier one is
+    # the interrupted sample is not logged, every earlier one is; FP32's and AMP's epochs take turns, so an
+    # interruption in AMP's (sample 1) is one in FP32's too: neither is logged
+    assert len(log.samples("stage1")) == (0 if sample == 1 else sample)
     assert "interrupted" in log.notes()[-1].reason
 
 

@@ -57,9 +57,10 @@ def state(model):
 
 def loss_calls(record) -> int:
     """``loss_fn`` calls the search made for one logged record (``warmup=0``, ``repeats=1``, one check batch): a
-    sample's, or a duel's (two plans, one step each per round)."""
+    sample's, or a duel's (two plans, one step each per round; none when its rounds were the two plans' epochs,
+    taking turns)."""
     if DUEL in record.extra:
-        return 2 * len(record.extra[DUEL]["seconds"][0])
+        return 0 if record.extra[DUEL].get("of_epochs") else 2 * len(record.extra[DUEL]["seconds"][0])
     return record.batches if record.stage is Stage.STAGE1 else 1
 
 

@@ -297,8 +297,9 @@ def test_the_search_freezes_the_processs_objects_for_the_garbage_collector_and_g
 
 # -- the loader's own errors ------------------------------------------------------------
 
-class FailsOnThirdPass:
-    """A loader whose third walk fails part-way (a file that went missing): the error is the loader's, not a plan's."""
+class FailsPartWay:
+    """A loader whose first walk past its first batch (the search's first epochs: the input check and warm-ups
+    read one batch) fails there (a file that went missing): the error is the loader's, not a plan's."""
 
     def __init__(self, data):
         self.data, self.passes = data, 0
@@ -306,7 +307,7 @@ class FailsOnThirdPass:
     def __iter__(self):
         self.passes += 1
         for i, batch in enumerate(self.data):
-            if self.passes == 3 and i == 1:
+            if i == 1:
                 raise OSError(5, "Input/output error", "/data/shard-7")
             yield batch
 
@@ -314,18 +315,18 @@ class FailsOnThirdPass:
         return len(self.data)
 
 
-def test_a_loader_that_fails_on_its_third_pass_reaches_the_caller_with_state_restored(tmp_path):
+def test_a_loader_that_fails_part_way_through_an_epoch_reaches_the_caller_with_state_restored(tmp_path):
     torch.manual_seed(0)
     model = Net()
     optimizer = torch.optim.Adam(model.parameters(), lr=0.01)
     before = snapshot_state(model, optimizer)
-    loader = FailsOnThirdPass(batches(3))
+    loader = FailsPartWay(batches(3))
     torch.manual_seed(5)
     rng = torch.get_rng_state()
     with pytest.raises(OSError, match="Input/output error") as caught:
         compfx.optimize(model, loader, optimizer=optimizer, loss_fn=ce, log=tmp_path / "search.jsonl",
                         config=SearchConfig(**QUICK))
-    assert loader.passes == 3 and caught.value.filename == "/data/shard-7"
+    assert loader.passes >= 2 and caught.value.filename == "/data/shard-7"
     assert before.matches() and torch.equal(torch.get_rng_state(), rng)
     logged = SearchLog.read(tmp_path / "search.jsonl")
     assert not [r for r in logged.samples() if r.status == "error"], "the loader's error was logged as a plan's"

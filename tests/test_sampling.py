@@ -180,3 +180,68 @@ def test_timing_helpers():
     assert calls == [0, 1, 2, 3, 4] and len(timing.samples) == 3
     with pytest.raises(ValueError):
         time_repeats(calls.append, warmup=0, repeats=0, device="cpu")
+
+
+# -- epochs taking turns ------------------------------------------------------------------------------
+
+class Doubled(nn.Module):
+    """Another program on the same Parameters (its loss, and so its training, differs from the model's)."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.model = model
+
+    def forward(self, x):
+        return 2.0 * self.model(x)
+
+
+def _alone(sampler, module):
+    epoch = sampler.epoch(module)
+    losses = []
+    while True:
+        try:
+            losses.append(next(epoch)[0])
+        except StopIteration as stop:
+            return losses, stop.value
+
+
+def test_epochs_taking_turns_train_each_module_as_its_epoch_alone_and_restore_the_state_in_place():
+    # dropout (RNG), BatchNorm (buffers) and Adam (optimizer state that exists before): each module's epoch in
+    # turns is its epoch alone, batch for batch, and its returned state is the one its epoch alone ends in
+    model, opt, loader = make(batches=4)  # the last turn is the second module's: its copies are in the model
+    warm_start(model, opt, loader)
+    sampler = FairSampler(model, opt, loader, ce, device="cpu", seed=3)
+    doubled = Doubled(model)
+    alone = [_alone(sampler, module) for module in (model, doubled)]
+    storage = [t.data_ptr() for t in (*model.parameters(), *model.buffers())]
+    moments = [opt.state[p]["exp_avg"] for p in model.parameters()]
+    epochs = sampler.epochs_taking_turns([model, doubled])
+    losses, states = [[], []], [None, None]
+    for round_index in range(len(loader) + 1):
+        for j in (round_index % 2, 1 - round_index % 2):  # the order the search uses: AB, BA, ...
+            try:
+                losses[j].append(next(epochs[j])[0])
+            except StopIteration as stop:
+                states[j] = stop.value
+    assert losses[0] == alone[0][0] and losses[1] == alone[1][0] and losses[0] != losses[1]
+    for state, (_, reference) in zip(states, alone):
+        assert all(torch.equal(a, b) for (_, a), (_, b) in zip(state.tensors, reference.tensors))
+    for epoch in epochs:
+        epoch.close()
+    assert sampler.initial.matches()
+    # the user's own tensors are back in the model and optimizer, not the copies the turns trained
+    assert storage == [t.data_ptr() for t in (*model.parameters(), *model.buffers())]
+    assert all(opt.state[p]["exp_avg"] is m for p, m in zip(model.parameters(), moments))
+
+
+def test_closing_epochs_taking_turns_part_way_restores_the_state():
+    model, opt, loader = make()
+    warm_start(model, opt, loader)
+    sampler = FairSampler(model, opt, loader, ce, device="cpu")
+    first, second = sampler.epochs_taking_turns([model, Doubled(model)])
+    next(first), next(second), next(first)
+    second.close()  # dropped part-way (a plan that lost): the other goes on alone
+    next(first)
+    assert not sampler.initial.matches()
+    first.close()
+    assert sampler.initial.matches()

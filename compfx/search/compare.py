@@ -59,7 +59,8 @@ from .log import DUEL
 from .outcome import checked_cost, note
 
 __all__ = ["DecisionRule", "Comparison", "Verdict", "median_interval", "paired_costs", "speedup_text", "duel", "log_duel",
-           "StepComparison", "MAX_DUEL_BLOCKS", "AFTER_THE_SEARCH", "IN_THE_FIRST_DUEL"]
+           "StepComparison", "MAX_DUEL_BLOCKS", "AFTER_THE_SEARCH", "IN_THE_FIRST_DUEL",
+           "IN_THE_FIRST_EPOCHS"]
 
 #: Most blocks of ``rounds`` pairs one duel takes while it is still undecided.
 MAX_DUEL_BLOCKS = 3
@@ -68,6 +69,7 @@ MAX_DUEL_BLOCKS = 3
 #: when the chosen plan is FP32's or AMP's, the search's duel of those two plans, which is such a phase already.
 AFTER_THE_SEARCH = "after the search"
 IN_THE_FIRST_DUEL = "in the search's duel of FP32's and AMP's plans"
+IN_THE_FIRST_EPOCHS = "in the search's first epochs (FP32's and AMP's plans, each training a copy of the state)"
 
 
 def paired_costs(seconds: Sequence[Sequence[float]], cost: Callable[[int, float], float]) -> list[list[float]]:
@@ -219,11 +221,16 @@ def duel(evaluator, rule: DecisionRule, incumbent, candidate, *, saves_less: boo
     return replace(verdict, seconds=tuple(map(tuple, measured)))
 
 
-def log_duel(report, stage, verdict: Verdict, incumbent, candidate, rounds: int) -> None:
-    """Log a duel as a note: its verdict and the seconds of every round (a resumed search replays them)."""
-    note(report, stage, f"duel {candidate} vs incumbent {incumbent}: {verdict.reason}",
+def log_duel(report, stage, verdict: Verdict, incumbent, candidate, rounds: int, *, of_epochs: bool = False) -> None:
+    """Log a duel as a note: its verdict and the seconds of every round (a resumed search replays them).
+
+    ``of_epochs``: its rounds were the two plans' Stage-1 epochs, taking turns (no steps of its own; a resumed
+    search replays the epochs)."""
+    words = "their epochs taking turns: " if of_epochs else ""
+    note(report, stage, f"duel {candidate} vs incumbent {incumbent}, {words}{verdict.reason}",
          **{DUEL: {"incumbent": str(incumbent), "candidate": str(candidate), "rounds": rounds,
-                   "seconds": [list(row) for row in verdict.seconds], **verdict.to_dict()}})
+                   "seconds": [list(row) for row in verdict.seconds], **verdict.to_dict(),
+                   **({"of_epochs": True} if of_epochs else {})}})
 
 
 @dataclass(frozen=True)
@@ -233,7 +240,7 @@ class StepComparison:
     ``plans`` names each plan's CoMP string (two names may share a plan: it
     was timed once); ``saved_bytes`` the activation bytes one forward of each
     saves for backward (missing where unknown); ``phase`` says when the plans
-    took their turns (:data:`AFTER_THE_SEARCH`, or :data:`IN_THE_FIRST_DUEL`).
+    took their turns (:data:`AFTER_THE_SEARCH`, :data:`IN_THE_FIRST_DUEL` or :data:`IN_THE_FIRST_EPOCHS`).
 
     >>> c = StepComparison({"fp32": "11", "chosen": "01"}, {"fp32": (2.0, 2.1, 2.0), "chosen": (1.0, 1.1, 1.0)}, 0.7)
     >>> c.median("chosen"), c.speedup("fp32")

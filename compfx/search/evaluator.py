@@ -21,6 +21,11 @@ An :class:`Evaluator` answers four questions about a plan (an
   cost function's own units; logs and reports print them so).
 * ``program(plan)``: a hashable name of what ``plan`` runs; plans with equal
   programs measure the same, so only the first is run.
+* ``run_epochs_taking_turns(plans)`` (optional): one epoch per plan, their
+  steps taking turns on the same batches, each plan training a copy of the
+  state of its own; the caller advances them in turns. None where that cannot
+  be done (a second copy of the state may not fit). Stage 1 runs FP32's and
+  AMP's epochs so when it can: their pairs are their duel.
 
 A failure that belongs to the plan is raised as
 :class:`~compfx.errors.PlanFailedError`: the search records the plan as
@@ -41,6 +46,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any, Callable, ContextManager, Generator, Hashable, Protocol, Sequence, runtime_checkable
 
+import torch
 import torch.nn as nn
 
 from ..errors import BadInputError, CaptureError, PlanFailedError, SearchError
@@ -48,7 +54,7 @@ from ..measure import PhaseClock, interleaved_order
 from ..plan import Assignment, Plan
 from ..vocabulary import Stage
 from .log import Replay, ReplayedState
-from .sampling import FairSampler, from_loader, restore_state
+from .sampling import FairSampler, from_loader, restore_state, state_bytes
 
 __all__ = ["Evaluator", "Epoch", "FunctionEvaluator", "ReplayingEvaluator", "LocalEvaluator", "plan_failures",
            "measured_time", "each_batch"]
@@ -90,7 +96,8 @@ class FunctionEvaluator:
     calling ``time_step`` once per plan per round, in the interleaved order
     (:func:`compfx.measure.interleaved_order`): an injected noisy timer then
     sees the calls in the order a real duel makes them. ``saved_bytes``
-    defaults to None (memory unknown).
+    defaults to None (memory unknown). Without ``run_epochs_taking_turns``, Stage 1 runs FP32's and AMP's
+    epochs one after the other.
 
     >>> timer = FunctionEvaluator(time_step=lambda plan: 0.5 * str(plan).count("1"))
     >>> timer.time_step(Assignment.parse("11")), timer.cost(Assignment.parse("11"), 1.0)
@@ -106,6 +113,7 @@ class FunctionEvaluator:
     program: Callable[[Assignment], Hashable] = lambda plan: plan  # noqa: E731
     time_steps: Callable[[Sequence[Assignment], int], list[list[float]]] | None = None
     saved_bytes: Callable[[Assignment], int | None] = lambda plan: None  # noqa: E731
+    run_epochs_taking_turns: Callable[[Sequence[Assignment]], list[Epoch] | None] | None = None
 
     def __post_init__(self):
         for name in ("run_epoch", "time_step", "check_loss"):
@@ -160,6 +168,19 @@ class ReplayingEvaluator:
 
     def run_epoch(self, plan: Assignment) -> Epoch:
         return self.replay.epoch(plan, lambda: self.inner.run_epoch(plan))
+
+    def run_epochs_taking_turns(self, plans: Sequence[Assignment]) -> list[Epoch] | None:
+        """The logged epochs when the log holds every one of them (and their duel is not logged again), the
+        inner evaluator's, recorded, when it holds none of them; None otherwise (one after the other, as logged)."""
+        logged = [self.replay.has(Stage.STAGE1, plan) for plan in plans]
+        if all(logged):
+            self.replay.serve_duels(plans)
+            return [self.replay.epoch(plan, None) for plan in plans]
+        inner = getattr(self.inner, "run_epochs_taking_turns", None)
+        epochs = inner(plans) if inner is not None and not any(logged) else None
+        if epochs is None:
+            return None
+        return [self.replay.epoch(plan, lambda epoch=epoch: epoch) for plan, epoch in zip(plans, epochs)]
 
     def time_step(self, plan: Assignment) -> float:
         if self.replay.has(Stage.STAGE2, plan):
@@ -281,6 +302,29 @@ class LocalEvaluator:
         self.stepped.add(plan)
         charged = each_batch(epoch, lambda: self.clock.phase("samples"), close_around=True)
         return each_batch(charged, plan_failures)  # each batch's failure is the plan's
+
+    def run_epochs_taking_turns(self, plans: Sequence[Assignment]) -> list[Epoch] | None:
+        """One epoch per plan, their steps taking turns on the same batches, each plan training a copy of the state
+        of its own (:meth:`~compfx.search.sampling.FairSampler.epochs_taking_turns`); None where those copies
+        may not fit the device's memory."""
+        if not self._copies_fit(len(plans) - 1):
+            return None
+        self._calibrated()
+        with plan_failures():
+            runners = [self.runner(plan) for plan in plans]
+            with self.clock.phase("samples"):
+                epochs = self.sampler.epochs_taking_turns(runners, warmup=self.warmup, switch=self._switch(plans))
+        self.stepped.update(plans)
+        charged = [each_batch(epoch, lambda: self.clock.phase("samples"), close_around=True) for epoch in epochs]
+        return [each_batch(epoch, plan_failures) for epoch in charged]  # each batch's failure is its own plan's
+
+    def _copies_fit(self, copies: int) -> bool:
+        """Do ``copies`` more copies of the training state fit the device, with room to spare? (Always, off CUDA.)"""
+        device = self.analysis.device
+        if device.type != "cuda" or copies <= 0:
+            return True
+        free, _ = torch.cuda.mem_get_info(device)
+        return copies * state_bytes(self.sampler.initial) <= free // 2
 
     def time_step(self, plan: Assignment, *, repeats: int | None = None, warmup: int | None = None) -> float:
         """Median seconds of ``repeats`` timed steps after ``warmup`` untimed ones (default: the evaluator's)."""

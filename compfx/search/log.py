@@ -504,9 +504,12 @@ class Replay:
         self._batches: dict[str, list[list[float]]] = {}
         self._duels: dict[tuple[str, ...], list[list[list[float]]]] = {}  # plans -> blocks of seconds per plan
         self._replayed_duels: set[tuple[str, ...]] = set()
+        self._duels_of_epochs: set[tuple[str, ...]] = set()  # logged duels whose rounds were Stage-1 epochs
         for record in records:
             duel = record.extra.get(DUEL) if not record.is_sample else None
-            if duel:
+            if duel and duel.get("of_epochs"):  # epochs taking turns are replayed as the epochs they were
+                self._duels_of_epochs.add((duel["incumbent"], duel["candidate"]))
+            elif duel:
                 rounds, seconds = int(duel["rounds"]), duel["seconds"]
                 blocks = self._duels.setdefault((duel["incumbent"], duel["candidate"]), [])
                 for start in range(0, len(seconds[0]), rounds):
@@ -563,6 +566,12 @@ class Replay:
             return None
         self._replayed_duels.add(key)
         return blocks.pop(0)
+
+    def serve_duels(self, plans) -> None:
+        """The duels of ``plans`` (in either order) are the logged ones: not logged again (epochs taking turns,
+        replayed, are their own duel)."""
+        names = tuple(map(str, plans))
+        self._replayed_duels.update(key for key in (names, names[::-1]) if key in self._duels_of_epochs)
 
     def check_loss(self, plan: Assignment) -> float:
         return float(self._take(Stage.CHECK, plan).loss)

@@ -69,7 +69,7 @@ from ..rng import cuda_devices  # re-exported: the search's callers read it here
 
 __all__ = ["split_batch", "move_batch", "model_loss", "check_loss", "check_first_batch", "cuda_devices", "seed_device",
            "call_quietly", "StateSnapshot", "snapshot_state", "restore_state", "FairSampler", "MAX_EPOCH_BATCHES",
-           "loader_batches", "from_loader", "epoch_limit", "read_steps", "CALIBRATION_STEPS"]
+           "loader_batches", "from_loader", "epoch_limit", "read_steps", "CALIBRATION_STEPS", "state_bytes"]
 
 #: At most this many steps find the loss scale (each skipped step halves it: 2**16 down to 2**-8).
 CALIBRATION_STEPS = 24
@@ -345,6 +345,18 @@ def snapshot_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = N
     return snapshot
 
 
+def state_bytes(snapshot: StateSnapshot) -> int:
+    """Bytes of the state a snapshot holds: parameters, buffers, gradients and the optimizer's tensors.
+
+    >>> import torch
+    >>> state_bytes(snapshot_state(torch.nn.Linear(2, 2)))  # 6 float32 values
+    24
+    """
+    tensors = [saved for _, saved in snapshot.tensors] + [grad for _, grad in snapshot.grads]
+    tensors += [value for _, saved in snapshot.optimizer_state if saved for _, value in saved.values()]
+    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
+
+
 @torch.no_grad()
 def restore_state(snapshot: StateSnapshot) -> None:
     """Copy the snapshot back into the same tensors it was taken from (bitwise)."""
@@ -527,13 +539,53 @@ class FairSampler:
                 record, seconds = timed(lambda: self.train_step(module, batch, scaler), device=self.device)
                 count += 1
                 yield read_steps([record])[0], seconds  # read after the step's timing: the device is idle
-            if self._bounded and count == self.epoch_batches and not self._warned_bound:
-                self._warned_bound = True
-                warnings.warn(f"the sample loader has no len() and yielded {count} batches; an epoch of the search "
-                              f"takes at most its first {MAX_EPOCH_BATCHES} (it may be endless). Pass a finite loader "
-                              "(a list, or itertools.islice of it) to choose the epoch yourself.", UserWarning,
-                              stacklevel=2)
+            self._note_bound(count)
             return snapshot_state(self.model, self.optimizer)
+
+    def _note_bound(self, count: int) -> None:
+        """Warn (once) when an epoch of ``count`` batches stopped at the bound of a loader without a length."""
+        if self._bounded and count == self.epoch_batches and not self._warned_bound:
+            self._warned_bound = True
+            warnings.warn(f"the sample loader has no len() and yielded {count} batches; an epoch of the search "
+                          f"takes at most its first {MAX_EPOCH_BATCHES} (it may be endless). Pass a finite loader "
+                          "(a list, or itertools.islice of it) to choose the epoch yourself.", UserWarning,
+                          stacklevel=3)
+
+    def epochs_taking_turns(self, modules: Sequence[nn.Module], *, warmup: int = 0,
+                            switch: Callable[[int], object] | None = None) -> list[Generator]:
+        """One :meth:`epoch` per module, their steps taking turns on the same batches; each module trains a copy of
+        the state of its own, from the initial state.
+
+        Each returned generator yields ``(loss, seconds)`` per batch and returns
+        its module's final state, as :meth:`epoch` does; advance them in turns
+        (the search runs them in the interleaved order,
+        :func:`compfx.measure.interleaved_order`). Before its step a module's
+        state (Parameters, buffers, gradients, optimizer state, RNG) is swapped
+        into the model, by reference, not copied. Closing one drops its copy;
+        once all are closed the model holds the initial state again. The state
+        copies cost one model's parameters, gradients, buffers and optimizer
+        state per module after the first. ``switch(j)`` runs before each step
+        of ``modules[j]`` (a model whose plan is switched in).
+
+        >>> import torch
+        >>> model = torch.nn.Linear(4, 1)
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> loader = [(torch.randn(8, 4), torch.randn(8, 1)) for _ in range(3)]
+        >>> mse = lambda out, batch: torch.nn.functional.mse_loss(out, batch[-1])
+        >>> sampler = FairSampler(model, opt, loader, mse, device="cpu", seed=0)
+        >>> alone = [loss for loss, _ in sampler.epoch(model)]
+        >>> a, b = sampler.epochs_taking_turns([model, model])
+        >>> turns = [(next(a)[0], next(b)[0]) for _ in range(3)]
+        >>> [x for x, _ in turns] == alone == [y for _, y in turns], sampler.initial.matches()
+        (True, False)
+        >>> a.close(); b.close(); sampler.initial.matches()
+        True
+        """
+        for j, module in enumerate(modules):
+            if switch is not None:
+                switch(j)
+            self.warm_up(module, warmup)
+        return _Turns(self, list(modules), switch).epochs()
 
     def ready(self, module: nn.Module, batch):
         """The batch on the device, with ``module`` specialised to its input signature: what a timed step excludes.
@@ -610,6 +662,135 @@ class FairSampler:
         if not losses:
             raise BadInputError("the sample loader yielded no batches; expected at least one")
         return sum(losses) / len(losses)
+
+
+class _Turns:
+    """The modules of :meth:`FairSampler.epochs_taking_turns`: the model holds the state of the module whose turn it
+    is; each other module's waits in a :class:`_Held` state, swapped in by reference when its turn comes."""
+
+    def __init__(self, sampler: FairSampler, modules: list[nn.Module], switch: Callable[[int], object] | None):
+        self.sampler, self.modules, self.switch = sampler, modules, switch
+        seed_device(sampler.seed, sampler.device)
+        for module in modules:
+            module.train()
+        self.loader = loader_batches(sampler.loader, sampler.epoch_batches)
+        self.fetched: list = []
+        self._fetch(0)  # a shuffling loader draws its order now, after seeding, as in an epoch alone
+        model, optimizer = sampler.model, sampler.optimizer
+        self.original = [t.data for t in _Held._live(model)]  # put back at the end: the user's own storage
+        self.live = 0
+        self.held = {j: _Held.copy_of(model, optimizer, sampler.device) for j in range(1, len(modules))}
+        self.scalers = [sampler._scaler() for _ in modules]
+        self.open = set(range(len(modules)))
+
+    def epochs(self) -> list[Generator]:
+        return [self._epoch(j) for j in range(len(self.modules))]
+
+    def _fetch(self, index: int):
+        """Batch ``index`` of the epoch (fetched once, for every module), or None past the epoch's end."""
+        while len(self.fetched) <= index:
+            batch = next(self.loader, None)
+            if batch is None:
+                return None
+            self.fetched.append(batch)
+        return self.fetched[index]
+
+    def _turn_of(self, j: int) -> None:
+        if j != self.live:
+            held = self.held.pop(j)
+            self.held[self.live] = held.swap(self.sampler.model, self.sampler.optimizer, self.sampler.device)
+            self.live = j
+        if self.switch is not None:
+            self.switch(j)
+
+    def _epoch(self, j: int):
+        sampler, module = self.sampler, self.modules[j]
+        try:
+            index = 0
+            while True:
+                self._turn_of(j)
+                batch = self._fetch(index)
+                if batch is None:
+                    break
+                batch = sampler.ready(module, batch)
+                record, seconds = timed(lambda: sampler.train_step(module, batch, self.scalers[j]),
+                                        device=sampler.device)
+                index += 1
+                yield read_steps([record])[0], seconds
+            if index == 0:
+                return None
+            sampler._note_bound(index)
+            return snapshot_state(sampler.model, sampler.optimizer)
+        finally:
+            self._close(j)
+
+    def _close(self, j: int) -> None:
+        self.open.discard(j)
+        self.held.pop(j, None)  # its copy of the state is dropped
+        if not self.open:
+            self.held.clear()
+            for tensor, original in zip(_Held._live(self.sampler.model), self.original):
+                tensor.data = original
+            self.sampler.restore()
+
+
+class _Held:
+    """A model's and optimizer's state held out of the model: the tensors themselves (no copies), and the RNG."""
+
+    def __init__(self, tensors: list, grads: list, optimizer_state: list, rng: list):
+        self.tensors, self.grads, self.optimizer_state, self.rng = tensors, grads, optimizer_state, rng
+
+    @staticmethod
+    def _live(model: nn.Module) -> list[torch.Tensor]:
+        return [*model.parameters(), *model.buffers()]
+
+    @staticmethod
+    def _params(optimizer) -> list[torch.Tensor]:
+        return [] if optimizer is None else [p for group in optimizer.param_groups for p in group["params"]]
+
+    @classmethod
+    def copy_of(cls, model: nn.Module, optimizer, device: torch.device) -> "_Held":
+        """A copy of the model's (and optimizer's) state as it is now."""
+        with torch.no_grad():
+            tensors = [t.detach().clone() for t in cls._live(model)]
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
+        optimizer_state = [None if not optimizer.state.get(p) else {k: _clone(v) for k, v in optimizer.state[p].items()}
+                           for p in cls._params(optimizer)]
+        return cls(tensors, grads, optimizer_state, _rng_states(device))
+
+    def swap(self, model: nn.Module, optimizer, device: torch.device) -> "_Held":
+        """Put this state into the model (by reference); return the state the model held, as a :class:`_Held`."""
+        live = self._live(model)
+        out_tensors = [t.data for t in live]
+        out_grads = [p.grad for p in model.parameters()]
+        params = self._params(optimizer)
+        out_state = [optimizer.state.get(p) or None for p in params]
+        out_rng = _rng_states(device)
+        for tensor, held in zip(live, self.tensors):
+            tensor.data = held
+        for param, grad in zip(model.parameters(), self.grads):
+            param.grad = grad
+        for param, state in zip(params, self.optimizer_state):
+            if state is None:
+                optimizer.state.pop(param, None)
+            else:
+                optimizer.state[param] = state
+        _set_rng_states(device, self.rng)
+        return _Held(out_tensors, out_grads, out_state, out_rng)
+
+
+def _rng_states(device: torch.device) -> list[torch.Tensor]:
+    """The states of the generators a training step on ``device`` draws from (see :func:`seed_device`)."""
+    states = [torch.random.default_generator.get_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def _set_rng_states(device: torch.device, states: list[torch.Tensor]) -> None:
+    torch.random.default_generator.set_state(states[0])
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(states[1], device)
 
 
 def read_steps(records) -> list[float]:

@@ -26,7 +26,7 @@ from ..measure import PhaseClock, describe_fp32_math, fp32_math
 from ..memory import saved_activation_bytes
 from ..per_module import is_regions_analysis
 from ..vocabulary import Stage
-from .compare import IN_THE_FIRST_DUEL, StepComparison
+from .compare import IN_THE_FIRST_DUEL, IN_THE_FIRST_EPOCHS, StepComparison
 from .config import SearchConfig
 from .driver import SINGLE_PROCESS, Recorder, compare_steps, comparison_of, run_search
 from .evaluator import LocalEvaluator, ReplayingEvaluator, measured_time
@@ -210,7 +210,8 @@ class SearchSession:
     def _first_duel_comparison(self, decision, padding) -> StepComparison | None:
         """The step comparison read off Stage 1's duel of FP32's and AMP's plans, when the chosen plan is one of
         them (unpadded): that duel was the phase :meth:`_compare_steps` would run -- the plans taking turns on the
-        same batches, warm, each having trained an epoch first -- so it is not run again. None otherwise."""
+        same batches, warm -- so it is not run again. The duel is their first epochs, where those took turns, or
+        one after them. None otherwise."""
         fp32, amp, chosen = self.space.fp32_plan, self.space.amp_plan, decision.plan
         if padding.kept or chosen not in (fp32, amp) or self.strategy is not SINGLE_PROCESS:
             return None
@@ -220,7 +221,9 @@ class SearchSession:
                 with self.clock.phase("step comparison"):
                     return comparison_of(dict(zip((incumbent, challenger), verdict.seconds)), self.local.saved_bytes,
                                          {"fp32": fp32, "amp": amp, "chosen": chosen}, self.log,
-                                         confidence=self.config.confidence, phase=IN_THE_FIRST_DUEL)
+                                         confidence=self.config.confidence,
+                                         phase=IN_THE_FIRST_EPOCHS if decision.stage1.first_epochs_in_turns
+                                         else IN_THE_FIRST_DUEL)
         return None
 
     def _note_fp32_math(self) -> None:

@@ -31,11 +31,12 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import product
 from typing import Callable, Sequence
 
 from ..errors import BadInputError, PlanFailedError, SearchError
+from ..measure import interleaved_order
 from ..plan import AMP_PRECISION, Assignment
 from ..vocabulary import Category, Precision, SampleStatus, Stage
 from .compare import Comparison, DecisionRule, Verdict, duel, log_duel
@@ -343,7 +344,12 @@ class _Stage1:
 
     def baseline(self, plan: Assignment) -> Outcome:
         self.saved_bytes(plan)
-        outcome = self.sample(plan)
+        return self._settle_baseline(self.sample(plan))
+
+    def _settle_baseline(self, outcome: Outcome) -> Outcome:
+        """The FP32 baseline's epoch, run: loss_0 and the incumbent until AMP's plan is measured; a failed one
+        stops the search."""
+        plan = outcome.plan
         if outcome.status is SampleStatus.ERROR or outcome.loss is None or not math.isfinite(outcome.loss):
             self.report(outcome.record(Stage.STAGE1))
             raise SearchError(
@@ -360,6 +366,136 @@ class _Stage1:
         self.programs.earlier_twin(plan)  # the baseline's program is the first recorded
         self.report(outcome.record(Stage.STAGE1))
         return outcome
+
+    def first_epochs_in_turns(self, fp32: Assignment, amp: Assignment) -> bool:
+        """FP32's baseline and AMP's plan (the first incumbent) in one phase; False, having run nothing, where they
+        cannot be (then :meth:`baseline` and :meth:`first_incumbent` run them one after the other).
+
+        Their epochs take turns on the same batches, each plan training a copy
+        of the state of its own (``evaluator.run_epochs_taking_turns``), so
+        their batches are paired, interleaved timings: the duel of the two. FP32's
+        plan replaces AMP's only under the rule, on those pairs. AMP's epoch stops
+        early once a block of ``rule.rounds`` pairs decides that FP32's plan
+        replaces it (as a duel of blocks would); a non-finite loss stops it too.
+        Not where the evaluator cannot run epochs in turns (or a second copy of
+        the state may not fit), the rule takes no duels, AMP's plan runs FP32's
+        program, or either is over the memory budget.
+        """
+        turns = getattr(self.evaluator, "run_epochs_taking_turns", None)
+        if turns is None or amp == fp32 or not self.rule.rounds or amp in self.seen:
+            return False
+        try:
+            if (self.over_budget(fp32) or self.over_budget(amp)
+                    or self.programs.program(amp) == self.programs.program(fp32)):
+                return False
+            epochs = turns([fp32, amp])
+        except PlanFailedError:  # AMP's plan does not build: one after the other, where its failure is recorded
+            return False
+        if epochs is None:
+            return False
+        base, first = Outcome(fp32, SampleStatus.REJECTED), Outcome(amp, SampleStatus.REJECTED)
+        for outcome in (base, first):
+            nbytes = self._bytes.get(outcome.plan)
+            if nbytes is not None:
+                outcome.extra[SAVED_BYTES] = nbytes
+        saves_less = self.saves_less(fp32, amp)
+        try:
+            verdict = self._run_in_turns(epochs, base, first, saves_less)
+        finally:
+            for epoch in epochs:
+                epoch.close()
+        self.seen.update((fp32, amp))
+        self.programs.earlier_twin(fp32)
+        self.programs.earlier_twin(amp)
+        self._settle_baseline(base)
+        self._settle_first_in_turns(first, verdict)
+        if verdict is not None:
+            log_duel(self.report, Stage.STAGE1, verdict, amp, fp32, len(verdict.seconds[0]), of_epochs=True)
+            self.duels.append((amp, fp32, verdict))
+        return True
+
+    def _run_in_turns(self, epochs, base: Outcome, first: Outcome, saves_less: bool) -> Verdict | None:
+        """Advance the two epochs in turns to their ends; the verdict of FP32's plan against AMP's on their pairs."""
+        outcomes, running = (base, first), [True, True]
+        verdict = None
+        round_index = 0
+        while any(running):
+            for j in interleaved_order(2, round_index):
+                if running[j]:
+                    running[j] = self._turn(epochs[j], outcomes[j], stops_search=j == 0)
+            round_index += 1
+            pairs = min(base.batches, first.batches)
+            if running[1] and pairs and pairs % self.rule.rounds == 0:
+                verdict = self._verdict_in_turns(base, first, saves_less)
+                if verdict.replaces and self.rule.decided(verdict):  # FP32's plan has won: AMP's epoch stops
+                    first.status = SampleStatus.PRUNED
+                    first.reason = (f"FP32's plan is faster by more than the margin after {pairs} of its batches, "
+                                    "the plans taking turns")
+                    running[1] = False
+                    epochs[1].close()
+            if not running[0] and base.status is not SampleStatus.REJECTED:  # the baseline failed: nothing to judge
+                return None
+        if first.batches and first.status is SampleStatus.REJECTED:
+            verdict = self._verdict_in_turns(base, first, saves_less)
+        return verdict
+
+    def _turn(self, epoch, outcome: Outcome, *, stops_search: bool) -> bool:
+        """One batch of ``outcome``'s epoch; False when its epoch ended (finished, failed, or pruned)."""
+        start = time.perf_counter()
+        try:
+            loss, seconds = next(epoch)
+        except StopIteration as stop:
+            outcome.artifact = stop.value
+            if outcome.batches == 0:
+                raise SearchError("the sample loader yielded no batches; Stage 1 needs at least one batch per epoch")
+            outcome.loss = sum(outcome.batch_losses) / outcome.batches
+            outcome.cost = self.cost(outcome.plan, outcome.seconds)
+            return False
+        except PlanFailedError as error:
+            outcome.status, outcome.reason = SampleStatus.ERROR, failure_reason(error)
+            return False
+        finally:
+            outcome.duration += time.perf_counter() - start
+        outcome.batch_losses.append(float(loss))
+        outcome.batch_seconds.append(float(seconds))
+        outcome.batches += 1
+        outcome.seconds += seconds
+        if (self.prune or stops_search) and not math.isfinite(loss):
+            outcome.status, outcome.loss = SampleStatus.PRUNED, float(loss)
+            outcome.reason = f"loss became {loss} at batch {outcome.batches}; the epoch mean cannot be finite"
+            return False
+        return True
+
+    def _verdict_in_turns(self, base: Outcome, first: Outcome, saves_less: bool) -> Verdict:
+        """The rule's verdict of FP32's plan (the candidate) against AMP's on the batches both have run."""
+        pairs = min(base.batches, first.batches)
+        amp_seconds, fp32_seconds = first.batch_seconds[:pairs], base.batch_seconds[:pairs]
+        comparison = Comparison.of([self.cost(first.plan, s) for s in amp_seconds],
+                                   [self.cost(base.plan, s) for s in fp32_seconds])
+        verdict = self.rule.verdict(comparison, saves_less=saves_less)
+        return replace(verdict, seconds=(tuple(amp_seconds), tuple(fp32_seconds)))
+
+    def _settle_first_in_turns(self, outcome: Outcome, verdict: Verdict | None) -> None:
+        """AMP's epoch, run in turns with FP32's: the incumbent when its loss holds and FP32's plan did not win."""
+        self._predicted_extra(outcome)
+        if outcome.status is SampleStatus.PRUNED and outcome.loss is None:  # FP32's plan won on the pairs
+            outcome.reason = f"AMP's plan, the first incumbent: {outcome.reason}"
+            self._record(outcome)
+            return
+        if outcome.status is not SampleStatus.REJECTED:  # failed, or a non-finite loss
+            outcome.reason = "AMP's plan: " + outcome.reason
+            self._record(outcome)
+            return
+        if not is_accepted(outcome.loss, self.loss0, self.threshold):
+            outcome.reason = "AMP's plan: " + self._loss_reason(outcome)
+        elif verdict is not None and verdict.replaces:
+            outcome.status = SampleStatus.ACCEPTED
+            outcome.reason = "AMP's plan, the first incumbent: FP32's plan is faster by more than the margin"
+        else:
+            outcome.status = SampleStatus.ACCEPTED
+            outcome.reason = "AMP's plan: the incumbent"
+            self._promote(outcome)
+        self._record(outcome)
 
     def first_incumbent(self, amp: Assignment) -> None:
         """AMP's plan, the first incumbent: it stays unless FP32's plan beats it under the rule.
@@ -642,6 +778,8 @@ class Stage1Result:
     mode: str
     #: each duel Stage 1 ran: (incumbent's plan, challenger's plan, verdict with the seconds of every round)
     duels: list[tuple[Assignment, Assignment, Verdict]] = field(default_factory=list)
+    #: FP32's and AMP's epochs took turns on the same batches (their pairs were their duel)
+    first_epochs_in_turns: bool = False
 
     @property
     def loss0(self) -> float:
@@ -700,9 +838,11 @@ def run_stage1(space: SearchSpace, evaluator, *, threshold: float = 1.01, budget
                           "5% over the best) or None")
     search = _Stage1(evaluator, threshold, prune, report, predict, margin, bound, early_stop, rule, memory_budget,
                      bound_against, price_version)
-    search.baseline(space.fp32_plan)
     amp = stage1_plan(space, {})  # AMP's plan: Tensor-Core ops low, lists as autocast has them, the rest follow
-    search.first_incumbent(amp)
+    in_turns = search.first_epochs_in_turns(space.fp32_plan, amp)
+    if not in_turns:
+        search.baseline(space.fp32_plan)
+        search.first_incumbent(amp)
     mode = stage1_plan_space(space, budget)
     if mode == "exhaustive":
         _enumerate(search, stage1_candidates(space))
@@ -714,7 +854,7 @@ def run_stage1(space: SearchSpace, evaluator, *, threshold: float = 1.01, budget
         raise SearchError(f"no plan fits memory_budget={memory_budget} (activation bytes saved for backward): "
                           f"FP32's saves {search.saved_bytes(space.fp32_plan)}, AMP's {search.saved_bytes(amp)}. "
                           "Raise the budget, or train with smaller batches.")
-    return Stage1Result(search.best, search.samples[0], search.samples, mode, search.duels)
+    return Stage1Result(search.best, search.baseline_outcome, search.samples, mode, search.duels, in_turns)
 
 
 def _enumerate(search: _Stage1, candidates: Sequence[Assignment]) -> bool:
