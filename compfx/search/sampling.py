@@ -560,8 +560,9 @@ class FairSampler:
         its module's final state, as :meth:`epoch` does; advance them in turns
         (the search runs them in the interleaved order,
         :func:`compfx.measure.interleaved_order`). Before its step a module's
-        state (Parameters, buffers, gradients, optimizer state, RNG) is swapped
-        into the model, by reference, not copied. Closing one drops its copy;
+        state (Parameters, buffers, gradients, optimizer state, RNG) is copied
+        into the model's own tensors, the other's copied out (untimed), so each
+        step runs on the memory an epoch alone uses. Closing one drops its copy;
         once all are closed the model holds the initial state again. The state
         copies cost one model's parameters, gradients, buffers and optimizer
         state per module after the first. ``switch(j)`` runs before each step
@@ -677,7 +678,6 @@ class _Turns:
         self.fetched: list = []
         self._fetch(0)  # a shuffling loader draws its order now, after seeding, as in an epoch alone
         model, optimizer = sampler.model, sampler.optimizer
-        self.original = [t.data for t in _Held._live(model)]  # put back at the end: the user's own storage
         self.live = 0
         self.held = {j: _Held.copy_of(model, optimizer, sampler.device) for j in range(1, len(modules))}
         self.scalers = [sampler._scaler() for _ in modules]
@@ -698,7 +698,8 @@ class _Turns:
     def _turn_of(self, j: int) -> None:
         if j != self.live:
             held = self.held.pop(j)
-            self.held[self.live] = held.swap(self.sampler.model, self.sampler.optimizer, self.sampler.device)
+            held.exchange(self.sampler.model, self.sampler.optimizer, self.sampler.device)
+            self.held[self.live] = held
             self.live = j
         if self.switch is not None:
             self.switch(j)
@@ -729,13 +730,16 @@ class _Turns:
         self.held.pop(j, None)  # its copy of the state is dropped
         if not self.open:
             self.held.clear()
-            for tensor, original in zip(_Held._live(self.sampler.model), self.original):
-                tensor.data = original
             self.sampler.restore()
 
 
 class _Held:
-    """A model's and optimizer's state held out of the model: the tensors themselves (no copies), and the RNG."""
+    """A model's and optimizer's state held out of the model, and the RNG's, exchanged with the model's in place.
+
+    Values are copied, not the model's tensors replaced: each plan's step then runs on the same memory as an epoch
+    alone does (warm in the caches as it would be), and the user's Parameters, buffers and optimizer state keep
+    their own storage throughout.
+    """
 
     def __init__(self, tensors: list, grads: list, optimizer_state: list, rng: list):
         self.tensors, self.grads, self.optimizer_state, self.rng = tensors, grads, optimizer_state, rng
@@ -758,25 +762,46 @@ class _Held:
                            for p in cls._params(optimizer)]
         return cls(tensors, grads, optimizer_state, _rng_states(device))
 
-    def swap(self, model: nn.Module, optimizer, device: torch.device) -> "_Held":
-        """Put this state into the model (by reference); return the state the model held, as a :class:`_Held`."""
-        live = self._live(model)
-        out_tensors = [t.data for t in live]
-        out_grads = [p.grad for p in model.parameters()]
-        params = self._params(optimizer)
-        out_state = [optimizer.state.get(p) or None for p in params]
-        out_rng = _rng_states(device)
-        for tensor, held in zip(live, self.tensors):
-            tensor.data = held
-        for param, grad in zip(model.parameters(), self.grads):
-            param.grad = grad
-        for param, state in zip(params, self.optimizer_state):
-            if state is None:
+    @torch.no_grad()
+    def exchange(self, model: nn.Module, optimizer, device: torch.device) -> None:
+        """Put this state into the model, and hold the state the model had instead."""
+        for tensor, held in zip(self._live(model), self.tensors):
+            _exchange_values(tensor, held)
+        for i, param in enumerate(model.parameters()):
+            param.grad, self.grads[i] = self.grads[i], param.grad  # set anew by every step: no copy needed
+        for i, param in enumerate(self._params(optimizer)):
+            live, held = optimizer.state.get(param) or None, self.optimizer_state[i]
+            if live is not None and held is not None and _same_layout(live, held):
+                for key in live:
+                    if isinstance(live[key], torch.Tensor):
+                        _exchange_values(live[key], held[key])
+                    else:
+                        live[key], held[key] = held[key], live[key]
+                continue
+            # one of them has no state yet (the optimizer creates it at its first step): the dicts change places
+            if held is None:
                 optimizer.state.pop(param, None)
             else:
-                optimizer.state[param] = state
+                optimizer.state[param] = held
+            self.optimizer_state[i] = live
+        rng = _rng_states(device)
         _set_rng_states(device, self.rng)
-        return _Held(out_tensors, out_grads, out_state, out_rng)
+        self.rng = rng
+
+
+def _exchange_values(live: torch.Tensor, held: torch.Tensor) -> None:
+    kept = live.detach().clone()
+    live.copy_(held)
+    held.copy_(kept)
+
+
+def _same_layout(a: dict, b: dict) -> bool:
+    """Do two optimizer states hold the same keys, with tensors of the same shape and dtype?"""
+    if a.keys() != b.keys():
+        return False
+    return all(isinstance(a[k], torch.Tensor) == isinstance(b[k], torch.Tensor)
+               and (not isinstance(a[k], torch.Tensor) or (a[k].shape == b[k].shape and a[k].dtype == b[k].dtype))
+               for k in a)
 
 
 def _rng_states(device: torch.device) -> list[torch.Tensor]:
