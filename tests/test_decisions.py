@@ -456,6 +456,30 @@ def test_fp32s_plan_faster_by_the_margin_on_the_pairs_wins_and_amps_epoch_stops_
     assert duel["replaces"] and len(duel["seconds"][0]) == 7
 
 
+def test_candidates_are_screened_against_the_incumbents_epoch_alone_not_its_epoch_in_turns():
+    # steps taking turns run 5% slower than in an epoch alone (caches); a candidate 1% faster than AMP's plan, alone,
+    # is a near tie. Against AMP's epoch in turns it would pass the screen by 6% and cost a duel; the incumbent's
+    # epoch runs again alone before the first candidate's, and the screen holds the candidate back
+    def true(code):
+        return 0.99 if code == FASTER else 1.0
+
+    rng, duel_steps = random.Random(0), []
+
+    def epoch(plan, slower=1.0):
+        for _ in range(BATCHES):
+            yield 1.0, true(str(plan)) * slower * (1.0 + rng.uniform(-0.002, 0.002))
+
+    evaluator = FunctionEvaluator(
+        run_epoch=epoch, time_step=lambda plan: duel_steps.append(plan) or true(str(plan)),
+        run_epochs_taking_turns=lambda plans: [epoch(plan, slower=1.05) for plan in plans])
+    log = SearchLog()
+    result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+    assert str(result.best.plan) == AMP and result.first_epochs_in_turns
+    again = [r for r in log.samples() if r.plan == AMP and r.reason.startswith("the incumbent, its epoch again")]
+    assert len(again) == 1 and again[0].cost < 0.97 * 1.05 * BATCHES  # alone: its epoch without the 5%
+    assert not duel_steps  # no candidate got past the screen: no duel was timed
+
+
 def test_without_turns_fp32s_and_amps_epochs_run_one_after_the_other():
     # an evaluator that cannot run epochs in turns (the distributed one, or copies that may not fit): as before
     evaluator, counts = _taking_turns(lambda code: 1.0, uniform(0.0), 0)

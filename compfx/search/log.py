@@ -492,15 +492,16 @@ class Replay:
 
     def __init__(self, records=()):
         records = list(records)
-        self.logged: dict[tuple[Stage, str], SampleRecord] = {}
+        #: per (stage, plan), its logged samples in order (a Stage-1 plan may be sampled twice: the incumbent)
+        self.logged: dict[tuple[Stage, str], list[SampleRecord]] = {}
         self.skipped: set[tuple[Stage, str]] = set()  # never run (the cost model skipped them): nothing to replay
         for record in records:
             key = (record.stage, record.plan)
             if record.status is SampleStatus.SKIPPED:
                 self.skipped.add(key)
             elif record.is_sample and record.stage in _REPLAYED_STAGES:
-                self.logged[key] = record
-        self.replayed: set[tuple[Stage, str]] = set()
+                self.logged.setdefault(key, []).append(record)
+        self.replayed: dict[tuple[Stage, str], int] = {}  # records served from the log, not yet annotated
         self._batches: dict[str, list[list[float]]] = {}
         self._duels: dict[tuple[str, ...], list[list[list[float]]]] = {}  # plans -> blocks of seconds per plan
         self._replayed_duels: set[tuple[str, ...]] = set()
@@ -519,9 +520,11 @@ class Replay:
         return (stage, str(plan)) in self.logged
 
     def _take(self, stage: Stage, plan: Assignment) -> SampleRecord:
+        """The plan's next logged sample (its last one, again, once each was served)."""
         key = (stage, str(plan))
-        self.replayed.add(key)
-        record = self.logged[key]
+        self.replayed[key] = self.replayed.get(key, 0) + 1
+        records = self.logged[key]
+        record = records.pop(0) if len(records) > 1 else records[0]
         if record.status is SampleStatus.ERROR:
             raise SearchReplayError(f"(replayed from the log) {record.reason}")
         return record
@@ -579,7 +582,10 @@ class Replay:
     def annotate(self, record: SampleRecord) -> SampleRecord | None:
         """The record to log: None when it was replayed (already in the log), with per-batch data for Stage 1."""
         key = (record.stage, record.plan)
-        if key in self.replayed or (record.status is SampleStatus.SKIPPED and key in self.skipped):
+        if self.replayed.get(key):
+            self.replayed[key] -= 1  # this record came from the log: it is there already
+            return None
+        if record.status is SampleStatus.SKIPPED and key in self.skipped:
             return None
         duel = record.extra.get(DUEL) if not record.is_sample else None
         if duel and (duel["incumbent"], duel["candidate"]) in self._replayed_duels:

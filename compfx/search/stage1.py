@@ -200,6 +200,7 @@ class _Stage1:
         self.duels: list[tuple[Assignment, Assignment, Verdict]] = []  # (incumbent, challenger, verdict), in order
         self.loss0: float | None = None
         self._bytes: dict[Assignment, int | None] = {}
+        self._incumbent_in_turns = False  # the incumbent's epoch took turns with another's: see _incumbent_alone
 
     def cost(self, plan: Assignment, seconds: float) -> float:
         return checked_cost(self.evaluator, plan, seconds)
@@ -409,10 +410,39 @@ class _Stage1:
         self.programs.earlier_twin(amp)
         self._settle_baseline(base)
         self._settle_first_in_turns(first, verdict)
+        self._incumbent_in_turns = True
         if verdict is not None:
             log_duel(self.report, Stage.STAGE1, verdict, amp, fp32, len(verdict.seconds[0]), of_epochs=True)
             self.duels.append((amp, fp32, verdict))
         return True
+
+    def _incumbent_alone(self) -> None:
+        """Before the first candidate's epoch after FP32's and AMP's took turns: the incumbent's epoch once more,
+        alone, which the candidates' epochs (run alone) are then compared with.
+
+        A step taking turns with another plan's runs a few percent slower than
+        one in an epoch alone (caches, the other program's kernels): about the
+        margin, on a small model. Compared with the incumbent's epoch in turns, a
+        candidate's epoch alone would pass the screen and escape the pruning bar
+        by that much, and costs duels and whole epochs that cannot win. The
+        epoch runs only when a candidate does (a search the profiles stop at once
+        pays nothing), and is logged as the incumbent's sample, again.
+        """
+        best = self.best
+        if not self._incumbent_in_turns or best is None:
+            return
+        self._incumbent_in_turns = False
+        alone = self.sample(best.plan)
+        if alone.status is not SampleStatus.REJECTED or alone.loss is None:  # failed alone: the figures in turns stand
+            note(self.report, Stage.STAGE1, f"the incumbent {best.plan}'s epoch alone did not finish "
+                 f"({alone.reason}); candidates are compared with its epoch in turns", plan=str(best.plan))
+            return
+        in_turns = best.cost
+        best.batch_seconds, best.seconds, best.cost = alone.batch_seconds, alone.seconds, alone.cost
+        alone.status, alone.artifact = SampleStatus.ACCEPTED, None
+        alone.reason = (f"the incumbent, its epoch again, alone: cost {alone.cost:.6g} ({in_turns:.6g} taking turns "
+                        "with FP32's or AMP's); the candidates' epochs, run alone, are compared with this one")
+        self.report(alone.record(Stage.STAGE1))
 
     def _run_in_turns(self, epochs, base: Outcome, first: Outcome, saves_less: bool) -> Verdict | None:
         """Advance the two epochs in turns to their ends; the verdict of FP32's plan against AMP's on their pairs."""
@@ -749,6 +779,7 @@ class _Stage1:
         if over:
             self._record(Outcome(plan, SampleStatus.REJECTED, reason=over, extra={SAVED_BYTES: self.saved_bytes(plan)}))
             return False
+        self._incumbent_alone()
         incumbent = self.best
         outcome = self.sample(plan, self.bar(plan))
         self._predicted_extra(outcome)
