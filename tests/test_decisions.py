@@ -346,9 +346,13 @@ def test_the_report_from_the_log_is_the_report_and_quotes_one_interleaved_compar
                              log=path, config=SearchConfig(progress=False, rounds=7, cache_plan=False))
     comparison = result.step_comparison
     assert set(comparison.seconds) == {"fp32", "amp", "chosen"}
-    # one phase, every plan every round: 7 rounds, or the 7, 14 or 21 pairs of Stage 1's FP32-vs-AMP duel
+    # one phase, every plan every round: 7 rounds, or Stage 1's FP32-vs-AMP duel: its epochs' pairs, taking turns,
+    # and the blocks of 7 pairs after them while it was undecided
+    from compfx.search.compare import IN_THE_FIRST_EPOCHS
+
     counts = {len(rounds) for rounds in comparison.seconds.values()}
-    assert len(counts) == 1 and min(counts) >= 7 and min(counts) % 7 == 0
+    assert len(counts) == 1 and min(counts) >= 7
+    assert comparison.phase == IN_THE_FIRST_EPOCHS or min(counts) % 7 == 0
     assert result.step_seconds == {name: comparison.median(name) for name in comparison.seconds}
     x = loader[0][0]
     assert comparison.saved_bytes["fp32"] == compfx.saved_activation_bytes(
@@ -438,9 +442,11 @@ def test_fp32s_and_amps_epochs_taking_turns_are_their_duel_and_a_near_tie_keeps_
         log = SearchLog()
         result = run_stage1(ONE_OP, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
         assert str(result.best.plan) == "0" and result.first_epochs_in_turns
-        assert counts["steps"] == 0 and counts["batches"] == {"1": 14, "0": 14}  # no steps besides the epochs
+        assert counts["batches"] == {"1": 14, "0": 14}
         (duel,) = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra]
-        assert duel["of_epochs"] and not duel["replaces"] and len(duel["seconds"][0]) == 14
+        assert duel["epoch_pairs"] == 14 and not duel["replaces"]
+        # steps besides the epochs only in blocks of 7 pairs, where the epochs' pairs left the duel undecided
+        assert counts["steps"] == 2 * (len(duel["seconds"][0]) - 14) and counts["steps"] % 14 == 0
         assert [r.plan for r in log.samples()] == ["1", "0"]  # FP32's record first: loss_0
 
 
@@ -478,6 +484,29 @@ def test_candidates_are_screened_against_the_incumbents_epoch_alone_not_its_epoc
     again = [r for r in log.samples() if r.plan == AMP and r.reason.startswith("the incumbent, its epoch again")]
     assert len(again) == 1 and again[0].cost < 0.97 * 1.05 * BATCHES  # alone: its epoch without the 5%
     assert not duel_steps  # no candidate got past the screen: no duel was timed
+
+
+def test_an_undecided_duel_of_the_epochs_in_turns_takes_more_blocks_as_any_duel_does():
+    # FP32's plan 10% faster in most pairs of the epochs, slower in a few: the median is past the bar, the interval
+    # is not; like any duel, blocks of `rounds` pairs more are timed until it is decided (at most three blocks' worth)
+    fp32_epoch = iter([0.9, 1.1, 0.9, 1.1, 0.9, 0.9, 1.1, 0.9, 0.9])
+    steps = []
+
+    def run_epoch(plan):
+        for _ in range(9):
+            yield 1.0, next(fp32_epoch) if str(plan) == "1" else 1.0
+
+    def time_step(plan):
+        steps.append(str(plan))
+        return 0.9 if str(plan) == "1" else 1.0
+
+    evaluator = FunctionEvaluator(run_epoch=run_epoch, time_step=time_step,
+                                  run_epochs_taking_turns=lambda plans: [run_epoch(plan) for plan in plans])
+    log = SearchLog()
+    result = run_stage1(ONE_OP, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+    (duel,) = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra]
+    assert duel["epoch_pairs"] == 9 and len(steps) == 2 * (len(duel["seconds"][0]) - 9) > 0
+    assert duel["replaces"] and str(result.best.plan) == "1"  # the blocks showed FP32's plan confidently faster
 
 
 def test_without_turns_fp32s_and_amps_epochs_run_one_after_the_other():

@@ -57,10 +57,11 @@ def state(model):
 
 def loss_calls(record) -> int:
     """``loss_fn`` calls the search made for one logged record (``warmup=0``, ``repeats=1``, one check batch): a
-    sample's, or a duel's (two plans, one step each per round; none when its rounds were the two plans' epochs,
+    sample's, or a duel's (two plans, one step each per round; none for the rounds that were the two plans' epochs,
     taking turns)."""
     if DUEL in record.extra:
-        return 0 if record.extra[DUEL].get("of_epochs") else 2 * len(record.extra[DUEL]["seconds"][0])
+        duel = record.extra[DUEL]
+        return 2 * (len(duel["seconds"][0]) - duel.get("epoch_pairs", 0))
     return record.batches if record.stage is Stage.STAGE1 else 1
 
 

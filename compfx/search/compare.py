@@ -221,16 +221,16 @@ def duel(evaluator, rule: DecisionRule, incumbent, candidate, *, saves_less: boo
     return replace(verdict, seconds=tuple(map(tuple, measured)))
 
 
-def log_duel(report, stage, verdict: Verdict, incumbent, candidate, rounds: int, *, of_epochs: bool = False) -> None:
+def log_duel(report, stage, verdict: Verdict, incumbent, candidate, rounds: int, *, epoch_pairs: int = 0) -> None:
     """Log a duel as a note: its verdict and the seconds of every round (a resumed search replays them).
 
-    ``of_epochs``: its rounds were the two plans' Stage-1 epochs, taking turns (no steps of its own; a resumed
-    search replays the epochs)."""
-    words = "their epochs taking turns: " if of_epochs else ""
-    note(report, stage, f"duel {candidate} vs incumbent {incumbent}, {words}{verdict.reason}",
+    ``epoch_pairs``: its first pairs were the two plans' Stage-1 epochs, taking turns (a resumed search replays
+    the epochs; the blocks of ``rounds`` pairs after them, timed for the duel, it replays from here)."""
+    words = f"their epochs taking turns ({epoch_pairs} pairs), " if epoch_pairs else ""
+    note(report, stage, f"duel {candidate} vs incumbent {incumbent}: {words}{verdict.reason}",
          **{DUEL: {"incumbent": str(incumbent), "candidate": str(candidate), "rounds": rounds,
                    "seconds": [list(row) for row in verdict.seconds], **verdict.to_dict(),
-                   **({"of_epochs": True} if of_epochs else {})}})
+                   **({"epoch_pairs": epoch_pairs} if epoch_pairs else {})}})
 
 
 @dataclass(frozen=True)

@@ -508,23 +508,25 @@ class Replay:
         self._duels_of_epochs: set[tuple[str, ...]] = set()  # logged duels whose rounds were Stage-1 epochs
         for record in records:
             duel = record.extra.get(DUEL) if not record.is_sample else None
-            if duel and duel.get("of_epochs"):  # epochs taking turns are replayed as the epochs they were
-                self._duels_of_epochs.add((duel["incumbent"], duel["candidate"]))
-            elif duel:
+            if duel:
                 rounds, seconds = int(duel["rounds"]), duel["seconds"]
+                epoch_pairs = int(duel.get("epoch_pairs", 0))  # epochs taking turns: replayed as those epochs
+                if epoch_pairs:
+                    self._duels_of_epochs.add((duel["incumbent"], duel["candidate"]))
                 blocks = self._duels.setdefault((duel["incumbent"], duel["candidate"]), [])
-                for start in range(0, len(seconds[0]), rounds):
+                for start in range(epoch_pairs, len(seconds[0]), rounds):
                     blocks.append([[float(s) for s in row[start:start + rounds]] for row in seconds])
 
     def has(self, stage: Stage, plan: Assignment) -> bool:
-        return (stage, str(plan)) in self.logged
+        """Does the log hold the plan's next sample of ``stage``? A Stage-1 epoch is served once per logged sample
+        (a plan sampled twice, the incumbent, has two); a timing or a loss check as often as it is asked for."""
+        return bool(self.logged.get((stage, str(plan))))
 
     def _take(self, stage: Stage, plan: Assignment) -> SampleRecord:
-        """The plan's next logged sample (its last one, again, once each was served)."""
         key = (stage, str(plan))
         self.replayed[key] = self.replayed.get(key, 0) + 1
         records = self.logged[key]
-        record = records.pop(0) if len(records) > 1 else records[0]
+        record = records.pop(0) if stage is Stage.STAGE1 or len(records) > 1 else records[0]
         if record.status is SampleStatus.ERROR:
             raise SearchReplayError(f"(replayed from the log) {record.reason}")
         return record
