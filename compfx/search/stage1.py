@@ -1,6 +1,8 @@
 """CoMP Stage 1 (Algorithm 1): one epoch per plan of the Stage-1 ops, kept only if its loss tracks FP32's.
 
-An FP32 epoch gives ``loss_0`` (and is the fallback plan). Tensor-Core-eligible
+An FP32 epoch gives ``loss_0`` (and is the fallback plan); it and AMP's epoch take
+turns on the same batches where the evaluator can run them so (their pairs are
+their duel: :meth:`_Stage1.first_epochs_in_turns`). Tensor-Core-eligible
 whitelist ops are fixed to low and "other" ops to follow; the adjustable ops
 (blacklist, and whitelist without Tensor Cores) are tried at both precisions.
 With FP8 in the space (``SearchConfig(fp8=True)``), an op that can run FP8 also
@@ -406,7 +408,8 @@ class _Stage1:
             for epoch in epochs:
                 epoch.close()
         pairs = 0 if verdict is None else len(verdict.seconds[0])
-        if verdict is not None and first.status is SampleStatus.REJECTED:
+        if (verdict is not None and first.status is SampleStatus.REJECTED and base.loss is not None
+                and is_accepted(first.loss, base.loss, self.threshold)):  # a plan the guard rejects needs no duel
             verdict = self._more_blocks(verdict, amp, fp32, saves_less)
         self.seen.update((fp32, amp))
         self.programs.earlier_twin(fp32)
