@@ -444,9 +444,9 @@ def test_fp32s_and_amps_epochs_taking_turns_are_their_duel_and_a_near_tie_keeps_
         assert str(result.best.plan) == "0" and result.first_epochs_in_turns
         assert counts["batches"] == {"1": 14, "0": 14}
         (duel,) = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra]
-        assert duel["epoch_pairs"] == 14 and not duel["replaces"]
+        assert duel["epoch_pairs"] == 13 and not duel["replaces"]  # the first pair is the duel's warm-up
         # steps besides the epochs only in blocks of 7 pairs, where the epochs' pairs left the duel undecided
-        assert counts["steps"] == 2 * (len(duel["seconds"][0]) - 14) and counts["steps"] % 14 == 0
+        assert counts["steps"] == 2 * (len(duel["seconds"][0]) - 13) and counts["steps"] % 14 == 0
         assert [r.plan for r in log.samples()] == ["1", "0"]  # FP32's record first: loss_0
 
 
@@ -455,7 +455,7 @@ def test_fp32s_plan_faster_by_the_margin_on_the_pairs_wins_and_amps_epoch_stops_
     log = SearchLog()
     result = run_stage1(ONE_OP, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
     assert str(result.best.plan) == "1"
-    assert counts["batches"] == {"1": 16, "0": 7}  # AMP's epoch stopped once a block of pairs decided
+    assert counts["batches"] == {"1": 16, "0": 8}  # AMP's epoch stopped once a block of pairs (after one) decided
     amp = next(r for r in log.samples() if r.plan == "0")
     assert amp.status == "pruned" and "faster by more than the margin" in amp.reason
     (duel,) = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra]
@@ -505,7 +505,7 @@ def test_an_undecided_duel_of_the_epochs_in_turns_takes_more_blocks_as_any_duel_
     log = SearchLog()
     result = run_stage1(ONE_OP, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
     (duel,) = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra]
-    assert duel["epoch_pairs"] == 9 and len(steps) == 2 * (len(duel["seconds"][0]) - 9) > 0
+    assert duel["epoch_pairs"] == 8 and len(steps) == 2 * (len(duel["seconds"][0]) - 8) > 0
     assert duel["replaces"] and str(result.best.plan) == "1"  # the blocks showed FP32's plan confidently faster
 
 

@@ -125,7 +125,7 @@ def test_keyboard_interrupt_restores_state_flushes_the_log_and_propagates(tmp_pa
 
     def interrupting_loss(output, batch):
         calls.append(1)
-        if len(calls) == 11:  # after FP32's and AMP's epochs (they take turns), in what the search runs next
+        if len(calls) == 6:  # inside FP32's and AMP's epochs (they take turns): neither has finished
             raise KeyboardInterrupt
         return ce(output, batch)
 
@@ -134,7 +134,9 @@ def test_keyboard_interrupt_restores_state_flushes_the_log_and_propagates(tmp_pa
                  log=tmp_path / "search.jsonl")
     assert before.matches()
     lines = [json.loads(line) for line in (tmp_path / "search.jsonl").read_text().splitlines()]
-    assert lines[0]["reason"].startswith("FP32 baseline") and "interrupted" in lines[-1]["reason"]
+    assert "interrupted" in lines[-1]["reason"]
+    assert not [line for line in lines if line["status"] != "note"]  # no sample had finished: none is logged
+    # (tests/test_reliability.py interrupts later samples: every finished one is logged)
 
 
 def test_bert_from_config_end_to_end():

@@ -58,6 +58,8 @@ BoundAgainst = Callable[[Assignment, Assignment], float]  # (plan, a priced plan
 
 #: batches a Stage-1 sample runs before an early stop may judge its pace
 EARLY_STOP_MIN_BATCHES = 3
+#: pairs of FP32's and AMP's epochs in turns that their duel does not count (the warm-up of a duel)
+_TURNS_WARMUP = 1
 _LOW = Precision.LOW
 
 
@@ -460,13 +462,13 @@ class _Stage1:
                 if running[j]:
                     running[j] = self._turn(epochs[j], outcomes[j], stops_search=j == 0)
             round_index += 1
-            pairs = min(base.batches, first.batches)
-            if running[1] and pairs and pairs % self.rule.rounds == 0:
+            pairs = min(base.batches, first.batches) - _TURNS_WARMUP
+            if running[1] and pairs > 0 and pairs % self.rule.rounds == 0:
                 verdict = self._verdict_in_turns(base, first, saves_less)
                 if verdict.replaces and self.rule.decided(verdict):  # FP32's plan has won: AMP's epoch stops
                     first.status = SampleStatus.PRUNED
-                    first.reason = (f"FP32's plan is faster by more than the margin after {pairs} of its batches, "
-                                    "the plans taking turns")
+                    first.reason = (f"FP32's plan is faster by more than the margin after {first.batches} of its "
+                                    "batches, the plans taking turns")
                     running[1] = False
                     epochs[1].close()
             if not running[0] and base.status is not SampleStatus.REJECTED:  # the baseline failed: nothing to judge
@@ -520,9 +522,12 @@ class _Stage1:
         return True
 
     def _verdict_in_turns(self, base: Outcome, first: Outcome, saves_less: bool) -> Verdict:
-        """The rule's verdict of FP32's plan (the candidate) against AMP's on the batches both have run."""
+        """The rule's verdict of FP32's plan (the candidate) against AMP's on the batches both have run but the
+        first: the plans' first steps of the epoch (which create the optimizer's state again, and allocate for
+        it) are the duel's warm-up, as a duel warms its plans up."""
         pairs = min(base.batches, first.batches)
-        amp_seconds, fp32_seconds = first.batch_seconds[:pairs], base.batch_seconds[:pairs]
+        start = _TURNS_WARMUP if pairs > _TURNS_WARMUP else 0
+        amp_seconds, fp32_seconds = first.batch_seconds[start:pairs], base.batch_seconds[start:pairs]
         comparison = Comparison.of([self.cost(first.plan, s) for s in amp_seconds],
                                    [self.cost(base.plan, s) for s in fp32_seconds])
         verdict = self.rule.verdict(comparison, saves_less=saves_less)
