@@ -245,3 +245,33 @@ def test_closing_epochs_taking_turns_part_way_restores_the_state():
     assert not sampler.initial.matches()
     first.close()
     assert sampler.initial.matches()
+
+
+class Recording(nn.Module):
+    """Replaces one of its buffers by a longer tensor at every forward (a running log kept as a buffer)."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 3)
+        self.register_buffer("history", torch.zeros(0))
+
+    def forward(self, x):
+        self.history = torch.cat([self.history, x.detach().mean().reshape(1)])
+        return self.fc(x)
+
+
+def test_epochs_taking_turns_follow_the_tensors_that_were_there_not_buffers_a_model_replaces():
+    torch.manual_seed(0)
+    model = Recording()
+    opt = torch.optim.Adam(model.parameters(), lr=0.05)
+    _, _, loader = make()
+    sampler = FairSampler(model, opt, loader, ce, device="cpu")
+    alone = _alone(sampler, model)[0]
+    epochs = sampler.epochs_taking_turns([model, Doubled(model)])
+    losses = [[], []]
+    for round_index in range(len(loader)):
+        for j in (round_index % 2, 1 - round_index % 2):
+            losses[j].append(next(epochs[j])[0])  # the replaced buffer (another shape each step) is not exchanged
+    for epoch in epochs:
+        epoch.close()
+    assert losses[0] == alone and sampler.initial.matches()

@@ -667,7 +667,8 @@ class FairSampler:
 
 class _Turns:
     """The modules of :meth:`FairSampler.epochs_taking_turns`: the model holds the state of the module whose turn it
-    is; each other module's waits in a :class:`_Held` state, swapped in by reference when its turn comes."""
+    is; each other module's waits in a :class:`_Held` state, exchanged with the model's by value when its turn
+    comes."""
 
     def __init__(self, sampler: FairSampler, modules: list[nn.Module], switch: Callable[[int], object] | None):
         self.sampler, self.modules, self.switch = sampler, modules, switch
@@ -677,9 +678,9 @@ class _Turns:
         self.loader = loader_batches(sampler.loader, sampler.epoch_batches)
         self.fetched: list = []
         self._fetch(0)  # a shuffling loader draws its order now, after seeding, as in an epoch alone
-        model, optimizer = sampler.model, sampler.optimizer
+        self.state = _LiveState.of(sampler.model, sampler.optimizer, sampler.device)
         self.live = 0
-        self.held = {j: _Held.copy_of(model, optimizer, sampler.device) for j in range(1, len(modules))}
+        self.held = {j: _Held.copy_of(self.state) for j in range(1, len(modules))}
         self.scalers = [sampler._scaler() for _ in modules]
         self.open = set(range(len(modules)))
 
@@ -698,7 +699,7 @@ class _Turns:
     def _turn_of(self, j: int) -> None:
         if j != self.live:
             held = self.held.pop(j)
-            held.exchange(self.sampler.model, self.sampler.optimizer, self.sampler.device)
+            held.exchange(self.state)
             self.held[self.live] = held
             self.live = j
         if self.switch is not None:
@@ -733,6 +734,27 @@ class _Turns:
             self.sampler.restore()
 
 
+@dataclass
+class _LiveState:
+    """The model's and optimizer's tensors as they were when the turns began (the objects a snapshot would
+    restore: a buffer the model later replaces by another object is not followed, as in :func:`restore_state`)."""
+
+    tensors: list[torch.Tensor]  # Parameters and buffers
+    params: list[nn.Parameter]  # their gradients
+    optimizer_params: list[torch.Tensor]  # the optimizer's state is keyed by them
+    optimizer: torch.optim.Optimizer | None
+    device: torch.device
+
+    @classmethod
+    def of(cls, model: nn.Module, optimizer, device: torch.device) -> "_LiveState":
+        params = list(model.parameters())
+        optimizer_params = [] if optimizer is None else [p for g in optimizer.param_groups for p in g["params"]]
+        return cls([*params, *model.buffers()], params, optimizer_params, optimizer, device)
+
+    def optimizer_state(self, param) -> dict | None:
+        return (self.optimizer.state.get(param) or None) if self.optimizer is not None else None
+
+
 class _Held:
     """A model's and optimizer's state held out of the model, and the RNG's, exchanged with the model's in place.
 
@@ -744,48 +766,42 @@ class _Held:
     def __init__(self, tensors: list, grads: list, optimizer_state: list, rng: list):
         self.tensors, self.grads, self.optimizer_state, self.rng = tensors, grads, optimizer_state, rng
 
-    @staticmethod
-    def _live(model: nn.Module) -> list[torch.Tensor]:
-        return [*model.parameters(), *model.buffers()]
-
-    @staticmethod
-    def _params(optimizer) -> list[torch.Tensor]:
-        return [] if optimizer is None else [p for group in optimizer.param_groups for p in group["params"]]
-
     @classmethod
-    def copy_of(cls, model: nn.Module, optimizer, device: torch.device) -> "_Held":
-        """A copy of the model's (and optimizer's) state as it is now."""
+    def copy_of(cls, live: _LiveState) -> "_Held":
+        """A copy of the live state as it is now."""
         with torch.no_grad():
-            tensors = [t.detach().clone() for t in cls._live(model)]
-            grads = [None if p.grad is None else p.grad.detach().clone() for p in model.parameters()]
-        optimizer_state = [None if not optimizer.state.get(p) else {k: _clone(v) for k, v in optimizer.state[p].items()}
-                           for p in cls._params(optimizer)]
-        return cls(tensors, grads, optimizer_state, _rng_states(device))
+            tensors = [t.detach().clone() for t in live.tensors]
+            grads = [None if p.grad is None else p.grad.detach().clone() for p in live.params]
+        optimizer_state = []
+        for param in live.optimizer_params:
+            state = live.optimizer_state(param)
+            optimizer_state.append(None if state is None else {k: _clone(v) for k, v in state.items()})
+        return cls(tensors, grads, optimizer_state, _rng_states(live.device))
 
     @torch.no_grad()
-    def exchange(self, model: nn.Module, optimizer, device: torch.device) -> None:
-        """Put this state into the model, and hold the state the model had instead."""
-        for tensor, held in zip(self._live(model), self.tensors):
+    def exchange(self, live: _LiveState) -> None:
+        """Put this state into the live tensors, and hold the state they had instead."""
+        for tensor, held in zip(live.tensors, self.tensors):
             _exchange_values(tensor, held)
-        for i, param in enumerate(model.parameters()):
+        for i, param in enumerate(live.params):
             param.grad, self.grads[i] = self.grads[i], param.grad  # set anew by every step: no copy needed
-        for i, param in enumerate(self._params(optimizer)):
-            live, held = optimizer.state.get(param) or None, self.optimizer_state[i]
-            if live is not None and held is not None and _same_layout(live, held):
-                for key in live:
-                    if isinstance(live[key], torch.Tensor):
-                        _exchange_values(live[key], held[key])
+        for i, param in enumerate(live.optimizer_params):
+            current, held = live.optimizer_state(param), self.optimizer_state[i]
+            if current is not None and held is not None and _same_layout(current, held):
+                for key in current:
+                    if isinstance(current[key], torch.Tensor):
+                        _exchange_values(current[key], held[key])
                     else:
-                        live[key], held[key] = held[key], live[key]
+                        current[key], held[key] = held[key], current[key]
                 continue
             # one of them has no state yet (the optimizer creates it at its first step): the dicts change places
             if held is None:
-                optimizer.state.pop(param, None)
+                live.optimizer.state.pop(param, None)
             else:
-                optimizer.state[param] = held
-            self.optimizer_state[i] = live
-        rng = _rng_states(device)
-        _set_rng_states(device, self.rng)
+                live.optimizer.state[param] = held
+            self.optimizer_state[i] = current
+        rng = _rng_states(live.device)
+        _set_rng_states(live.device, self.rng)
         self.rng = rng
 
 
