@@ -678,9 +678,10 @@ class _Turns:
         self.loader = loader_batches(sampler.loader, sampler.epoch_batches)
         self.fetched: list = []
         self._fetch(0)  # a shuffling loader draws its order now, after seeding, as in an epoch alone
-        self.state = _LiveState.of(sampler.model, sampler.optimizer, sampler.device)
+        # the model holds the initial state now (every warm-up restored it): each other module starts from a copy
+        self.state = _LiveState.of(sampler.initial, sampler.device)
         self.live = 0
-        self.held = {j: _Held.copy_of(self.state) for j in range(1, len(modules))}
+        self.held = {j: _Held.copy_of(sampler.initial, sampler.device) for j in range(1, len(modules))}
         self.scalers = [sampler._scaler() for _ in modules]
         self.open = set(range(len(modules)))
 
@@ -736,8 +737,8 @@ class _Turns:
 
 @dataclass
 class _LiveState:
-    """The model's and optimizer's tensors as they were when the turns began (the objects a snapshot would
-    restore: a buffer the model later replaces by another object is not followed, as in :func:`restore_state`)."""
+    """The model's and optimizer's tensors a snapshot restores (a buffer the model later replaces by another object
+    is not followed, as in :func:`restore_state`)."""
 
     tensors: list[torch.Tensor]  # Parameters and buffers
     params: list[nn.Parameter]  # their gradients
@@ -746,10 +747,9 @@ class _LiveState:
     device: torch.device
 
     @classmethod
-    def of(cls, model: nn.Module, optimizer, device: torch.device) -> "_LiveState":
-        params = list(model.parameters())
-        optimizer_params = [] if optimizer is None else [p for g in optimizer.param_groups for p in g["params"]]
-        return cls([*params, *model.buffers()], params, optimizer_params, optimizer, device)
+    def of(cls, snapshot: StateSnapshot, device: torch.device) -> "_LiveState":
+        return cls([live for live, _ in snapshot.tensors], [param for param, _ in snapshot.grads],
+                   [param for param, _ in snapshot.optimizer_state], snapshot.optimizer, device)
 
     def optimizer_state(self, param) -> dict | None:
         return (self.optimizer.state.get(param) or None) if self.optimizer is not None else None
@@ -767,16 +767,13 @@ class _Held:
         self.tensors, self.grads, self.optimizer_state, self.rng = tensors, grads, optimizer_state, rng
 
     @classmethod
-    def copy_of(cls, live: _LiveState) -> "_Held":
-        """A copy of the live state as it is now."""
-        with torch.no_grad():
-            tensors = [t.detach().clone() for t in live.tensors]
-            grads = [None if p.grad is None else p.grad.detach().clone() for p in live.params]
-        optimizer_state = []
-        for param in live.optimizer_params:
-            state = live.optimizer_state(param)
-            optimizer_state.append(None if state is None else {k: _clone(v) for k, v in state.items()})
-        return cls(tensors, grads, optimizer_state, _rng_states(live.device))
+    def copy_of(cls, snapshot: StateSnapshot, device: torch.device) -> "_Held":
+        """A copy of the state ``snapshot`` holds (it stays as it is), and the RNG's state now."""
+        optimizer_state = [None if saved is None else {key: _clone(copy) for key, (_, copy) in saved.items()}
+                           for _, saved in snapshot.optimizer_state]
+        return cls([_clone(copy) for _, copy in snapshot.tensors],
+                   [None if grad is None else _clone(grad) for _, grad in snapshot.grads], optimizer_state,
+                   _rng_states(device))
 
     @torch.no_grad()
     def exchange(self, live: _LiveState) -> None:
