@@ -311,22 +311,33 @@ class _Stage1:
             outcome.duration = time.perf_counter() - start
         return outcome
 
+    def _took_batch(self, outcome: Outcome, loss: float, seconds: float, *, prune: bool) -> bool:
+        """Add one batch to ``outcome``; False (the sample pruned) when ``prune`` and its loss is not finite."""
+        outcome.batch_losses.append(float(loss))
+        outcome.batch_seconds.append(float(seconds))
+        outcome.batches += 1
+        outcome.seconds += seconds
+        if prune and not math.isfinite(loss):
+            outcome.status, outcome.loss = SampleStatus.PRUNED, float(loss)
+            outcome.reason = f"loss became {loss} at batch {outcome.batches}; the epoch mean cannot be finite"
+            return False
+        return True
+
+    def _finished(self, outcome: Outcome) -> None:
+        """A whole epoch ran: its mean loss and its cost."""
+        if outcome.batches == 0:
+            raise SearchError("the sample loader yielded no batches; Stage 1 needs at least one batch per epoch")
+        outcome.loss = sum(outcome.batch_losses) / outcome.batches
+        outcome.cost = self.cost(outcome.plan, outcome.seconds)
+
     def _consume(self, epoch, outcome: Outcome, bar: float, bar_until: int | None = None):
-        total = 0.0
         while True:
             try:
                 loss, seconds = next(epoch)
             except StopIteration as stop:
                 artifact = stop.value
                 break
-            outcome.batch_losses.append(float(loss))
-            outcome.batch_seconds.append(float(seconds))
-            outcome.batches += 1
-            outcome.seconds += seconds
-            total += loss
-            if self.prune and not math.isfinite(loss):
-                outcome.status, outcome.loss = SampleStatus.PRUNED, float(loss)
-                outcome.reason = f"loss became {loss} at batch {outcome.batches}; the epoch mean cannot be finite"
+            if not self._took_batch(outcome, loss, seconds, prune=self.prune):
                 return None
             if self.prune and math.isfinite(bar) and (bar_until is None or outcome.batches <= bar_until):
                 running = self.cost(outcome.plan, outcome.seconds)
@@ -338,10 +349,7 @@ class _Stage1:
                     return None
                 if self._stopped_early(outcome):
                     return None
-        if outcome.batches == 0:
-            raise SearchError("the sample loader yielded no batches; Stage 1 needs at least one batch per epoch")
-        outcome.loss = total / outcome.batches
-        outcome.cost = self.cost(outcome.plan, outcome.seconds)
+        self._finished(outcome)
         return artifact
 
     def _bar_words(self) -> str:
@@ -501,25 +509,14 @@ class _Stage1:
             loss, seconds = next(epoch)
         except StopIteration as stop:
             outcome.artifact = stop.value
-            if outcome.batches == 0:
-                raise SearchError("the sample loader yielded no batches; Stage 1 needs at least one batch per epoch")
-            outcome.loss = sum(outcome.batch_losses) / outcome.batches
-            outcome.cost = self.cost(outcome.plan, outcome.seconds)
+            self._finished(outcome)
             return False
         except PlanFailedError as error:
             outcome.status, outcome.reason = SampleStatus.ERROR, failure_reason(error)
             return False
         finally:
             outcome.duration += time.perf_counter() - start
-        outcome.batch_losses.append(float(loss))
-        outcome.batch_seconds.append(float(seconds))
-        outcome.batches += 1
-        outcome.seconds += seconds
-        if (self.prune or stops_search) and not math.isfinite(loss):
-            outcome.status, outcome.loss = SampleStatus.PRUNED, float(loss)
-            outcome.reason = f"loss became {loss} at batch {outcome.batches}; the epoch mean cannot be finite"
-            return False
-        return True
+        return self._took_batch(outcome, loss, seconds, prune=self.prune or stops_search)
 
     def _verdict_in_turns(self, base: Outcome, first: Outcome, saves_less: bool) -> Verdict:
         """The rule's verdict of FP32's plan (the candidate) against AMP's on the batches both have run but the
