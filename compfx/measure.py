@@ -51,7 +51,8 @@ from .errors import BadInputError
 __all__ = ["synchronize", "timed", "Timing", "time_repeats", "time_interleaved", "interleaved_order", "median_interval", "PhaseClock", "CLOCKS", "check_clock", "time_calls",
            "time_fastest",
            "device_name", "hardware_name", "environment_key", "Conditions", "measure_conditions", "reference_seconds",
-           "REFERENCE_TOLERANCE", "fp32_math", "describe_fp32_math", "long_lived_objects_frozen"]
+           "REFERENCE_TOLERANCE", "fp32_math", "describe_fp32_math", "long_lived_objects_frozen",
+           "settle_host_allocator"]
 
 T = TypeVar("T")
 
@@ -210,6 +211,49 @@ def long_lived_objects_frozen():
         yield
     finally:
         gc.unfreeze()
+
+
+#: What :func:`settle_host_allocator` frees: just under glibc's cap on its dynamic mmap threshold on a 64-bit
+#: host (DEFAULT_MMAP_THRESHOLD_MAX, 4 MiB x sizeof(long) = 32 MiB), so that freeing it raises the threshold.
+HOST_SETTLING_BYTES = 31 * 2**20
+
+_host_allocator_settled = False
+
+
+def settle_host_allocator(device: torch.device | str | None) -> bool:
+    """Before a CPU search under glibc: free one large buffer, so that the heap keeps the memory of freed tensors.
+
+    glibc's malloc gives freed memory at the top of its heap back to the
+    operating system once it exceeds a trim threshold. The threshold starts at
+    128 KiB and grows (up to 64 MiB) only when the program frees a large
+    buffer that malloc had mapped on its own. A model whose activations are a
+    few MiB each frees nothing that large: after every step it may give its
+    activations back and page them in again in the next. On a batch-128 CNN
+    on a 2-core EPYC that was up to 3,000 page faults and 5 ms of a 14 ms FP32
+    step, in some phases of a process and not in others, as the heap's layout
+    had it; the search's timings, and the report's speed-ups, then depended on
+    where in the process they were taken.
+
+    Allocating and freeing one buffer of 31 MiB raises both thresholds by
+    glibc's own rule, as freeing any such buffer does (a model with a larger
+    activation raises them itself in its first step): the steps' timings
+    hold, and training after the search runs under the same allocator as the
+    search timed. The cost: up to 64 MiB of freed memory stays with the
+    process instead of going back to the system. Once per process; only for
+    the CPU and glibc (where ``MALLOC_TRIM_THRESHOLD_`` or ``mallopt`` fixed
+    the thresholds, glibc keeps them, and this changes nothing). True when it
+    did it now.
+
+    >>> isinstance(settle_host_allocator("cpu"), bool), settle_host_allocator("meta")
+    (True, False)
+    """
+    global _host_allocator_settled
+    if _host_allocator_settled or torch.device(device or "cpu").type != "cpu" or platform.libc_ver()[0] != "glibc":
+        return False
+    _host_allocator_settled = True
+    buffer = torch.empty(HOST_SETTLING_BYTES, dtype=torch.uint8)  # mapped, never touched: no pages are faulted in
+    del buffer
+    return True
 
 
 class PhaseClock:

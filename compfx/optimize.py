@@ -23,7 +23,7 @@ from . import cache
 from .analyze import analyze, model_device
 from .errors import BadInputError
 from .float8 import require_torchao
-from .measure import PhaseClock, long_lived_objects_frozen
+from .measure import PhaseClock, long_lived_objects_frozen, settle_host_allocator
 from .rng import rng_preserved
 from .search import SearchConfig, SearchLog, SearchResult, decision_settings
 from .search.per_module import prepare_search
@@ -99,6 +99,7 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
     _check_cache_folder(config)
     device = model_device(model)
     clock = PhaseClock()  # where the search's time goes (SearchResult.cost_breakdown)
+    settle_host_allocator(device)  # freed activations stay in the heap: steps timed now run as training will
     # rng_preserved: the caller's generators, even when the model's forward reseeds them; the process's objects
     # frozen: a full garbage collection during the search walks only the search's own
     with _train_mode(model), rng_preserved(device), long_lived_objects_frozen():  # the search trains: train mode

@@ -141,3 +141,55 @@ def test_the_evaluator_calibrates_on_the_amp_plan_before_its_first_sample(monkey
     evaluator.check_loss(fp32, 1)
     amp = compfx.Plan.amp(analysis).assignment(analysis)
     assert calibrated == [evaluator.runner(amp)]
+
+
+# -- the host allocator a CPU search times under -------------------------------------------------------------
+
+_WHERE_4MIB_COMES_FROM = r"""
+import ctypes, sys, torch
+from compfx.measure import settle_host_allocator
+
+class MallInfo2(ctypes.Structure):  # glibc >= 2.33
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.mallinfo2.restype = MallInfo2
+settled = settle_host_allocator("cpu") if sys.argv[1] == "settle" else False
+mapped_before = libc.mallinfo2().hblkhd
+tensor = torch.empty(4 * 2**20, dtype=torch.uint8)
+print(settled, libc.mallinfo2().hblkhd - mapped_before >= 4 * 2**20)
+"""
+
+
+def _glibc_with_mallinfo2() -> bool:
+    import ctypes
+    import platform
+
+    return platform.libc_ver()[0] == "glibc" and hasattr(ctypes.CDLL(None), "mallinfo2")
+
+
+@pytest.mark.skipif(not _glibc_with_mallinfo2(), reason="glibc >= 2.33 (mallinfo2) shows where a buffer came from")
+def test_a_settled_host_allocator_serves_activation_sized_buffers_from_its_heap():
+    """A 4 MiB buffer is mapped on its own (and unmapped again on free: its pages faulted in anew each time) in a
+    fresh process; after settle_host_allocator it comes from the heap, which keeps freed memory."""
+    import subprocess
+    import sys
+
+    def run(mode):
+        done = subprocess.run([sys.executable, "-c", _WHERE_4MIB_COMES_FROM, mode], capture_output=True, text=True,
+                              check=True)
+        return done.stdout.split()
+
+    assert run("plain") == ["False", "True"]
+    assert run("settle") == ["True", "False"]
+
+
+def test_a_cpu_search_settles_the_host_allocator_first():
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
+    loader = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(2)]
+    with mock.patch("compfx.optimize.settle_host_allocator") as settle:
+        compfx.optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=ce,
+                        config=compfx.SearchConfig(progress=False, stage1_budget=1, cache_plan=False, rounds=0))
+    settle.assert_called_once_with(torch.device("cpu"))
