@@ -24,7 +24,7 @@ from typing import Mapping
 import torch
 import torch.nn as nn
 
-from compfx.measure import CLOCKS, synchronize, timed
+from compfx.measure import CLOCKS, settle_host_allocator, synchronize, timed
 from compfx.vocabulary import default_low_dtype as _auto_low_dtype
 from compfx.vocabulary import dtype_name
 
@@ -255,8 +255,13 @@ def _train_and_measure(spec, config_name, mode, options, device, low_dtype) -> d
 
 
 def run_benchmark(spec: ModelSpec, config_name: str, mode: str, options: RunOptions) -> dict:
-    """Train ``spec`` at ``config_name`` in ``mode``; a row of measurements (never raises for a model)."""
+    """Train ``spec`` at ``config_name`` in ``mode``; a row of measurements (never raises for a model).
+
+    The host allocator is settled before the first mode trains (:func:`compfx.measure.settle_host_allocator`),
+    as compfx's search settles it: every mode of the process then trains under the same allocator.
+    """
     device = resolve_device(options.device)
+    settle_host_allocator(device)
     low_dtype = default_low_dtype(device, options.low_dtype)
     if options.threads is not None:
         torch.set_num_threads(options.threads)

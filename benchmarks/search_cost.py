@@ -65,6 +65,7 @@ import compfx.report
 from compfx import SearchConfig, SearchResult, optimize
 from compfx.cache import CACHE_DIR_ENV
 from compfx.files import write_json_atomic
+from compfx.measure import settle_host_allocator
 from compfx.search.log import STOPPED_EARLY, SearchLog
 
 __all__ = ["SixOpCNN", "sample_loader", "exhaustive_estimate", "step_time_ratio", "run"]
@@ -358,6 +359,7 @@ def run_case(name: str, seed: int = 0) -> dict:
     search on an empty profile cache in a process that has searched before; ``warm_cache`` reuses its cache.
     """
     description, build = CASES[name]
+    settle_host_allocator("cpu")  # the eager epochs before the first search time under the allocator it leaves
     epochs, runs = [], {}
     with tempfile.TemporaryDirectory() as caches:
         for run_name, cache in RUNS:
@@ -424,6 +426,7 @@ def run_trainer(steps: int = 20, search_batches: int = 9, batch_size: int = 8, s
 
     from compfx.integrations.transformers import CompfxCallback
 
+    settle_host_allocator("cpu")  # the eager epoch before the search times under the allocator the search leaves
     torch.manual_seed(seed)
     model = tiny_gpt2()
     batches = gpt2_batches(search_batches, batch_size, seed=seed)
