@@ -72,6 +72,12 @@ def _decisions() -> str:
     return markdown(_json("cpu/decisions.json"))
 
 
+def _paper_interleaved() -> str:
+    from .paper_interleaved import markdown
+
+    return markdown(_json("amd-epyc/paper-interleaved.json"))
+
+
 def _verify_cost() -> str:
     from .verify_cost import markdown
 
@@ -100,6 +106,8 @@ def _guard_cost() -> str:
 TABLES: dict[str, Callable[[], str]] = {
     "cpu-small-real": lambda: _run_rows("amd-epyc/small-real.json"),
     "cpu-paper-vgg16-resnet": lambda: _run_rows("amd-epyc/paper-synthetic-vgg16-resnet.json"),
+    "cpu-paper-vgg16-resnet-run2": lambda: _run_rows("amd-epyc/paper-synthetic-vgg16-resnet-run2.json"),
+    "cpu-paper-interleaved": _paper_interleaved,
     "cpu-search-cost": _search_cost,
     "cpu-search-cost-trainer": _search_cost_trainer,
     "cpu-search-cost-trainer-default-threads": _search_cost_trainer_default_threads,
