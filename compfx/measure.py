@@ -248,9 +248,11 @@ def settle_host_allocator(device: torch.device | str | None) -> bool:
     (True, False)
     """
     global _host_allocator_settled
-    if _host_allocator_settled or torch.device(device or "cpu").type != "cpu" or platform.libc_ver()[0] != "glibc":
+    if _host_allocator_settled or torch.device(device or "cpu").type != "cpu":
         return False
-    _host_allocator_settled = True
+    _host_allocator_settled = True  # asked once per process: the C library does not change
+    if platform.libc_ver()[0] != "glibc":  # elsewhere libc_ver may scan the interpreter's binary
+        return False
     buffer = torch.empty(HOST_SETTLING_BYTES, dtype=torch.uint8)  # mapped, never touched: no pages are faulted in
     del buffer
     return True
