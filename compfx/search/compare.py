@@ -53,7 +53,7 @@ import statistics
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
-from ..errors import BadInputError
+from ..errors import BadInputError, PlanFailedError
 from ..measure import median_interval
 from .log import DUEL
 from .outcome import checked_cost, note
@@ -198,27 +198,37 @@ def speedup_text(comparison: Comparison, confidence: float) -> str:
     return f"no measurable difference (±{math.ceil(spread * 100 - 1e-9):.0f}%)"
 
 
-def duel(evaluator, rule: DecisionRule, incumbent, candidate, *, saves_less: bool) -> Verdict:
+def duel(evaluator, rule: DecisionRule, incumbent, candidate, *, saves_less: bool,
+         measured: Sequence[Sequence[float]] = ((), ()),
+         failed: Callable[[PlanFailedError], None] | None = None) -> Verdict:
     """Time ``incumbent`` and ``candidate`` in turns on the same batches (``evaluator.time_steps``); the verdict.
 
     Blocks of ``rule.rounds`` pairs, until the verdict is decided or
-    :data:`MAX_DUEL_BLOCKS` blocks were taken. Each pair's seconds are priced by
-    ``evaluator.cost``. A plan that fails while it is timed
-    (:class:`~compfx.errors.PlanFailedError`) propagates: the caller logs it.
+    :data:`MAX_DUEL_BLOCKS` blocks' worth of pairs were taken. ``measured``:
+    the (incumbent's, candidate's) seconds of pairs taken already (two
+    epochs taking turns), judged first and counted in that worth. Each pair's
+    seconds are priced by ``evaluator.cost``. A plan that fails while it is
+    timed (:class:`~compfx.errors.PlanFailedError`) propagates, for the
+    caller to log; with ``failed`` and pairs to judge, ``failed(error)`` is told
+    instead and the verdict is the pairs' so far.
     """
-    comparison = verdict = None
-    measured: list[list[float]] = [[], []]
-    for _ in range(MAX_DUEL_BLOCKS):
-        seconds = evaluator.time_steps([incumbent, candidate], rule.rounds)
-        for row, block_seconds in zip(measured, seconds):
-            row.extend(float(s) for s in block_seconds)
-        costs = paired_costs(seconds, lambda i, s: checked_cost(evaluator, (incumbent, candidate)[i], s))
-        block = Comparison.of(*costs)
-        comparison = block if comparison is None else comparison.extended(block)
-        verdict = rule.verdict(comparison, saves_less=saves_less)
-        if rule.decided(verdict):
+    seconds = [[float(s) for s in row] for row in measured]
+    price = lambda i, s: checked_cost(evaluator, (incumbent, candidate)[i], s)  # noqa: E731
+    costs = paired_costs(seconds, price)
+    verdict = rule.verdict(Comparison.of(*costs), saves_less=saves_less) if seconds[0] else None
+    while (verdict is None or not rule.decided(verdict)) and len(seconds[0]) < MAX_DUEL_BLOCKS * rule.rounds:
+        try:
+            block = evaluator.time_steps([incumbent, candidate], rule.rounds)
+        except PlanFailedError as error:
+            if failed is None or verdict is None:
+                raise
+            failed(error)
             break
-    return replace(verdict, seconds=tuple(map(tuple, measured)))
+        for row, cost_row, more, priced in zip(seconds, costs, block, paired_costs(block, price)):
+            row.extend(float(s) for s in more)
+            cost_row.extend(priced)
+        verdict = rule.verdict(Comparison.of(*costs), saves_less=saves_less)
+    return replace(verdict, seconds=tuple(map(tuple, seconds)))
 
 
 def log_duel(report, stage, verdict: Verdict, incumbent, candidate, rounds: int, *, epoch_pairs: int = 0) -> None:

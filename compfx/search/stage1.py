@@ -41,7 +41,7 @@ from ..errors import BadInputError, PlanFailedError, SearchError
 from ..measure import interleaved_order
 from ..plan import AMP_PRECISION, Assignment
 from ..vocabulary import Category, Precision, SampleStatus, Stage
-from .compare import MAX_DUEL_BLOCKS, Comparison, DecisionRule, Verdict, duel, log_duel
+from .compare import Comparison, DecisionRule, Verdict, duel, log_duel
 from .convergence import is_accepted, loss_limit
 from .log import BATCH_VERDICT, CANNOT_WIN, NOTHING_CAN_WIN, PRUNED_AT, SAVED_BYTES, STOPPED_EARLY
 from .outcome import (Outcome, PriceVersion, ProgramIndex, Reporter, checked_cost, cost_unit, failure_reason,
@@ -487,20 +487,13 @@ class _Stage1:
 
     def _more_blocks(self, verdict: Verdict, amp: Assignment, fp32: Assignment, saves_less: bool) -> Verdict:
         """The duel of the epochs' pairs, with blocks of ``rule.rounds`` pairs more while it is undecided (as any
-        duel takes them: :func:`~compfx.search.compare.duel`), up to :data:`MAX_DUEL_BLOCKS` blocks' worth in all."""
-        seconds = [list(verdict.seconds[0]), list(verdict.seconds[1])]
-        while not self.rule.decided(verdict) and len(seconds[0]) < MAX_DUEL_BLOCKS * self.rule.rounds:
-            try:
-                block = self.evaluator.time_steps([amp, fp32], self.rule.rounds)
-            except PlanFailedError as error:
-                note(self.report, Stage.STAGE1, f"a further block of the duel of FP32's plan with AMP's failed "
-                     f"({failure_reason(error)}); decided on the pairs so far", plan=str(fp32))
-                break
-            for row, more in zip(seconds, block):
-                row.extend(float(s) for s in more)
-            comparison = Comparison.of([self.cost(amp, s) for s in seconds[0]], [self.cost(fp32, s) for s in seconds[1]])
-            verdict = replace(self.rule.verdict(comparison, saves_less=saves_less), seconds=tuple(map(tuple, seconds)))
-        return verdict
+        duel takes them: :func:`~compfx.search.compare.duel`), up to :data:`~compfx.search.compare.MAX_DUEL_BLOCKS` blocks' worth in all."""
+        def failed(error: PlanFailedError) -> None:
+            note(self.report, Stage.STAGE1, f"a further block of the duel of FP32's plan with AMP's failed "
+                 f"({failure_reason(error)}); decided on the pairs so far", plan=str(fp32))
+
+        return duel(self.evaluator, self.rule, amp, fp32, saves_less=saves_less, measured=verdict.seconds,
+                    failed=failed)
 
     def _turn(self, epoch, outcome: Outcome, *, stops_search: bool) -> bool:
         """One batch of ``outcome``'s epoch; False when its epoch ended (finished, failed, or pruned)."""
