@@ -30,7 +30,7 @@ import torch.nn as nn
 
 import compfx
 from compfx.files import write_json_atomic
-from compfx.measure import device_name, median_interval, settle_host_allocator
+from compfx.measure import device_name, median_interval
 
 from .decisions import independent_steps
 from .harness import RunOptions, load_batches
@@ -67,7 +67,6 @@ def run_model(name: str, rounds: int = 12, seed: int = 0) -> dict:
     spec = get_spec(name)
     config = spec.config("paper")
     device = torch.device("cpu")
-    settle_host_allocator(device)  # as the search does: every mode times under the same allocator
     torch.manual_seed(seed)
     model = spec.build(config)
     fresh = copy.deepcopy(model)  # the timing trains from the initial weights
