@@ -1,40 +1,54 @@
-"""Train one benchmark model in one mode and measure it: the body of the runner.
+"""Train one benchmark model in the modes asked for, the modes taking turns, and measure them: the runner's body.
 
-A run is: build the model (seeded), load the batches onto the device, for
-compfx search a plan with ``compfx.optimize`` (timed: search overhead) or take
-the plan it is given, wrap in ``torch.compile`` if asked (compfx through
-``compfx.compile_with_plan``, so the plan's casts go in before AOT autograd), one
-measured step (saved-for-backward bytes, also the warm-up), then ``epochs`` timed
-epochs, then evaluation. The result is one row (a dict) for the report.
+Each mode is first prepared, one after the other (:func:`prepare_mode`): build the model (seeded), load the
+batches onto the device, for compfx search a plan with ``compfx.optimize`` (timed: search overhead) or take the
+plan it is given, count casts, wrap in ``torch.compile`` if asked (compfx through ``compfx.compile_with_plan``, so
+the plan's casts go in before AOT autograd), one measured step (saved-for-backward bytes, also the warm-up).
+
+Then the modes take turns (:func:`train_in_turns`): for each of ``epochs`` epochs and each batch, every prepared
+mode runs one training step on that batch, timed on its own, the order rotating each batch. Trained one after
+the other, the modes would meet the machine at different times (compfx's epoch always last, after its search),
+and drift of a shared machine between them would read as a difference between the modes. Taking turns, drift
+hits them alike, and the steps on one batch can be compared pair by pair: a row's ``time_vs_fp32`` is the median
+of its per-batch ratios to FP32's step, with a 95% interval. Each mode keeps its own random state
+(:class:`RandomState`), so it draws what it would draw trained alone (dropout). Last, each mode is evaluated and
+its row (a dict) for the report is made (:func:`finish_row`).
 
 >>> from benchmarks.models import get_spec
->>> row = run_benchmark(get_spec("gcn"), "small", "fp32", RunOptions(epochs=1, batches=1, count_casts=False))
->>> row["status"], row["saved_bytes"] > 0
-('ok', True)
+>>> options = RunOptions(epochs=1, batches=1, count_casts=False)
+>>> fp32, amp = run_modes(get_spec("gcn"), "small", ["fp32", "amp"], options)
+>>> fp32["status"], amp["status"], fp32["saved_bytes"] > 0, amp["modes_in_turns"]
+('ok', 'ok', True, ['fp32', 'amp'])
+>>> ratio = amp["time_vs_fp32"]
+>>> ratio["low"] <= ratio["median"] <= ratio["high"]
+True
 """
 
 from __future__ import annotations
 
+import contextlib
+import gc
 import statistics
 import sys
 import traceback
 from dataclasses import asdict, dataclass, field
-from typing import Mapping
+from typing import Iterator, Mapping
 
 import torch
 import torch.nn as nn
 
-from compfx.measure import CLOCKS, settle_host_allocator, synchronize, timed
+from compfx.measure import CLOCKS, interleaved_order, median_interval, settle_host_allocator, synchronize, timed
+from compfx.rng import cuda_devices
 from compfx.vocabulary import default_low_dtype as _auto_low_dtype
 from compfx.vocabulary import dtype_name
 
 from .casts import count_forward_casts, count_graph_casts
-from .memory import peak_memory_bytes, reset_peak_memory, saved_storages
+from .memory import allocated_bytes, peak_memory_bytes, reset_peak_memory, saved_storages
 from .models.spec import ModelSpec
 from .modes import Precision, compfx_status, load_compfx, precision_for, search_config
 
-__all__ = ["RunOptions", "run_benchmark", "load_batches", "evaluate", "resolve_device", "default_low_dtype",
-           "options_dict"]
+__all__ = ["RunOptions", "run_benchmark", "run_modes", "prepare_mode", "train_in_turns", "finish_row", "PreparedMode",
+           "RandomState", "load_batches", "evaluate", "resolve_device", "default_low_dtype", "options_dict"]
 
 _EVAL_BATCHES = 4
 
@@ -110,16 +124,6 @@ def evaluate(spec: ModelSpec, model: nn.Module, batches: list) -> float:
         scores = [spec.metric(spec.evaluate_forward(model, batch), batch) for batch in batches]
     model.train(was_training)
     return statistics.fmean(scores)
-
-
-def _run_epoch(spec, nets, optimizers, batches, precision: Precision, device, clock: str) -> tuple[float, float]:
-    read_clock = CLOCKS[clock]
-    synchronize(device)
-    start = read_clock()
-    losses = [spec.train_step(spec, nets, optimizers, batch, precision) for batch in batches]
-    synchronize(device)
-    seconds = read_clock() - start
-    return seconds, float(torch.stack(losses).float().mean())  # one device sync per epoch, not per step
 
 
 def _search(spec, nets, optimizers, batches, device, low_dtype, overrides: Mapping,
@@ -214,7 +218,86 @@ def _measured_step(spec, nets, optimizers, batch, precision, model, device) -> d
             "saved_activation_bytes": saved.activation_bytes, "first_step_s": seconds}
 
 
-def _train_and_measure(spec, config_name, mode, options, device, low_dtype) -> dict:
+# -- one mode's random generators ------------------------------------------------------------------
+@dataclass
+class RandomState:
+    """One mode's torch generators: the CPU one, and the CUDA one of the device when it trains on CUDA.
+
+    Modes taking turns share the process's generators; each keeps its own state here and swaps it in around its
+    steps (:meth:`in_use`), so that it draws the same random numbers (dropout masks, a GAN's noise) as if it
+    trained alone, and the modes stay comparable with runs of one mode.
+    """
+
+    device: torch.device
+    cpu: torch.Tensor
+    cuda: dict[int, torch.Tensor]
+
+    @classmethod
+    def current(cls, device: torch.device) -> "RandomState":
+        """The generators' state now."""
+        return cls(device, torch.get_rng_state(), {index: torch.cuda.get_rng_state(index)
+                                                   for index in cuda_devices(device)})
+
+    def restore(self) -> None:
+        torch.set_rng_state(self.cpu)
+        for index, state in self.cuda.items():
+            torch.cuda.set_rng_state(state, index)
+
+    @contextlib.contextmanager
+    def in_use(self) -> Iterator[None]:
+        """Draw from this state in the body, and keep where the body left it for the next time."""
+        self.restore()
+        try:
+            yield
+        finally:
+            now = RandomState.current(self.device)
+            self.cpu, self.cuda = now.cpu, now.cuda
+
+
+# -- preparing a mode ---------------------------------------------------------------------------------
+@dataclass
+class PreparedMode:
+    """A mode ready to train: its networks, optimizers and batches, what preparing it measured, and, once it
+    has taken its turns, its step seconds and epoch losses."""
+
+    mode: str
+    row: dict  # what preparing measured: plan, casts, the measured step
+    model: nn.Module
+    nets: dict
+    optimizers: dict
+    precision: Precision
+    train: list
+    held_out: list
+    random: RandomState  # as a run of this mode alone has it when its epochs begin
+    search_seconds: float = 0.0
+    resident_bytes: int | None = None  # what the mode keeps on the GPU between its steps (None off GPU)
+    step_seconds: list[list[float]] = field(default_factory=list)  # per epoch, per batch
+    epoch_losses: list[float] = field(default_factory=list)
+    step_losses: list[torch.Tensor] = field(default_factory=list)  # of the epoch under way
+    step_peak_bytes: int = 0  # the most any step allocated above what was allocated when it began
+    error: str | None = None  # why it stopped taking turns
+
+    def fail(self, error: Exception) -> None:
+        traceback.print_exception(error, file=sys.stderr)
+        self.error = _error_text(error)
+
+
+def _error_text(error: Exception) -> str:
+    return f"{type(error).__name__}: {error}"[:500]
+
+
+def _held_bytes(device: torch.device) -> int | None:
+    """Bytes allocated on a GPU by live objects only (unreachable cycles collected first); None off GPU."""
+    if device.type != "cuda":
+        return None
+    gc.collect()
+    return allocated_bytes(device)
+
+
+def prepare_mode(spec: ModelSpec, config_name: str, mode: str, options: RunOptions, device: torch.device,
+                 low_dtype: torch.dtype) -> PreparedMode:
+    """Build, search or apply plans, count casts, compile if asked, and take the measured step (the warm-up)."""
+    held_before = _held_bytes(device)
     config = spec.config(config_name)
     torch.manual_seed(options.seed)
     model = spec.build(config).to(device)
@@ -237,48 +320,177 @@ def _train_and_measure(spec, config_name, mode, options, device, low_dtype) -> d
         nets = _compiled(nets, originals, plans, options.compile_backend)
     row.update(_measured_step(spec, nets, optimizers, train[0], precision, model, device))
     row.update(_backend_records(nets))
+    held_after = _held_bytes(device)
+    return PreparedMode(mode, row, model, nets, optimizers, precision, train, held_out,
+                        RandomState.current(device), search_seconds,
+                        None if held_before is None else held_after - held_before)
+
+
+# -- the modes taking turns -----------------------------------------------------------------------------
+def _timed_step(spec: ModelSpec, prepared: PreparedMode, batch, device: torch.device, read_clock) -> float:
+    """One training step of ``prepared`` on ``batch``, synchronised before and after; its seconds."""
     reset_peak_memory(device)
-    epochs = [_run_epoch(spec, nets, optimizers, train, precision, device, options.clock)
-              for _ in range(options.epochs)]
-    epoch_seconds = [seconds for seconds, _ in epochs]
-    # The first epoch can still include compilation and allocator warm-up; report the median of the rest.
-    steady = epoch_seconds[1:] or epoch_seconds
-    training_seconds = sum(epoch_seconds)
+    start_bytes = allocated_bytes(device)
+    synchronize(device)
+    start = read_clock()
+    loss = spec.train_step(spec, prepared.nets, prepared.optimizers, batch, prepared.precision)
+    synchronize(device)
+    seconds = read_clock() - start
+    if start_bytes is not None:
+        prepared.step_peak_bytes = max(prepared.step_peak_bytes, peak_memory_bytes(device) - start_bytes)
+    prepared.step_losses.append(loss)  # read once per epoch: no extra device sync per step
+    return seconds
+
+
+def _take_turn(spec: ModelSpec, prepared: PreparedMode, batch_index: int, device: torch.device,
+               read_clock) -> None:
+    """``prepared``'s step on its batch ``batch_index``, drawing from its own random state; a failure ends its
+    turns (its row says why) and the other modes go on."""
+    try:
+        with prepared.random.in_use():
+            seconds = _timed_step(spec, prepared, prepared.train[batch_index], device, read_clock)
+    except Exception as error:  # one failing mode must not lose the others' rows
+        prepared.fail(error)
+        return
+    prepared.step_seconds[-1].append(seconds)
+
+
+def _end_epoch(prepared: PreparedMode) -> None:
+    losses, prepared.step_losses = prepared.step_losses, []
+    prepared.epoch_losses.append(float(torch.stack(losses).float().mean()))
+
+
+def train_in_turns(spec: ModelSpec, modes: list[PreparedMode], epochs: int, device: torch.device,
+                   clock: str = "wall") -> None:
+    """Train ``modes`` for ``epochs`` epochs taking turns: per batch, one step of each, in rotating order.
+
+    In turn ``t`` (counted over every batch of every epoch) the modes still training run in the order
+    :func:`compfx.measure.interleaved_order` gives (``t mod n, t+1 mod n, ...``), so none always comes first and
+    pays, or gains, what the step before it leaves behind (caches, allocator state). Each step is timed on its
+    own with ``CLOCKS[clock]``; the results go into each mode's ``step_seconds`` and ``epoch_losses``.
+    """
+    read_clock = CLOCKS[clock]
+    batches = len(modes[0].train) if modes else 0  # the same spec, config and options: the same batch count
+    turn = 0
+    for _ in range(epochs):
+        for prepared in modes:
+            prepared.step_seconds.append([])
+        for batch_index in range(batches):
+            training = [prepared for prepared in modes if prepared.error is None]
+            for position in interleaved_order(len(training), turn) if training else ():
+                _take_turn(spec, training[position], batch_index, device, read_clock)
+            turn += 1
+        for prepared in modes:
+            if prepared.error is None:
+                _end_epoch(prepared)
+
+
+# -- each mode's row ----------------------------------------------------------------------------------
+def _steady(per_epoch: list) -> list:
+    """The epochs after the first (it can still include compilation and allocator warm-up), or the only one."""
+    return per_epoch[1:] or per_epoch
+
+
+def _ratio_interval(steps: list[list[float]], fp32_steps: list[list[float]]) -> dict:
+    """Median and 95% interval (:func:`compfx.measure.median_interval`) of the per-batch ratios of ``steps`` to
+    FP32's step on the same batch of the same epoch, over the steady epochs."""
+    ratios = [mine / theirs for epoch, fp32_epoch in zip(_steady(steps), _steady(fp32_steps))
+              for mine, theirs in zip(epoch, fp32_epoch)]
+    low, high, coverage = median_interval(ratios, 0.95)
+    return {"median": statistics.median(ratios), "low": low, "high": high, "coverage": coverage,
+            "pairs": len(ratios)}
+
+
+def _peak_memory(prepared: PreparedMode) -> int | None:
+    """A mode's GPU peak as if it trained alone: what it keeps on the GPU plus the most its steps allocated on
+    top; the device-wide peak would also hold the other modes' tensors."""
+    if prepared.resident_bytes is None:
+        return None
+    return prepared.resident_bytes + prepared.step_peak_bytes
+
+
+def finish_row(spec: ModelSpec, prepared: PreparedMode, fp32_steps: list[list[float]] | None) -> dict:
+    """The measurements of a mode that took its turns: epoch and step times, their spread (against FP32's steps
+    where FP32 trained too), the last epoch's loss, peak memory, the metric, the search's share."""
+    row = dict(prepared.row)
+    epoch_seconds = [sum(steps) for steps in prepared.step_seconds]
+    steady_steps = [seconds for steps in _steady(prepared.step_seconds) for seconds in steps]
+    with prepared.random.in_use():  # evaluated where a run of this mode alone would be
+        metric = evaluate(spec, prepared.model, prepared.held_out)
     row.update(
-        epoch_seconds=epoch_seconds, time_per_epoch_s=statistics.median(steady),
-        final_train_loss=epochs[-1][1], peak_memory_bytes=peak_memory_bytes(device),
-        metric_name=spec.metric_name, metric=evaluate(spec, model, held_out),
+        epoch_seconds=epoch_seconds, time_per_epoch_s=statistics.median(_steady(epoch_seconds)),
+        step_seconds=prepared.step_seconds, step_median_s=statistics.median(steady_steps),
+        final_train_loss=prepared.epoch_losses[-1], peak_memory_bytes=_peak_memory(prepared),
+        metric_name=spec.metric_name, metric=metric,
     )
+    if fp32_steps is not None and prepared.mode != "fp32":
+        row["time_vs_fp32"] = _ratio_interval(prepared.step_seconds, fp32_steps)
     if "search" in row:
-        row.update(search_s=search_seconds, search_share=search_seconds / (search_seconds + training_seconds))
+        search_seconds = prepared.search_seconds
+        row.update(search_s=search_seconds, search_share=search_seconds / (search_seconds + sum(epoch_seconds)))
     return row
 
 
-def run_benchmark(spec: ModelSpec, config_name: str, mode: str, options: RunOptions) -> dict:
-    """Train ``spec`` at ``config_name`` in ``mode``; a row of measurements (never raises for a model).
+# -- the runner's entry points ------------------------------------------------------------------------
+def _row_identity(spec: ModelSpec, config_name: str, mode: str, options: RunOptions, device: torch.device,
+                  low_dtype: torch.dtype) -> dict:
+    return {"model": spec.name, "config": config_name, "mode": mode, "compiled": options.compile,
+            "data": options.data if options.data == "synthetic" else f"real: {spec.real_data}",
+            "device": str(device), "low_dtype": dtype_name(low_dtype), "epochs": options.epochs}
 
-    The host allocator is settled before the first mode trains (:func:`compfx.measure.settle_host_allocator`),
-    as compfx's search settles it: every mode of the process then trains under the same allocator.
+
+def _error_row(identity: dict, error: str) -> dict:
+    return {**identity, "status": "error", "error": error}
+
+
+def run_modes(spec: ModelSpec, config_name: str, modes: list[str], options: RunOptions) -> list[dict]:
+    """Train ``spec`` at ``config_name`` in each of ``modes``, taking turns; one row per mode, in that order.
+
+    Never raises for a model: a mode that fails (while prepared, training or evaluated) gets an error row and
+    the others go on. The host allocator is settled first (:func:`compfx.measure.settle_host_allocator`), as
+    compfx's search settles it: every mode then trains under the same allocator.
     """
     device = resolve_device(options.device)
     settle_host_allocator(device)
     low_dtype = default_low_dtype(device, options.low_dtype)
     if options.threads is not None:
         torch.set_num_threads(options.threads)
-    row = {"model": spec.name, "config": config_name, "mode": mode, "compiled": options.compile,
-           "data": options.data if options.data == "synthetic" else f"real: {spec.real_data}",
-           "device": str(device), "low_dtype": dtype_name(low_dtype), "epochs": options.epochs}
-    if mode == "compfx":
-        status = compfx_status()
+    identities = [_row_identity(spec, config_name, mode, options, device, low_dtype) for mode in modes]
+    rows: list[dict | None] = [None] * len(modes)
+    prepared: dict[int, PreparedMode] = {}
+    for index, mode in enumerate(modes):
+        status = compfx_status() if mode == "compfx" else "available"
         if status != "available":
-            return {**row, "status": status}
-    try:
-        row.update(_train_and_measure(spec, config_name, mode, options, device, low_dtype))
-    except Exception as error:  # one failing model must not lose the others' rows
-        traceback.print_exc(file=sys.stderr)
-        return {**row, "status": "error", "error": f"{type(error).__name__}: {error}"[:500]}
-    return {**row, "status": "ok"}
+            rows[index] = {**identities[index], "status": status}
+            continue
+        try:
+            prepared[index] = prepare_mode(spec, config_name, mode, options, device, low_dtype)
+        except Exception as error:  # one failing mode must not lose the others' rows
+            traceback.print_exception(error, file=sys.stderr)
+            rows[index] = _error_row(identities[index], _error_text(error))
+    train_in_turns(spec, list(prepared.values()), options.epochs, device, options.clock)
+    trained = {index: each for index, each in prepared.items() if each.error is None}
+    fp32_steps = next((each.step_seconds for each in trained.values() if each.mode == "fp32"), None)
+    in_turns = [each.mode for each in prepared.values()]
+    for index, each in prepared.items():
+        rows[index] = _finished_row(spec, each, fp32_steps, identities[index], in_turns)
+    return rows
 
+
+def _finished_row(spec: ModelSpec, prepared: PreparedMode, fp32_steps, identity: dict, in_turns: list) -> dict:
+    if prepared.error is not None:
+        return _error_row(identity, prepared.error)
+    try:
+        row = finish_row(spec, prepared, fp32_steps)
+    except Exception as error:  # one failing mode must not lose the others' rows
+        traceback.print_exception(error, file=sys.stderr)
+        return _error_row(identity, _error_text(error))
+    return {**identity, **row, "modes_in_turns": in_turns, "status": "ok"}
+
+
+def run_benchmark(spec: ModelSpec, config_name: str, mode: str, options: RunOptions) -> dict:
+    """Train ``spec`` at ``config_name`` in ``mode`` alone (:func:`run_modes` with one mode); its row."""
+    return run_modes(spec, config_name, [mode], options)[0]
 
 def options_dict(options: RunOptions) -> dict:
     return asdict(options)

@@ -57,24 +57,43 @@ def _percent(fraction) -> float | None:
     return None if fraction is None else round(100 * fraction, 2)
 
 
-def _table_row(row: dict) -> list:
+def _table_row(row: dict, fp32: dict) -> list:
     paper = row.get("paper") or {}
     mode = row["mode"] + ("+compile" if row.get("compiled") else "")
     return [
         row["model"], mode, row["status"] if row["status"] == "ok" else row["status"][:40],
-        _round(row.get("time_per_epoch_s")), _mb(row.get("saved_activation_bytes")), _mb(row.get("peak_memory_bytes")),
+        _round(row.get("time_per_epoch_s")), "" if row is fp32 else _time_vs_fp32(row, fp32),
+        _mb(row.get("saved_activation_bytes")), _mb(row.get("peak_memory_bytes")),
         _round(row.get("final_train_loss")), _percent(row.get("metric")), _round(row.get("search_share"), 3),
         row.get("casts_forward"), row.get("casts_graph"),
         paper.get("time_a100_s"), paper.get("peak_memory_mb"), paper.get("accuracy_pct"),
     ]
 
 
-_HEADERS = ["model", "mode", "status", "s/epoch", "saved act. MB", "GPU peak MB", "train loss", "metric %",
-            "search share", "casts fwd", "casts graph", "paper s/epoch A100", "paper GPU MB", "paper acc. %"]
+_HEADERS = ["model", "mode", "status", "s/epoch", "time vs FP32", "saved act. MB", "GPU peak MB", "train loss",
+            "metric %", "search share", "casts fwd", "casts graph", "paper s/epoch A100", "paper GPU MB",
+            "paper acc. %"]
+
+
+def _fp32_rows(rows: list[dict]) -> dict[tuple, dict]:
+    """The ok FP32 row of each (model, config, eager/compiled): what the other modes' times are compared with."""
+    return {(row["model"], row.get("config"), bool(row.get("compiled"))): row for row in rows
+            if row["mode"] == "fp32" and row["status"] == "ok"}
 
 
 def markdown_table(rows: list[dict]) -> str:
-    return tabulate([_table_row(row) for row in rows], headers=_HEADERS, tablefmt="github", missingval="")
+    """Every row; "time vs FP32" as in :func:`comparison_table`.
+
+    >>> rows = [{"model": "m", "mode": "fp32", "status": "ok", "time_per_epoch_s": 2.0},
+    ...         {"model": "m", "mode": "amp", "status": "ok", "time_per_epoch_s": 1.0,
+    ...          "time_vs_fp32": {"median": 0.53, "low": 0.51, "high": 0.55}}]
+    >>> [line.split("|")[5].strip() for line in markdown_table(rows).splitlines()[2:]]
+    ['', '0.53x (0.51-0.55)']
+    """
+    fp32_rows = _fp32_rows(rows)
+    lines = [_table_row(row, fp32_rows.get((row["model"], row.get("config"), bool(row.get("compiled"))), {}))
+             for row in rows]
+    return tabulate(lines, headers=_HEADERS, tablefmt="github", missingval="")
 
 
 _COMPARED = ("fp32", "amp", "compfx")
@@ -82,6 +101,15 @@ _COMPARED = ("fp32", "amp", "compfx")
 
 def _ratio_to_fp32(value, fp32) -> str:
     return "" if value is None or not fp32 else f"{value / fp32:.2f}x"
+
+
+def _time_vs_fp32(row: dict, fp32: dict) -> str:
+    """``row``'s time as a multiple of FP32's: where the modes took turns, the median of its per-batch step ratios
+    to FP32 and their 95% interval (``time_vs_fp32``); for rows without it, the ratio of the epoch times."""
+    ratio = row.get("time_vs_fp32")
+    if ratio:
+        return f"{ratio['median']:.2f}x ({ratio['low']:.2f}-{ratio['high']:.2f})"
+    return _ratio_to_fp32(row.get("time_per_epoch_s"), fp32.get("time_per_epoch_s"))
 
 
 def _per_net(row: dict, key: str, fmt: str) -> str:
@@ -95,12 +123,18 @@ def _per_net(row: dict, key: str, fmt: str) -> str:
 def comparison_table(rows: list[dict]) -> str:
     """One line per model: compfx and AMP against FP32 (time, saved activations, metric, casts).
 
+    Time: the median per-batch step ratio to FP32 with its 95% interval where the row has it (the modes took
+    turns), else the ratio of the epoch times.
+
     >>> rows = [{"model": "m", "mode": mode, "status": "ok", "time_per_epoch_s": t, "saved_activation_bytes": 2 ** 20,
     ...          "metric": 0.5, "casts_forward": c, "search_share": share,
     ...          "search": {"model": {"search_fp32_epochs": 3.04, "predictor_error_pct": 4.2}} if share else None}
     ...         for mode, t, c, share in (("fp32", 1.0, 0, None), ("amp", 2.0, 9, None), ("compfx", 1.1, 1, 0.25))]
     >>> [cell.strip() for cell in comparison_table(rows).splitlines()[2].split("|")[1:-1]]
     ['m', '1.0000 s', '2.00x', '1.10x', '1.000 MB', '1.00x', '1.00x', '50.0 / 50.0 / 50.0', '9 / 1', '25%', '3.0', '4.2%']
+    >>> rows[2]["time_vs_fp32"] = {"median": 1.02, "low": 0.98, "high": 1.07}
+    >>> comparison_table(rows).splitlines()[2].split("|")[4].strip()
+    '1.02x (0.98-1.07)'
     """
     by_model: dict[str, dict[str, dict]] = {}
     for row in rows:
@@ -114,7 +148,7 @@ def comparison_table(rows: list[dict]) -> str:
         share = ours.get("search_share")
         lines.append([
             model, "" if time0 is None else f"{time0:.4f} s",
-            _ratio_to_fp32(amp.get("time_per_epoch_s"), time0), _ratio_to_fp32(ours.get("time_per_epoch_s"), time0),
+            _time_vs_fp32(amp, fp32), _time_vs_fp32(ours, fp32),
             "" if memory0 is None else f"{memory0 / _MB:.3f} MB",
             _ratio_to_fp32(amp.get("saved_activation_bytes"), memory0),
             _ratio_to_fp32(ours.get("saved_activation_bytes"), memory0),
@@ -148,8 +182,11 @@ def _markdown(rows: list[dict], meta: dict) -> str:
         f"{meta['batches']} batches; data: {meta['data']}; compfx: {meta['compfx']}; "
         f"{meta.get('threads', '?')} thread(s); times: {_clock_words(meta)}.",
         "",
-        "s/epoch: median of epochs after the first (the only one if epochs=1). saved act. MB: bytes saved for "
+        "s/epoch: median of epochs after the first (the only one if epochs=1). time vs FP32: the modes of a model "
+        "take turns, one step each per batch; the median of a mode's per-batch step ratios to FP32's, over the same "
+        "epochs, with its 95% interval. saved act. MB: bytes saved for "
         "backward in one step, measured with saved-tensor hooks, excluding the parameters' own storages. "
+        "GPU peak MB: what the mode keeps on the GPU plus the most one of its steps allocated on top. "
         "metric: evaluated in FP32 eval mode on held-out batches with the weights each mode trained. "
         "casts fwd: dtype casts in one traced forward (make_fx under the mode's autocast). "
         "Paper columns: CoMP paper Tables 4-7 (GPU, real datasets, 100 epochs) for matching paper-config rows.",

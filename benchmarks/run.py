@@ -5,6 +5,12 @@ From the repository root::
     python -m benchmarks.run --models all --config small --epochs 1 --batches 4 --modes fp32 amp
     python -m benchmarks.run --models alexnet_cifar vgg16_cifar --config paper --data synthetic --device auto
 
+Per model (and per eager or compiled pass) the modes take turns (:func:`benchmarks.harness.run_modes`): each is
+prepared (compfx searches), then for every batch each mode trains one step on it, timed on its own, in an order
+that rotates each batch. Trained one after the other, drift of a shared machine between the modes (compfx's
+epoch always came last, after its search) would read as a difference between them; taking turns, it hits them
+alike, and each row's ``time_vs_fp32`` gives its per-batch step ratio to FP32 with a 95% interval.
+
 Writes ``benchmarks/results/<device-name>/<config>-<data>[-compile].json`` and ``.md``
 and prints the markdown table. compfx mode needs ``compfx.optimize``; while it is
 missing, its rows say "not available" and the rest still run.
@@ -20,14 +26,16 @@ import torch
 
 from compfx.vocabulary import dtype_name
 
-from .harness import RunOptions, default_low_dtype, options_dict, resolve_device, run_benchmark
+from .harness import RunOptions, default_low_dtype, options_dict, resolve_device, run_modes
 from .models import MODELS, get_spec
 from .modes import MODES, compfx_status
 from .report import attach_paper_figures, device_name, markdown_table, plot_results, write_results
 
-__all__ = ["main", "parse_args", "run_all"]
+__all__ = ["main", "parse_args", "run_all", "TIMING"]
 
 _DEFAULT_OUT = Path(__file__).resolve().parent / "results"
+#: how the rows' times were taken, for the results' meta
+TIMING = "modes in turns: one step each per batch, the order rotating each batch, each step timed on its own"
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -75,14 +83,13 @@ def _options(args: argparse.Namespace, compiled: bool) -> RunOptions:
 
 
 def run_all(args: argparse.Namespace, log=print) -> list[dict]:
-    """Every (model, mode, eager/compiled) row, in that order."""
+    """Every (model, mode, eager/compiled) row, in that order; a model's modes take turns (:func:`run_modes`)."""
     rows = []
     for compiled in ([False, True] if args.compile else [False]):
         options = _options(args, compiled)
         for name in args.models:
-            for mode in args.modes:
-                row = run_benchmark(get_spec(name), args.config, mode, options)
-                log(f"{name:16s} {mode + ('+compile' if compiled else ''):16s} {row['status']:10s} "
+            for row in run_modes(get_spec(name), args.config, args.modes, options):
+                log(f"{name:16s} {row['mode'] + ('+compile' if compiled else ''):16s} {row['status']:10s} "
                     f"{row.get('time_per_epoch_s', float('nan')):.4f} s/epoch", file=sys.stderr)
                 rows.append(row)
     return rows
@@ -98,7 +105,7 @@ def main(argv=None) -> int:
         "low_dtype": dtype_name(default_low_dtype(device, args.low_dtype)),
         "compfx": compfx_status(), "argv": sys.argv[1:] if argv is None else list(argv),
         "options": options_dict(_options(args, args.compile)),
-        "threads": torch.get_num_threads(),
+        "threads": torch.get_num_threads(), "timing": TIMING,
     }
     stem = f"{args.config}-{args.data}" + ("-compile" if args.compile else "")
     paths = write_results(rows, meta, args.out, stem)
