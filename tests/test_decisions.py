@@ -45,9 +45,12 @@ class NoisyDevice:
         for _ in range(BATCHES):
             yield 1.0, self.step(plan)
 
-    def evaluator(self) -> FunctionEvaluator:
+    def evaluator(self, turns: bool = False) -> FunctionEvaluator:
+        """``turns``: it also runs epochs taking turns (each plan's a generator of its own, advanced by the search
+        in turns, the noise drawn in that order)."""
+        in_turns = (lambda plans: [self.run_epoch(plan) for plan in plans]) if turns else None
         return FunctionEvaluator(run_epoch=self.run_epoch, time_step=self.step, check_loss=lambda plan, n: 1.0,
-                                 saved_bytes=self.saved)
+                                 saved_bytes=self.saved, run_epochs_taking_turns=in_turns)
 
 
 def uniform(spread: float):
@@ -64,9 +67,9 @@ def near_tie(code: str) -> float:
     return 1.0 + 0.002 * (sum(c == "0" for c in code) % 5)
 
 
-def search(device: NoisyDevice, **config):
+def search(device: NoisyDevice, turns: bool = False, **config):
     settings_ = dict(progress=False, stage2_check_batches=0, predictor="off", **config)
-    return run_search(SPACE, device.evaluator(), SearchConfig(**settings_))
+    return run_search(SPACE, device.evaluator(turns), SearchConfig(**settings_))
 
 
 # -- the statistics -------------------------------------------------------------------------------
@@ -120,9 +123,10 @@ def test_near_ties_resolve_to_the_first_incumbent_whatever_the_noise(noise):
     assert str(search(device).plan) == AMP
 
 
+@pytest.mark.parametrize("turns", [False, True], ids=["epochs alone", "epochs taking turns"])
 @pytest.mark.parametrize("noise", [uniform(0.05), heavy_tailed], ids=["uniform 5%", "heavy-tailed"])
-def test_near_ties_resolve_to_the_same_plan_in_every_run_of_a_noisy_machine(noise):
-    plans = {str(search(NoisyDevice(near_tie, noise, seed)).plan) for seed in range(25)}
+def test_near_ties_resolve_to_the_same_plan_in_every_run_of_a_noisy_machine(noise, turns):
+    plans = {str(search(NoisyDevice(near_tie, noise, seed), turns).plan) for seed in range(25)}
     assert plans == {AMP}
 
 
@@ -151,9 +155,15 @@ def test_a_candidate_faster_by_more_than_the_margin_and_the_noise_wins(noise):
 
 
 def test_a_clear_win_wins_in_every_run_of_a_noisy_machine():
-    # (under heavy-tailed noise a Stage-1 epoch hit by bursts can cost more than the bar and be pruned: the
+    # (under heavy-tailed noise a Stage-1 epoch alone hit by bursts can cost more than the bar and be pruned: the
     # epoch's sum is what pruning needs, and it is not robust; then the incumbent stays, which is a tie's outcome)
     assert {str(search(NoisyDevice(clear_win, uniform(0.05), seed)).stage1.best.plan) for seed in range(15)} == {FASTER}
+
+
+def test_a_clear_win_taking_turns_wins_in_every_run_even_under_heavy_tailed_noise():
+    # taking turns with the incumbent's epoch, a candidate is judged on the pairs' median: a burst moves it by a rank
+    plans = {str(search(NoisyDevice(clear_win, heavy_tailed, seed), turns=True).stage1.best.plan) for seed in range(15)}
+    assert plans == {FASTER}
 
 
 def test_a_candidate_faster_by_less_than_the_margin_does_not_win():
@@ -462,28 +472,65 @@ def test_fp32s_plan_faster_by_the_margin_on_the_pairs_wins_and_amps_epoch_stops_
     assert duel["replaces"] and len(duel["seconds"][0]) == 7
 
 
-def test_candidates_are_screened_against_the_incumbents_epoch_alone_not_its_epoch_in_turns():
-    # steps taking turns run 5% slower than in an epoch alone (caches); a candidate 1% faster than AMP's plan, alone,
-    # is a near tie. Against AMP's epoch in turns it would pass the screen by 6% and cost a duel; the incumbent's
-    # epoch runs again alone before the first candidate's, and the screen holds the candidate back
-    def true(code):
-        return 0.99 if code == FASTER else 1.0
+def _bursty(true, burst: float, batches: int):
+    """An evaluator whose every step runs ``burst`` x slower while FASTER's epoch runs (another job's burst): alone,
+    or taking turns with another plan's. Counts the duel's steps."""
+    duel_steps = []
 
-    rng, duel_steps = random.Random(0), []
+    def epoch(plan, slow):
+        for _ in range(batches):
+            yield 1.0, true(str(plan)) * slow
 
-    def epoch(plan, slower=1.0):
-        for _ in range(BATCHES):
-            yield 1.0, true(str(plan)) * slower * (1.0 + rng.uniform(-0.002, 0.002))
+    def in_turns(plans):
+        slow = burst if FASTER in map(str, plans) else 1.0
+        return [epoch(plan, slow) for plan in plans]
 
-    evaluator = FunctionEvaluator(
-        run_epoch=epoch, time_step=lambda plan: duel_steps.append(plan) or true(str(plan)),
-        run_epochs_taking_turns=lambda plans: [epoch(plan, slower=1.05) for plan in plans])
+    return FunctionEvaluator(run_epoch=lambda plan: epoch(plan, burst if str(plan) == FASTER else 1.0),
+                             time_step=lambda plan: duel_steps.append(plan) or true(str(plan)),
+                             run_epochs_taking_turns=in_turns), duel_steps
+
+
+def test_a_burst_during_a_candidates_epoch_taking_turns_slows_the_incumbents_steps_alike():
+    # FASTER is truly 10% faster; another job slows every step by 30% while its epoch runs. Its epoch taking turns
+    # with the incumbent's: every pair sees the burst, their ratios are 0.9, and it wins on them without a duel
+    true = lambda code: 0.9 if code == FASTER else 1.0  # noqa: E731
+    evaluator, duel_steps = _bursty(true, burst=1.3, batches=8)
     log = SearchLog()
     result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
-    assert str(result.best.plan) == AMP and result.first_epochs_in_turns
-    again = [r for r in log.samples() if r.plan == AMP and r.reason.startswith("the incumbent, its epoch again")]
-    assert len(again) == 1 and again[0].cost < 0.97 * 1.05 * BATCHES  # alone: its epoch without the 5%
-    assert not duel_steps  # no candidate got past the screen: no duel was timed
+    assert str(result.best.plan) == FASTER and not duel_steps
+    (duel,) = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra and r.extra[DUEL]["candidate"] == FASTER]
+    assert duel["replaces"] and duel["epoch_pairs"] == 7
+    again = [r for r in log.samples() if r.reason.startswith("the incumbent, its epoch again")]
+    # the incumbent's epoch, once per candidate (AMP's, then FASTER's once it won), not budgeted
+    assert again[0].plan == AMP and {r.plan for r in again} == {AMP, FASTER}
+    # its epoch alone, compared with the incumbent's epoch from before the burst, costs 1.17x: pruned, AMP's kept
+    alone = FunctionEvaluator(run_epoch=evaluator.run_epoch, time_step=evaluator.time_step)
+    assert str(run_stage1(SPACE, alone, rule=DecisionRule(margin=0.03, rounds=7)).best.plan) == AMP
+
+
+def test_a_near_tie_taking_turns_with_the_incumbent_is_stopped_on_its_pairs_without_a_duel():
+    # FASTER 1% faster: its pairs' median ratio, 0.99, is not below the bar (0.97). After its first block of pairs
+    # it stops, as the duel would keep the incumbent; no step is timed outside the epochs
+    true = lambda code: 0.99 if code == FASTER else 1.0  # noqa: E731
+    evaluator, duel_steps = _bursty(true, burst=1.0, batches=8)
+    log = SearchLog()
+    result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+    assert str(result.best.plan) == AMP and not duel_steps
+    (faster,) = [r for r in log.samples() if r.plan == FASTER]
+    assert faster.status == "pruned" and "median over 7 pairs), not below 0.97: it cannot win" in faster.reason
+
+
+def test_a_short_epoch_taking_turns_screens_on_its_pairs_before_a_duel():
+    # 6 batches: 5 pairs, fewer than a block. A near tie's pairs screen it out (no duel); a clear win's pass, and its
+    # duel times blocks of its own (5 pairs cannot give the rule's confidence)
+    for factor, winner, duels in ((0.99, AMP, 0), (0.8, FASTER, 14)):
+        true = lambda code, factor=factor: factor if code == FASTER else 1.0  # noqa: E731
+        evaluator, duel_steps = _bursty(true, burst=1.0, batches=6)
+        log = SearchLog()
+        result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+        assert str(result.best.plan) == winner and len(duel_steps) == duels
+        (faster,) = [r for r in log.samples() if r.plan == FASTER and "its epoch again" not in r.reason]
+        assert ("batch_verdict" in faster.extra) == (winner == AMP)
 
 
 def test_an_undecided_duel_of_the_epochs_in_turns_takes_more_blocks_as_any_duel_does():

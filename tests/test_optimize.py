@@ -157,7 +157,9 @@ def test_bert_from_config_end_to_end():
     assert "chosen plan" in report and "greedy" in report  # 10 adjustable ops: the space was reduced, and said so
     samples = result.log.samples("stage1")
     again = [r for r in samples if r.reason.startswith("the incumbent, its epoch again")]
-    assert len(again) == 1  # after FP32's and AMP's epochs took turns, before the first candidate's: not budgeted
+    candidates = [r.plan for r in samples if r not in again][2:]  # after FP32's and AMP's, which took turns
+    # each candidate's epoch took turns with the incumbent's, which ran again for the pairs: not budgeted
+    assert [r.reason.split("taking turns with ")[1].split("'s")[0] for r in again] == candidates
     assert len(samples) - len(again) == 5  # the FP32 baseline + stage1_budget
 
 

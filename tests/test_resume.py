@@ -99,7 +99,7 @@ def test_resumed_search_picks_the_plan_of_an_uninterrupted_one(tmp_path_factory,
     # (its samples were replayed): in the uninterrupted run they all had.
     compared = len([r for r in resumed.log.samples(Stage.COMPARE) if r.status == "accepted"])
     assert len(resumed_calls) - (total - sum(map(loss_calls, logged)) + retrained) in (0, compared)
-    # (the incumbent's epoch alone, after FP32's and AMP's took turns, is its second sample by design)
+    # (the incumbent's epoch again, taking turns with a candidate's, is another sample of it by design)
     samples = [(r.stage, r.plan) for r in SearchLog.read(path).samples()
                if r.stage is not Stage.COMPARE and not r.reason.startswith("the incumbent, its epoch again")]
     duels = [(d["incumbent"], d["candidate"]) for d in (r.extra.get(DUEL) for r in SearchLog.read(path).notes()) if d]

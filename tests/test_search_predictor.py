@@ -82,6 +82,18 @@ def test_plan_predicted_over_the_margin_of_the_measured_best_is_skipped_when_the
     assert all(SKIP.fullmatch(r.reason) for r in skipped)
 
 
+def test_plan_the_profiles_show_can_win_is_sampled_though_predicted_over_the_incumbents_measured_cost():
+    # the profiles' seconds run 40% over the epochs' (another phase, no duel yet to scale them): "01", predicted
+    # 5% under the incumbent's predicted cost, is 1.3x AMP's measured cost. Like for like it can win, so it runs
+    measured = {"11": 1.0, "00": 0.5, "01": 0.45, "10": 0.6}
+    predicted = {"00": 0.7, "01": 0.665, "10": 0.9}
+    calls, records = [], []
+    result = run_stage1(space(), epochs(measured.__getitem__, calls), predict=by_code(predicted),
+                        report=records.append, rule=DecisionRule(margin=0.03, rounds=0))
+    assert calls == ["11", "00", "01"] and str(result.best.plan) == "01"  # "10" (0.9 predicted) cannot win
+    assert not any(r.plan == "01" and r.status == "skipped" for r in records)
+
+
 def test_stage1_stops_when_the_bounds_show_nothing_left_can_win():
     measured = {"11": 1.0, "00": 0.5, "01": 0.45, "10": 0.45}
     bound = {"00": 0.5, "01": 0.49, "10": 0.6}  # at 3% margin the bar is 0.485: neither bound is below it

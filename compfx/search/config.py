@@ -82,9 +82,11 @@ class SearchConfig:
       does, on the loader's first batch; per rank under ``torch.distributed``);
       plans over it are rejected before they run. None: no limit.
     * ``predictor``: ``"on"`` profiles each op once (cached, see :mod:`compfx.costmodel`),
-      runs Stage-1 candidates cheapest-predicted first and skips those whose
-      predicted cost exceeds ``predictor_margin`` times the best measured accepted
-      cost; ``"off"`` measures every candidate (the exact CoMP search).
+      skips Stage-1 candidates the profiles show cannot beat the incumbent by
+      more than ``margin`` (their predicted cost against the incumbent's), and,
+      where the incumbent cannot be priced, those whose predicted cost exceeds
+      ``predictor_margin`` times its measured cost; ``"off"`` measures every
+      candidate (the exact CoMP search).
     * ``early_stop``: with the cost model on, a Stage-1 sample stops once its
       pace, batch for batch against the incumbent's, projects its epoch cost
       more than this fraction over the most it may cost to challenge the

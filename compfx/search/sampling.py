@@ -708,6 +708,7 @@ class _Turns:
 
     def _epoch(self, j: int):
         sampler, module = self.sampler, self.modules[j]
+        out_of_memory = False
         try:
             index = 0
             while True:
@@ -724,8 +725,13 @@ class _Turns:
                 return None
             sampler._note_bound(index)
             return snapshot_state(sampler.model, sampler.optimizer)
+        except torch.cuda.OutOfMemoryError:
+            out_of_memory = True
+            raise
         finally:
             self._close(j)
+            if out_of_memory:  # its copy is dropped: let the next steps start with the memory it held, as alone
+                torch.cuda.empty_cache()
 
     def _close(self, j: int) -> None:
         self.open.discard(j)

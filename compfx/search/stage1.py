@@ -12,7 +12,13 @@ cheapest accepted plan wins, ties going to the earlier sample. When the plans
 (``2**k`` without FP8) exceed the budget the space is reduced (:func:`stage1_plan_space` says how)
 and a note is logged.
 
-**Exact-safe pruning.** A sample stops as soon as its running cost,
+**Candidates take turns with the incumbent.** Where the evaluator can run
+epochs in turns, each candidate's epoch runs with the incumbent's again, on
+the same batches (:meth:`_Stage1._sample_taking_turns`): the screen and the
+pruning look at their pairs, by the decision rule's own verdict, and the pairs
+open their duel. A burst of other work then slows both plans' steps alike.
+
+**Exact-safe pruning.** A sample run alone stops as soon as its running cost,
 ``evaluator.cost(plan, seconds so far)``, reaches the best accepted cost (it
 cannot win: costs only grow and ties go to the earlier sample), or as soon as
 a batch loss is NaN/inf (the epoch mean cannot be finite). This is exact --
@@ -41,7 +47,7 @@ from ..errors import BadInputError, PlanFailedError, SearchError
 from ..measure import interleaved_order
 from ..plan import AMP_PRECISION, Assignment
 from ..vocabulary import Category, Precision, SampleStatus, Stage
-from .compare import Comparison, DecisionRule, Verdict, duel, log_duel
+from .compare import MAX_DUEL_BLOCKS, Comparison, DecisionRule, Verdict, duel, log_duel
 from .convergence import is_accepted, loss_limit
 from .log import BATCH_VERDICT, CANNOT_WIN, NOTHING_CAN_WIN, PRUNED_AT, SAVED_BYTES, STOPPED_EARLY
 from .outcome import (Outcome, PriceVersion, ProgramIndex, Reporter, checked_cost, cost_unit, failure_reason,
@@ -175,6 +181,22 @@ def cannot_win_message(predicted: float, bar: float, margin: float, unit: str = 
 def _alternatives(space: SearchSpace, plan: Assignment, i: int) -> list[Assignment]:
     """``plan`` with op ``i`` at each of its other Stage-1 levels."""
     return [plan.replaced([i], level) for level in space.levels(i) if level is not plan[i]]
+
+
+@dataclass
+class _Paired:
+    """A candidate's epoch run taking turns with the incumbent's (:meth:`_Stage1._sample_taking_turns`)."""
+
+    incumbent: Outcome  # the incumbent's epoch again: its batches are the pairs' first halves
+    outcome: Outcome  # the candidate's sample
+    saves_less: bool  # the candidate saves fewer activation bytes than the incumbent (the rule's looser bar)
+    verdict: Verdict | None = None  # on the pairs at the last block
+
+    def pairs(self) -> tuple[list[float], list[float]]:
+        """(incumbent's, candidate's) seconds of the batches both ran, but the first (the duel's warm-up)."""
+        count = min(self.incumbent.batches, self.outcome.batches)
+        start = _TURNS_WARMUP if count > _TURNS_WARMUP else 0
+        return self.incumbent.batch_seconds[start:count], self.outcome.batch_seconds[start:count]
 
 
 class _Stage1:
@@ -720,10 +742,18 @@ class _Stage1:
         return True
 
     def skipped(self, plan: Assignment) -> bool:
-        """Log and skip ``plan`` when its predicted cost exceeds ``margin`` x the incumbent's measured cost.
+        """Log and skip ``plan`` when the profiles show it cannot beat the incumbent (:meth:`cannot_win`, like for
+        like); where the incumbent cannot be priced, when its predicted cost exceeds ``margin`` x the incumbent's
+        measured cost.
 
-        The cheap lower bound is tried first: when even it is over, the full
-        prediction (which can only be higher) is not computed.
+        Predicted and measured costs are compared only when nothing else can
+        be: the profiles' seconds are not the epochs' (they are taken in
+        another phase, and scaled only once a duel has measured both), and a
+        plan predicted 5% faster than the incumbent can read 30% slower than the
+        incumbent's measured epoch. Compared so, the same plan would be sampled
+        in one run and skipped in the next. The cheap lower bound is tried
+        first: when even it is over, the full prediction (which can only be
+        higher) is not computed.
         """
         if self.predict is None or self.best is None:
             return False
@@ -735,6 +765,8 @@ class _Stage1:
                               reason=cannot_win_message(figure, bar, self.rule.margin, cost_unit(self.evaluator)))
             self.report(outcome.record(Stage.STAGE1))
             return True
+        if math.isfinite(bar):  # priced like for like, and it can win
+            return False
         predicted = self.bound_cost(plan)
         name = "predicted_cost" if self.bound is None else "predicted_cost_lower_bound"  # which figure was over
         if not should_skip(predicted, self.best.cost, self.margin):
@@ -786,6 +818,158 @@ class _Stage1:
                           f"{best.plan} (cost {best.cost:.6g})")
         return True
 
+    # -- a candidate's epoch taking turns with the incumbent's -------------------------------------------------
+    def _sample_taking_turns(self, plan: Assignment) -> "_Paired | None":
+        """``plan``'s epoch and the incumbent's again, their steps taking turns on the same batches (each plan
+        training a copy of the state of its own); None, having run nothing, where they cannot take turns (then
+        ``plan``'s epoch runs alone and is compared with the incumbent's epoch alone).
+
+        A candidate's epoch alone is compared with the incumbent's from
+        another phase: on a shared machine the steps drift 10-35% for a
+        fraction of a second, and a near tie then goes one way in one run and
+        the other way in the next. Taking turns, every pair of steps sees the
+        same drift, and the pairs are the duel's first pairs. What would prune
+        the candidate alone is judged on the pairs instead, by the rule itself:
+        after each block of ``rule.rounds`` pairs, a median ratio at or over the
+        bar stops it (the duel would keep the incumbent there too); one whose pairs
+        show it faster by more than the margin, with confidence, goes on alone
+        to the end of its epoch, for its loss. With ``early_stop``, a candidate
+        whose pairs' median is more than that over the bar after
+        :data:`EARLY_STOP_MIN_BATCHES` pairs stops before its first block. The
+        incumbent's steps stop once the duel is decided or has taken
+        :data:`~compfx.search.compare.MAX_DUEL_BLOCKS` blocks' worth of pairs,
+        as a duel does.
+        """
+        best, turns = self.best, getattr(self.evaluator, "run_epochs_taking_turns", None)
+        if best is None or turns is None or not self.rule.rounds:
+            return None
+        try:
+            epochs = turns([best.plan, plan])
+        except PlanFailedError:  # the candidate does not build: alone, where its failure is recorded
+            return None
+        if epochs is None:
+            return None
+        paired = _Paired(Outcome(best.plan, SampleStatus.ACCEPTED), Outcome(plan, SampleStatus.REJECTED),
+                         self.saves_less(plan))
+        for outcome in (paired.incumbent, paired.outcome):
+            nbytes = self._bytes.get(outcome.plan)
+            if nbytes is not None:
+                outcome.extra[SAVED_BYTES] = nbytes
+        try:
+            self._advance_paired(epochs, paired)
+        finally:
+            for epoch in epochs:
+                epoch.close()
+        return paired
+
+    def _advance_paired(self, epochs, paired: "_Paired") -> None:
+        """Run the two epochs in turns: the incumbent's until the pairs decide, the candidate's to its end (or until
+        its pairs show it cannot win)."""
+        outcomes, running = (paired.incumbent, paired.outcome), [True, True]
+        most = MAX_DUEL_BLOCKS * self.rule.rounds
+        round_index = 0
+        while running[1]:
+            for j in interleaved_order(2, round_index):
+                if running[j]:
+                    running[j] = self._turn(epochs[j], outcomes[j], stops_search=False)
+            round_index += 1
+            if not (running[0] and running[1]):
+                running[0] = running[0] and running[1]  # the candidate's epoch ended: so do the pairs
+                continue
+            pairs = len(paired.pairs()[0])
+            if self._paired_too_slow(paired):
+                running[1] = False
+            elif pairs and pairs % self.rule.rounds == 0:
+                paired.verdict = self._verdict_on_pairs(paired)
+                if not paired.verdict.comparison.median < paired.verdict.bar and self.prune:
+                    self._cannot_win_on_pairs(paired)
+                    running[1] = False
+                elif self.rule.decided(paired.verdict) or pairs >= most:
+                    running[0] = False  # decided (or as many pairs as a duel takes): the candidate goes on alone
+            if not running[0]:
+                epochs[0].close()
+
+    def _verdict_on_pairs(self, paired: "_Paired") -> Verdict:
+        """The rule's verdict of the candidate against the incumbent on their pairs (the first pair, which creates
+        the optimizer's state again, is the duel's warm-up)."""
+        incumbent, candidate = paired.pairs()
+        comparison = Comparison.of([self.cost(paired.incumbent.plan, s) for s in incumbent],
+                                   [self.cost(paired.outcome.plan, s) for s in candidate])
+        verdict = self.rule.verdict(comparison, saves_less=paired.saves_less)
+        return replace(verdict, seconds=(tuple(incumbent), tuple(candidate)))
+
+    def _paired_too_slow(self, paired: "_Paired") -> bool:
+        """Early stop on pace, on the pairs: their median ratio more than ``early_stop`` over the bar after
+        :data:`EARLY_STOP_MIN_BATCHES` pairs (before the first block can decide)."""
+        incumbent, candidate = paired.pairs()
+        if self.early_stop is None or not self.prune or not EARLY_STOP_MIN_BATCHES <= len(candidate) < self.rule.rounds:
+            return False
+        ratio = Comparison.of([self.cost(paired.incumbent.plan, s) for s in incumbent],
+                              [self.cost(paired.outcome.plan, s) for s in candidate]).median
+        bar = self.rule.ratio_bar(paired.saves_less)
+        if not ratio > (1.0 + self.early_stop) * bar:
+            return False
+        outcome = paired.outcome
+        outcome.status, outcome.extra[STOPPED_EARLY] = SampleStatus.PRUNED, True
+        outcome.cost = self.cost(outcome.plan, outcome.seconds)
+        outcome.reason = (f"stopped early: taking turns with the incumbent {paired.incumbent.plan}, its cost is "
+                          f"{ratio:.3f} x the incumbent's (median over {len(candidate)} pairs), over "
+                          f"{1.0 + self.early_stop:g} x {bar:g}, the most it may cost to challenge it")
+        return True
+
+    def _cannot_win_on_pairs(self, paired: "_Paired") -> None:
+        outcome, verdict = paired.outcome, paired.verdict
+        outcome.status, outcome.cost = SampleStatus.PRUNED, self.cost(outcome.plan, outcome.seconds)
+        outcome.extra[PRUNED_AT] = verdict.bar
+        outcome.reason = (f"taking turns with the incumbent {paired.incumbent.plan}, its cost is "
+                          f"{verdict.comparison.median:.3f} x the incumbent's (median over "
+                          f"{len(verdict.comparison.ratios)} pairs), not below {verdict.bar:g}: it cannot win")
+
+    def _judge_pairs(self, paired: "_Paired") -> bool:
+        """Does the candidate (accepted, its epoch run in turns with the incumbent's) replace the incumbent? The
+        verdict on their pairs, with blocks of ``rule.rounds`` pairs more while it is undecided (a duel); logged.
+
+        The screen first: pairs whose median ratio is not below the bar run no
+        duel (they would decide it at its first look). Fewer pairs than a block
+        (a short epoch) screen, but the duel times blocks of its own: a verdict
+        on them would be less sure than the rule's ``confidence``.
+        """
+        pairs = paired.pairs()
+        if pairs[0]:
+            screen = self._verdict_on_pairs(paired)
+            if not screen.comparison.median < screen.bar:
+                paired.outcome.extra[BATCH_VERDICT] = (
+                    f"taking turns with the incumbent, its cost is {screen.comparison.median:.3f} x the incumbent's "
+                    f"(median over {len(pairs[0])} pairs), not below {screen.bar:g}: no duel")
+                return False
+        measured = pairs if len(pairs[0]) >= self.rule.rounds else ((), ())
+
+        def failed(error: PlanFailedError) -> None:
+            note(self.report, Stage.STAGE1, f"a further block of the duel of {paired.outcome.plan} with the "
+                 f"incumbent failed ({failure_reason(error)}); decided on the pairs so far",
+                 plan=str(paired.outcome.plan))
+
+        try:
+            verdict = duel(self.evaluator, self.rule, paired.incumbent.plan, paired.outcome.plan,
+                           saves_less=paired.saves_less, measured=measured, failed=failed)
+        except PlanFailedError as error:
+            note(self.report, Stage.STAGE1, f"duel of {paired.outcome.plan} with incumbent {paired.incumbent.plan} "
+                 f"failed ({failure_reason(error)}); incumbent kept", plan=str(paired.outcome.plan))
+            return False
+        log_duel(self.report, Stage.STAGE1, verdict, paired.incumbent.plan, paired.outcome.plan, self.rule.rounds,
+                 epoch_pairs=len(measured[0]))
+        self.duels.append((paired.incumbent.plan, paired.outcome.plan, verdict))
+        return verdict.replaces
+
+    def _record_incumbent_again(self, paired: "_Paired") -> None:
+        """Log the incumbent's epoch in turns (its batches, for a resumed search to replay): not a new sample."""
+        again = paired.incumbent
+        again.artifact = None
+        again.cost = self.cost(again.plan, again.seconds)
+        again.reason = (f"the incumbent, its epoch again, taking turns with {paired.outcome.plan}'s for "
+                        f"{again.batches} batches: their pairs are the duel's")
+        self.report(again.record(Stage.STAGE1))
+
     def try_plan(self, plan: Assignment) -> bool:
         """Sample ``plan`` (once); True when it replaced the incumbent."""
         if plan in self.seen:
@@ -797,15 +981,22 @@ class _Stage1:
         if over:
             self._record(Outcome(plan, SampleStatus.REJECTED, reason=over, extra={SAVED_BYTES: self.saved_bytes(plan)}))
             return False
-        self._incumbent_alone()
         incumbent = self.best
-        outcome = self.sample(plan, self.bar(plan))
+        paired = self._sample_taking_turns(plan)
+        if paired is None:
+            self._incumbent_alone()
+            outcome = self.sample(plan, self.bar(plan))
+        else:
+            outcome = paired.outcome
         self._predicted_extra(outcome)
         replaced = False
         if outcome.status is SampleStatus.REJECTED:
             if is_accepted(outcome.loss, self.loss0, self.threshold):
                 outcome.status = SampleStatus.ACCEPTED
-                replaced = incumbent is None or self.judge(incumbent, outcome)
+                if paired is not None:
+                    replaced = self._judge_pairs(paired)
+                else:
+                    replaced = incumbent is None or self.judge(incumbent, outcome)
                 if replaced:
                     outcome.reason = "new incumbent" if incumbent is not None else "the first plan within the budget"
                 else:
@@ -815,6 +1006,8 @@ class _Stage1:
                 outcome.reason = self._loss_reason(outcome)
         if replaced:
             self._promote(outcome)
+        if paired is not None:  # logged with the candidate's: a resumed search replays both epochs or neither
+            self._record_incumbent_again(paired)
         self._record(outcome)
         return replaced
 
