@@ -47,7 +47,7 @@ from .memory import allocated_bytes, peak_memory_bytes, reset_peak_memory, saved
 from .models.spec import ModelSpec
 from .modes import Precision, compfx_status, load_compfx, precision_for, search_config
 
-__all__ = ["RunOptions", "run_benchmark", "run_modes", "prepare_mode", "train_in_turns", "finish_row", "PreparedMode",
+__all__ = ["RunOptions", "run_benchmark", "run_modes", "step_ratio_interval", "prepare_mode", "train_in_turns", "finish_row", "PreparedMode",
            "RandomState", "load_batches", "evaluate", "resolve_device", "default_low_dtype", "options_dict"]
 
 _EVAL_BATCHES = 4
@@ -391,11 +391,16 @@ def _steady(per_epoch: list) -> list:
     return per_epoch[1:] or per_epoch
 
 
-def _ratio_interval(steps: list[list[float]], fp32_steps: list[list[float]]) -> dict:
+def step_ratio_interval(steps: list[list[float]], other_steps: list[list[float]]) -> dict:
     """Median and 95% interval (:func:`compfx.measure.median_interval`) of the per-batch ratios of ``steps`` to
-    FP32's step on the same batch of the same epoch, over the steady epochs."""
-    ratios = [mine / theirs for epoch, fp32_epoch in zip(_steady(steps), _steady(fp32_steps))
-              for mine, theirs in zip(epoch, fp32_epoch)]
+    ``other_steps`` (another mode's, FP32's for ``time_vs_fp32``) on the same batch of the same epoch, over the
+    steady epochs.
+
+    >>> step_ratio_interval([[1.0, 1.1, 0.9]], [[2.0, 2.0, 2.0]])["median"]  # one epoch: it is the steady one
+    0.5
+    """
+    ratios = [mine / theirs for epoch, other_epoch in zip(_steady(steps), _steady(other_steps))
+              for mine, theirs in zip(epoch, other_epoch)]
     low, high, coverage = median_interval(ratios, 0.95)
     return {"median": statistics.median(ratios), "low": low, "high": high, "coverage": coverage,
             "pairs": len(ratios)}
@@ -424,7 +429,7 @@ def finish_row(spec: ModelSpec, prepared: PreparedMode, fp32_steps: list[list[fl
         metric_name=spec.metric_name, metric=metric,
     )
     if fp32_steps is not None and prepared.mode != "fp32":
-        row["time_vs_fp32"] = _ratio_interval(prepared.step_seconds, fp32_steps)
+        row["time_vs_fp32"] = step_ratio_interval(prepared.step_seconds, fp32_steps)
     if "search" in row:
         search_seconds = prepared.search_seconds
         row.update(search_s=search_seconds, search_share=search_seconds / (search_seconds + sum(epoch_seconds)))

@@ -112,6 +112,17 @@ def _time_vs_fp32(row: dict, fp32: dict) -> str:
     return _ratio_to_fp32(row.get("time_per_epoch_s"), fp32.get("time_per_epoch_s"))
 
 
+def _time_vs_amp(ours: dict, amp: dict) -> str:
+    """compfx's time as a multiple of AMP's: the median of their per-batch step ratios with its 95% interval where
+    both took turns in one run (``step_seconds``), else the ratio of their epoch times."""
+    from .harness import step_ratio_interval
+
+    if ours.get("step_seconds") and amp.get("step_seconds"):
+        ratio = step_ratio_interval(ours["step_seconds"], amp["step_seconds"])
+        return f"{ratio['median']:.2f}x ({ratio['low']:.2f}-{ratio['high']:.2f})"
+    return _ratio_to_fp32(ours.get("time_per_epoch_s"), amp.get("time_per_epoch_s"))
+
+
 def _per_net(row: dict, key: str, fmt: str) -> str:
     """``key`` of each searched network's figures (``row["search"]``), formatted; "net: x" when there are several."""
     figures = {net: found[key] for net, found in (row.get("search") or {}).items() if found.get(key) is not None}
@@ -123,15 +134,15 @@ def _per_net(row: dict, key: str, fmt: str) -> str:
 def comparison_table(rows: list[dict]) -> str:
     """One line per model: compfx and AMP against FP32 (time, saved activations, metric, casts).
 
-    Time: the median per-batch step ratio to FP32 with its 95% interval where the row has it (the modes took
-    turns), else the ratio of the epoch times.
+    Time: the median per-batch step ratio to FP32 (and compfx's to AMP's) with its 95% interval where the rows
+    have their steps (the modes took turns), else the ratio of the epoch times.
 
     >>> rows = [{"model": "m", "mode": mode, "status": "ok", "time_per_epoch_s": t, "saved_activation_bytes": 2 ** 20,
     ...          "metric": 0.5, "casts_forward": c, "search_share": share,
     ...          "search": {"model": {"search_fp32_epochs": 3.04, "predictor_error_pct": 4.2}} if share else None}
     ...         for mode, t, c, share in (("fp32", 1.0, 0, None), ("amp", 2.0, 9, None), ("compfx", 1.1, 1, 0.25))]
     >>> [cell.strip() for cell in comparison_table(rows).splitlines()[2].split("|")[1:-1]]
-    ['m', '1.0000 s', '2.00x', '1.10x', '1.000 MB', '1.00x', '1.00x', '50.0 / 50.0 / 50.0', '9 / 1', '25%', '3.0', '4.2%']
+    ['m', '1.0000 s', '2.00x', '1.10x', '0.55x', '1.000 MB', '1.00x', '1.00x', '50.0 / 50.0 / 50.0', '9 / 1', '25%', '3.0', '4.2%']
     >>> rows[2]["time_vs_fp32"] = {"median": 1.02, "low": 0.98, "high": 1.07}
     >>> comparison_table(rows).splitlines()[2].split("|")[4].strip()
     '1.02x (0.98-1.07)'
@@ -148,7 +159,7 @@ def comparison_table(rows: list[dict]) -> str:
         share = ours.get("search_share")
         lines.append([
             model, "" if time0 is None else f"{time0:.4f} s",
-            _time_vs_fp32(amp, fp32), _time_vs_fp32(ours, fp32),
+            _time_vs_fp32(amp, fp32), _time_vs_fp32(ours, fp32), _time_vs_amp(ours, amp),
             "" if memory0 is None else f"{memory0 / _MB:.3f} MB",
             _ratio_to_fp32(amp.get("saved_activation_bytes"), memory0),
             _ratio_to_fp32(ours.get("saved_activation_bytes"), memory0),
@@ -156,7 +167,7 @@ def comparison_table(rows: list[dict]) -> str:
             "" if share is None else f"{100 * share:.0f}%",
             _per_net(ours, "search_fp32_epochs", "{:.1f}"), _per_net(ours, "predictor_error_pct", "{:.1f}%"),
         ])
-    headers = ["model", "FP32 s/epoch", "AMP", "compfx", "FP32 saved act.", "AMP", "compfx",
+    headers = ["model", "FP32 s/epoch", "AMP", "compfx", "compfx / AMP", "FP32 saved act.", "AMP", "compfx",
                "metric % FP32 / AMP / compfx", "casts AMP / compfx", "search share", "search (FP32 epochs)",
                "predictor error"]
     return tabulate(lines, headers=headers, tablefmt="github", disable_numparse=True)
