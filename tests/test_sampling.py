@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+
 import pytest
 import torch
 import torch.nn as nn
@@ -275,3 +278,11 @@ def test_epochs_taking_turns_follow_the_tensors_that_were_there_not_buffers_a_mo
     for epoch in epochs:
         epoch.close()
     assert losses[0] == alone and sampler.initial.matches()
+
+
+def test_importing_compfx_does_not_import_dtensor():
+    # torch.distributed.tensor takes half a second to import; the sampler asks whether a norm is a DTensor only where
+    # it was imported (FSDP2 imports it), so `import compfx` (the CLI's start) does not pay it
+    code = "import sys, compfx; print('torch.distributed.tensor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

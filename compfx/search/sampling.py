@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import copy
 import math
+import sys
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -60,7 +61,6 @@ from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, Sequen
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch.distributed.tensor import DTensor
 from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError, CompfxError, NonFiniteGradientError
@@ -392,6 +392,13 @@ def restore_state(snapshot: StateSnapshot) -> None:
                 group[key] = copy.deepcopy(value)
 
 
+def _is_dtensor(value) -> bool:
+    """Is ``value`` a DTensor (FSDP2's sharded gradients)? Asked without importing ``torch.distributed.tensor``
+    (half a second, most of ``import compfx``'s own time) where nothing has: no DTensor exists until it is."""
+    module = sys.modules.get("torch.distributed.tensor")
+    return module is not None and isinstance(value, module.DTensor)
+
+
 # -- the sampler -----------------------------------------------------------------
 
 class FairSampler:
@@ -506,7 +513,7 @@ class FairSampler:
         if not grads:
             return torch.ones((), device=device)
         norm = torch.nn.utils.get_total_norm(grads, norm_type=math.inf)
-        if isinstance(norm, DTensor):  # FSDP2's sharded gradients: every rank judges the whole norm
+        if _is_dtensor(norm):  # FSDP2's sharded gradients: every rank judges the whole norm
             norm = norm.full_tensor()
         return torch.isfinite(norm).float().to(device)
 
