@@ -161,6 +161,9 @@ def test_bert_from_config_end_to_end():
     # each candidate's epoch took turns with the incumbent's, which ran again for the pairs: not budgeted
     assert [r.reason.split("taking turns with ")[1].split("'s")[0] for r in again] == candidates
     assert len(samples) - len(again) == 5  # the FP32 baseline + stage1_budget
+    assert all(r.extra["incumbent_again"] == c for r, c in zip(again, candidates))
+    # the report counts them apart from the samples of plans of their own
+    assert "stage 1        5 samples" in report and f"the incumbent's epoch ran {len(again)} more time(s)" in report
 
 
 @pytest.mark.parametrize("field, value", [("threshold", 0.9), ("threshold", float("nan")), ("stage1_budget", 0),

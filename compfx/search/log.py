@@ -66,7 +66,8 @@ from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
 
 __all__ = ["SampleRecord", "SearchLog", "Replay", "ReplayedState", "HEADER", "BATCHES", "STOPPED_EARLY", "DUEL",
-           "SAVED_BYTES", "PRUNED_AT", "BATCH_VERDICT", "CANNOT_WIN", "NOTHING_CAN_WIN", "DIGEST", "RESULT",
+           "SAVED_BYTES", "PRUNED_AT", "BATCH_VERDICT", "CANNOT_WIN", "NOTHING_CAN_WIN", "INCUMBENT_AGAIN", "DIGEST",
+           "RESULT",
            "record_digest", "MAX_LOG_BYTES", "is_search_log"]
 
 #: key, in the ``extra`` of a log's first line, of what the search was run on (fingerprint and settings)
@@ -88,6 +89,9 @@ CANNOT_WIN = "cannot_win"
 PRUNED_AT = "pruned_at"
 #: key of a note's ``extra``: the search stopped a stage because the profiles show no plan left can win (how many)
 NOTHING_CAN_WIN = "nothing_can_win"
+#: key of a Stage-1 record's ``extra`` on the incumbent's epoch run again for a candidate to be compared with, not a
+#: new sample: the candidate whose epoch it took turns with, or "alone"
+INCUMBENT_AGAIN = "incumbent_again"
 #: key, in the ``extra`` of the note that ends a finished search's log, of what the report needs (see
 #: ``SearchResult.log_summary``)
 RESULT = "result"

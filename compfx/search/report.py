@@ -18,7 +18,7 @@ from ..costmodel.predictor import EVIDENCE_SCALE as _EVIDENCE, PREDICTION_SCALE 
 from ..costmodel.predictor import STALE_CONDITIONS as _STALE_N, STALE_CONDITIONS_REASON as _STALE_WHY
 from ..vocabulary import Precision, SampleStatus, Stage, dtype_name
 from .evidence import op_evidence
-from .log import DUEL, HEADER, NOTHING_CAN_WIN, RESULT, STOPPED_EARLY, SearchLog
+from .log import DUEL, HEADER, INCUMBENT_AGAIN, NOTHING_CAN_WIN, RESULT, STOPPED_EARLY, SearchLog
 
 __all__ = ["render_report", "op_table", "prediction_table", "prediction_error", "predicted_records"]
 
@@ -204,6 +204,8 @@ def render_report(summary, tablefmt: str = "simple") -> str:
     """The report of a :class:`~compfx.search.SearchResult`: the per-op table, the search, the timing summary."""
     a, log = summary.analysis, summary.log
     by_stage = {stage: log.samples(stage) for stage in (Stage.STAGE1, Stage.STAGE2, Stage.CHECK)}
+    again = [r for r in by_stage[Stage.STAGE1] if INCUMBENT_AGAIN in r.extra]  # not samples of a plan of their own
+    by_stage[Stage.STAGE1] = [r for r in by_stage[Stage.STAGE1] if INCUMBENT_AGAIN not in r.extra]
     counts = {status: sum(r.status is status for r in by_stage[Stage.STAGE1]) for status in SampleStatus}
     share = summary.search_seconds / summary.fp32_epoch_seconds if summary.fp32_epoch_seconds else float("nan")
     chosen, stage1 = summary.plan.bitstring(a), summary.stage1_plan.bitstring(a)
@@ -221,7 +223,9 @@ def render_report(summary, tablefmt: str = "simple") -> str:
         f"{counts[SampleStatus.ACCEPTED]} accepted, {counts[SampleStatus.REJECTED]} rejected, "
         f"{counts[SampleStatus.PRUNED]} pruned{_stopped_early(by_stage[Stage.STAGE1])}, "
         f"{counts[SampleStatus.SKIPPED]} skipped, {counts[SampleStatus.ERROR]} failed; "
-        f"loss_0 {summary.loss0:.4g}; winner {stage1}{_duels(log, Stage.STAGE1)}{_stopped(log, Stage.STAGE1)}",
+        f"loss_0 {summary.loss0:.4g}; winner {stage1}{_duels(log, Stage.STAGE1)}{_stopped(log, Stage.STAGE1)}"
+        + (f"; the incumbent's epoch ran {len(again)} more time(s), for candidates to be compared with" if again
+           else ""),
         f"stage 2        {len(by_stage[Stage.STAGE2])} candidates timed{_duels(log, Stage.STAGE2)}"
         + (f"; loss check {by_stage[Stage.CHECK][-1].status}" if by_stage[Stage.CHECK] else "")
         + _stopped(log, Stage.STAGE2),

@@ -49,7 +49,7 @@ from ..plan import AMP_PRECISION, Assignment
 from ..vocabulary import Category, Precision, SampleStatus, Stage
 from .compare import MAX_DUEL_BLOCKS, Comparison, DecisionRule, Verdict, duel, log_duel
 from .convergence import is_accepted, loss_limit
-from .log import BATCH_VERDICT, CANNOT_WIN, NOTHING_CAN_WIN, PRUNED_AT, SAVED_BYTES, STOPPED_EARLY
+from .log import BATCH_VERDICT, CANNOT_WIN, INCUMBENT_AGAIN, NOTHING_CAN_WIN, PRUNED_AT, SAVED_BYTES, STOPPED_EARLY
 from .outcome import (Outcome, PriceVersion, ProgramIndex, Reporter, checked_cost, cost_unit, failure_reason,
                       note)
 from .space import SearchSpace
@@ -480,6 +480,7 @@ class _Stage1:
         alone.status, alone.artifact = SampleStatus.ACCEPTED, None
         alone.reason = (f"the incumbent, its epoch again, alone: cost {alone.cost:.6g} ({in_turns:.6g} taking turns "
                         "with FP32's or AMP's); the candidates' epochs, run alone, are compared with this one")
+        alone.extra[INCUMBENT_AGAIN] = "alone"
         self.report(alone.record(Stage.STAGE1))
 
     def _run_in_turns(self, epochs, base: Outcome, first: Outcome, saves_less: bool) -> Verdict | None:
@@ -968,6 +969,7 @@ class _Stage1:
         again.cost = self.cost(again.plan, again.seconds)
         again.reason = (f"the incumbent, its epoch again, taking turns with {paired.outcome.plan}'s for "
                         f"{again.batches} batches: their pairs are the duel's")
+        again.extra[INCUMBENT_AGAIN] = str(paired.outcome.plan)
         self.report(again.record(Stage.STAGE1))
 
     def try_plan(self, plan: Assignment) -> bool:
