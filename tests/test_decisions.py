@@ -224,16 +224,20 @@ def test_no_plan_within_the_memory_budget_is_a_search_error():
 
 # -- pruning stays exact against the rule --------------------------------------------------------------
 
-@settings(max_examples=30, deadline=None)
+@settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 2 ** 16), margin=st.sampled_from([0.0, 0.03, 0.2]), rounds=st.sampled_from([0, 7]),
-       memory=st.booleans())
-def test_pruning_picks_the_plan_the_unpruned_search_picks_under_the_rule(seed, margin, rounds, memory):
+       memory=st.booleans(), turns=st.booleans())
+def test_pruning_picks_the_plan_the_unpruned_search_picks_under_the_rule(seed, margin, rounds, memory, turns):
+    # taking turns, a candidate's epoch is pruned at a block of pairs whose median is at or over the bar: the
+    # unpruned search runs it to its end, and its duel looks at the same block first, so it keeps the incumbent too
     rng = random.Random(seed)
     per_batch = {}
+    batches = 2 * 7 + 1 if turns else BATCHES  # with turns: two blocks of pairs after the warm-up pair
 
-    def table(code):  # a fixed random epoch per plan; its step times are its batches' median (no noise)
-        if code not in per_batch:
-            per_batch[code] = [rng.uniform(0.5, 2.0) for _ in range(BATCHES)]
+    def table(code):  # a fixed random epoch per plan (a pace, and its batches within 20% of it); its step times
+        if code not in per_batch:  # are its batches' median (no noise)
+            pace = rng.uniform(0.5, 2.0)
+            per_batch[code] = [pace * rng.uniform(0.8, 1.2) for _ in range(batches)]
         return per_batch[code]
 
     def run_epoch(plan):
@@ -246,14 +250,15 @@ def test_pruning_picks_the_plan_the_unpruned_search_picks_under_the_rule(seed, m
         return sizes.setdefault(str(plan), rng.randint(1, 4)) if memory else None
 
     def evaluator():
-        return FunctionEvaluator(run_epoch=run_epoch, time_step=lambda plan: sorted(table(str(plan)))[BATCHES // 2],
-                                 saved_bytes=saved_bytes)
+        in_turns = (lambda plans: [run_epoch(plan) for plan in plans]) if turns else None
+        return FunctionEvaluator(run_epoch=run_epoch, time_step=lambda plan: sorted(table(str(plan)))[batches // 2],
+                                 saved_bytes=saved_bytes, run_epochs_taking_turns=in_turns)
 
     rule = DecisionRule(margin=margin, rounds=rounds)
     pruned = run_stage1(SPACE, evaluator(), rule=rule)
     full = run_stage1(SPACE, evaluator(), rule=rule, prune=False)
     assert pruned.best.plan == full.best.plan and pruned.best.cost == full.best.cost
-    assert sum(s.batches for s in pruned.samples) <= sum(s.batches for s in full.samples) + BATCHES
+    assert sum(s.batches for s in pruned.samples) <= sum(s.batches for s in full.samples) + batches
 
 
 # -- stopping when nothing can win -------------------------------------------------------------------------
@@ -518,6 +523,27 @@ def test_a_near_tie_taking_turns_with_the_incumbent_is_stopped_on_its_pairs_with
     assert str(result.best.plan) == AMP and not duel_steps
     (faster,) = [r for r in log.samples() if r.plan == FASTER]
     assert faster.status == "pruned" and "median over 7 pairs), not below 0.97: it cannot win" in faster.reason
+
+
+def test_a_block_of_pairs_that_keeps_the_incumbent_decides_whether_the_candidates_epoch_is_pruned_or_not():
+    # FASTER's first block of pairs has 4 ties with AMP's (ratio 1.0) and 3 twice as fast: median 1.0, so the duel's
+    # first look keeps the incumbent. Pruned, its epoch stops there; unpruned, it runs to its end for its loss, and
+    # the decision is the same. Its later pairs (all twice as fast) are not looked at: over all 21 the interval
+    # would lie below the bar
+    def epoch(plan):
+        for i in range(22):
+            yield 1.0, (1.0 if i <= 4 else 0.5) if str(plan) == FASTER else 1.0
+
+    evaluator = lambda: FunctionEvaluator(  # noqa: E731
+        run_epoch=epoch, time_step=lambda plan: 0.5 if str(plan) == FASTER else 1.0,
+        run_epochs_taking_turns=lambda plans: [epoch(plan) for plan in plans])
+    rule = DecisionRule(margin=0.03, rounds=7)
+    for prune in (True, False):
+        log = SearchLog()
+        result = run_stage1(SPACE, evaluator(), rule=rule, prune=prune, report=log.append)
+        assert str(result.best.plan) == AMP
+        (faster,) = [r for r in log.samples() if r.plan == FASTER]
+        assert faster.batches == (8 if prune else 22)
 
 
 def test_a_short_epoch_taking_turns_screens_on_its_pairs_before_a_duel():
