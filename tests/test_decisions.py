@@ -344,6 +344,38 @@ def test_each_reason_in_the_evidence_column_matches_the_log():
     assert {"loss", "faster"} <= checked, reasons
 
 
+def test_the_evidence_reads_a_candidates_difference_off_its_pairs_with_the_incumbent():
+    # op 0 low saves 0.2 s per step. The candidates' epochs took turns with AMP's during a burst (every step 2x):
+    # op 0 FP32 ran 2.0 s against AMP's 1.6 s beside it, 0.4 s slower; against AMP's own epoch (0.8 s, before
+    # the burst) it would read 1.2 s
+    from compfx.search.evidence import op_evidence
+
+    def true(code):
+        return 1.0 - (0.2 if code[0] == "0" else 0.0)
+
+    def epoch(plan, slow=1.0):
+        for _ in range(BATCHES):
+            yield 1.0, true(str(plan)) * slow
+
+    def in_turns(plans):
+        slow = 1.0 if "111111" in map(str, plans) else 2.0  # FP32's and AMP's first epochs come before the burst
+        return [epoch(plan, slow) for plan in plans]
+
+    from compfx.search import Recorder, Replay, ReplayingEvaluator
+
+    log, replay = SearchLog.open(None, {"fingerprint": "x", "threshold": 1.01, "margin": 0.03}), Replay()
+    evaluator = ReplayingEvaluator(FunctionEvaluator(run_epoch=epoch, time_step=lambda plan: true(str(plan)),
+                                                     run_epochs_taking_turns=in_turns), replay)  # logs the batches
+    result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7),
+                        report=Recorder(log, replay=replay))
+    assert str(result.best.plan) == AMP
+    analysis = type("A", (), {"ops": [_Op(c) for c in SPACE.categories]})()
+    reasons = op_evidence(analysis, log, AMP, AMP, loss0=1.0)
+    assert reasons[0].startswith("low: 400.00 ms/step faster than with it fp32"), reasons[0]
+    cited = int(reasons[0].split("sample ")[1].rstrip(")"))
+    assert "incumbent_again" not in log.samples()[cited - 1].extra  # it cites the candidate's own sample
+
+
 # -- the report -----------------------------------------------------------------------------------------
 
 def test_the_report_from_the_log_is_the_report_and_quotes_one_interleaved_comparison(tmp_path, one_thread):

@@ -28,7 +28,7 @@ from typing import Sequence
 
 from ..vocabulary import Category, Precision, SampleStatus, Stage
 from .convergence import loss_limit
-from .log import BATCHES, DUEL, HEADER, NOTHING_CAN_WIN, PRUNED_AT, STOPPED_EARLY, SearchLog
+from .log import BATCHES, DUEL, HEADER, INCUMBENT_AGAIN, NOTHING_CAN_WIN, PRUNED_AT, STOPPED_EARLY, SearchLog
 
 __all__ = ["op_evidence", "sample_numbers", "batch_seconds"]
 
@@ -85,7 +85,11 @@ class _Log:
         self.threshold = float(self.settings.get("threshold", 1.01))
         self.margin = float(self.settings.get("margin", 0.0))
         self.limit = loss_limit(loss0, self.threshold)
-        self.stage1 = [r for r in log.samples(Stage.STAGE1)]
+        stage1 = log.samples(Stage.STAGE1)
+        # the incumbent's epochs run again beside a candidate's are not samples of a plan of their own; they are
+        # the same-phase side of that candidate's pairs: (incumbent, candidate) -> the incumbent's record
+        self.stage1 = [r for r in stage1 if INCUMBENT_AGAIN not in r.extra]
+        self.beside = {(r.plan, r.extra[INCUMBENT_AGAIN]): r for r in stage1 if INCUMBENT_AGAIN in r.extra}
         self.stage2 = [r for r in log.samples(Stage.STAGE2)]
         self.duels = {}
         for note in log.notes():
@@ -102,6 +106,11 @@ class _Log:
         """The last record of ``plan`` (a Stage-1 plan may be sampled twice: AMP's, after a duel)."""
         found = [r for r in records if r.plan == plan]
         return found[-1] if found else None
+
+    def difference(self, other, winner) -> float | None:
+        """How much slower ``other`` ran than ``winner``, ms per step (negative: faster): on the batches of
+        ``winner``'s epoch that took turns with ``other``'s, where they did (the same phase), else on its own."""
+        return _difference(other, self.beside.get((winner.plan, other.plan), winner))
 
     def duel_of(self, candidate: str):
         """The last duel ``candidate`` fought, or None."""
@@ -144,7 +153,7 @@ def _stage1_reason(log: _Log, chosen: str, winner, i: int, record, other: str, p
         return f"{me}: with this op {alt}, {record.reason} ({where})"
     if status == SampleStatus.PRUNED and PRUNED_AT not in record.extra and not record.extra.get(STOPPED_EARLY):
         return f"{me}: with this op {alt}, the loss became {record.loss} ({where})"
-    slower = _difference(record, winner) if winner is not None else None
+    slower = log.difference(record, winner) if winner is not None else None
     if status == SampleStatus.PRUNED:
         how = "stopped early on pace" if record.extra.get(STOPPED_EARLY) else "pruned"
         if slower is not None and slower > 0:
