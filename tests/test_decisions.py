@@ -18,6 +18,7 @@ from compfx.plan import Assignment
 from compfx.search import (Comparison, DecisionRule, FunctionEvaluator, SearchSpace, median_interval, run_search,
                            run_stage1, run_stage2, speedup_text)
 from compfx.search.log import DUEL, NOTHING_CAN_WIN, SearchLog
+from compfx.search.stage1 import EARLY_STOP_MIN_BATCHES
 from compfx.vocabulary import Category
 
 W, B, O = Category.WHITELIST, Category.BLACKLIST, Category.OTHER
@@ -576,6 +577,17 @@ def test_a_block_of_pairs_that_keeps_the_incumbent_decides_whether_the_candidate
         assert str(result.best.plan) == AMP
         (faster,) = [r for r in log.samples() if r.plan == FASTER]
         assert faster.batches == (8 if prune else 22)
+
+
+def test_a_clear_loser_taking_turns_stops_on_pace_after_three_pairs():
+    # with early_stop, a candidate twice as slow as the incumbent, pair for pair, stops before its first block
+    true = lambda code: 2.0 if code == FASTER else 1.0  # noqa: E731
+    evaluator, duel_steps = _bursty(true, burst=1.0, batches=8)
+    log = SearchLog()
+    run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), early_stop=0.05, report=log.append)
+    (slow,) = [r for r in log.samples() if r.plan == FASTER]
+    assert slow.status == "pruned" and slow.extra["stopped_early"] and slow.batches == 1 + EARLY_STOP_MIN_BATCHES
+    assert "median over 3 pairs" in slow.reason and not duel_steps
 
 
 def test_a_short_epoch_taking_turns_screens_on_its_pairs_before_a_duel():

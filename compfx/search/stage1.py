@@ -865,56 +865,60 @@ class _Stage1:
 
     def _advance_paired(self, epochs, paired: "_Paired") -> None:
         """Run the two epochs in turns: the incumbent's until the pairs decide, the candidate's to its end (or until
-        its pairs show it cannot win)."""
+        its pairs show it cannot win). The caller closes both."""
         outcomes, running = (paired.incumbent, paired.outcome), [True, True]
-        most = MAX_DUEL_BLOCKS * self.rule.rounds
         round_index = 0
         while running[1]:
             for j in interleaved_order(2, round_index):
                 if running[j]:
                     running[j] = self._turn(epochs[j], outcomes[j], stops_search=False)
             round_index += 1
-            if not (running[0] and running[1]):
-                running[0] = running[0] and running[1]  # the candidate's epoch ended: so do the pairs
-                continue
-            pairs = len(paired.pairs()[0])
-            if self._paired_too_slow(paired):
-                running[1] = False
-            elif pairs and pairs % self.rule.rounds == 0:
-                paired.verdict = self._verdict_on_pairs(paired)
-                if not paired.verdict.comparison.median < paired.verdict.bar and self.prune:
-                    self._cannot_win_on_pairs(paired)
-                    running[1] = False
-                elif self.rule.decided(paired.verdict) or pairs >= most:
-                    running[0] = False  # decided (or as many pairs as a duel takes): the candidate goes on alone
-            if not running[0]:
-                epochs[0].close()
+            if running[0] and running[1]:
+                running[1], running[0] = self._after_pair(paired)
+                if not running[0]:
+                    epochs[0].close()
+
+    def _after_pair(self, paired: "_Paired") -> tuple[bool, bool]:
+        """After a round of both epochs: (does the candidate's epoch go on, do the incumbent's steps go on)?"""
+        if self._paired_too_slow(paired):
+            return False, False
+        pairs = len(paired.pairs()[0])
+        if not pairs or pairs % self.rule.rounds:
+            return True, True
+        paired.verdict = self._verdict_on_pairs(paired)
+        if self.prune and not paired.verdict.comparison.median < paired.verdict.bar:
+            self._cannot_win_on_pairs(paired)
+            return False, False
+        # decided, or as many pairs as a duel takes: the candidate goes on alone, for its loss
+        decided = self.rule.decided(paired.verdict) or pairs >= MAX_DUEL_BLOCKS * self.rule.rounds
+        return True, not decided
+
+    def _pair_comparison(self, paired: "_Paired") -> Comparison:
+        """The pairs' costs, incumbent's and candidate's (the first pair, which creates the optimizer's state
+        again, is the duel's warm-up: :meth:`_Paired.pairs`)."""
+        incumbent, candidate = paired.pairs()
+        return Comparison.of([self.cost(paired.incumbent.plan, s) for s in incumbent],
+                             [self.cost(paired.outcome.plan, s) for s in candidate])
 
     def _verdict_on_pairs(self, paired: "_Paired") -> Verdict:
-        """The rule's verdict of the candidate against the incumbent on their pairs (the first pair, which creates
-        the optimizer's state again, is the duel's warm-up)."""
-        incumbent, candidate = paired.pairs()
-        comparison = Comparison.of([self.cost(paired.incumbent.plan, s) for s in incumbent],
-                                   [self.cost(paired.outcome.plan, s) for s in candidate])
-        verdict = self.rule.verdict(comparison, saves_less=paired.saves_less)
-        return replace(verdict, seconds=(tuple(incumbent), tuple(candidate)))
+        """The rule's verdict of the candidate against the incumbent on their pairs."""
+        verdict = self.rule.verdict(self._pair_comparison(paired), saves_less=paired.saves_less)
+        return replace(verdict, seconds=tuple(map(tuple, paired.pairs())))
 
     def _paired_too_slow(self, paired: "_Paired") -> bool:
         """Early stop on pace, on the pairs: their median ratio more than ``early_stop`` over the bar after
         :data:`EARLY_STOP_MIN_BATCHES` pairs (before the first block can decide)."""
-        incumbent, candidate = paired.pairs()
-        if self.early_stop is None or not self.prune or not EARLY_STOP_MIN_BATCHES <= len(candidate) < self.rule.rounds:
+        pairs = len(paired.pairs()[0])
+        if self.early_stop is None or not self.prune or not EARLY_STOP_MIN_BATCHES <= pairs < self.rule.rounds:
             return False
-        ratio = Comparison.of([self.cost(paired.incumbent.plan, s) for s in incumbent],
-                              [self.cost(paired.outcome.plan, s) for s in candidate]).median
-        bar = self.rule.ratio_bar(paired.saves_less)
+        ratio, bar = self._pair_comparison(paired).median, self.rule.ratio_bar(paired.saves_less)
         if not ratio > (1.0 + self.early_stop) * bar:
             return False
         outcome = paired.outcome
         outcome.status, outcome.extra[STOPPED_EARLY] = SampleStatus.PRUNED, True
         outcome.cost = self.cost(outcome.plan, outcome.seconds)
         outcome.reason = (f"stopped early: taking turns with the incumbent {paired.incumbent.plan}, its cost is "
-                          f"{ratio:.3f} x the incumbent's (median over {len(candidate)} pairs), over "
+                          f"{ratio:.3f} x the incumbent's (median over {pairs} pairs), over "
                           f"{1.0 + self.early_stop:g} x {bar:g}, the most it may cost to challenge it")
         return True
 
