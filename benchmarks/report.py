@@ -108,8 +108,13 @@ def _time_vs_fp32(row: dict, fp32: dict) -> str:
     to FP32 and their 95% interval (``time_vs_fp32``); for rows without it, the ratio of the epoch times."""
     ratio = row.get("time_vs_fp32")
     if ratio:
-        return f"{ratio['median']:.2f}x ({ratio['low']:.2f}-{ratio['high']:.2f})"
+        return _interval_text(ratio)
     return _ratio_to_fp32(row.get("time_per_epoch_s"), fp32.get("time_per_epoch_s"))
+
+
+def _interval_text(ratio: dict) -> str:
+    """A per-batch ratio (:func:`benchmarks.harness.step_ratio_interval`) as ``0.53x (0.51-0.55)``."""
+    return f"{ratio['median']:.2f}x ({ratio['low']:.2f}-{ratio['high']:.2f})"
 
 
 def _time_vs_amp(ours: dict, amp: dict) -> str:
@@ -118,8 +123,7 @@ def _time_vs_amp(ours: dict, amp: dict) -> str:
     from .harness import step_ratio_interval
 
     if ours.get("step_seconds") and amp.get("step_seconds"):
-        ratio = step_ratio_interval(ours["step_seconds"], amp["step_seconds"])
-        return f"{ratio['median']:.2f}x ({ratio['low']:.2f}-{ratio['high']:.2f})"
+        return _interval_text(step_ratio_interval(ours["step_seconds"], amp["step_seconds"]))
     return _ratio_to_fp32(ours.get("time_per_epoch_s"), amp.get("time_per_epoch_s"))
 
 

@@ -442,7 +442,7 @@ class _Stage1:
         pairs = 0 if verdict is None else len(verdict.seconds[0])
         if (verdict is not None and first.status is SampleStatus.REJECTED and base.loss is not None
                 and is_accepted(first.loss, base.loss, self.threshold)):  # a plan the guard rejects needs no duel
-            verdict = self._more_blocks(verdict, amp, fp32, saves_less)
+            verdict = self._more_blocks(verdict.seconds, amp, fp32, saves_less)
         self.seen.update((fp32, amp))
         self.programs.earlier_twin(fp32)
         self.programs.earlier_twin(amp)
@@ -495,7 +495,7 @@ class _Stage1:
             round_index += 1
             pairs = min(base.batches, first.batches) - _TURNS_WARMUP
             if running[1] and pairs > 0 and pairs % self.rule.rounds == 0:
-                verdict = self._verdict_in_turns(base, first, saves_less)
+                verdict = self._verdict_on_pairs(_Paired(first, base, saves_less))
                 if verdict.replaces and self.rule.decided(verdict):  # FP32's plan has won: AMP's epoch stops
                     first.status = SampleStatus.PRUNED
                     first.reason = (f"FP32's plan is faster by more than the margin after {first.batches} of its "
@@ -505,17 +505,19 @@ class _Stage1:
             if not running[0] and base.status is not SampleStatus.REJECTED:  # the baseline failed: nothing to judge
                 return None
         if first.batches and first.status is SampleStatus.REJECTED:
-            verdict = self._verdict_in_turns(base, first, saves_less)
+            verdict = self._verdict_on_pairs(_Paired(first, base, saves_less))
         return verdict
 
-    def _more_blocks(self, verdict: Verdict, amp: Assignment, fp32: Assignment, saves_less: bool) -> Verdict:
-        """The duel of the epochs' pairs, with blocks of ``rule.rounds`` pairs more while it is undecided (as any
-        duel takes them: :func:`~compfx.search.compare.duel`), up to :data:`~compfx.search.compare.MAX_DUEL_BLOCKS` blocks' worth in all."""
+    def _more_blocks(self, measured, incumbent: Assignment, candidate: Assignment, saves_less: bool) -> Verdict:
+        """The duel of two epochs' pairs (``measured``: the incumbent's and the candidate's seconds), with blocks of
+        ``rule.rounds`` pairs more while it is undecided (as any duel takes them:
+        :func:`~compfx.search.compare.duel`), up to :data:`~compfx.search.compare.MAX_DUEL_BLOCKS` blocks' worth
+        in all. A further block that fails ends it on the pairs so far (noted)."""
         def failed(error: PlanFailedError) -> None:
-            note(self.report, Stage.STAGE1, f"a further block of the duel of FP32's plan with AMP's failed "
-                 f"({failure_reason(error)}); decided on the pairs so far", plan=str(fp32))
+            note(self.report, Stage.STAGE1, f"a further block of the duel of {candidate} with the incumbent "
+                 f"{incumbent} failed ({failure_reason(error)}); decided on the pairs so far", plan=str(candidate))
 
-        return duel(self.evaluator, self.rule, amp, fp32, saves_less=saves_less, measured=verdict.seconds,
+        return duel(self.evaluator, self.rule, incumbent, candidate, saves_less=saves_less, measured=measured,
                     failed=failed)
 
     def _turn(self, epoch, outcome: Outcome, *, stops_search: bool) -> bool:
@@ -533,18 +535,6 @@ class _Stage1:
         finally:
             outcome.duration += time.perf_counter() - start
         return self._took_batch(outcome, loss, seconds, prune=self.prune or stops_search)
-
-    def _verdict_in_turns(self, base: Outcome, first: Outcome, saves_less: bool) -> Verdict:
-        """The rule's verdict of FP32's plan (the candidate) against AMP's on the batches both have run but the
-        first: the plans' first steps of the epoch (which create the optimizer's state again, and allocate for
-        it) are the duel's warm-up, as a duel warms its plans up."""
-        pairs = min(base.batches, first.batches)
-        start = _TURNS_WARMUP if pairs > _TURNS_WARMUP else 0
-        amp_seconds, fp32_seconds = first.batch_seconds[start:pairs], base.batch_seconds[start:pairs]
-        comparison = Comparison.of([self.cost(first.plan, s) for s in amp_seconds],
-                                   [self.cost(base.plan, s) for s in fp32_seconds])
-        verdict = self.rule.verdict(comparison, saves_less=saves_less)
-        return replace(verdict, seconds=(tuple(amp_seconds), tuple(fp32_seconds)))
 
     def _settle_first_in_turns(self, outcome: Outcome, verdict: Verdict | None) -> None:
         """AMP's epoch, run in turns with FP32's: the incumbent when its loss holds and FP32's plan did not win."""
@@ -948,15 +938,8 @@ class _Stage1:
                     f"(median over {len(pairs[0])} pairs), not below {screen.bar:g}: no duel")
                 return False
         measured = pairs if len(pairs[0]) >= self.rule.rounds else ((), ())
-
-        def failed(error: PlanFailedError) -> None:
-            note(self.report, Stage.STAGE1, f"a further block of the duel of {paired.outcome.plan} with the "
-                 f"incumbent failed ({failure_reason(error)}); decided on the pairs so far",
-                 plan=str(paired.outcome.plan))
-
         try:
-            verdict = duel(self.evaluator, self.rule, paired.incumbent.plan, paired.outcome.plan,
-                           saves_less=paired.saves_less, measured=measured, failed=failed)
+            verdict = self._more_blocks(measured, paired.incumbent.plan, paired.outcome.plan, paired.saves_less)
         except PlanFailedError as error:
             note(self.report, Stage.STAGE1, f"duel of {paired.outcome.plan} with incumbent {paired.incumbent.plan} "
                  f"failed ({failure_reason(error)}); incumbent kept", plan=str(paired.outcome.plan))
