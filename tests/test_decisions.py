@@ -73,6 +73,12 @@ def search(device: NoisyDevice, turns: bool = False, **config):
     return run_search(SPACE, device.evaluator(turns), SearchConfig(**settings_))
 
 
+def stage1_logged(space, evaluator, rule=DecisionRule(margin=0.03, rounds=7), **kwargs):
+    """Stage 1 of ``space`` under the 3% rule (7 pairs), its records kept: (the result, the log)."""
+    log = SearchLog()
+    return run_stage1(space, evaluator, rule=rule, report=log.append, **kwargs), log
+
+
 # -- the statistics -------------------------------------------------------------------------------
 
 @settings(max_examples=40, deadline=None)
@@ -209,9 +215,7 @@ def test_a_memory_budget_rejects_plans_over_it_before_they_run():
                          saved_bytes=lambda plan: 200 if str(plan) == FASTER else 100)
     evaluator = device.evaluator()
     evaluator.run_epoch = lambda plan: started.append(str(plan)) or device.run_epoch(plan)
-    log = SearchLog()
-    result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), memory_budget=150,
-                        report=log.append)
+    result, log = stage1_logged(SPACE, evaluator, memory_budget=150)
     assert str(result.best.plan) == AMP and FASTER not in started
     [over] = [r for r in log.samples() if r.plan == FASTER]
     assert over.status == "rejected" and "over memory_budget=150" in over.reason and over.extra["saved_bytes"] == 200
@@ -442,8 +446,7 @@ def test_amps_epoch_crossing_the_bar_late_runs_once_and_the_duel_keeps_it():
     # batch, so the batches suggest FP32 is faster by the margin and a duel (equal steps) keeps AMP's plan. Stopped
     # there, its epoch would have to run again for its loss; in the last quarter of its epoch it is not stopped.
     evaluator, ran = _counting_epochs(1.04)
-    log = SearchLog()
-    result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+    result, log = stage1_logged(SPACE, evaluator)
     assert str(result.best.plan) == AMP
     assert ran[AMP] == [BATCHES]  # one epoch, in full
     assert any(DUEL in r.extra for r in log.notes())  # the same decision: judged on the batches, then the duel
@@ -487,8 +490,7 @@ def _taking_turns(true, noise, seed: int, batches: int = BATCHES):
 def test_fp32s_and_amps_epochs_taking_turns_are_their_duel_and_a_near_tie_keeps_amp(noise):
     for seed in range(10):
         evaluator, counts = _taking_turns(lambda code: 1.0 if code == "0" else 0.99, noise, seed, batches=14)
-        log = SearchLog()
-        result = run_stage1(ONE_OP, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+        result, log = stage1_logged(ONE_OP, evaluator)
         assert str(result.best.plan) == "0" and result.first_epochs_in_turns
         assert counts["batches"] == {"1": 14, "0": 14}
         (duel,) = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra]
@@ -500,8 +502,7 @@ def test_fp32s_and_amps_epochs_taking_turns_are_their_duel_and_a_near_tie_keeps_
 
 def test_fp32s_plan_faster_by_the_margin_on_the_pairs_wins_and_amps_epoch_stops_after_a_block():
     evaluator, counts = _taking_turns(lambda code: 1.0 if code == "0" else 0.8, uniform(0.02), 0, batches=16)
-    log = SearchLog()
-    result = run_stage1(ONE_OP, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+    result, log = stage1_logged(ONE_OP, evaluator)
     assert str(result.best.plan) == "1"
     assert counts["batches"] == {"1": 16, "0": 8}  # AMP's epoch stopped once a block of pairs (after one) decided
     amp = next(r for r in log.samples() if r.plan == "0")
@@ -533,8 +534,7 @@ def test_a_burst_during_a_candidates_epoch_taking_turns_slows_the_incumbents_ste
     # with the incumbent's: every pair sees the burst, their ratios are 0.9, and it wins on them without a duel
     true = lambda code: 0.9 if code == FASTER else 1.0  # noqa: E731
     evaluator, duel_steps = _bursty(true, burst=1.3, batches=8)
-    log = SearchLog()
-    result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+    result, log = stage1_logged(SPACE, evaluator)
     assert str(result.best.plan) == FASTER and not duel_steps
     (duel,) = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra and r.extra[DUEL]["candidate"] == FASTER]
     assert duel["replaces"] and duel["epoch_pairs"] == 7
@@ -551,8 +551,7 @@ def test_a_near_tie_taking_turns_with_the_incumbent_is_stopped_on_its_pairs_with
     # it stops, as the duel would keep the incumbent; no step is timed outside the epochs
     true = lambda code: 0.99 if code == FASTER else 1.0  # noqa: E731
     evaluator, duel_steps = _bursty(true, burst=1.0, batches=8)
-    log = SearchLog()
-    result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+    result, log = stage1_logged(SPACE, evaluator)
     assert str(result.best.plan) == AMP and not duel_steps
     (faster,) = [r for r in log.samples() if r.plan == FASTER]
     assert faster.status == "pruned" and "median over 7 pairs), not below 0.97: it cannot win" in faster.reason
@@ -572,8 +571,7 @@ def test_a_block_of_pairs_that_keeps_the_incumbent_decides_whether_the_candidate
         run_epochs_taking_turns=lambda plans: [epoch(plan) for plan in plans])
     rule = DecisionRule(margin=0.03, rounds=7)
     for prune in (True, False):
-        log = SearchLog()
-        result = run_stage1(SPACE, evaluator(), rule=rule, prune=prune, report=log.append)
+        result, log = stage1_logged(SPACE, evaluator(), rule=rule, prune=prune)
         assert str(result.best.plan) == AMP
         (faster,) = [r for r in log.samples() if r.plan == FASTER]
         assert faster.batches == (8 if prune else 22)
@@ -583,8 +581,7 @@ def test_a_clear_loser_taking_turns_stops_on_pace_after_three_pairs():
     # with early_stop, a candidate twice as slow as the incumbent, pair for pair, stops before its first block
     true = lambda code: 2.0 if code == FASTER else 1.0  # noqa: E731
     evaluator, duel_steps = _bursty(true, burst=1.0, batches=8)
-    log = SearchLog()
-    run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), early_stop=0.05, report=log.append)
+    _, log = stage1_logged(SPACE, evaluator, early_stop=0.05)
     (slow,) = [r for r in log.samples() if r.plan == FASTER]
     assert slow.status == "pruned" and slow.extra["stopped_early"] and slow.batches == 1 + EARLY_STOP_MIN_BATCHES
     assert "median over 3 pairs" in slow.reason and not duel_steps
@@ -596,8 +593,7 @@ def test_a_short_epoch_taking_turns_screens_on_its_pairs_before_a_duel():
     for factor, winner, duels in ((0.99, AMP, 0), (0.8, FASTER, 14)):
         true = lambda code, factor=factor: factor if code == FASTER else 1.0  # noqa: E731
         evaluator, duel_steps = _bursty(true, burst=1.0, batches=6)
-        log = SearchLog()
-        result = run_stage1(SPACE, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+        result, log = stage1_logged(SPACE, evaluator)
         assert str(result.best.plan) == winner and len(duel_steps) == duels
         (faster,) = [r for r in log.samples() if r.plan == FASTER and "its epoch again" not in r.reason]
         assert ("batch_verdict" in faster.extra) == (winner == AMP)
@@ -619,8 +615,7 @@ def test_an_undecided_duel_of_the_epochs_in_turns_takes_more_blocks_as_any_duel_
 
     evaluator = FunctionEvaluator(run_epoch=run_epoch, time_step=time_step,
                                   run_epochs_taking_turns=lambda plans: [run_epoch(plan) for plan in plans])
-    log = SearchLog()
-    result = run_stage1(ONE_OP, evaluator, rule=DecisionRule(margin=0.03, rounds=7), report=log.append)
+    result, log = stage1_logged(ONE_OP, evaluator)
     (duel,) = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra]
     assert duel["epoch_pairs"] == 8 and len(steps) == 2 * (len(duel["seconds"][0]) - 8) > 0
     assert duel["replaces"] and str(result.best.plan) == "1"  # the blocks showed FP32's plan confidently faster

@@ -199,8 +199,12 @@ class Doubled(nn.Module):
 
 
 def _alone(sampler, module):
-    epoch = sampler.epoch(module)
-    losses = []
+    return _drained(sampler.epoch(module))
+
+
+def _drained(epoch, losses=()):
+    """An epoch run to its end: (its losses, after ``losses`` already taken; the state it returns)."""
+    losses = list(losses)
     while True:
         try:
             losses.append(next(epoch)[0])
@@ -247,6 +251,25 @@ def test_closing_epochs_taking_turns_part_way_restores_the_state():
     next(first)
     assert not sampler.initial.matches()
     first.close()
+    assert sampler.initial.matches()
+
+
+def test_a_module_whose_partner_stops_part_way_ends_in_the_state_of_its_epoch_alone():
+    # a candidate's epoch goes on alone once the incumbent's steps stop (the pairs decided): its losses and the
+    # state it returns (kept when it wins the search) are those of its epoch alone, dropout and Adam included
+    model, opt, loader = make(batches=5)
+    warm_start(model, opt, loader)
+    sampler = FairSampler(model, opt, loader, ce, device="cpu", seed=3)
+    doubled = Doubled(model)
+    alone_losses, alone_state = _alone(sampler, doubled)
+    incumbent, candidate = sampler.epochs_taking_turns([model, doubled])
+    next(incumbent)  # AB BA, as the search runs them
+    taken = [next(candidate)[0], next(candidate)[0]]
+    next(incumbent)
+    incumbent.close()
+    losses, state = _drained(candidate, taken)
+    assert losses == alone_losses and len(losses) == 5
+    assert all(torch.equal(a, b) for (_, a), (_, b) in zip(state.tensors, alone_state.tensors))
     assert sampler.initial.matches()
 
 
