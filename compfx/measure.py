@@ -93,22 +93,29 @@ class Timing:
         return statistics.median(self.samples)
 
 
-def time_repeats(step: Callable[[int], object], *, warmup: int, repeats: int,
-                 device: torch.device | str | None) -> Timing:
+def time_repeats(step: Callable[[int], T], *, warmup: int, repeats: int,
+                 device: torch.device | str | None, after: Callable[[int, T], object] | None = None) -> Timing:
     """Call ``step(i)`` ``warmup`` times untimed, then ``repeats`` times timed.
 
     Warm-up absorbs one-off costs (allocator growth, kernel selection, lazy
-    optimizer state) that a steady training run does not pay.
+    optimizer state) that a steady training run does not pay. ``after(i,
+    result)`` runs untimed after every call (e.g. a check of the step's
+    gradients that a training loop would not make).
 
     >>> time_repeats(lambda i: None, warmup=1, repeats=3, device="cpu").median >= 0
     True
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats}; expected at least 1 timed repeat")
+    def call(i: int, timing: bool) -> float:
+        result, seconds = timed(lambda: step(i), device) if timing else (step(i), 0.0)
+        if after is not None:
+            after(i, result)
+        return seconds
+
     for i in range(warmup):
-        step(i)
-    samples = tuple(timed(lambda i=i: step(warmup + i), device)[1] for i in range(repeats))
-    return Timing(samples)
+        call(i, timing=False)
+    return Timing(tuple(call(warmup + i, timing=True) for i in range(repeats)))
 
 
 def interleaved_order(count: int, round_index: int) -> list[int]:
@@ -121,9 +128,9 @@ def interleaved_order(count: int, round_index: int) -> list[int]:
     return [(i + shift) % count for i in range(count)]
 
 
-def time_interleaved(steps: Sequence[Callable[[int], object]], *, rounds: int, warmup: int,
-                     device: torch.device | str | None, before: Callable[[int], object] | None = None
-                     ) -> list[list[float]]:
+def time_interleaved(steps: Sequence[Callable[[int], T]], *, rounds: int, warmup: int,
+                     device: torch.device | str | None, before: Callable[[int], object] | None = None,
+                     after: Callable[[int, T], object] | None = None) -> list[list[float]]:
     """Seconds of ``steps[j](i)`` in each round ``i``: the steps take turns, the order rotating every round.
 
     Each step is called ``warmup`` times untimed first (on rounds ``0..warmup-1``'s
@@ -132,7 +139,8 @@ def time_interleaved(steps: Sequence[Callable[[int], object]], *, rounds: int, w
     ``i mod n, i+1 mod n, ...`` (for two steps: AB, BA, AB, ...): a step that
     always ran second would pay, or gain, whatever its predecessor leaves behind
     (caches, allocator state). ``before(j)`` runs untimed before each call of
-    ``steps[j]`` (e.g. switching a plan in). Returns one list of ``rounds``
+    ``steps[j]`` (e.g. switching a plan in), and ``after(j, result)`` untimed
+    after it (e.g. checking what it computed). Returns one list of ``rounds``
     seconds per step.
 
     >>> times = time_interleaved([lambda i: None, lambda i: sum(range(100))], rounds=3, warmup=1, device="cpu")
@@ -141,18 +149,22 @@ def time_interleaved(steps: Sequence[Callable[[int], object]], *, rounds: int, w
     """
     if rounds < 1 or warmup < 0:
         raise ValueError(f"rounds={rounds}, warmup={warmup}; expected at least one round and warmup >= 0")
+    def call(j: int, i: int, timing: bool) -> float:
+        if before is not None:
+            before(j)
+        result, seconds = timed(lambda: steps[j](i), device) if timing else (steps[j](i), 0.0)
+        if after is not None:
+            after(j, result)
+        return seconds
+
     count = len(steps)
     for i in range(warmup):
         for j in range(count):
-            if before is not None:
-                before(j)
-            steps[j](i)
+            call(j, i, timing=False)
     seconds: list[list[float]] = [[] for _ in steps]
     for i in range(rounds):
         for j in interleaved_order(count, i):
-            if before is not None:
-                before(j)
-            seconds[j].append(timed(lambda: steps[j](warmup + i), device)[1])
+            seconds[j].append(call(j, warmup + i, timing=True))
     return seconds
 
 

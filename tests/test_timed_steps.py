@@ -106,6 +106,37 @@ def test_nonfinite_gradients_under_a_finite_loss_fail_the_plan_after_the_timed_w
     assert sampler.initial.matches()
 
 
+def test_the_gradient_test_runs_after_each_timed_step_not_inside_it(monkeypatch):
+    """The seconds are the training step a user's loop takes: the NaN/inf test of the gradients, which no training
+    loop makes, runs untimed after each step (epochs, epochs in turns, repeated and interleaved timings)."""
+    timing, tested_while_timing = [False], []
+    original = sampling.timed
+
+    def flagged(fn, device):
+        timing[0] = True
+        try:
+            return original(fn, device)
+        finally:
+            timing[0] = False
+
+    class Recording(FairSampler):
+        def _gradients_finite(self, device):
+            tested_while_timing.append(timing[0])
+            return super()._gradients_finite(device)
+
+    monkeypatch.setattr(sampling, "timed", flagged)
+    monkeypatch.setattr(compfx.measure, "timed", flagged)
+    model, optimizer, loader, _ = _setup()
+    sampler = Recording(model, optimizer, loader, ce, device="cpu")
+    list(sampler.epoch(model, warmup=1))
+    for epoch in sampler.epochs_taking_turns([model, model], warmup=0):
+        list(epoch)
+    sampler.step_time(model, warmup=1, repeats=2)
+    sampler.interleaved_step_times([model, model], rounds=2, warmup=1)
+    # every step was tested: 1 + 4 (epoch), 2 x 4 (in turns), 1 + 2 (repeats), 2 x (1 + 2) (interleaved)
+    assert len(tested_while_timing) == 5 + 8 + 3 + 6 and not any(tested_while_timing)
+
+
 def _loud(output, batch):
     """A loss whose gradients overflow FP32 at GradScaler's first scale (65536) and fit at a few thousand."""
     return output.float().square().mean() * 1e34

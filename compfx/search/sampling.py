@@ -30,7 +30,9 @@ a length (an ``IterableDataset`` stream, which may never end),
 No host-device synchronisation inside a timed step: reading the loss as a
 Python number, or testing the gradients for NaN, makes the host wait for the
 device and drains the launch queue, which hides the differences between plans
-on launch-bound models. :meth:`FairSampler.train_step` leaves both on the
+on launch-bound models. The timed step is the training step alone
+(:meth:`FairSampler.timed_step`): the gradients are tested after it, untimed,
+as a user's loop does not test them; the loss and the test stay on the
 device, and :func:`read_steps` reads them once the step (or a window of steps)
 has been timed, with one copy. (A ``GradScaler``'s own ``step`` reads whether
 it found inf, as in any AMP training loop.)
@@ -480,10 +482,21 @@ class FairSampler:
         """One training step (forward, loss, (scaled) backward, optimizer step), with nothing read on the host.
 
         Returns ``[loss, gradients finite]`` as a device tensor, to read with
-        :func:`read_steps` after the step (or a window of steps) is timed
-        (without a scaler, gradients are checked here but not read: 1.0 when
-        every gradient is finite; with one, the scaler judges them: NaN).
+        :func:`read_steps` (without a scaler, the gradients are tested but not
+        read: 1.0 when every gradient is finite; with one, the scaler judges
+        them: NaN). To time a step, use :meth:`timed_step`, which leaves the
+        test out of the seconds.
         """
+        return self.step_record(self.step_only(module, batch, scaler), scaler)
+
+    def timed_step(self, module: nn.Module, batch, scaler=None) -> tuple[torch.Tensor, float]:
+        """:meth:`train_step` and the synchronised seconds of the step itself (the gradient test after it, untimed)."""
+        loss, seconds = timed(lambda: self.step_only(module, batch, scaler), device=self.device)
+        return self.step_record(loss, scaler), seconds
+
+    def step_only(self, module: nn.Module, batch, scaler=None) -> torch.Tensor:
+        """The training step a user's loop takes, and nothing more: the timed part of :meth:`train_step`. Returns
+        the loss, on the device; pass it to :meth:`step_record` before the next step replaces the gradients."""
         batch = move_batch(batch, self.device)
         args, kwargs = split_batch(batch)
         self.optimizer.zero_grad(set_to_none=True)
@@ -492,11 +505,17 @@ class FairSampler:
             scaler.scale(loss).backward()
             scaler.step(self.optimizer)
             scaler.update()
-            finite = torch.full((), math.nan, device=loss.device)
         else:
             loss.backward()
-            finite = self._gradients_finite(loss.device)
             self.optimizer.step()
+        return loss
+
+    def step_record(self, loss: torch.Tensor, scaler=None) -> torch.Tensor:
+        """``[loss, gradients finite]`` of the step just taken (its gradients are still there), on the device."""
+        # Without a scaler nothing else stops a NaN/inf gradient from reaching the weights: a step with one makes
+        # the plan unusable (read_steps says so). The step has updated the weights, not the gradients.
+        finite = (torch.full((), math.nan, device=loss.device) if scaler is not None
+                  else self._gradients_finite(loss.device))
         return torch.stack([loss.detach().reshape(()).float(), finite])
 
     def step(self, module: nn.Module, batch, scaler=None) -> float:
@@ -507,8 +526,6 @@ class FairSampler:
         return read_steps([self.train_step(module, batch, scaler)])[0]
 
     def _gradients_finite(self, device: torch.device) -> torch.Tensor:
-        # Without a scaler nothing else stops a NaN/inf gradient from reaching the
-        # weights; a step with one makes the plan unusable (read_steps says so).
         grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
         if not grads:
             return torch.ones((), device=device)
@@ -543,7 +560,7 @@ class FairSampler:
             # iterated after seeding: a shuffling loader repeats its order
             for batch in loader_batches(self.loader, self.epoch_batches):
                 batch = self.ready(module, batch)
-                record, seconds = timed(lambda: self.train_step(module, batch, scaler), device=self.device)
+                record, seconds = self.timed_step(module, batch, scaler)
                 count += 1
                 yield read_steps([record])[0], seconds  # read after the step's timing: the device is idle
             self._note_bound(count)
@@ -625,8 +642,9 @@ class FairSampler:
             batches = [self.ready(module, batch) for batch in self._cycled_batches(warmup + repeats)]
             scaler = self._scaler()
             records = []
-            timing = time_repeats(lambda i: records.append(self.train_step(module, batches[i], scaler)),
-                                  warmup=warmup, repeats=repeats, device=self.device)
+            timing = time_repeats(lambda i: self.step_only(module, batches[i], scaler),
+                                  warmup=warmup, repeats=repeats, device=self.device,
+                                  after=lambda i, loss: records.append(self.step_record(loss, scaler)))
             read_steps(records)  # once, after the timed steps: a non-finite gradient fails the plan
             return timing
 
@@ -651,9 +669,9 @@ class FairSampler:
                 ready.append([self.ready(module, batch) for batch in batches])
             scalers = [self._scaler() for _ in modules]
             records = []  # read once, after the timed rounds: no host-device sync inside a timed step
-            steps = [lambda i, j=j: records.append(self.train_step(modules[j], ready[j][i], scalers[j]))
-                     for j in range(len(modules))]
-            seconds = time_interleaved(steps, rounds=rounds, warmup=warmup, device=self.device, before=switch)
+            steps = [lambda i, j=j: self.step_only(modules[j], ready[j][i], scalers[j]) for j in range(len(modules))]
+            seconds = time_interleaved(steps, rounds=rounds, warmup=warmup, device=self.device, before=switch,
+                                       after=lambda j, loss: records.append(self.step_record(loss, scalers[j])))
             read_steps(records)  # a non-finite gradient fails the plans timed
             return seconds
 
@@ -724,8 +742,7 @@ class _Turns:
                 if batch is None:
                     break
                 batch = sampler.ready(module, batch)
-                record, seconds = timed(lambda: sampler.train_step(module, batch, self.scalers[j]),
-                                        device=sampler.device)
+                record, seconds = sampler.timed_step(module, batch, self.scalers[j])
                 index += 1
                 yield read_steps([record])[0], seconds
             if index == 0:
