@@ -253,3 +253,28 @@ def test_a_trainer_run_keeps_its_search_log(tmp_path):
     assert 2 <= figures["measured_samples"] <= figures["samples"]  # FP32's and AMP's epochs at least
     records = SearchLog.read(log)
     assert records.samples("stage1")[0].reason.startswith("FP32 baseline")
+
+
+def test_the_step_comparison_warms_every_plan_up_even_those_that_trained_in_the_search(monkeypatch):
+    # FP32's plan last trained in the search's first epochs: its first step after the later samples ran 1.5-1.8x
+    # its others, which widened every interval and once hid a 1.14x speed-up as "no measurable difference"
+    from compfx.search.evaluator import LocalEvaluator
+
+    def first_linear_low_only(plan, seconds):  # a device where only the first linear pays in low precision
+        return 0.0 if [str(p) for p in plan.values()][::2] == ["low", "fp32"] else 1.0
+
+    warmups, time_steps = [], LocalEvaluator.time_steps
+
+    def recording(self, plans, rounds, *, warmup=None):
+        warmups.append(warmup)
+        return time_steps(self, plans, rounds, warmup=warmup)
+
+    monkeypatch.setattr(LocalEvaluator, "time_steps", recording)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+    result = compfx.optimize(model, batches(4, (8, 8)), loss_fn=ce, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
+                             config=compfx.SearchConfig(cost_fn=first_linear_low_only, predictor="off", progress=False,
+                                                        warmup=0, repeats=1, stage2_check_batches=0, cache_plan=False))
+    plans = result.step_comparison.plans
+    assert plans["chosen"] not in (plans["fp32"], plans["amp"])  # the comparison ran after the search
+    assert warmups[-1] == 1  # one untimed round first, though warmup=0 and every plan had trained

@@ -231,7 +231,6 @@ class LocalEvaluator:
         self._modules: dict[Plan, nn.Module] = {}  # by Plan: a plan's padding is not in its Assignment
         self._runners: dict[Plan, nn.Module] = {}
         self._saved_bytes: dict[Assignment, int] = {}
-        self.stepped: set[Assignment] = set()  # plans whose module has run training steps (they are warm)
         self._captures = None  # the model's captures per input signature, shared by every plan's runner
 
     # -- plans and the modules that run them -------------------------------------------
@@ -299,7 +298,6 @@ class LocalEvaluator:
         with plan_failures():
             runner = self.runner(plan)
             epoch = self.sampler.epoch(runner, warmup=self.warmup)
-        self.stepped.add(plan)
         charged = each_batch(epoch, lambda: self.clock.phase("samples"), close_around=True)
         return each_batch(charged, plan_failures)  # each batch's failure is the plan's
 
@@ -314,7 +312,6 @@ class LocalEvaluator:
             runners = [self.runner(plan) for plan in plans]
             with self.clock.phase("samples"):
                 epochs = self.sampler.epochs_taking_turns(runners, warmup=self.warmup, switch=self._switch(plans))
-        self.stepped.update(plans)
         charged = [each_batch(epoch, lambda: self.clock.phase("samples"), close_around=True) for epoch in epochs]
         return [each_batch(epoch, plan_failures) for epoch in charged]  # each batch's failure is its own plan's
 
@@ -334,7 +331,6 @@ class LocalEvaluator:
             with self.clock.phase("samples"):
                 seconds = self.sampler.step_time(runner, warmup=self.warmup if warmup is None else warmup,
                                                  repeats=repeats or self.repeats).median
-        self.stepped.add(plan)
         return seconds
 
     def time_steps(self, plans: Sequence[Assignment], rounds: int, *, warmup: int | None = None
@@ -345,7 +341,6 @@ class LocalEvaluator:
             with self.clock.phase("samples"):
                 seconds = self.sampler.interleaved_step_times(
                     runners, rounds=rounds, warmup=self.warmup if warmup is None else warmup, switch=self._switch(plans))
-        self.stepped.update(plans)
         return seconds
 
     def _switch(self, plans: Sequence[Assignment]) -> Callable[[int], object] | None:
