@@ -17,7 +17,9 @@ from hypothesis import strategies as st
 
 from compfx import SearchConfig, optimize
 from compfx.errors import PlanFileError, PlanMismatchError
+from compfx.search.compare import AFTER_THE_SEARCH
 from compfx.search.log import DUEL, SearchLog
+from compfx.search.session import COMPARE_ROUNDS
 from compfx.vocabulary import Stage
 from tests.helpers import EXACT, nll
 from tests.test_reliability import BATCHES, setup
@@ -65,6 +67,16 @@ def loss_calls(record) -> int:
     return record.batches if record.stage is Stage.STAGE1 else 1
 
 
+def comparison_calls(result, config: SearchConfig, *, blocks: int | None = None) -> int:
+    """``loss_fn`` calls of the report's step comparison after the search (of its first ``blocks`` blocks): each
+    distinct plan's rounds, and a warm-up step per block of them (none where it was read off the first duel). How
+    many blocks it takes depends on the timings, not on the injected costs."""
+    block = max(config.rounds, COMPARE_ROUNDS)
+    rounds = [len(r.extra["round_seconds"]) for r in result.log.samples(Stage.COMPARE)
+              if r.status == "accepted" and r.extra.get("phase") == AFTER_THE_SEARCH]
+    return sum(n + n // block for n in (rounds if blocks is None else [min(n, blocks * block) for n in rounds]))
+
+
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(salt=st.integers(0, 1000), prune=st.booleans(), where=st.floats(0.0, 1.0))
 @example(salt=928, prune=False, where=0.25)  # interrupted after the FP32 baseline, which then won Stage 1
@@ -76,7 +88,11 @@ def test_resumed_search_picks_the_plan_of_an_uninterrupted_one(tmp_path_factory,
     straight = optimize(model, loader, loss_fn=loss_fn, optimizer=opt, config=config(salt, prune))
     total = len(calls)
 
-    stop_at = 2 + int(where * (total - 2))  # call 1 is the input check: interrupt anywhere after it
+    # call 1 is the input check: interrupt anywhere after it, up to the comparison's first block (which every run
+    # takes)
+    reached = total - comparison_calls(straight, config(salt, prune)) + comparison_calls(straight, config(salt, prune),
+                                                                                         blocks=1)
+    stop_at = 2 + int(where * (reached - 2))
     model, opt, loader = setup()
     loss_fn, _ = counting(stop_at)
     with pytest.raises(KeyboardInterrupt):
@@ -95,10 +111,10 @@ def test_resumed_search_picks_the_plan_of_an_uninterrupted_one(tmp_path_factory,
     winner = resumed.stage1_plan.bitstring(resumed.analysis)
     retrained = BATCHES if any(r.is_sample and r.stage is Stage.STAGE1 and r.plan == winner for r in logged) else 0
     # logged samples were replayed, not run again; every other sample ran once, as in the uninterrupted run. The
-    # report's step comparison warms its plans with a step each when one of them has not trained in this process
-    # (its samples were replayed): in the uninterrupted run they all had.
-    compared = len([r for r in resumed.log.samples(Stage.COMPARE) if r.status == "accepted"])
-    assert len(resumed_calls) - (total - sum(map(loss_calls, logged)) + retrained) in (0, compared)
+    # report's step comparison is timed again (its blocks depend on the timings, not on the injected costs).
+    searched = len(resumed_calls) - comparison_calls(resumed, config(salt, prune))
+    assert searched == total - comparison_calls(straight, config(salt, prune)) - sum(map(loss_calls, logged)) \
+        + retrained
     # (the incumbent's epoch again, taking turns with a candidate's, is another sample of it by design)
     samples = [(r.stage, r.plan) for r in SearchLog.read(path).samples()
                if r.stage is not Stage.COMPARE and not r.reason.startswith("the incumbent, its epoch again")]

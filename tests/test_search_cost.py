@@ -14,6 +14,7 @@ import json
 import os
 from unittest import mock
 
+import pytest
 import torch
 from hypothesis import example, given, settings
 from hypothesis import strategies as st
@@ -160,6 +161,21 @@ def test_a_plan_that_fails_is_left_out_of_the_step_comparison(tmp_path):
     comparison = compare_steps(evaluator.time_steps, evaluator.saved_bytes, plans, log, rounds=3, confidence=0.7)
     assert set(comparison.seconds) == {"fp32", "chosen"} and comparison.spread("amp") is None
     assert [(r.plan, r.status) for r in log.samples()][0] == ("0f1", "error")
+
+
+@pytest.mark.parametrize("burst, blocks", [(False, 1), (True, 2)])
+def test_a_burst_in_one_round_makes_the_comparison_take_another_block(tmp_path, burst, blocks):
+    # the chosen plan is 1.15x faster than FP32's; a burst of other work in one of its steps makes that round's
+    # ratio 0.8, and seven rounds' interval then holds 1: one more block of seven gives the interval its answer
+    plans = {"fp32": Assignment.parse("111"), "amp": Assignment.parse("0f1"), "chosen": Assignment.parse("1f0")}
+    steps = {"111": iter([1.15] * 21), "0f1": iter([1.0] * 21),
+             "1f0": iter([1.0] * 3 + [1.15 / 0.8 if burst else 1.0] + [1.0] * 17)}
+    log = SearchLog.open(tmp_path / "log.jsonl", {"fingerprint": "x"})
+    evaluator = FunctionEvaluator(time_step=lambda plan: next(steps[str(plan)]))
+    comparison = compare_steps(evaluator.time_steps, evaluator.saved_bytes, plans, log, rounds=7, confidence=0.95,
+                               margin=0.03)
+    assert {len(s) for s in comparison.seconds.values()} == {7 * blocks}
+    assert comparison.speedup("fp32") == "speed-up 1.15x (1.15-1.15)"
 
 
 # -- cache writes ---------------------------------------------------------------------------

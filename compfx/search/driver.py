@@ -34,7 +34,7 @@ from ..errors import PlanFailedError
 from ..measure import PhaseClock
 from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
-from .compare import AFTER_THE_SEARCH, StepComparison
+from .compare import AFTER_THE_SEARCH, MAX_DUEL_BLOCKS, StepComparison, median_interval
 from .config import SearchConfig
 from .convergence import check_winner
 from .log import BATCHES, DUEL, Replay, SampleRecord, SearchLog
@@ -153,15 +153,21 @@ class Recorder:
 
 
 def compare_steps(time_steps, saved_bytes, plans: Mapping[str, Assignment], log: SearchLog, *, rounds: int,
-                  confidence: float) -> StepComparison:
+                  confidence: float, margin: float | None = None) -> StepComparison:
     """The report's step comparison: the named plans take turns on the same batches, warm, in one phase.
 
     ``time_steps(plans, rounds)`` (an evaluator's) times each distinct plan
     once per round (a name that shares another's plan shares its timings), and
     ``saved_bytes(plan)`` measures each one's saved activations. A plan that
     fails is logged and left out, the others timed again together (the
-    comparison is informative only, never a reason to fail the search). Each
-    plan's rounds are logged as a ``compare`` record.
+    comparison is informative only, never a reason to fail the search). As an
+    undecided duel does, the plans take another block of ``rounds`` rounds
+    while the chosen plan's speed-up over FP32's or AMP's is unclear (its
+    interval holds 1 while its median is more than ``margin`` from 1: one burst
+    of other work on the machine in a round of seven does that), up to
+    :data:`~compfx.search.compare.MAX_DUEL_BLOCKS` blocks (``margin=None``:
+    one block, as ranks of ``torch.distributed`` must all take the same steps).
+    Each plan's rounds are logged as a ``compare`` record.
     """
     timed = list(dict.fromkeys(plans.values()))
     try:
@@ -174,8 +180,33 @@ def compare_steps(time_steps, saved_bytes, plans: Mapping[str, Assignment], log:
                 timed.remove(plan)
                 log.append(SampleRecord(Stage.COMPARE, str(plan), SampleStatus.ERROR, reason=failure_reason(error)))
         rows = time_steps(timed, rounds) if timed else []
-    return comparison_of({plan: row for plan, row in zip(timed, rows)}, saved_bytes, plans, log,
-                         confidence=confidence)
+    seconds = {plan: list(row) for plan, row in zip(timed, rows)}
+    for _ in range(MAX_DUEL_BLOCKS - 1 if margin is not None else 0):
+        if not _speedup_unclear(seconds, plans, confidence, margin):
+            break
+        try:
+            more = time_steps(timed, rounds)
+        except PlanFailedError:  # it ran a block already: the comparison stands on that
+            break
+        for plan, row in zip(timed, more):
+            seconds[plan].extend(row)
+    return comparison_of(seconds, saved_bytes, plans, log, confidence=confidence)
+
+
+def _speedup_unclear(seconds: Mapping[Assignment, Sequence[float]], plans: Mapping[str, Assignment],
+                     confidence: float, margin: float) -> bool:
+    """Does the chosen plan's speed-up over FP32's or AMP's have an interval holding 1 and a median more than
+    ``margin`` from 1?"""
+    chosen = seconds.get(plans.get("chosen"))
+    for name in ("fp32", "amp"):
+        other = seconds.get(plans.get(name))
+        if not chosen or not other or plans.get(name) == plans.get("chosen"):
+            continue
+        speedups = [o / c for o, c in zip(other, chosen) if c > 0]
+        low, high, _ = median_interval(speedups, confidence)
+        if low <= 1.0 <= high and abs(statistics.median(speedups) - 1.0) > margin:
+            return True
+    return False
 
 
 def comparison_of(seconds_by_plan: Mapping[Assignment, Sequence[float]], saved_bytes,

@@ -192,8 +192,9 @@ class SearchSession:
 
         It is not part of the decision, and it is the only timing the report
         quotes: ``config.rounds`` rounds (at least three), each giving every plan one step on the same
-        batch (:func:`compfx.search.driver.compare_steps`), after a warm-up round. Timings the search took
-        earlier, in other phases, are not mixed in.
+        batch (:func:`compfx.search.driver.compare_steps`), after a warm-up round, and in a single process another
+        block of them while the chosen plan's speed-up is unclear (ranks of ``torch.distributed`` take the same
+        steps). Timings the search took earlier, in other phases, are not mixed in.
         """
         samples_before = self.clock.seconds.get("samples", 0.0)
         rounds = max(self.config.rounds, COMPARE_ROUNDS)
@@ -204,7 +205,8 @@ class SearchSession:
         warmup = max(1, self.config.warmup)
         with self.clock.phase("step comparison"):
             comparison = compare_steps(functools.partial(self.local.time_steps, warmup=warmup), self.local.saved_bytes,
-                                       plans, self.log, rounds=rounds, confidence=self.config.confidence)
+                                       plans, self.log, rounds=rounds, confidence=self.config.confidence,
+                                       margin=self.config.margin if self.strategy is SINGLE_PROCESS else None)
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
                         target="step comparison")
         return comparison
