@@ -94,22 +94,6 @@ def test_plan_the_profiles_show_can_win_is_sampled_though_predicted_over_the_inc
     assert not any(r.plan == "01" and r.status == "skipped" for r in records)
 
 
-@pytest.mark.parametrize("saved, sampled", [({"01": 50}, True), ({"01": 150}, False), (None, False)])
-def test_a_plan_predicted_within_the_margin_is_sampled_only_when_it_saves_less_memory(saved, sampled):
-    # "01" predicted 1% over AMP's plan: it cannot beat it by 3%, but saving less memory it could win the tie
-    # (not slower by more than 3%); saving more, or where memory is unknown, it is skipped
-    measured = {"11": 1.0, "00": 0.5, "01": 0.5, "10": 0.6}
-    predicted = {"00": 0.5, "01": 0.505, "10": 0.6}
-    nbytes = None if saved is None else (lambda plan: saved.get(str(plan), 100))
-    calls, records = [], []
-    evaluator = epochs(measured.__getitem__, calls)
-    if nbytes is not None:
-        evaluator.saved_bytes = nbytes
-    result = run_stage1(space(), evaluator, predict=by_code(predicted), report=records.append,
-                        rule=DecisionRule(margin=0.03, rounds=0))
-    assert ("01" in calls) == sampled and str(result.best.plan) == ("01" if sampled else "00")
-
-
 def test_stage1_stops_when_the_bounds_show_nothing_left_can_win():
     measured = {"11": 1.0, "00": 0.5, "01": 0.45, "10": 0.45}
     bound = {"00": 0.5, "01": 0.49, "10": 0.6}  # at 3% margin the bar is 0.485: neither bound is below it
@@ -337,18 +321,3 @@ def test_stage2_prices_again_when_the_predictor_scales_its_predictions_down():
     scale[0], version[0] = 0.0, 1  # the evidence scaled the predicted differences to nothing
     assert stage.predicted_cost(incumbent, Assignment.parse("001")) == pytest.approx(1.0)
     assert stage.cannot_win(incumbent, Assignment.parse("001"))
-
-
-@pytest.mark.parametrize("nbytes, can_win", [(50, True), (150, False), (None, False)])
-def test_stage2_a_plan_predicted_within_the_margin_can_win_only_by_saving_memory(nbytes, can_win):
-    from compfx.plan import Assignment
-    from compfx.search.outcome import Outcome
-    from compfx.search.stage2 import _Stage2
-
-    predicted = {"0f1": 1.0, "001": 1.01}  # "001" 1% over the incumbent: it cannot beat it by 3%
-    saved = {"0f1": 100, "001": nbytes}
-    stage = _Stage2(FunctionEvaluator(time_step=lambda plan: 1.0, saved_bytes=lambda plan: saved[str(plan)]), None,
-                    DecisionRule(margin=0.03), bound=by_code(predicted), predict=by_code(predicted))
-    incumbent = Outcome(Assignment.parse("0f1"), SampleStatus.ACCEPTED)
-    assert stage.cannot_win(incumbent, Assignment.parse("001")) is not can_win
-    assert stage.nothing_can_win(incumbent, [Assignment.parse("001")], "Stage 2") is not can_win

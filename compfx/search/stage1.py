@@ -689,20 +689,16 @@ class _Stage1:
         return cache[plan]
 
     def cannot_win(self, plan: Assignment, *, price: bool = True) -> tuple[bool, float, float]:
-        """Does the cost model show that ``plan`` cannot replace the incumbent under the rule?
+        """Does the cost model show that ``plan`` cannot beat the incumbent by more than the margin?
 
         Like for like: ``plan``'s predicted cost against the rule's bar on the
         incumbent's *predicted* cost (both from the same profiles and
-        calibration): faster by more than the margin, or, for a plan that saves
-        less activation memory than the incumbent, not slower by more than it
-        (the rule's looser bar; a plan predicted between the two bars has its
-        saved bytes measured, and is in doubt until then when ``price`` is
-        False). The cheap lower bound of the prediction (casts free, follow ops
-        at their faster dtype) is tried first; only when it is under the bar is
-        the plan priced in full (a rewrite), and its prediction decides
-        (``price=False``: a prediction already made, else the bound). Returns
-        (cannot win, the figure that decided, bar); never true for a plan or an
-        incumbent that cannot be priced.
+        calibration). The cheap lower bound of the prediction (casts free,
+        follow ops at their faster dtype) is tried first; only when it is under
+        the bar is the plan priced in full (a rewrite), and its prediction
+        decides (``price=False``: a prediction already made, else the bound).
+        Returns (cannot win, the figure that decided, bar); never true for a plan
+        or an incumbent that cannot be priced.
         """
         if self.predict is None or self.best is None:
             return False, math.nan, math.nan
@@ -710,21 +706,7 @@ class _Stage1:
         bound = self.bound_cost(plan)
         if not (math.isfinite(reference) and math.isfinite(bound)):
             return False, bound, math.nan
-        verdict = self._over_bar(plan, bound, self.rule.bar(reference, saves_less=False), price)
-        if not verdict[0]:
-            return verdict
-        if self.saved_bytes(self.best.plan) is None:  # memory unknown: no plan can win the tie on it
-            return verdict
-        on_memory = self._over_bar(plan, bound, self.rule.bar(reference, saves_less=True), price)
-        if on_memory[0]:
-            return verdict
-        if not price and plan not in self._bytes:  # whether it saves less is measured when its turn comes
-            return False, on_memory[1], on_memory[2]
-        return on_memory if self.saves_less(plan) else verdict
-
-    def _over_bar(self, plan: Assignment, bound: float, bar: float, price: bool) -> tuple[bool, float, float]:
-        """(Is ``plan``'s figure at ``bar`` or over, the figure, bar): its lower ``bound`` when that is over, else its
-        prediction (priced only with ``price``, or already; else the bound, under the bar)."""
+        bar = self.rule.bar(reference, saves_less=False)
         if bound >= bar or self.bound is None:
             return bound >= bar, bound, bar
         if not price and plan not in self.predicted:
@@ -733,9 +715,9 @@ class _Stage1:
         return math.isfinite(predicted) and predicted >= bar, predicted, bar
 
     def nothing_can_win(self, candidates: Sequence[Assignment]) -> bool:
-        """True (and a note) when the cost model shows that none of ``candidates`` not yet seen can replace the
-        incumbent (:meth:`cannot_win`, on their bounds, the predictions and saved bytes already measured; a plan
-        still in doubt is priced, and measured, when its turn comes): Stage 1 stops instead of sampling them."""
+        """True (and a note) when the cost model shows that none of ``candidates`` not yet seen can beat the incumbent
+        by more than the margin (:meth:`cannot_win`, on their bounds and the predictions already made; a plan
+        still in doubt is priced when its turn comes): Stage 1 stops instead of sampling them."""
         left = [plan for plan in candidates if plan not in self.seen]
         if not left or self.predict is None or self.best is None:
             return False
@@ -745,8 +727,7 @@ class _Stage1:
         verdicts = [self.cannot_win(plan, price=False) for plan in left]  # cached now: for the note's figures
         bar = verdicts[0][2]
         note(self.report, Stage.STAGE1, f"stopped: the profiles show that none of the {len(left)} plans left can "
-             f"beat the incumbent {self.best.plan} by more than the margin, nor come within it saving less memory "
-             "(the lowest of their predicted costs, "
+             f"beat the incumbent {self.best.plan} by more than the margin (the lowest of their predicted costs, "
              f"{min(b for _, b, _ in verdicts):.6g}, is not below {bar:.6g}, {1 - self.rule.margin:g} x the "
              "incumbent's predicted cost); not sampled", **{NOTHING_CAN_WIN: len(left)})
         return True

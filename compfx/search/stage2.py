@@ -103,7 +103,7 @@ class _Stage2:
         self.programs = ProgramIndex(evaluator.program)
         self._bytes: dict[Assignment, int | None] = {}
         self._verdicts: dict[tuple[Assignment, Assignment], bool] = {}
-        self._predicted: dict[tuple, float] = {}  # (incumbent, plan, bar) -> predicted_cost
+        self._predicted: dict[tuple[Assignment, Assignment], float] = {}  # (incumbent, plan) -> predicted_cost
         self.prices = PriceVersion(price_version)
 
     def saved_bytes(self, plan: Assignment) -> int | None:
@@ -181,24 +181,23 @@ class _Stage2:
         seconds = float(estimate(plan))
         return checked_cost(self.evaluator, plan, seconds) if math.isfinite(seconds) else math.nan
 
-    def predicted_cost(self, incumbent: Outcome, plan: Assignment, bar: float | None = None) -> float:
-        """The figure that says whether ``plan`` can get under ``bar`` (default: the rule's bar to beat
-        ``incumbent``, on its predicted step cost): the first of its lower bounds (the cheap one, then the one read
-        off the incumbent's priced graph) that is at the bar or over, else its full prediction (a rewrite); NaN
-        when it cannot be priced. Each figure is worked out once."""
-        if bar is None:
-            bar = self.rule.bar(self._priced(self.predict, incumbent.plan), saves_less=False)
-        key = (incumbent.plan, plan, bar)
+    def predicted_cost(self, incumbent: Outcome, plan: Assignment) -> float:
+        """The figure that says whether ``plan`` can beat ``incumbent``: the first of its lower bounds (the cheap
+        one, then the one read off the incumbent's priced graph) that is at the bar or over, else its full
+        prediction (a rewrite); NaN when it cannot be priced. Each figure is worked out once."""
+        key = (incumbent.plan, plan)
         if self.prices.moved():  # evidence scaled the prices down: price again
             self._predicted.clear()
         if key not in self._predicted:
-            self._predicted[key] = self._predicted_cost(incumbent, plan, bar)
+            self._predicted[key] = self._predicted_cost(incumbent, plan)
         return self._predicted[key]
 
-    def _predicted_cost(self, incumbent: Outcome, plan: Assignment, bar: float) -> float:
+    def _predicted_cost(self, incumbent: Outcome, plan: Assignment) -> float:
         bound = self._priced(self.bound, plan)
-        if not math.isfinite(bar) or self.predict is self.bound:
+        reference = self._priced(self.predict, incumbent.plan)
+        if not math.isfinite(reference) or self.predict is self.bound:
             return bound
+        bar = self.rule.bar(reference, saves_less=False)
         if math.isfinite(bound) and bound >= bar:
             return bound
         if self.bound_against is not None:
@@ -209,25 +208,17 @@ class _Stage2:
         return self._priced(self.predict, plan)
 
     def cannot_win(self, incumbent: Outcome, plan: Assignment) -> bool:
-        """Does the cost model show ``plan`` cannot replace ``incumbent`` under the rule: its predicted step cost at
-        the bar on the incumbent's predicted step cost (like for like; the cheap bound first), and, where it
-        saves less activation memory than the incumbent (measured when its prediction is under the looser bar of
-        such a plan), at that looser bar? Never for a plan or incumbent that cannot be priced."""
+        """Does the cost model show ``plan`` cannot beat ``incumbent`` by the margin (its predicted step cost against
+        the bar on the incumbent's predicted step cost, like for like; the cheap bound first)? Never for a plan or
+        incumbent that cannot be priced."""
         if self.bound is None:
             return False
-        reference = self._priced(self.predict, incumbent.plan)
-        if not (math.isfinite(reference) and self._over(incumbent, plan, self.rule.bar(reference, saves_less=False))):
-            return False
-        return (self.saved_bytes(incumbent.plan) is None  # memory unknown: no plan can win the tie on it
-                or self._over(incumbent, plan, self.rule.bar(reference, saves_less=True))
-                or not self.saves_less(plan, incumbent.plan))
-
-    def _over(self, incumbent: Outcome, plan: Assignment, bar: float) -> bool:
-        figure = self.predicted_cost(incumbent, plan, bar)
-        return math.isfinite(figure) and figure >= bar
+        reference, predicted = self._priced(self.predict, incumbent.plan), self.predicted_cost(incumbent, plan)
+        return (math.isfinite(reference) and math.isfinite(predicted)
+                and predicted >= self.rule.bar(reference, saves_less=False))
 
     def nothing_can_win(self, incumbent: Outcome, candidates: Sequence[Assignment], what: str) -> bool:
-        """True (and a note) when the cost model shows none of ``candidates`` can replace ``incumbent`` (:meth:`cannot_win`)."""
+        """True (and a note) when the cost model shows none of ``candidates`` can beat ``incumbent`` by the margin."""
         if self.bound is None or not candidates or incumbent.status is not SampleStatus.ACCEPTED:
             return False
         if not all(self.cannot_win(incumbent, plan) for plan in candidates):
@@ -235,8 +226,7 @@ class _Stage2:
         bar = self.rule.bar(self._priced(self.predict, incumbent.plan), saves_less=False)
         lowest = min(self.predicted_cost(incumbent, plan) for plan in candidates)
         note(self.report, Stage.STAGE2, f"{what} not timed: the profiles show that none of its {len(candidates)} "
-             f"plans can beat the incumbent {incumbent.plan} by more than the margin, nor come within it saving less "
-             "memory (the lowest of their "
+             f"plans can beat the incumbent {incumbent.plan} by more than the margin (the lowest of their "
              f"predicted step costs, {lowest:.6g}, is not below {bar:.6g}, {1 - self.rule.margin:g} x the "
              "incumbent's predicted step cost)", **{NOTHING_CAN_WIN: len(candidates)})
         return True
