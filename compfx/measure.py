@@ -94,28 +94,22 @@ class Timing:
 
 
 def time_repeats(step: Callable[[int], T], *, warmup: int, repeats: int,
-                 device: torch.device | str | None, after: Callable[[int, T], object] | None = None) -> Timing:
-    """Call ``step(i)`` ``warmup`` times untimed, then ``repeats`` times timed.
+                 device: torch.device | str | None, after: Callable[[T], object] | None = None) -> Timing:
+    """Call ``step(i)`` ``warmup`` times untimed, then ``repeats`` times timed (:func:`time_interleaved` of one step).
 
     Warm-up absorbs one-off costs (allocator growth, kernel selection, lazy
-    optimizer state) that a steady training run does not pay. ``after(i,
-    result)`` runs untimed after every call (e.g. a check of the step's
-    gradients that a training loop would not make).
+    optimizer state) that a steady training run does not pay. ``after(result)``
+    runs untimed after every call (e.g. a check of the step's gradients that a
+    training loop would not make).
 
     >>> time_repeats(lambda i: None, warmup=1, repeats=3, device="cpu").median >= 0
     True
     """
     if repeats < 1:
         raise ValueError(f"repeats={repeats}; expected at least 1 timed repeat")
-    def call(i: int, timing: bool) -> float:
-        result, seconds = timed(lambda: step(i), device) if timing else (step(i), 0.0)
-        if after is not None:
-            after(i, result)
-        return seconds
-
-    for i in range(warmup):
-        call(i, timing=False)
-    return Timing(tuple(call(warmup + i, timing=True) for i in range(repeats)))
+    [seconds] = time_interleaved([step], rounds=repeats, warmup=warmup, device=device,
+                                 after=None if after is None else lambda j, result: after(result))
+    return Timing(tuple(seconds))
 
 
 def interleaved_order(count: int, round_index: int) -> list[int]:

@@ -102,6 +102,12 @@ class Comparison:
     def interval(self, confidence: float) -> tuple[float, float, float]:
         return median_interval(self.ratios, confidence)
 
+    def speedup(self, confidence: float) -> tuple[float, float, float]:
+        """(median, low, high) of the candidate's speed-up over the incumbent (incumbent / candidate per round)."""
+        speedups = [i / c if c > 0 else math.inf for i, c in zip(self.incumbent, self.candidate)]
+        low, high, _ = median_interval(speedups, confidence)
+        return statistics.median(speedups), low, high
+
     def extended(self, other: "Comparison") -> "Comparison":
         return Comparison(self.incumbent + other.incumbent, self.candidate + other.candidate)
 
@@ -189,9 +195,7 @@ def speedup_text(comparison: Comparison, confidence: float) -> str:
     >>> speedup_text(Comparison.of([1.0, 1.02, 0.99, 1.01, 0.97], [1.0] * 5), 0.9)
     'no measurable difference (±3%)'
     """
-    speedups = [i / c if c > 0 else math.inf for i, c in zip(comparison.incumbent, comparison.candidate)]
-    low, high, _ = median_interval(speedups, confidence)
-    middle = statistics.median(speedups)
+    middle, low, high = comparison.speedup(confidence)
     if low > 1.0 or high < 1.0:
         return f"speed-up {middle:.2f}x ({low:.2f}-{high:.2f})"
     spread = max(1.0 - low, high - 1.0)

@@ -34,7 +34,7 @@ from ..errors import PlanFailedError
 from ..measure import PhaseClock
 from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
-from .compare import AFTER_THE_SEARCH, MAX_DUEL_BLOCKS, StepComparison, median_interval
+from .compare import AFTER_THE_SEARCH, MAX_DUEL_BLOCKS, Comparison, StepComparison
 from .config import SearchConfig
 from .convergence import check_winner
 from .log import BATCHES, DUEL, Replay, SampleRecord, SearchLog
@@ -202,9 +202,8 @@ def _speedup_unclear(seconds: Mapping[Assignment, Sequence[float]], plans: Mappi
         other = seconds.get(plans.get(name))
         if not chosen or not other or plans.get(name) == plans.get("chosen"):
             continue
-        speedups = [o / c for o, c in zip(other, chosen) if c > 0]
-        low, high, _ = median_interval(speedups, confidence)
-        if low <= 1.0 <= high and abs(statistics.median(speedups) - 1.0) > margin:
+        middle, low, high = Comparison.of(other, chosen).speedup(confidence)
+        if low <= 1.0 <= high and abs(middle - 1.0) > margin:
             return True
     return False
 

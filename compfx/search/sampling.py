@@ -644,7 +644,7 @@ class FairSampler:
             records = []
             timing = time_repeats(lambda i: self.step_only(module, batches[i], scaler),
                                   warmup=warmup, repeats=repeats, device=self.device,
-                                  after=lambda i, loss: records.append(self.step_record(loss, scaler)))
+                                  after=lambda loss: records.append(self.step_record(loss, scaler)))
             read_steps(records)  # once, after the timed steps: a non-finite gradient fails the plan
             return timing
 
