@@ -334,6 +334,37 @@ def test_the_symbolic_tracer_keeps_the_block_too():
     assert analysis.capture_method == "symbolic" and [str(op.key) for op in analysis.ops if op.pinned] == ["head:linear#0"]
 
 
+class AutocastInsideALeaf(nn.Module):
+    """A leaf module (kept as one call) that opens an autocast block of its own, inside its forward."""
+
+    class Leaf(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.fc = nn.Linear(8, 8)
+
+        def forward(self, x):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.fc(x)
+
+    def __init__(self):
+        super().__init__()
+        self.leaf, self.head = self.Leaf(), nn.Linear(8, 2)
+
+    def forward(self, x):
+        return self.head(self.leaf(x).float())
+
+
+def test_a_leaf_modules_own_autocast_block_stays_inside_the_leaf():
+    # The symbolic tracer runs a leaf on FakeTensors for its example value; the block it opens there is the leaf's
+    # own business, run as autocast (its value is bf16), not a block of the graph's around nothing after the leaf.
+    gm = compfx.capture(AutocastInsideALeaf(), ((_x(4, 8),), {}), leaf_modules=[AutocastInsideALeaf.Leaf],
+                        method="symbolic")
+    blocks = {torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast}
+    assert [n.target for n in gm.graph.nodes if n.target in blocks] == []
+    (leaf,) = [n for n in gm.graph.nodes if n.op == "call_module"]
+    assert leaf.target == "leaf" and leaf.meta["val"].dtype == torch.bfloat16
+
+
 def test_a_block_for_another_device_type_pins_nothing():
     """``autocast("cuda", enabled=False)`` leaves CPU autocast on, and the CPU ops as they are."""
     analysis = compfx.analyze(PinnedRotary(device_type="cuda"), _rotary_inputs())  # the model runs on the CPU

@@ -12,6 +12,7 @@ their own buffers in Python) stay one ``call_module`` op.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import operator
 import warnings
@@ -75,6 +76,25 @@ def symbolic_capture(model: nn.Module, args: tuple, kwargs: dict, leaf_modules) 
     if unknown:
         raise CaptureError(f"symbolic tracing could not compute example values for: {'; '.join(unknown[:3])}")
     return gm
+
+
+_CAPTURE_MODES = (AutocastBlocks, DrawsAsCalls)
+
+
+@contextlib.contextmanager
+def _capture_modes_suspended():
+    """The capture's own torch-function modes (:data:`_CAPTURE_MODES`), off the top of the mode stack while inside;
+    a mode of anyone else's above them keeps them all where they are."""
+    stack = torch.overrides._get_current_function_mode_stack()
+    ours = 0
+    for mode in reversed(stack):
+        if not isinstance(mode, _CAPTURE_MODES):
+            break
+        ours += 1
+    with contextlib.ExitStack() as popped:
+        for _ in range(ours):
+            popped.enter_context(torch.overrides._pop_mode_temporarily())
+        yield
 
 
 class _UnknownValue:
@@ -201,32 +221,40 @@ class _SpecializingTracer(fx.Tracer):
         return proxy
 
     def _compute(self, kind, target, args, kwargs, node):
-        def concrete(a):
-            return self.values.get(a.node) if isinstance(a, fx.Proxy) else self._fake(a)
-
+        """The node's example value, computed on FakeTensors (an :class:`_UnknownValue` when it cannot be)."""
         self._computing = True
         try:
-            if kind == "placeholder":
-                return self._fake(self._inputs.get(node.name, self._inputs.get(target.lstrip("*"))))
-            if kind == "get_attr":
-                return self._fake(get_attribute(self.root, target))
-            args, kwargs = pytree.tree_map(concrete, (args, kwargs))
-            unknown = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, _UnknownValue)]
-            if unknown:
-                return unknown[0]
-            # Warnings here repeat what the eager run will say anyway.
-            with self.fake_mode, warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                if kind == "call_function":
-                    return target(*args, **kwargs)
-                if kind == "call_method":
-                    return getattr(args[0], target)(*args[1:], **kwargs)
-                if kind == "call_module":
-                    return self._run_leaf_on_fakes(self.root.get_submodule(target), args, kwargs)
+            # The tracer's own torch calls (making fakes, running the op) are not the model's: they skip the
+            # capture's modes, which pass them through anyway, and would cost a Python call each (a quarter of
+            # the trace of a small CNN). An autocast block a leaf module opens then runs as autocast.
+            with _capture_modes_suspended():
+                return self._value_on_fakes(kind, target, args, kwargs, node)
         except Exception as error:  # noqa: BLE001 - only fatal if control flow needs the value
             return _UnknownValue(error)
         finally:
             self._computing = False
+
+    def _value_on_fakes(self, kind, target, args, kwargs, node):
+        def concrete(a):
+            return self.values.get(a.node) if isinstance(a, fx.Proxy) else self._fake(a)
+
+        if kind == "placeholder":
+            return self._fake(self._inputs.get(node.name, self._inputs.get(target.lstrip("*"))))
+        if kind == "get_attr":
+            return self._fake(get_attribute(self.root, target))
+        args, kwargs = pytree.tree_map(concrete, (args, kwargs))
+        unknown = [v for v in pytree.tree_leaves((args, kwargs)) if isinstance(v, _UnknownValue)]
+        if unknown:
+            return unknown[0]
+        # Warnings here repeat what the eager run will say anyway.
+        with self.fake_mode, warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            if kind == "call_function":
+                return target(*args, **kwargs)
+            if kind == "call_method":
+                return getattr(args[0], target)(*args[1:], **kwargs)
+            if kind == "call_module":
+                return self._run_leaf_on_fakes(self.root.get_submodule(target), args, kwargs)
         return None
 
     def _run_leaf_on_fakes(self, module: nn.Module, args, kwargs):
