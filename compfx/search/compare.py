@@ -58,7 +58,8 @@ from ..measure import median_interval
 from .log import DUEL
 from .outcome import checked_cost, note
 
-__all__ = ["DecisionRule", "Comparison", "Verdict", "median_interval", "paired_costs", "speedup_text", "duel", "log_duel",
+__all__ = ["DecisionRule", "Comparison", "Verdict", "median_interval", "paired_costs", "speedup_text",
+           "speedup_measured", "duel", "log_duel",
            "StepComparison", "MAX_DUEL_BLOCKS", "AFTER_THE_SEARCH", "IN_THE_FIRST_DUEL",
            "IN_THE_FIRST_EPOCHS"]
 
@@ -183,6 +184,15 @@ class DecisionRule:
                                 f"at least {needed} rounds, or a lower confidence")
 
 
+def speedup_measured(low: float, high: float) -> bool:
+    """Is a speed-up with this interval measured, i.e. does the interval exclude 1? The report states it only then.
+
+    >>> speedup_measured(1.02, 1.10), speedup_measured(0.98, 1.10)
+    (True, False)
+    """
+    return low > 1.0 or high < 1.0
+
+
 def speedup_text(comparison: Comparison, confidence: float) -> str:
     """The report's words for how much faster the candidate is than the incumbent, from paired costs.
 
@@ -196,7 +206,7 @@ def speedup_text(comparison: Comparison, confidence: float) -> str:
     'no measurable difference (±3%)'
     """
     middle, low, high = comparison.speedup(confidence)
-    if low > 1.0 or high < 1.0:
+    if speedup_measured(low, high):
         return f"speed-up {middle:.2f}x ({low:.2f}-{high:.2f})"
     spread = max(1.0 - low, high - 1.0)
     return f"no measurable difference (±{math.ceil(spread * 100 - 1e-9):.0f}%)"

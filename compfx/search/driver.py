@@ -34,7 +34,7 @@ from ..errors import PlanFailedError
 from ..measure import PhaseClock
 from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
-from .compare import AFTER_THE_SEARCH, MAX_DUEL_BLOCKS, Comparison, StepComparison
+from .compare import AFTER_THE_SEARCH, MAX_DUEL_BLOCKS, Comparison, StepComparison, speedup_measured
 from .config import SearchConfig
 from .convergence import check_winner
 from .log import BATCHES, DUEL, Replay, SampleRecord, SearchLog
@@ -195,15 +195,15 @@ def compare_steps(time_steps, saved_bytes, plans: Mapping[str, Assignment], log:
 
 def _speedup_unclear(seconds: Mapping[Assignment, Sequence[float]], plans: Mapping[str, Assignment],
                      confidence: float, margin: float) -> bool:
-    """Does the chosen plan's speed-up over FP32's or AMP's have an interval holding 1 and a median more than
-    ``margin`` from 1?"""
+    """Is the chosen plan's speed-up over FP32's or AMP's not measured (:func:`~compfx.search.compare.speedup_measured`:
+    the report would say "no measurable difference") while its median is more than ``margin`` from 1?"""
     chosen = seconds.get(plans.get("chosen"))
     for name in ("fp32", "amp"):
         other = seconds.get(plans.get(name))
         if not chosen or not other or plans.get(name) == plans.get("chosen"):
             continue
         middle, low, high = Comparison.of(other, chosen).speedup(confidence)
-        if low <= 1.0 <= high and abs(middle - 1.0) > margin:
+        if not speedup_measured(low, high) and abs(middle - 1.0) > margin:
             return True
     return False
 
