@@ -7,8 +7,10 @@ whitelist ops are fixed to low and "other" ops to follow; the adjustable ops
 (blacklist, and whitelist without Tensor Cores) are tried at both precisions.
 With FP8 in the space (``SearchConfig(fp8=True)``), an op that can run FP8 also
 tries it, as a third level (:meth:`SearchSpace.levels`); the guard is the same.
-A plan is accepted when :func:`~compfx.search.convergence.is_accepted`; the
-cheapest accepted plan wins, ties going to the earlier sample. When the plans
+A plan is accepted when :func:`~compfx.search.convergence.is_accepted`; an
+accepted plan replaces the incumbent (AMP's plan first) only under the
+decision rule (:class:`~compfx.search.compare.DecisionRule`), and ties keep
+the incumbent. When the plans
 (``2**k`` without FP8) exceed the budget the space is reduced (:func:`stage1_plan_space` says how)
 and a note is logged.
 
@@ -28,10 +30,12 @@ that depends on the plan" does.
 
 **Fewer samples.** A candidate whose program (``evaluator.program``) was
 already sampled is not run again. With a cost model (``predict``), candidates
-run cheapest-predicted first and those predicted over ``margin`` x the best
-are skipped; ``early_stop`` also ends a sample whose measured pace projects it
-over the best. These two are not exact: :func:`compfx.optimize` uses them only
-with ``predictor="on"``.
+still run in the fixed order (an order by predicted cost would move with the
+profiles' noise, and with it the plan a near tie goes to); those the profiles
+show cannot beat the incumbent by more than the rule's margin are skipped, and
+Stage 1 stops when none left can. ``early_stop`` also ends a sample whose
+measured pace projects it over the incumbent. These are not exact:
+:func:`compfx.optimize` uses them only with ``predictor="on"``.
 """
 
 from __future__ import annotations
