@@ -21,8 +21,9 @@ pruning look at their pairs, by the decision rule's own verdict, and the pairs
 open their duel. A burst of other work then slows both plans' steps alike.
 
 **Exact-safe pruning.** A sample run alone stops as soon as its running cost,
-``evaluator.cost(plan, seconds so far)``, reaches the best accepted cost (it
-cannot win: costs only grow and ties go to the earlier sample), or as soon as
+``evaluator.cost(plan, seconds so far)``, reaches the rule's bar (:meth:`_Stage1.bar`,
+the cost it must stay below to challenge the incumbent: it cannot win, as
+costs only grow and ties keep the incumbent), or as soon as
 a batch loss is NaN/inf (the epoch mean cannot be finite). This is exact --
 the same plan wins as without pruning -- provided ``cost`` never decreases as
 the seconds grow, as every cost of the form "seconds times or plus something
