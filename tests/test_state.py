@@ -53,14 +53,36 @@ class Rescale(nn.Module):
         return self.fc(x)
 
 
+class AugmentedCounter(nn.Module):
+    """Counts its calls with ``+=``: in place in eager, a new tensor for a proxy."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("seen", torch.zeros((), dtype=torch.long))
+
+    def forward(self, x):
+        self.seen += 1
+        return self.fc(x) * self.seen
+
+
+def spectral_norm():
+    """Power iteration on buffers in forward: ``self._u = F.normalize(..., out=self._u)``, an in-place
+    write that a proxy turns into a reassignment."""
+    return nn.Sequential(nn.utils.parametrizations.spectral_norm(nn.Linear(4, 4)), nn.ReLU(), nn.Linear(4, 4))
+
+
 def batch_norm(momentum):
     return nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8, momentum=momentum), nn.ReLU(), nn.Linear(8, 2))
 
 
 MODELS = {"counter": Counter, "rescale": Rescale, "batch_norm": lambda: batch_norm(0.1),
-          "batch_norm_momentum_none": lambda: batch_norm(None)}
+          "batch_norm_momentum_none": lambda: batch_norm(None), "augmented_counter": AugmentedCounter,
+          "spectral_norm": spectral_norm}
 #: (model, method): methods that cannot capture the model, with what the error must say
-CANNOT = {("batch_norm_momentum_none", "record"): "__float__", ("batch_norm_momentum_none", "dynamo"): "dynamo"}
+CANNOT = {("batch_norm_momentum_none", "record"): "__float__", ("batch_norm_momentum_none", "dynamo"): "dynamo",
+          ("augmented_counter", "symbolic"): "assigns new tensors to seen",
+          ("spectral_norm", "symbolic"): "assigns new tensors to 0.parametrizations.weight.0._u"}
 
 
 def _train_side_by_side(planned: nn.Module, model: nn.Module, eager: nn.Module, steps: int = 3, sizes=(8, 8, 8)):
@@ -97,6 +119,8 @@ def test_fp32_plan_trains_bitwise_like_eager_buffers_included(name, method):
     if (name, method) in CANNOT:
         with pytest.raises(CaptureError, match=CANNOT[(name, method)]):
             capture(model, x, method=method)
+        _assert_same_state(model, eager)  # the failed trace left none of its proxies in the model
+        assert all(type(t) in (torch.Tensor, nn.Parameter) for t in model.state_dict(keep_vars=True).values())
         return
     analysis = analyze_graph(capture(model, x, method=method), device=torch.device("cpu"), low_dtype=torch.bfloat16)
     before = copy.deepcopy(model.state_dict())
@@ -105,7 +129,7 @@ def test_fp32_plan_trains_bitwise_like_eager_buffers_included(name, method):
     assert all(torch.equal(model.state_dict()[k], v) for k, v in before.items())
     _train_side_by_side(planned, model, eager)
     _assert_same_state(model, eager)
-    if name == "counter":
+    if name in ("counter", "augmented_counter"):
         assert int(model.seen) == 3
     if name.startswith("batch_norm"):
         assert int(model[1].num_batches_tracked) == 3
@@ -150,3 +174,27 @@ def test_optimize_keeps_buffer_updates_and_restores_them_between_samples():
     assert int(model.seen) == 0 and torch.equal(model.ema, torch.zeros(4)), "restored to the state before the search"
     result.module(torch.randn(6, 4))
     assert int(model.seen) == 1
+
+
+class KeepsLastHidden(nn.Module):
+    """Stores an activation on itself in forward, as feature-extraction code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        self.last_hidden = self.fc(x).relu()
+        return self.last_hidden.sum(-1)
+
+
+@pytest.mark.parametrize("method", ["symbolic", "record", "dynamo"])
+def test_no_tracer_value_stays_in_the_model(method):
+    """A tensor forward assigns to an attribute is the tracer's proxy or FakeTensor while tracing; capture takes
+    it back (the next eager forward, or pickling the model, would meet it otherwise)."""
+    model = KeepsLastHidden()
+    capture(model, torch.randn(3, 4), method=method)
+    assert "last_hidden" not in vars(model)
+    model.last_hidden = kept = torch.zeros(1)
+    capture(model, torch.randn(3, 4), method=method)
+    assert model.last_hidden is kept

@@ -67,7 +67,7 @@ from .autocast_blocks import PINNED_META, autocast_probe, holds_half_precision, 
 from .dtype_limits import LIMIT_META, mark_dtype_limits
 from .dtype_reads import DTYPE_READ_META, changed_dtype_reads
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
-from .model_state import buffers_restored, get_attribute, named_tensors
+from .model_state import buffers_restored, get_attribute, named_tensors, tracer_values_removed
 from .nodes import (
     DATA_MOVEMENT_KINDS,
     complete_metadata,
@@ -247,6 +247,11 @@ def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.Graph
 
 
 def _trace(tracer: str, model, args, kwargs, leaf_modules, device_type: str | None) -> fx.GraphModule:
+    with tracer_values_removed(model):  # what forward assigned to the model while tracing is the tracer's
+        return _trace_with(tracer, model, args, kwargs, leaf_modules, device_type)
+
+
+def _trace_with(tracer: str, model, args, kwargs, leaf_modules, device_type: str | None) -> fx.GraphModule:
     if tracer == "symbolic":
         gm = keep_checkpoints(_as_under_autocast(lambda: symbolic_capture(model, args, kwargs, leaf_modules),
                                                  device_type))

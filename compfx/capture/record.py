@@ -33,7 +33,7 @@ from .checkpoints import CheckpointRegions, is_reentrant_checkpoint
 from .draws import branch_on_draw
 from .dtype_reads import mark_dtype_read
 from .functions import NOT_TRACED, FunctionCall, functions_as_calls, unrepresentable_argument
-from .model_state import named_tensors
+from .model_state import named_tensors, reassignment_error
 from .nodes import has_side_effects, is_in_place
 
 __all__ = ["record_capture", "is_kv_cache", "with_kv_caches_copied"]
@@ -108,10 +108,7 @@ def _run_forward(model: nn.Module, recorder: _CallRecorder, fake_mode: FakeTenso
     finally:
         hook.remove()
     if reassigned:
-        raise CaptureError(
-            f"forward() assigns new tensors to {', '.join(sorted(set(reassigned))[:3])}; compfx graphs replay in-place "
-            "updates of parameters and buffers (self.x.add_(...), self.x.copy_(...)) but not reassignment. Update "
-            "them in place.")
+        raise reassignment_error(reassigned)
     return output
 
 

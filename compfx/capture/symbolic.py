@@ -30,7 +30,7 @@ from .autocast_blocks import AutocastBlocks
 from .checkpoints import CheckpointRegions, is_reentrant_checkpoint
 from .draws import DrawsAsCalls, branch_on_draw
 from .functions import NOT_TRACED, FunctionCall, functions_as_calls
-from .model_state import get_attribute, named_tensors
+from .model_state import get_attribute, named_tensors, reassignment_error
 from .nodes import has_side_effects
 
 __all__ = ["symbolic_capture", "reads_its_state_in_python"]
@@ -59,6 +59,9 @@ def symbolic_capture(model: nn.Module, args: tuple, kwargs: dict, leaf_modules) 
             f"symbolic tracing failed with {first_line(error)} at {error_site(error)}"
             + (f" inside module {module}" if module else "")
         ), tracer.nodes_traced()) from error
+    reassigned = [name for name, value in named_tensors(model) if isinstance(value, fx.Proxy)]
+    if reassigned:  # ``self.steps += 1``: a proxy adds out of place, so the graph would lose the update
+        raise with_progress(reassignment_error(reassigned), tracer.nodes_traced())
     tracer.restore_grad_mode_before(graph)
     for node in graph.nodes:
         value = tracer.values.get(node)
