@@ -52,7 +52,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .capture import meta_value, writes_input
+from .capture import meta_value, renorms_weight, writes_input
 from .opkey import KEY_META, normalize_kind
 from .vocabulary import Precision, short_dtype_name
 
@@ -85,16 +85,20 @@ _INPUT_POSITIONS = (0, "input", "self")
 # -- which inputs are cast ---------------------------------------------------------
 
 def mutated_positions(node: fx.Node) -> frozenset:
-    """Argument positions ``node`` writes to: ``out=``, and its input when the op is in-place.
+    """Argument positions ``node`` writes to: ``out=``, its input when the op is in-place, and the weight of an
+    embedding with ``max_norm`` (a cast copy would be renormalised instead of the parameter).
 
     >>> import torch, torch.fx as fx
     >>> gm = fx.symbolic_trace(lambda x: torch.relu_(x) + torch.nn.functional.relu(x, inplace=True))
     >>> [sorted(map(str, mutated_positions(n))) for n in gm.graph.nodes if n.op == "call_function"][:2]
     [['0', 'input', 'out', 'self'], ['0', 'input', 'out', 'self']]
     """
+    written = {"out"}
     if writes_input(node):
-        return frozenset({"out", *_INPUT_POSITIONS})
-    return frozenset({"out"})
+        written.update(_INPUT_POSITIONS)
+    if renorms_weight(node):
+        written.update((1, "weight"))
+    return frozenset(written)
 
 
 def castable(kind: str, position, value, mutated: Iterable = frozenset()) -> bool:

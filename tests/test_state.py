@@ -198,3 +198,34 @@ def test_no_tracer_value_stays_in_the_model(method):
     model.last_hidden = kept = torch.zeros(1)
     capture(model, torch.randn(3, 4), method=method)
     assert model.last_hidden is kept
+
+
+class RenormedLookup(nn.Module):
+    """An embedding with ``max_norm``: each lookup renormalises the rows it reads, in place, in the parameter."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb = nn.Embedding(16, 4, max_norm=1.0)
+        self.fc = nn.Linear(4, 2)
+        with torch.no_grad():
+            self.emb.weight.mul_(3)  # every row longer than max_norm
+
+    def forward(self, ids):
+        return self.fc(self.emb(ids))
+
+
+@pytest.mark.parametrize("method", ["symbolic", "record", "dynamo"])
+def test_an_embedding_with_max_norm_renorms_the_parameter_itself(method):
+    """The renorm writes the weight: a plan never hands the lookup a cast copy (the parameter would keep its long
+    rows), and the capture check puts the rows it renormalised back."""
+    torch.manual_seed(0)
+    model = RenormedLookup()
+    eager = copy.deepcopy(model)
+    ids = torch.tensor([[0, 1, 2], [3, 4, 5]])
+    analysis = compfx.analyze(model, ids, method=method)
+    _assert_same_state(model, eager)  # the check's eager run renormalised rows 0-5, and put them back
+    low = compfx.Plan.from_bitstring(analysis, "0" * len(analysis.keys))
+    PlannedModule(model, low, analysis=analysis)(ids)
+    eager(ids)
+    assert torch.equal(model.emb.weight, eager.emb.weight)
+    assert model.emb.weight[:6].norm(dim=1).max() <= 1.0

@@ -78,6 +78,7 @@ from .nodes import (
     meta_value,
     op_nodes,
     produces_float,
+    renorms_weight,
     writes_input,
 )
 from .checkpoints import keep_checkpoints
@@ -118,6 +119,7 @@ __all__ = [
     "DATA_MOVEMENT_KINDS",
     "is_data_movement",
     "is_in_place",
+    "renorms_weight",
     "writes_input",
     "has_side_effects",
     "is_numerical_op",

@@ -4,7 +4,7 @@ Its recorded value (:func:`meta_value`, :func:`complete_metadata`), whether it
 is a numerical op that gets an OpKey (:func:`is_numerical_op`) or pure data
 movement (:data:`DATA_MOVEMENT_KINDS`), and whether it writes an input or must
 survive dead-code elimination (:func:`is_in_place`, :func:`writes_input`,
-:func:`has_side_effects`). The tracers, the passes and the cost model all ask
+:func:`renorms_weight`, :func:`has_side_effects`). The tracers, the passes and the cost model all ask
 these questions here, so they get the same answers.
 """
 
@@ -36,6 +36,7 @@ __all__ = [
     "draws_random_numbers",
     "RANDOM_KINDS",
     "writes_input",
+    "renorms_weight",
     "is_in_place",
     "copy_graph",
 ]
@@ -168,7 +169,7 @@ def has_side_effects(node: fx.Node) -> bool:
         return True
     if node.op not in ("call_function", "call_method"):
         return False
-    return writes_input(node) or "out" in node.kwargs or draws_random_numbers(node)
+    return writes_input(node) or renorms_weight(node) or "out" in node.kwargs or draws_random_numbers(node)
 
 
 #: Op kinds that advance the RNG. FX knows the ``torch.rand*`` family as functions, not as ``x.bernoulli()``
@@ -208,18 +209,37 @@ def writes_input(node: fx.Node) -> bool:
 
 
 def _passes_inplace_true(node: fx.Node) -> bool:
-    if node.kwargs.get("inplace") is True:
-        return True
+    return node.kwargs.get("inplace") is True or _argument(node, "inplace") is True
+
+
+#: Lookups that take ``max_norm``: with it they renormalise, in place, the rows of their weight (argument 1) that
+#: they look up (``torch.embedding_renorm_``), though nothing in their name says they write anything.
+_RENORMING_LOOKUPS = (torch.nn.functional.embedding, torch.nn.functional.embedding_bag)
+
+
+def renorms_weight(node: fx.Node) -> bool:
+    """True for ``F.embedding`` / ``F.embedding_bag`` with ``max_norm``: the call writes its weight (argument 1).
+
+    >>> import torch, torch.fx as fx
+    >>> gm = fx.symbolic_trace(torch.nn.Embedding(4, 2, max_norm=1.0))
+    >>> [renorms_weight(n) for n in gm.graph.nodes if n.op == "call_function"]
+    [True]
+    """
+    return node.target in _RENORMING_LOOKUPS and _argument(node, "max_norm") is not None
+
+
+def _argument(node: fx.Node, name: str):
+    """The value a ``call_function`` node passes for parameter ``name`` (positional or keyword), None if none."""
     if node.op != "call_function":
-        return False
+        return None
     signature = _signature(node.target)
     if signature is None:
-        return False
+        return None
     try:
         bound = signature.bind(*node.args, **node.kwargs)
     except TypeError:  # the call does not fit the signature
-        return False
-    return bound.arguments.get("inplace") is True
+        return None
+    return bound.arguments.get(name)
 
 
 def _signature(target) -> inspect.Signature | None:

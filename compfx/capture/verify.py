@@ -52,7 +52,7 @@ from torch.utils import _pytree as pytree
 from ..errors import BadInputError
 from ._sites import first_line
 from .model_state import get_attribute
-from .nodes import writes_input
+from .nodes import renorms_weight, writes_input
 from .record import is_kv_cache, with_kv_caches_copied
 
 __all__ = ["CaptureVerification", "verify_capture", "SAVED_TENSOR_SLACK", "COMPILED_PATH_BOUND", "VERIFICATION_META"]
@@ -385,11 +385,16 @@ def _warnings_quiet():
 
 
 def _written_parameters(gm: fx.GraphModule) -> list[torch.Tensor]:
-    """Parameters the graph updates in place (``self.w.add_(...)``): put back after the check."""
+    """Parameters the graph updates in place (``self.w.add_(...)``, an embedding's ``max_norm``): put back after
+    the check."""
     written = []
     for node in gm.graph.nodes:
+        targets = []
         if node.op in ("call_function", "call_method") and writes_input(node) and node.args:
-            target = node.args[0]
+            targets.append(node.args[0])
+        if renorms_weight(node):
+            targets.append(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
+        for target in targets:
             if isinstance(target, fx.Node) and target.op == "get_attr":
                 value = get_attribute(gm, target.target)
                 if isinstance(value, nn.Parameter):
