@@ -41,8 +41,8 @@ from .errors import BadInputError
 from .opkey import KEY_META, OpKey
 from .passes.pad_shapes import PAD_META
 from .plan import Plan
-from .search.sampling import (StateSnapshot, check_first_batch, check_loss, cuda_devices, model_loss, restore_state,
-                              split_batch)
+from .search.sampling import (StateSnapshot, check_first_batch, check_loss, copied_batch, cuda_devices, model_loss,
+                              restore_state, split_batch)
 from .vocabulary import Precision, dtype_name, short_dtype_name
 
 __all__ = ["diagnose", "diagnose_inputs", "Diagnosis", "OpDiagnosis", "planned_module", "shadow_graph_of",
@@ -169,7 +169,7 @@ def diagnose(module: nn.Module, batch, *, loss_fn: LossFn | None = None, plan: P
         # any work; the model, its buffers and the RNG are left as they were
         check_first_batch(model, batch, loss_fn, model_device(model), where="the batch, in FP32, before diagnose")
     planned = planned_module(module, batch, plan=plan, low_dtype=low_dtype)
-    args, kwargs = split_batch(batch)
+    args, kwargs = split_batch(copied_batch(batch))  # a model may write its inputs: never the caller's tensors
 
     def from_loss(output):
         return [check_loss(loss_fn(output, batch))], None

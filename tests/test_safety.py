@@ -9,6 +9,7 @@ after, a warning and a result, a process that would otherwise block).
 
 from __future__ import annotations
 
+import copy
 import json
 import os
 import random
@@ -463,3 +464,49 @@ def test_cli_search_refuses_a_plan_path_holding_a_file_of_the_users(tmp_path, ca
     err = _no_traceback_exit_2(["search", "compfx.examples:cnn", "--input-shape", "8,1,8,8", "--classes", "3",
                                 "--no-progress", "--plan", str(notes)], capsys)
     assert "does not overwrite it" in err and notes.read_text() == '{"mine": true}'
+
+
+class ScalesItsInput(nn.Module):
+    """Normalises its input in place, as some models do to save memory: ``x.mul_(...)`` writes the caller's tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+
+    def forward(self, x):
+        return self.fc(x.mul_(0.5))
+
+
+def test_a_model_that_writes_its_inputs_leaves_the_loaders_batches_as_they_were():
+    loader = batches(3)
+    before = [(x.clone(), y.clone()) for x, y in loader]
+    result = search(ScalesItsInput(), loader, config=SearchConfig(**{**QUICK, "keep_search_training": False}))
+    for (x, y), (x0, y0) in zip(loader, before):
+        torch.testing.assert_close(x, x0, rtol=0, atol=0)
+        torch.testing.assert_close(y, y0, rtol=0, atol=0)
+    assert any("writes its inputs" in r.reason for r in result.log.records)
+
+
+def test_every_sample_of_a_model_that_writes_its_inputs_trains_on_the_loaders_data():
+    # each plan's epoch sees the batches as the loader gives them: FP32's losses in the search are eager FP32's
+    torch.manual_seed(0)
+    model, loader = ScalesItsInput(), batches(3)
+    eager = copy.deepcopy(model)
+    optimizer = torch.optim.SGD(eager.parameters(), lr=0.1)
+    losses = []
+    for x, y in batches(3):
+        optimizer.zero_grad()
+        loss = ce(eager(x), (x, y))
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    result = search(model, loader)
+    fp32 = next(r for r in result.log.samples("stage1") if r.plan == "1" * len(result.analysis.ops))
+    assert fp32.loss == pytest.approx(sum(losses) / len(losses), rel=1e-6)
+
+
+def test_diagnose_leaves_the_batch_of_a_model_that_writes_its_inputs_as_it_was():
+    x, y = batches(1)[0]
+    x0 = x.clone()
+    compfx.diagnose(ScalesItsInput(), (x, y), loss_fn=ce)
+    torch.testing.assert_close(x, x0, rtol=0, atol=0)

@@ -69,8 +69,8 @@ from ..errors import BadInputError, CompfxError, NonFiniteGradientError
 from ..measure import Timing, time_interleaved, time_repeats, timed
 from ..rng import cuda_devices  # re-exported: the search's callers read it here
 
-__all__ = ["split_batch", "move_batch", "model_loss", "check_loss", "check_first_batch", "cuda_devices", "seed_device",
-           "call_quietly", "StateSnapshot", "snapshot_state", "restore_state", "FairSampler", "MAX_EPOCH_BATCHES",
+__all__ = ["split_batch", "move_batch", "copied_batch", "model_loss", "check_loss", "check_first_batch",
+           "cuda_devices", "seed_device", "call_quietly", "StateSnapshot", "snapshot_state", "restore_state", "FairSampler", "MAX_EPOCH_BATCHES",
            "loader_batches", "from_loader", "epoch_limit", "read_steps", "CALIBRATION_STEPS", "state_bytes"]
 
 #: At most this many steps find the loss scale (each skipped step halves it: 2**16 down to 2**-8).
@@ -168,6 +168,20 @@ def move_batch(batch, device: torch.device):
     return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
 
 
+def copied_batch(batch):
+    """The batch with every tensor cloned: what a model that writes its inputs (``x.mul_(0.5)``) may write.
+
+    The search runs every plan on the same batches, many times; a forward that wrote the loader's own tensors
+    would feed each later step other data, and leave the user's data changed.
+    """
+    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, batch)
+
+
+def _versions(batch) -> list[int]:
+    """Each tensor's version counter: it moves whenever the tensor (or a view of it) is written in place."""
+    return [t._version for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
+
+
 def model_loss(output, batch) -> torch.Tensor:
     """The default ``loss_fn``: the loss the model computed itself (``output.loss`` / ``output["loss"]``)."""
     loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
@@ -245,7 +259,7 @@ def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: t
         raise BadInputError("the model's parameters or buffers are on the meta device (shapes, no values), but "
                             "compfx runs it; materialise it first, e.g. model.to_empty(device='cpu') and load its "
                             "weights, then build the optimizer on model.parameters().")
-    batch = move_batch(batch, device)
+    batch = copied_batch(move_batch(batch, device))  # the model may write its inputs: never the loader's tensors
     args, kwargs = split_batch(batch)
     snapshot = snapshot_state(model)
     try:
@@ -254,7 +268,7 @@ def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: t
             check_loss(_user_call("loss_fn", lambda: (loss_fn or model_loss)(output, batch), batch, where))
     finally:
         restore_state(snapshot)
-    return args, kwargs
+    return split_batch(copied_batch(batch))  # not the inputs the check ran on, which the model may have written
 
 
 def _user_call(what: str, call: Callable[[], Any], batch, where: str):
@@ -434,6 +448,9 @@ class FairSampler:
         self._warned_bound = False
         #: the loss scale every sample's GradScaler starts from (GradScaler's default until calibrate_scale)
         self.scale, self.calibrated = 2.0 ** 16, False
+        #: whether a step wrote its batch's tensors in place (None until the first step says): then every step
+        #: gets copies of them, so that the loader's batches stay as they are and every plan trains on them
+        self.inputs_written: bool | None = None
 
     def restore(self, snapshot: StateSnapshot | None = None) -> None:
         restore_state(snapshot or self.initial)
@@ -498,6 +515,9 @@ class FairSampler:
         """The training step a user's loop takes, and nothing more: the timed part of :meth:`train_step`. Returns
         the loss, on the device; pass it to :meth:`step_record` before the next step replaces the gradients."""
         batch = move_batch(batch, self.device)
+        if self.inputs_written is not False:  # until the first step shows the model leaves its inputs alone
+            batch = copied_batch(batch)
+        versions = _versions(batch) if self.inputs_written is None else None
         args, kwargs = split_batch(batch)
         self.optimizer.zero_grad(set_to_none=True)
         loss = check_loss(self.loss_fn(call_quietly(module, args, kwargs), batch))
@@ -508,6 +528,8 @@ class FairSampler:
         else:
             loss.backward()
             self.optimizer.step()
+        if versions is not None:
+            self.inputs_written = versions != _versions(batch)
         return loss
 
     def step_record(self, loss: torch.Tensor, scaler=None) -> torch.Tensor:
@@ -676,8 +698,9 @@ class FairSampler:
             return seconds
 
     def first_inputs(self, module: nn.Module) -> tuple[tuple, dict]:
-        """The model inputs of the loader's first batch, on the device, ``module`` specialised to them."""
-        return split_batch(self.ready(module, self._cycled_batches(1)[0]))
+        """The model inputs of the loader's first batch, on the device, ``module`` specialised to them: copies,
+        which the caller's forward may write."""
+        return split_batch(copied_batch(self.ready(module, self._cycled_batches(1)[0])))
 
     def mean_loss(self, module: nn.Module, batches: int) -> float:
         """Mean training loss over the loader's first ``batches`` batches, from the initial state."""

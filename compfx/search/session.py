@@ -137,6 +137,7 @@ class SearchSession:
                 comparison = self._first_duel_comparison(decision, padding) or self._compare_steps(decision)
                 self.local.leave_state(decision.stage1.best, keep_training=config.keep_search_training)
             self._note_specializations()
+            self._note_inputs_written()
             self._note_fp32_math()
             self._save_plan(padding.plan)
             search_seconds = time.perf_counter() - started
@@ -239,6 +240,14 @@ class SearchSession:
         self.log.note(Stage.SEARCH, f"'fp32' (the FP32 baseline, and ops a plan keeps in FP32) means "
                       f"{describe_fp32_math(math_)} on {self.analysis.device.type}: this process's settings ({where}), "
                       "which compfx keeps", fp32_math=math_)
+
+    def _note_inputs_written(self) -> None:
+        """Say in the log when the model wrote its inputs in place, and what the search did about it."""
+        if self.sampler.inputs_written:
+            self.log.note(Stage.SEARCH, "the model writes its inputs in place (its forward or loss_fn changed a "
+                          "batch's tensors): every step of the search fed it copies, so the loader's batches are "
+                          "as they were and every plan trained on the same data. A list of batches you train on "
+                          "afterwards changes with every step, as it would without compfx", inputs_written=True)
 
     def _note_specializations(self) -> None:
         """Say in the log (and so the report) how many input signatures the loader had, and what they cost."""
