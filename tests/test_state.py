@@ -193,11 +193,61 @@ def test_no_tracer_value_stays_in_the_model(method):
     """A tensor forward assigns to an attribute is the tracer's proxy or FakeTensor while tracing; capture takes
     it back (the next eager forward, or pickling the model, would meet it otherwise)."""
     model = KeepsLastHidden()
-    capture(model, torch.randn(3, 4), method=method)
+    with pytest.warns(UserWarning, match="stores tensors in last_hidden"):
+        capture(model, torch.randn(3, 4), method=method)
     assert "last_hidden" not in vars(model)
     model.last_hidden = kept = torch.zeros(1)
-    capture(model, torch.randn(3, 4), method=method)
+    with pytest.warns(UserWarning, match="stores tensors in last_hidden"):
+        capture(model, torch.randn(3, 4), method=method)
     assert model.last_hidden is kept
+
+
+class KeepsAuxLoss(nn.Module):
+    """Keeps an auxiliary loss on a submodule, for the training loop to add (as mixture-of-experts layers do)."""
+
+    def __init__(self):
+        super().__init__()
+        self.router, self.fc = nn.Linear(4, 2), nn.Linear(4, 2)
+
+    def forward(self, x):
+        self.router.aux = (self.router(x).softmax(-1) ** 2).mean()
+        return self.fc(x)
+
+
+def test_capture_warns_that_a_stored_tensor_is_not_stored_by_the_graph():
+    """The planned module computes the aux loss but never stores it: a loop reading ``router.aux`` would add a stale
+    value each step. Capture says so, naming the attribute."""
+    model = KeepsAuxLoss()
+    with pytest.warns(UserWarning, match=r"stores tensors in router\.aux.*stale"):
+        analysis = compfx.analyze(model, torch.randn(3, 4))
+    before = model.router.aux  # the capture check's eager run stored one
+    PlannedModule(model, compfx.Plan.fp32(analysis), analysis=analysis)(torch.randn(3, 4))
+    assert model.router.aux is before
+
+
+def test_capture_warns_that_a_submodules_hooks_will_not_run_and_spectral_norm_is_quiet(recwarn):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    seen = []
+    model[0].register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+    with pytest.warns(UserWarning, match=r"module\(s\) 0 of Sequential have forward or backward hooks"):
+        analysis = compfx.analyze(model, torch.randn(3, 4))
+    calls = len(seen)
+    PlannedModule(model, compfx.Plan.fp32(analysis), analysis=analysis)(torch.randn(3, 4))
+    assert len(seen) == calls  # what the warning is about: the planned module runs no hook
+    recwarn.clear()
+    compfx.analyze(nn.Sequential(nn.utils.spectral_norm(nn.Linear(4, 4)), nn.ReLU()), torch.randn(3, 4))
+    assert not [w for w in recwarn if "hooks" in str(w.message) or "stores tensors" in str(w.message)]
+
+
+def test_a_leaf_modules_hooks_run_and_are_not_warned_about(recwarn):
+    model = nn.Sequential(nn.Linear(4, 4), nn.ReLU(), nn.Linear(4, 2))
+    seen = []
+    model[0].register_forward_hook(lambda module, args, out: seen.append(out.detach()))
+    gm = capture(model, torch.randn(3, 4), method="symbolic", leaf_modules=["0"])
+    assert not [w for w in recwarn if "hooks" in str(w.message)]
+    calls = len(seen)
+    gm(torch.randn(3, 4))
+    assert len(seen) == calls + 1
 
 
 class RenormedLookup(nn.Module):

@@ -67,7 +67,8 @@ from .autocast_blocks import PINNED_META, autocast_probe, holds_half_precision, 
 from .dtype_limits import LIMIT_META, mark_dtype_limits
 from .dtype_reads import DTYPE_READ_META, changed_dtype_reads
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
-from .model_state import buffers_restored, get_attribute, named_tensors, tracer_values_removed
+from .model_state import (buffers_restored, get_attribute, hooks_warning, named_tensors, stored_attributes_warning,
+                          tracer_values_removed)
 from .nodes import (
     DATA_MOVEMENT_KINDS,
     complete_metadata,
@@ -196,6 +197,9 @@ def capture(
             for name, module in model.named_modules():
                 module.training = modes.get(name, module.training)
         gm = _capture_with(model, args, kwargs, leaf_modules, method, verify)
+    hooks = hooks_warning(model, leaves={n.target for n in gm.graph.nodes if n.op == "call_module"})
+    if hooks:
+        warnings.warn(hooks, stacklevel=2)
     assign_op_keys(gm, include=is_numerical_op)
     mark_dtype_limits(gm)
     mark_pinned(gm)
@@ -249,8 +253,11 @@ def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.Graph
 
 
 def _trace(tracer: str, model, args, kwargs, leaf_modules, device_type: str | None) -> fx.GraphModule:
-    with tracer_values_removed(model):  # what forward assigned to the model while tracing is the tracer's
-        return _trace_with(tracer, model, args, kwargs, leaf_modules, device_type)
+    with tracer_values_removed(model) as stored:  # what forward assigned to the model while tracing is the tracer's
+        gm = _trace_with(tracer, model, args, kwargs, leaf_modules, device_type)
+    if stored:
+        warnings.warn(stored_attributes_warning(stored), stacklevel=5)
+    return gm
 
 
 def _trace_with(tracer: str, model, args, kwargs, leaf_modules, device_type: str | None) -> fx.GraphModule:

@@ -17,10 +17,18 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.nn.utils.spectral_norm import SpectralNorm
+from torch.nn.utils.weight_norm import WeightNorm
+from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 
-__all__ = ["named_tensors", "get_attribute", "buffers_restored", "tracer_values_removed", "reassignment_error"]
+#: The old ``torch.nn.utils.weight_norm`` / ``spectral_norm`` API's forward pre-hooks: they compute the weight
+#: forward reads, which a graph holds.
+_WEIGHT_HOOKS = (WeightNorm, SpectralNorm)
+
+__all__ = ["named_tensors", "get_attribute", "buffers_restored", "tracer_values_removed", "reassignment_error",
+           "stored_attributes_warning", "hooks_warning"]
 
 
 def named_tensors(model: nn.Module):
@@ -51,36 +59,93 @@ def buffers_restored(model: nn.Module):
 
 @contextlib.contextmanager
 def tracer_values_removed(model: nn.Module):
-    """Afterwards, every attribute of ``model``'s modules that now holds a tracer's value (a proxy, a FakeTensor)
-    holds what it held before, or is gone; yields the list of their names, filled on the way out.
+    """Afterwards, every attribute of ``model``'s modules that now holds a tracer's value (a proxy, a FakeTensor,
+    or a tuple, list or dict of them) holds what it held before, or is gone; yields the list of the plain
+    attributes among them (not parameters or buffers), filled on the way out.
 
     A parameter or buffer among them is one that ``forward`` reassigns: a graph cannot hold that, since it
     writes its state in place (:func:`reassignment_error`). A plain attribute (``self.last_attention = w``)
-    is the model's own business, but a proxy left there would break the next eager forward that reads it.
+    is the model's own business, but a proxy left there would break the next eager forward that reads it;
+    and the graph computes its value without storing it (:func:`stored_attributes_warning`).
     """
     saved = [(prefix, module, dict(module.__dict__), dict(module._parameters), dict(module._buffers))
              for prefix, module in model.named_modules(remove_duplicate=False)]
-    assigned: list[str] = []
+    stored: list[str] = []
     try:
-        yield assigned
+        yield stored
     finally:
         for prefix, module, attributes, parameters, buffers in saved:
             for name in _holding_tracer_values(module, attributes, parameters, buffers):
-                assigned.append(f"{prefix}.{name}" if prefix else name)
+                stored.append(f"{prefix}.{name}" if prefix else name)
 
 
 def _holding_tracer_values(module: nn.Module, attributes: dict, parameters: dict, buffers: dict) -> list[str]:
-    """Names of ``module``'s attributes that hold a tracer's value, each put back to what it held (or removed)."""
+    """Names of ``module``'s attributes that hold a tracer's value, each put back to what it held (or removed);
+    only the plain attributes' names are returned."""
     found = []
     for now, before in ((module._parameters, parameters), (module._buffers, buffers), (module.__dict__, attributes)):
         for name, value in list(now.items()):
-            if isinstance(value, (fx.Proxy, FakeTensor)) and value is not before.get(name):
-                found.append(name)
+            if value is not before.get(name) and _holds_tracer_value(value):
+                if now is module.__dict__ and name not in _derived_attributes(module):
+                    found.append(name)
                 if name in before:
                     now[name] = before[name]
                 else:
                     del now[name]
     return found
+
+
+def _derived_attributes(module: nn.Module) -> set[str]:
+    """Attributes torch sets from a module's parameters, which the graph reads as those parameters: the weight
+    the old weight_norm / spectral_norm hooks compute before each forward, an RNN's list of its weights."""
+    names = {hook.name for hook in module._forward_pre_hooks.values() if isinstance(hook, _WEIGHT_HOOKS)}
+    return names | {"_flat_weights"} if isinstance(module, nn.RNNBase) else names
+
+
+def _holds_tracer_value(value) -> bool:
+    if isinstance(value, (fx.Proxy, FakeTensor)):
+        return True
+    return isinstance(value, (tuple, list, dict)) and any(
+        isinstance(leaf, (fx.Proxy, FakeTensor)) for leaf in pytree.tree_leaves(value))
+
+
+def stored_attributes_warning(names) -> str:
+    """What a graph loses when ``forward`` stores tensors in attributes of the model (``names``)."""
+    return (f"compfx: forward() stores tensors in {', '.join(sorted(set(names))[:3])} (self.x = ...); the captured "
+            "graph computes them but does not store them, so the planned module leaves them as they were before "
+            "capture. A training loop that reads them (an auxiliary loss kept on a module) would read stale "
+            "values: return them from forward instead.")
+
+
+def hooks_warning(model: nn.Module, leaves=frozenset()) -> str | None:
+    """What a graph loses when modules inside ``model`` have forward or backward hooks, or None when none has.
+    ``leaves`` are the modules the graph calls (``call_module``): their hooks run.
+
+    Tracing runs a forward hook once and keeps what it returns; the graph has no module boundaries, so no hook
+    runs again: one that stores activations, logs or counts does nothing in the planned module, and backward
+    hooks never run. Hooks that torch or transformers register are not counted (:data:`_LIBRARIES`).
+    """
+    hooked = [name for name, module in model.named_modules()
+              if name and _user_hooks(module) and not any(name == leaf or name.startswith(f"{leaf}.") for leaf in leaves)]
+    if not hooked:
+        return None
+    return (f"compfx: module(s) {', '.join(hooked[:3])}{' and others' if len(hooked) > 3 else ''} of "
+            f"{type(model).__name__} have forward or backward hooks. The captured graph keeps what a forward hook "
+            "returns, but runs no hook: a hook that stores activations, logs or counts does nothing in the planned "
+            "module, and backward hooks never run. Register such hooks on the planned module itself, or compute "
+            "what they collect in forward and return it.")
+
+
+#: Libraries whose own hooks are not counted: the capture keeps torch's checkpointing hooks as regions, and the
+#: others they register (weight_norm / spectral_norm / pruning weights, Hugging Face's input gradients) compute
+#: values the graph holds.
+_LIBRARIES = ("torch.", "transformers.")
+
+
+def _user_hooks(module: nn.Module) -> list:
+    hooks = [*module._forward_hooks.values(), *module._forward_pre_hooks.values(),
+             *module._backward_hooks.values(), *module._backward_pre_hooks.values()]
+    return [hook for hook in hooks if not (getattr(hook, "__module__", None) or "").startswith(_LIBRARIES)]
 
 
 def reassignment_error(names) -> CaptureError:
