@@ -41,8 +41,8 @@ from .errors import BadInputError
 from .opkey import KEY_META, OpKey
 from .passes.pad_shapes import PAD_META
 from .plan import Plan
-from .search.sampling import (StateSnapshot, check_first_batch, check_loss, copied_batch, cuda_devices, model_loss,
-                              restore_state, split_batch)
+from .search.sampling import (StateSnapshot, check_first_batch, check_loss, copied_batch, cuda_devices,
+                              dense_values, model_loss, restore_state, split_batch)
 from .vocabulary import Precision, dtype_name, short_dtype_name
 
 __all__ = ["diagnose", "diagnose_inputs", "Diagnosis", "OpDiagnosis", "planned_module", "shadow_graph_of",
@@ -362,7 +362,7 @@ def _floats(value) -> list[torch.Tensor]:
 
 
 def _all_finite(tensors: Iterable[torch.Tensor]) -> bool:
-    return all(bool(torch.isfinite(t).all()) for t in tensors)
+    return all(bool(torch.isfinite(dense_values(t)).all()) for t in tensors)
 
 
 def _sources(node: fx.Node) -> list[fx.Node]:

@@ -55,6 +55,7 @@ from .errors import BadInputError, PlanFileError
 from .opkey import OpKey
 from .plan import Plan
 from .search.log import SearchLog
+from .search.sampling import dense_values
 from .vocabulary import Precision, Stage
 
 __all__ = ["Guard", "Repair"]
@@ -376,7 +377,7 @@ def _unscale(scaler, optimizer) -> None:
 
 def _nonfinite(loss: torch.Tensor, optimizer: torch.optim.Optimizer) -> tuple[bool, bool]:
     """(loss non-finite, gradients non-finite), with one synchronisation."""
-    grads = [p.grad for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
+    grads = [dense_values(p.grad) for group in optimizer.param_groups for p in group["params"] if p.grad is not None]
     flags = [~torch.isfinite(loss.detach()).all()]
     if grads:
         # the max-norm is non-finite exactly when an element is (NaN propagates through max)

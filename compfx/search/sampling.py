@@ -328,6 +328,12 @@ def _same(a, b) -> bool:
     return a == b
 
 
+def dense_values(grad: torch.Tensor) -> torch.Tensor:
+    """The values a gradient holds, as a dense tensor: a sparse gradient's (``nn.Embedding(sparse=True)``)
+    stored values, summed where indices repeat, since norms and finiteness tests take no sparse tensor."""
+    return grad.coalesce().values() if grad.is_sparse else grad
+
+
 def _hyper(group: dict) -> dict:
     return {k: v for k, v in group.items() if k != "params"}
 
@@ -548,7 +554,8 @@ class FairSampler:
         return read_steps([self.train_step(module, batch, scaler)])[0]
 
     def _gradients_finite(self, device: torch.device) -> torch.Tensor:
-        grads = [p.grad for group in self.optimizer.param_groups for p in group["params"] if p.grad is not None]
+        grads = [dense_values(p.grad) for group in self.optimizer.param_groups for p in group["params"]
+                 if p.grad is not None]
         if not grads:
             return torch.ones((), device=device)
         norm = torch.nn.utils.get_total_norm(grads, norm_type=math.inf)

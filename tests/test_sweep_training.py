@@ -1,0 +1,56 @@
+"""How people train around a plan: optimizers, gradients and loops that compfx's own steps must take as they are."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+import compfx
+from helpers import ce
+
+QUICK = dict(progress=False, stage1_budget=4, rounds=3, confidence=0.7, cache_plan=False)
+
+
+class SparseBag(nn.Module):
+    """A bag of token embeddings with sparse gradients (``sparse=True``), which SGD, Adagrad and SparseAdam take."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed = nn.Embedding(10, 8, sparse=True)
+        self.head = nn.Linear(8, 3)
+
+    def forward(self, tokens):
+        return self.head(self.embed(tokens).mean(1))
+
+
+def token_batches(n=3):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randint(0, 10, (8, 4), generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(n)]
+
+
+def test_a_model_with_sparse_gradients_is_searched_guarded_and_diagnosed_and_its_optimizer_left_as_it_was():
+    # The search's step, the guard's step and diagnose each test gradients for finiteness; a sparse gradient has
+    # no norm, so each failed on a model that trains in eager
+    torch.manual_seed(0)
+    model, data = SparseBag(), token_batches()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    for x, y in data:
+        opt.zero_grad()
+        ce(model(x), (x, y)).backward()
+        opt.step()
+    assert model.embed.weight.grad.is_sparse
+    before = copy.deepcopy(opt.state_dict())
+    result = compfx.optimize(model, data, optimizer=opt, loss_fn=ce,
+                             config=compfx.SearchConfig(keep_search_training=False, **QUICK))
+    torch.testing.assert_close(opt.state_dict(), before, rtol=0, atol=0)
+    guard = compfx.Guard(result.module)
+    for x, y in data:
+        opt.zero_grad()
+        loss = ce(result.module(x), (x, y))
+        loss.backward()
+        guard.step(opt, loss)
+    assert guard.repairs == []
+    assert compfx.diagnose(result.module, data[0], loss_fn=ce).origins == ()
