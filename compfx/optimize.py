@@ -174,9 +174,15 @@ def _check_cache_folder(config: SearchConfig) -> None:
 
 @contextlib.contextmanager
 def _train_mode(model: nn.Module):
-    """Train mode for the search; every module's own mode back afterwards."""
+    """Train mode for the search, as the model trains; every module's own mode back afterwards.
+
+    A model in training mode keeps each submodule's own mode: a BatchNorm frozen with ``.eval()`` for
+    fine-tuning stays frozen in every sample and in the planned graphs, which keep the modes they were captured
+    in. Only a model in eval mode is switched to ``train()`` as a whole.
+    """
     modes = {module: module.training for module in model.modules()}
-    model.train()
+    if not model.training:
+        model.train()
     try:
         yield
     finally:

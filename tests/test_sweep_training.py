@@ -54,3 +54,32 @@ def test_a_model_with_sparse_gradients_is_searched_guarded_and_diagnosed_and_its
         guard.step(opt, loss)
     assert guard.repairs == []
     assert compfx.diagnose(result.module, data[0], loss_fn=ce).origins == ()
+
+
+class FrozenNorm(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.fc2 = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.relu(self.bn(self.fc1(x))))
+
+
+def test_a_batch_norm_frozen_for_fine_tuning_stays_frozen_in_the_search_and_the_planned_module():
+    # the search put the whole model in train mode, so it trained the frozen norm, and result.module's graphs,
+    # captured then, kept updating its running statistics after optimize() had put the model's modes back
+    torch.manual_seed(0)
+    model = FrozenNorm()
+    model.bn.eval()
+    with torch.no_grad():
+        model.bn.running_mean.uniform_(-1, 1)
+    frozen = model.bn.running_mean.clone()
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    result = compfx.optimize(model, data, optimizer=opt, loss_fn=ce, config=compfx.SearchConfig(**QUICK))
+    assert model.training and not model.bn.training
+    torch.testing.assert_close(model.bn.running_mean, frozen, rtol=0, atol=0)
+    x, y = data[0]
+    ce(result.module(x), (x, y)).backward()
+    torch.testing.assert_close(model.bn.running_mean, frozen, rtol=0, atol=0)
