@@ -17,6 +17,8 @@ exported is specialised to one.
 
 from __future__ import annotations
 
+import copy
+import itertools
 import logging
 import time
 from dataclasses import dataclass
@@ -369,6 +371,42 @@ class PlannedModule(nn.Module):
     def extra_repr(self) -> str:
         return (f"plan={self.plan.fingerprint} ({dtype_name(self.plan.low_dtype)}), {len(self._graphs)} input "
                 f"signature(s)")
+
+    def _apply(self, fn, recurse=True):
+        # .to(dtype), .double(), .half() convert the model's Parameters too; the graphs would then meet dtypes the
+        # plan's casts were not made for, and fail deep inside torch. Refused before anything is converted.
+        own = next((t for t in itertools.chain(self.parameters(), self.buffers()) if t.is_floating_point()), None)
+        if own is not None:
+            converted = fn(torch.empty(0, dtype=own.dtype, device=own.device)).dtype
+            if converted != own.dtype:
+                raise BadInputError(
+                    f"a PlannedModule's parameters stay {dtype_name(own.dtype)}: the plan's casts run on FP32 master "
+                    f"weights, so converting them to {dtype_name(converted)} (.to(dtype), .double(), .half()) is "
+                    "refused and nothing was converted. Move it to another device with .to(device); to train in "
+                    "another dtype, convert the model itself and plan it again.")
+        return super()._apply(fn, recurse)
+
+    def __reduce_ex__(self, protocol):
+        # torch.fx unpickles a graph by tracing its code again, which compfx's own nodes (input checks, checkpoint
+        # regions, custom Functions) do not survive: the copy would fail at its first call
+        raise BadInputError(
+            "a PlannedModule cannot be pickled (torch.save(module), pickle.dumps): its graphs are rebuilt from the "
+            "model and the plan. Save module.state_dict() and module.plan.save(path); to run it again, load the "
+            "state into the model and build compfx.PlannedModule(model, compfx.Plan.load(path), "
+            "analysis=compfx.analyze(model, example_inputs)).")
+
+    def __deepcopy__(self, memo):
+        # copy.deepcopy would copy through __reduce_ex__, which pickling refuses; the copy's graphs, model and
+        # Parameters are copied together, so the copy trains its own Parameters
+        copied = type(self).__new__(type(self))
+        memo[id(self)] = copied
+        copied.__setstate__(copy.deepcopy(self.__dict__, memo))
+        return copied
+
+    def __copy__(self):
+        copied = type(self).__new__(type(self))
+        copied.__setstate__(dict(self.__dict__))
+        return copied
 
 
 def _plan_fit(unplanned: tuple[OpKey, ...], missing: int) -> str:

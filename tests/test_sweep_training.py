@@ -83,3 +83,39 @@ def test_a_batch_norm_frozen_for_fine_tuning_stays_frozen_in_the_search_and_the_
     x, y = data[0]
     ce(result.module(x), (x, y)).backward()
     torch.testing.assert_close(model.bn.running_mean, frozen, rtol=0, atol=0)
+
+
+def planned_mlp():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    x = torch.randn(4, 8)
+    analysis = compfx.analyze(model, x)
+    return model, compfx.PlannedModule(model, compfx.Plan.amp(analysis), analysis=analysis), x
+
+
+def test_pickling_a_planned_module_is_refused_with_what_to_save_instead_and_copies_still_work():
+    # pickle.loads gave a module whose first call failed inside torch.fx (it traces the graph's code again)
+    import pickle
+    model, planned, x = planned_mlp()
+    for save in (pickle.dumps, lambda m: torch.save(m, __import__("io").BytesIO())):
+        with pytest.raises(compfx.errors.BadInputError, match="state_dict"):
+            save(planned)
+    twin = copy.deepcopy(planned)
+    assert all(a is not b for a, b in zip(twin.parameters(), model.parameters()))
+    torch.testing.assert_close(twin(x), planned(x), rtol=0, atol=0)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    assert twin(x).abs().max() == 0 and planned(x).abs().max() > 0  # the copy's graphs read its own Parameters
+    assert copy.copy(planned)(x).shape == (4, 3)
+
+
+@pytest.mark.parametrize("convert", [lambda m: m.double(), lambda m: m.to(torch.float64), lambda m: m.half(),
+                                     lambda m: m.to(torch.bfloat16)])
+def test_converting_a_planned_modules_parameters_to_another_dtype_is_refused_before_anything_is_converted(convert):
+    # the model's Parameters were converted and the graphs then failed in torch ("expected scalar type Double")
+    model, planned, x = planned_mlp()
+    with pytest.raises(compfx.errors.BadInputError, match="FP32 master weights"):
+        convert(planned)
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+    assert planned.to("cpu").float()(x).dtype == torch.float32
