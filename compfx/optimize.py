@@ -12,6 +12,7 @@ model and optimizer are left as ``SearchConfig.keep_search_training`` says.
 from __future__ import annotations
 
 import contextlib
+import inspect
 import logging
 import time
 from typing import Iterable, Iterator
@@ -148,6 +149,10 @@ def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
     if not held:
         raise BadInputError("the optimizer holds no parameters, so the search would train nothing and compare plans "
                             "on an untrained loss; build it on model.parameters() (or the parameters you train).")
+    if _needs_closure(optimizer):
+        raise BadInputError(f"{type(optimizer).__name__}.step() needs a closure that re-evaluates the loss, but the "
+                            "search steps the optimizer as a training loop does, optimizer.step() after backward(); "
+                            "search with an optimizer that steps without one (SGD, AdamW), then train with yours.")
     if isinstance(loader, Iterator):
         raise BadInputError("sample_loader is a one-shot iterator, but every search sample walks it again; pass a "
                             "list of batches or a DataLoader.")
@@ -156,6 +161,16 @@ def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
                             "SearchConfig(threshold=1.01).")
     if config.fp8:
         require_torchao()  # before any work: FP8 needs compfx[fp8]
+
+
+def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+    """Does ``optimizer.step`` require a closure (``torch.optim.LBFGS``)? Read from its signature, which a
+    scheduler's wrapper of ``step`` keeps."""
+    try:
+        closure = inspect.signature(optimizer.step).parameters.get("closure")
+    except (TypeError, ValueError):  # a step without a readable signature: take it as a plain step
+        return False
+    return closure is not None and closure.default is inspect.Parameter.empty
 
 
 def _check_cache_folder(config: SearchConfig) -> None:

@@ -128,6 +128,13 @@ def _emptied_optimizer(c: Ctx):
         c.opt.param_groups[0]["params"] = kept
 
 
+def _closure_optimizer(c: Ctx):
+    """LBFGS steps only with a closure; the search failed in its FP32 epoch, after the capture."""
+    lbfgs = torch.optim.LBFGS(c.model.parameters())
+    return compfx.optimize(c.model, c.loader, optimizer=lbfgs, loss_fn=nll,
+                           config=SearchConfig(**QUICK, cache_dir=c.tmp / "cache"))
+
+
 def _guard(c: Ctx, **settings):
     return compfx.Guard(PlannedModule(c.model, Plan.amp(c.analysis), analysis=c.analysis), **settings)
 
@@ -330,6 +337,7 @@ CASES = {  # name -> (call(ctx), error class, words the message must hold)
     "loader __iter__ raises StopIteration": (lambda c: c.optimize(loader=_IterRaisesStopIteration()), BadInputError,
                                              "__iter__ raised StopIteration"),
     "optimizer with its parameters emptied": (_emptied_optimizer, BadInputError, "holds no parameters"),
+    "optimizer stepping only with a closure": (_closure_optimizer, BadInputError, "needs a closure"),
     "diagnose a meta-device model": (lambda c: compfx.diagnose(c.meta_model, c.x), BadInputError, "meta device"),
     "diagnose integer batches": (lambda c: compfx.diagnose(c.model, torch.ones(6, 4, dtype=torch.long)),
                                  BadInputError, "before diagnose"),
