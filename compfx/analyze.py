@@ -330,5 +330,6 @@ def analyze(
     analysis = analyze_graph(gm, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability,
                              fp8=fp8)
     args, kwargs = normalize_example_inputs(example_inputs)
-    return dataclasses.replace(analysis, example_signature=input_signature(args, kwargs, model.training),
-                               leaf_modules=leaf_modules, modes=module_modes(model))
+    modes = module_modes(model)
+    return dataclasses.replace(analysis, example_signature=input_signature(args, kwargs, tuple(modes.values())),
+                               leaf_modules=leaf_modules, modes=modes)

@@ -218,15 +218,15 @@ class SignatureCaptures:
     def __len__(self) -> int:
         return len(self._by_signature)
 
-    def get(self, signature: Hashable, args: tuple, kwargs: dict, training: bool) -> tuple[Analysis, float]:
-        """The analysis at ``signature`` (captured now if need be), and the seconds that capture took (0 if cached)."""
+    def get(self, signature: Hashable, args: tuple, kwargs: dict, modes: dict[str, bool]) -> tuple[Analysis, float]:
+        """The analysis at ``signature`` (captured now, in ``modes``, each module's train/eval mode, if need be), and
+        the seconds that capture took (0 if cached)."""
         found = self._by_signature.get(signature)
         if found is not None:
             return found, 0.0
         start = time.perf_counter()
         base = self.analysis
-        modes = base.modes if base.modes is not None and training == base.modes.get("") else module_modes(
-            self.model, training)
+        training = modes.get("", True)
         try:
             gm = capture(self.model, (args, kwargs), method=base.capture_method, leaf_modules=base.leaf_modules,
                          modes=modes)
@@ -253,7 +253,8 @@ class PlannedModule(nn.Module):
     example inputs' sizes as constants, and every graph is specialised to the
     train/eval mode and the branches its inputs took. So the first call with a
     new signature (:func:`~compfx.capture.input_signature`: shapes, dtypes,
-    devices, argument structure, ``self.training``) captures the model again
+    devices, argument structure, and every module's train/eval mode, read from
+    the model at each call) captures the model again
     with those inputs and rewrites that graph with the same OpKey-keyed plan;
     the graph is kept for later calls. :attr:`specializations` lists each one
     and what it cost; a call with a known signature costs one dictionary
@@ -287,30 +288,50 @@ class PlannedModule(nn.Module):
         # Plain attributes, not submodules: the tensors are registered above under the model's names.
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_graphs", {})
+        object.__setattr__(self, "_modules_in_order", [module for _, module in model.named_modules()])
         self.plan, self.analysis, self.restore_output_dtypes = plan, analysis, restore_output_dtypes
         self.captures = captures if captures is not None else SignatureCaptures(model, analysis)
         self.specializations: list[Specialization] = []
-        self.train(analysis.modes.get("", model.training) if analysis.modes is not None else model.training)
         if analysis.example_signature is not None:
             if graph is None:
                 graph = _planned_graph(model, analysis, plan, self.captures.categories_of(analysis),
                                        restore_output_dtypes=restore_output_dtypes)
-            graph.train(analysis.example_signature[0])
+            graph.train(analysis.modes.get("", True) if analysis.modes is not None else model.training)
             self._graphs[analysis.example_signature] = graph
 
+    # The planned module is the model in another precision: it runs in the model's modes as they are at each call
+    # (a BatchNorm frozen with .eval(), model.eval() for evaluation), and train()/eval() set the model's.
+    @property
+    def training(self) -> bool:
+        return self._model.training if "_model" in self.__dict__ else True
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        if "_model" in self.__dict__:  # nn.Module.__init__ sets it before there is a model
+            self._model.training = mode
+
+    def train(self, mode: bool = True) -> "PlannedModule":
+        self._model.train(mode)
+        return self
+
+    def signature(self, args: tuple, kwargs: dict) -> Hashable:
+        """What a graph for these inputs is specialised to: the inputs (:func:`~compfx.capture.input_signature`)
+        and every module's train/eval mode, in the model's order (as :func:`compfx.analyze` keys its example)."""
+        return input_signature(args, kwargs, tuple(module.training for module in self._modules_in_order))
+
     def forward(self, *args, **kwargs):
-        graph = self._graphs.get(input_signature(args, kwargs, self.training))
+        graph = self._graphs.get(self.signature(args, kwargs))
         if graph is None:
             graph = self.specialize(args, kwargs)
         return graph.forward(*args, **kwargs)  # not graph(...): torch.fx would print its code on a failure
 
     def specialize(self, args: tuple, kwargs: dict) -> fx.GraphModule:
-        """The planned graph for these inputs in the current mode, built now if this signature is new."""
-        signature = input_signature(args, kwargs, self.training)
+        """The planned graph for these inputs in the model's current modes, built now if this signature is new."""
+        signature = self.signature(args, kwargs)
         graph = self._graphs.get(signature)
         if graph is not None:
             return graph
-        analysis, capture_seconds = self.captures.get(signature, args, kwargs, self.training)
+        analysis, capture_seconds = self.captures.get(signature, args, kwargs, module_modes(self._model))
         start = time.perf_counter()
         categories = self.captures.categories_of(analysis)
         plan, fallbacks = _plan_at(self.plan, analysis, categories)

@@ -36,7 +36,7 @@ from torch.utils import _pytree as pytree
 
 from .analyze import analyze, model_device
 from .apply import PlannedModule
-from .capture import input_signature
+from .capture import module_modes
 from .errors import BadInputError
 from .opkey import KEY_META, OpKey
 from .passes.pad_shapes import PAD_META
@@ -227,8 +227,8 @@ def diagnose_inputs(planned: PlannedModule, args: tuple, kwargs: dict, *,
 
 def shadow_graph_of(planned: PlannedModule, args: tuple, kwargs: dict) -> fx.GraphModule:
     """The model's own FP32 graph at these inputs (the capture the plan rewrites), sharing its Parameters."""
-    signature = input_signature(args, kwargs, planned.training)
-    return planned.captures.get(signature, args, kwargs, planned.training)[0].graph_module
+    modes = module_modes(planned._model)
+    return planned.captures.get(planned.signature(args, kwargs), args, kwargs, modes)[0].graph_module
 
 
 @contextmanager

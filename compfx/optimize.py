@@ -72,8 +72,9 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
     A log of another model, or one written with any other setting that can
     change the decision, is refused (:class:`~compfx.errors.PlanMismatchError`),
     as is a log whose records were changed (:class:`~compfx.errors.LogIntegrityError`).
-    The returned module starts in training mode; after ``.eval()`` it captures
-    graphs of eval mode. The chosen plan is saved to the plan cache
+    The returned module runs in the model's train/eval modes as they are at each
+    call (after the search, the modes the model had before it); its ``.train()``
+    and ``.eval()`` set the model's. The chosen plan is saved to the plan cache
     (``result.plan_path``), so that ``torch.compile(model, backend="compfx")``
     runs it; ``SearchConfig(cache_plan=False)`` opts out. The caller's RNG (CPU and CUDA, Python's and NumPy's)
     is the same afterwards, whether the search finished, failed, resumed or was interrupted, and even when the

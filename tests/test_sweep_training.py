@@ -119,3 +119,41 @@ def test_converting_a_planned_modules_parameters_to_another_dtype_is_refused_bef
         convert(planned)
     assert all(p.dtype == torch.float32 for p in model.parameters())
     assert planned.to("cpu").float()(x).dtype == torch.float32
+
+
+class NormAndDropout(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.fc1, self.bn, self.drop, self.fc2 = nn.Linear(8, 16), nn.BatchNorm1d(16), nn.Dropout(0.5), nn.Linear(16, 3)
+
+    def forward(self, x):
+        return self.fc2(self.drop(torch.relu(self.bn(self.fc1(x)))))
+
+
+def test_the_planned_module_runs_in_the_models_modes_as_they_are_now():
+    # the graphs were keyed on the planned module's own flag: a BatchNorm frozen, or a model put in eval mode,
+    # after planning kept running the training-mode graph (updating running statistics, dropping units)
+    torch.manual_seed(0)
+    model, x = NormAndDropout(), torch.randn(8, 8)
+    analysis = compfx.analyze(model, x)
+    fast = compfx.PlannedModule(model, compfx.Plan.fp32(analysis), analysis=analysis)
+    model.bn.eval()
+    model.drop.eval()
+    eager = copy.deepcopy(model)
+    torch.testing.assert_close(fast(x), eager(x), rtol=0, atol=0)
+    torch.testing.assert_close(model.bn.running_mean, eager.bn.running_mean, rtol=0, atol=0)
+    model.eval()
+    eager.eval()
+    assert not fast.training
+    torch.testing.assert_close(fast(x), eager(x), rtol=0, atol=0)
+
+
+def test_train_and_eval_on_the_planned_module_set_the_models_modes():
+    model, x = NormAndDropout(), torch.randn(8, 8)
+    analysis = compfx.analyze(model, x)
+    fast = compfx.PlannedModule(model, compfx.Plan.fp32(analysis), analysis=analysis)
+    fast.eval()
+    assert not model.training and not model.bn.training and not model.drop.training
+    torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)  # eval: no dropout, running statistics
+    fast.train()
+    assert model.training and model.bn.training and fast.training

@@ -97,9 +97,10 @@ def module_modes(model: nn.Module, training: bool | None = None) -> dict[str, bo
     return {name: module.training if training is None else training for name, module in model.named_modules()}
 
 
-def input_signature(args: tuple, kwargs: Mapping, training: bool) -> Hashable:
-    """What a shape-specialised graph is specialised to: the mode, the arguments' structure, and per tensor its
-    shape, dtype and device (per other leaf, its value). Equal signatures can share one graph.
+def input_signature(args: tuple, kwargs: Mapping, training: Hashable) -> Hashable:
+    """What a shape-specialised graph is specialised to: the mode (``training``: a bool, or every module's as a
+    tuple), the arguments' structure, and per tensor its shape, dtype and device (per other leaf, its value).
+    Equal signatures can share one graph.
 
     >>> import torch
     >>> a = input_signature((torch.zeros(4, 8),), {}, True)

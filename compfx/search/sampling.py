@@ -168,6 +168,13 @@ def move_batch(batch, device: torch.device):
     return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
 
 
+def training_mode(module: nn.Module) -> None:
+    """Training mode for a sample; a module in training mode already keeps each submodule's own mode (a BatchNorm
+    frozen with ``.eval()`` for fine-tuning stays frozen, as in the user's own training)."""
+    if not module.training:
+        module.train()
+
+
 def copied_batch(batch):
     """The batch with every tensor cloned: what a model that writes its inputs (``x.mul_(0.5)``) may write.
 
@@ -465,7 +472,7 @@ class FairSampler:
     def fresh_start(self, module: nn.Module):
         """Seed the RNG and switch to training mode; restore the initial state on the way out, whatever happens."""
         seed_device(self.seed, self.device)
-        module.train()
+        training_mode(module)
         try:
             yield
         except torch.cuda.OutOfMemoryError:
@@ -692,7 +699,7 @@ class FairSampler:
             batches = self._cycled_batches(warmup + rounds)
             ready = []
             for j, module in enumerate(modules):
-                module.train()
+                training_mode(module)
                 if switch is not None:
                     switch(j)
                 ready.append([self.ready(module, batch) for batch in batches])
@@ -729,7 +736,7 @@ class _Turns:
         self.sampler, self.modules, self.switch = sampler, modules, switch
         seed_device(sampler.seed, sampler.device)
         for module in modules:
-            module.train()
+            training_mode(module)
         self.loader = loader_batches(sampler.loader, sampler.epoch_batches)
         self.fetched: list = []
         self._fetch(0)  # a shuffling loader draws its order now, after seeding, as in an epoch alone
