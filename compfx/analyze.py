@@ -18,7 +18,7 @@ import torch.nn as nn
 from tabulate import tabulate
 from torch.utils import _pytree as pytree
 
-from .capture import (VERIFICATION_META, capture, get_attribute, input_signature, is_pinned, module_modes,
+from .capture import (VERIFICATION_META, capture, get_attribute, input_signature, is_pinned, module_modes, modes_of,
                       normalize_example_inputs, op_nodes)
 from .errors import BadInputError
 from .float8 import fp8_eligible
@@ -330,6 +330,5 @@ def analyze(
     analysis = analyze_graph(gm, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability,
                              fp8=fp8)
     args, kwargs = normalize_example_inputs(example_inputs)
-    modes = module_modes(model)
-    return dataclasses.replace(analysis, example_signature=input_signature(args, kwargs, tuple(modes.values())),
-                               leaf_modules=leaf_modules, modes=modes)
+    return dataclasses.replace(analysis, example_signature=input_signature(args, kwargs, modes_of(model)),
+                               leaf_modules=leaf_modules, modes=module_modes(model))

@@ -317,6 +317,7 @@ class PlannedModule(nn.Module):
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
         """What a graph for these inputs is specialised to: the inputs (:func:`~compfx.capture.input_signature`)
         and every module's train/eval mode, in the model's order (as :func:`compfx.analyze` keys its example)."""
+        # modes_of(model), from a list kept at construction: a training step pays this every call
         return input_signature(args, kwargs, tuple(module.training for module in self._modules_in_order))
 
     def forward(self, *args, **kwargs):

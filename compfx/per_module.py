@@ -43,7 +43,7 @@ import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .analyze import Analysis, analyze_graph, model_device
-from .capture import (buffers_restored, capture, describe_inputs, input_signature, keep_checkpoints,
+from .capture import (buffers_restored, capture, describe_inputs, input_signature, keep_checkpoints, modes_of,
                       normalize_example_inputs)
 from .errors import BadInputError, CaptureError
 from .float8 import fp8_fallbacks
@@ -199,7 +199,7 @@ class PlannedBlock(nn.Module):
 
     def analysis_for(self, *args, **kwargs) -> Analysis:
         """The block's analysis (block-relative keys) at these inputs in the current mode; captured once each."""
-        signature = input_signature(args, kwargs, self.training)
+        signature = input_signature(args, kwargs, modes_of(self))
         found = self._captures.get(signature)
         if found is None:
             found = self._captures[signature] = self._capture(args, kwargs)
@@ -212,7 +212,7 @@ class PlannedBlock(nn.Module):
 
     def graph_for(self, *args, **kwargs) -> fx.GraphModule:
         """The planned graph for these inputs under the current plan and mode, built now if it is new."""
-        key = (id(self.plan), input_signature(args, kwargs, self.training))
+        key = (id(self.plan), input_signature(args, kwargs, modes_of(self)))
         graph = self._graphs.get(key)
         if graph is None:
             # no_grad: capture and rewrite run ops on FakeTensors; they must save nothing for backward, or
@@ -426,7 +426,7 @@ def captured_regions(model: nn.Module, example_inputs, per_module, device, low_d
             if path in started:
                 return None
             started.add(path)
-            signatures[path] = input_signature(block_args, block_kwargs, module.training)
+            signatures[path] = input_signature(block_args, block_kwargs, modes_of(module))
             if isinstance(module, PlannedBlock):
                 captured[path] = module.analysis_for(*block_args, **block_kwargs)
             else:

@@ -220,3 +220,21 @@ def test_pricing_a_plan_whose_blocks_ran_works_nothing_out_on_faketensors_again(
     priced = priced_regions_graph(analysis, plan)
     assert fake_runs == []
     assert compfx.passes.count_casts(priced) > 0  # it is the plan's graph, casts and all
+
+
+def test_a_blocks_dropout_switched_off_after_planning_is_off_in_the_planned_block():
+    # the block's graphs were keyed on the block's own mode: a child put in eval mode inside it kept its
+    # training-mode graph (dropout still dropping)
+    torch.manual_seed(0)
+    model = Net(dropout=0.5)
+    x, _ = data()
+    analysis = compfx.analyze(model, x)
+    compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis, per_module=(Block,))
+    model(x)  # the training-mode graphs, built
+    for block in model.blocks:
+        block.drop.eval()
+    eager = Net(dropout=0.5)
+    eager.load_state_dict(model.state_dict())
+    for block in eager.blocks:
+        block.drop.eval()
+    torch.testing.assert_close(model(x), eager(x), rtol=0, atol=0)

@@ -27,6 +27,7 @@ __all__ = [
     "normalize_example_inputs",
     "input_signature",
     "module_modes",
+    "modes_of",
     "describe_inputs",
     "check_input_shapes",
     "with_input_check",
@@ -95,6 +96,18 @@ def module_modes(model: nn.Module, training: bool | None = None) -> dict[str, bo
     ({'': True, '0': True, '1': False}, {'': False, '0': False, '1': False})
     """
     return {name: module.training if training is None else training for name, module in model.named_modules()}
+
+
+def modes_of(model: nn.Module) -> tuple[bool, ...]:
+    """Every module's train/eval mode, in ``named_modules`` order (:func:`module_modes`' values): the mode part of
+    an :func:`input_signature`, so that a submodule switched to ``.eval()`` after capture gets a graph of its own.
+
+    >>> import torch
+    >>> model = torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Dropout())
+    >>> modes_of(model), modes_of(model[1].eval()), modes_of(model)
+    ((True, True, True), (False,), (True, True, False))
+    """
+    return tuple(module.training for module in model.modules())
 
 
 def input_signature(args: tuple, kwargs: Mapping, training: Hashable) -> Hashable:
