@@ -30,6 +30,7 @@ import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .analyze import Analysis, analyze, analyze_graph
+from .cast_policy import run_as_planned
 from .capture import capture, changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints, module_modes
 from .errors import BadInputError, CaptureError, PlanMismatchError
 from .float8 import fp8_fallbacks
@@ -324,7 +325,7 @@ class PlannedModule(nn.Module):
         graph = self._graphs.get(self.signature(args, kwargs))
         if graph is None:
             graph = self.specialize(args, kwargs)
-        return graph.forward(*args, **kwargs)  # not graph(...): torch.fx would print its code on a failure
+        return run_as_planned(graph, args, kwargs, self.analysis.device.type)
 
     def specialize(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         """The planned graph for these inputs in the model's current modes, built now if this signature is new."""

@@ -40,11 +40,16 @@ model prices.
 
 * **What dtype an op computes in** (:func:`compute_dtype`): its autocast
   region's, else the promoted dtype of the inputs its precision applies to.
+
+* **A planned graph runs outside the caller's autocast** (:func:`run_as_planned`):
+  its casts are the plan; an autocast around it would run the ops the plan keeps
+  in FP32 in low precision too.
 """
 
 from __future__ import annotations
 
 import functools
+import warnings
 from typing import Any, Callable, Iterable
 
 import torch
@@ -59,7 +64,7 @@ from .vocabulary import Precision, short_dtype_name
 __all__ = [
     "NORM_KINDS", "COMPOSITE_KINDS", "PROMOTING_KINDS", "CAST_KINDS", "CAST_META", "AutocastRegion",
     "mutated_positions", "castable", "castable_inputs", "is_model_tensor", "shares_cast", "runs_under_autocast", "low_runs_under_autocast",
-    "runs_as_is", "is_cast", "compute_dtype", "precision_dtype",
+    "runs_as_is", "is_cast", "compute_dtype", "precision_dtype", "run_as_planned",
 ]
 
 #: Ops whose weight/bias/running stats stay FP32 whatever the op's precision.
@@ -275,3 +280,17 @@ def _nodes_in(value) -> list[fx.Node]:
     return found
 
 
+
+
+def run_as_planned(graph, args: tuple, kwargs: dict, device_type: str):
+    """``graph.forward(*args, **kwargs)``, with any ``torch.autocast`` of ``device_type`` the caller opened switched
+    off inside it (and a warning, once): the plan sets every op's precision, and autocast on top would run the ops
+    it keeps in FP32 (and the casts back to FP32 the plan makes) in low precision."""
+    if not torch.is_autocast_enabled(device_type):
+        return graph.forward(*args, **kwargs)  # not graph(...): torch.fx would print its code on a failure
+    warnings.warn(f"compfx: a planned module ran inside torch.autocast({device_type!r}); the plan sets every op's "
+                  "precision, so autocast is switched off inside it (on top of the plan it would run the ops the plan "
+                  "keeps in FP32 in low precision). Remove the autocast block around the planned module.",
+                  stacklevel=3)
+    with torch.autocast(device_type, enabled=False):
+        return graph.forward(*args, **kwargs)

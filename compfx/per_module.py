@@ -43,6 +43,7 @@ import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .analyze import Analysis, analyze_graph, model_device
+from .cast_policy import run_as_planned
 from .capture import (buffers_restored, capture, describe_inputs, input_signature, keep_checkpoints, modes_of,
                       normalize_example_inputs)
 from .errors import BadInputError, CaptureError
@@ -184,7 +185,9 @@ class PlannedBlock(nn.Module):
             self.categories = {}
 
     def forward(self, *args, **kwargs):
-        return self.graph_for(*args, **kwargs).forward(*args, **kwargs)  # not graph(...): no second set of hooks
+        graph = self.graph_for(*args, **kwargs)
+        # run_as_planned calls graph.forward, not graph(...): no second set of hooks
+        return run_as_planned(graph, args, kwargs, graph.meta["compfx_device_type"])
 
     def __getattr__(self, name: str):
         """Its Parameters, buffers and children; else the block's own attributes and methods, so code that reads
@@ -265,7 +268,8 @@ class PlannedBlock(nn.Module):
                          padded=[op.key for op in analysis.ops if model_key(self.path, op.key) in self.plan.padded])
         _read_state_through(gm, self)
         gm.train(self.training)
-        gm.meta.update(compfx_plan=self.plan, compfx_capture_method=analysis.capture_method)
+        gm.meta.update(compfx_plan=self.plan, compfx_capture_method=analysis.capture_method,
+                       compfx_device_type=analysis.device.type)
         return keep_checkpoints(gm)  # whatever copy of the graph the passes made, its checkpointed regions recompute
 
     def release(self) -> nn.Module:

@@ -157,3 +157,20 @@ def test_train_and_eval_on_the_planned_module_set_the_models_modes():
     torch.testing.assert_close(fast(x), model(x), rtol=0, atol=0)  # eval: no dropout, running statistics
     fast.train()
     assert model.training and model.bn.training and fast.training
+
+
+@pytest.mark.parametrize("per_module", [False, True])
+def test_a_planned_module_inside_the_users_autocast_runs_its_plan_with_a_warning(per_module):
+    # autocast on top of the plan ran the ops the FP32 plan keeps in FP32 in bf16
+    torch.manual_seed(0)
+    model, x = NormAndDropout().eval(), torch.randn(8, 8)
+    eager = copy.deepcopy(model)
+    analysis = compfx.analyze(model, x)
+    if per_module:
+        fast = compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis, per_module=(nn.Linear,))
+    else:
+        fast = compfx.PlannedModule(model, compfx.Plan.fp32(analysis), analysis=analysis)
+    with pytest.warns(UserWarning, match="autocast is switched off inside it"), torch.autocast("cpu", torch.bfloat16):
+        out = fast(x)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(out, eager(x), rtol=0, atol=0)
