@@ -71,7 +71,9 @@ class SearchConfig:
       seconds grow.
     * ``keep_search_training``: True leaves the model and optimizer in the state
       the chosen plan's Stage-1 epoch trained them to (that epoch is not wasted);
-      False puts back the state they had before ``optimize``.
+      False puts back the state they had before ``optimize``. A learning-rate
+      scheduler is never stepped by the search: with True, the optimizer has
+      taken an epoch of steps that your scheduler has not counted.
     * ``stage2_check_batches``: batches on which the Stage-2 winner's loss is
       checked against FP32's (0 skips the check).
     * ``prune``: False runs every Stage-1 sample to the end (to measure what pruning saves).
