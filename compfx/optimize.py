@@ -25,7 +25,7 @@ from .analyze import analyze, model_device
 from .errors import BadInputError
 from .float8 import require_torchao
 from .measure import PhaseClock, long_lived_objects_frozen, settle_host_allocator
-from .rng import rng_preserved
+from .rng import loader_generators, rng_preserved
 from .search import SearchConfig, SearchLog, SearchResult, decision_settings
 from .search.per_module import prepare_search
 from .search.sampling import FairSampler, check_first_batch, loader_batches
@@ -102,9 +102,10 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
     device = model_device(model)
     clock = PhaseClock()  # where the search's time goes (SearchResult.cost_breakdown)
     settle_host_allocator(device)  # freed activations stay in the heap: steps timed now run as training will
-    # rng_preserved: the caller's generators, even when the model's forward reseeds them; the process's objects
-    # frozen: a full garbage collection during the search walks only the search's own
-    with _train_mode(model), rng_preserved(device), long_lived_objects_frozen():  # the search trains: train mode
+    # rng_preserved: the caller's generators (a DataLoader's own included), even when the model's forward reseeds
+    # them; the process's objects frozen: a full garbage collection during the search walks only the search's own
+    with _train_mode(model), rng_preserved(device, generators=loader_generators(sample_loader)), \
+            long_lived_objects_frozen():  # the search trains: train mode
         first = next(loader_batches(sample_loader, 1), _NO_BATCH)
         if first is _NO_BATCH:
             raise BadInputError("sample_loader yielded no batches; the search trains on it, so give it some "

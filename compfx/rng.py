@@ -8,7 +8,9 @@ generators. :func:`rng_preserved` puts back every generator such a forward can
 reach: torch's CPU generator, the CUDA generators of the devices in use, the
 CUDA seeds torch queues while CUDA is not initialised yet (``torch.manual_seed``
 queues one for every GPU, which ``torch.random.fork_rng`` cannot undo), and
-Python's and NumPy's global generators.
+Python's and NumPy's global generators, and the generators of a ``DataLoader``
+given to it (:func:`loader_generators`: a seeded shuffle advances them as the
+loader is walked).
 
 >>> import torch
 >>> torch.manual_seed(0); before = torch.get_rng_state()  # doctest: +ELLIPSIS
@@ -27,7 +29,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-__all__ = ["rng_preserved", "cuda_devices"]
+__all__ = ["rng_preserved", "cuda_devices", "loader_generators"]
 
 
 def cuda_devices(device: torch.device) -> list[int]:
@@ -67,13 +69,27 @@ class _LazySeeds:
                 setattr(self.tracker, name, value)
 
 
+def loader_generators(loader) -> list[torch.Generator]:
+    """The generators a DataLoader and its samplers own (``DataLoader(..., generator=g)``): a seeded shuffle draws
+    its order from them, not from torch's global generator. [] for a loader that holds none (a list)."""
+    found = []
+    for holder in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
+                   getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
+        generator = getattr(holder, "generator", None)
+        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
+            found.append(generator)
+    return found
+
+
 @contextlib.contextmanager
-def rng_preserved(*devices) -> Iterator[None]:
+def rng_preserved(*devices, generators: Iterable[torch.Generator] = ()) -> Iterator[None]:
     """Run the body; afterwards every random generator it could reach is as it was (see the module docstring).
 
     ``devices`` are the devices the body's work runs on (their CUDA generators
-    are saved; the current CUDA device's always is, once CUDA runs).
+    are saved; the current CUDA device's always is, once CUDA runs);
+    ``generators`` are other generators it may advance (:func:`loader_generators`).
     """
+    own = [(generator, generator.get_state()) for generator in generators]
     python_state = random.getstate()
     try:
         import numpy
@@ -86,6 +102,8 @@ def rng_preserved(*devices) -> Iterator[None]:
             yield
     finally:
         lazy.restore()
+        for generator, state in own:
+            generator.set_state(state)
         random.setstate(python_state)
         if numpy is not None:
             numpy.random.set_state(numpy_state)

@@ -174,3 +174,32 @@ def test_a_planned_module_inside_the_users_autocast_runs_its_plan_with_a_warning
         out = fast(x)
     assert out.dtype == torch.float32
     torch.testing.assert_close(out, eager(x), rtol=0, atol=0)
+
+
+def seeded_shuffle_loader(seed=5):
+    torch.manual_seed(0)
+    data = list(zip(torch.randn(32, 8), torch.randint(0, 3, (32,))))
+    return torch.utils.data.DataLoader(data, batch_size=8, shuffle=True, generator=torch.Generator().manual_seed(seed))
+
+
+def test_a_loader_shuffling_with_its_own_generator_repeats_its_order_in_every_sample():
+    # seeding torch's generator repeated an unseeded shuffle only: each epoch drew a new order from the loader's
+    # generator, so each plan trained on other batches
+    from compfx.search.sampling import FairSampler
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    sampler = FairSampler(model, opt, seeded_shuffle_loader(), ce, device="cpu", seed=0)
+    first = [loss for loss, _ in sampler.epoch(model)]
+    assert [loss for loss, _ in sampler.epoch(model)] == first
+
+
+def test_a_search_leaves_the_loaders_own_generator_as_it_was():
+    # the search walked the loader many times, advancing the generator of DataLoader(generator=g): the user's next
+    # epoch shuffled differently than it would have without the search
+    loader = seeded_shuffle_loader()
+    before = loader.generator.get_state()
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    compfx.optimize(model, loader, optimizer=opt, loss_fn=ce, config=compfx.SearchConfig(**QUICK))
+    assert torch.equal(loader.generator.get_state(), before)

@@ -39,6 +39,7 @@ from ..errors import BadInputError
 from ..optimize import optimize
 from ..per_module import PlannedBlock, region_paths, restore_blocks
 from ..plan import Plan
+from ..rng import loader_generators
 from ..search.config import SearchConfig
 from ..search.result import SearchResult
 from ..search.sampling import check_first_batch, cuda_devices, move_batch
@@ -70,17 +71,6 @@ def _rng_untouched(device: torch.device):
             numpy.random.set_state(numpy_state)
 
 
-def _sampler_generators(loader) -> list[torch.Generator]:
-    """Generators a DataLoader's samplers own (a seeded shuffle advances them as the loader is walked)."""
-    found = []
-    for holder in (loader, getattr(loader, "sampler", None), getattr(loader, "batch_sampler", None),
-                   getattr(getattr(loader, "batch_sampler", None), "sampler", None)):
-        generator = getattr(holder, "generator", None)
-        if isinstance(generator, torch.Generator) and all(generator is not g for g in found):
-            found.append(generator)
-    return found
-
-
 def first_batches(loader: Iterable, count: int, device: torch.device) -> list:
     """The first ``count`` batches of ``loader`` on ``device``; the loop's RNG and data order stay as they were.
 
@@ -98,7 +88,7 @@ def first_batches(loader: Iterable, count: int, device: torch.device) -> list:
         raise BadInputError(f"search_batches={count!r}; expected a positive int (the number of the trainer's first "
                             "batches the search trains on, e.g. 8).")
     source = getattr(loader, "base_dataloader", loader)
-    generators = _sampler_generators(source)
+    generators = loader_generators(source)
     states = [g.get_state() for g in generators]
     try:
         with _rng_untouched(device):

@@ -1,7 +1,8 @@
 """Fair sampling: every search sample trains from the same state with the same step.
 
 Each sample starts from one model + optimizer state, re-seeds the RNG (so
-dropout masks and a shuffling ``DataLoader`` repeat), walks the loader in the
+dropout masks and a shuffling ``DataLoader`` repeat, one shuffling with its own
+``generator=`` too), walks the loader in the
 same order and runs the same training step. When it ends -- finished, pruned,
 failed or interrupted -- the state is restored **in place**: values are
 ``copy_``-ed back into the very Parameter, buffer and optimizer-state tensors
@@ -67,7 +68,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError, CompfxError, NonFiniteGradientError
 from ..measure import Timing, time_interleaved, time_repeats, timed
-from ..rng import cuda_devices  # re-exported: the search's callers read it here
+from ..rng import cuda_devices, loader_generators  # cuda_devices re-exported: the search's callers read it here
 
 __all__ = ["split_batch", "move_batch", "copied_batch", "model_loss", "check_loss", "check_first_batch",
            "cuda_devices", "seed_device", "call_quietly", "StateSnapshot", "snapshot_state", "restore_state", "FairSampler", "MAX_EPOCH_BATCHES",
@@ -455,6 +456,9 @@ class FairSampler:
         self.device = torch.device(device)
         self.seed, self.grad_scaler = seed, grad_scaler
         self.initial = snapshot_state(model, optimizer)
+        #: the loader's own generators (a DataLoader's seeded shuffle) and their states now: every epoch starts
+        #: from these, so every sample walks the loader in one order, as seeding torch's does for an unseeded one
+        self.loader_rng = [(generator, generator.get_state()) for generator in loader_generators(loader)]
         length = epoch_limit(loader)
         self.epoch_batches = length if length is not None else MAX_EPOCH_BATCHES  # what bounds an epoch
         self._bounded = length is None
@@ -468,10 +472,17 @@ class FairSampler:
     def restore(self, snapshot: StateSnapshot | None = None) -> None:
         restore_state(snapshot or self.initial)
 
+    def reseed(self) -> None:
+        """Seed what a sample draws from: the device's generators (dropout, an unseeded shuffle) and the loader's
+        own, back at their states when the sampler was made."""
+        seed_device(self.seed, self.device)
+        for generator, state in self.loader_rng:
+            generator.set_state(state)
+
     @contextmanager
     def fresh_start(self, module: nn.Module):
         """Seed the RNG and switch to training mode; restore the initial state on the way out, whatever happens."""
-        seed_device(self.seed, self.device)
+        self.reseed()
         training_mode(module)
         try:
             yield
@@ -734,7 +745,7 @@ class _Turns:
 
     def __init__(self, sampler: FairSampler, modules: list[nn.Module], switch: Callable[[int], object] | None):
         self.sampler, self.modules, self.switch = sampler, modules, switch
-        seed_device(sampler.seed, sampler.device)
+        sampler.reseed()
         for module in modules:
             training_mode(module)
         self.loader = loader_batches(sampler.loader, sampler.epoch_batches)
