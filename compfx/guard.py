@@ -14,7 +14,10 @@ output in this step) and moves them, or when they already run in FP32 their
 producers, to FP32 with :meth:`~compfx.apply.PlannedModule.replan`: the same
 module object, the same Parameters, so the optimizer keeps working. It checks
 the repaired plan on the same batch and repairs again while non-finite values
-remain (at most ``max_rounds`` times). Each repair is kept in
+remain (at most ``max_rounds`` times). With gradient accumulation (several
+forwards before one step) the guard keeps every forward's inputs until the step;
+when the last forward shows no source, the earlier ones are replayed, forward
+only (their output gradients are gone). Each repair is kept in
 :attr:`Guard.repairs` and, given ``log``, noted in the search log.
 
 With fp16 pass the ``GradScaler``: non-finite gradients under a finite loss
@@ -143,6 +146,9 @@ class Guard:
         self.scaler_skips = 0  # non-finite gradients left to the GradScaler
         self.drift: float | None = None  # the last shadow comparison
         self._inputs: tuple[tuple, dict] | None = None
+        #: the inputs of every forward since the last step (gradient accumulation runs several): where a
+        #: non-finite value may have started
+        self._forwards: list[tuple[tuple, dict]] = []
         self._outputs: list[torch.Tensor] = []
         self._output_grads: dict[int, torch.Tensor] = {}
         self._output = None
@@ -178,6 +184,7 @@ class Guard:
     def _before_forward(self, module, args, kwargs):
         if torch.is_grad_enabled():  # an evaluation forward between backward and step() is not the step's
             self._inputs = (args, kwargs)
+            self._forwards.append(self._inputs)
             if self._shadow_due(self.steps + 1):
                 self._rng = rng_state(self.planned._model)  # the shadow replays this forward's dropout masks
 
@@ -208,6 +215,12 @@ class Guard:
         self._check_step(optimizer, loss)
         self._backward_seen = False
         self.steps += 1
+        try:
+            return self._step(optimizer, loss, batch)
+        finally:
+            self._forwards = []  # the next step's forwards start now
+
+    def _step(self, optimizer, loss, batch) -> bool:
         if self.scaler is not None:
             _unscale(self.scaler, optimizer)
         bad_loss = bad_grads = False
@@ -261,12 +274,25 @@ class Guard:
             log.warning("compfx.Guard: step %d was not finite, but the module ran no forward with gradients since "
                         "the last step; skipped the step without a repair", self.steps)
             return
-        args, kwargs = self._inputs
         grads = [self._output_grads.get(i) for i in range(len(self._outputs))]
         from_output = None
         if backward and grads and all(g is not None and bool(torch.isfinite(g).all()) for g in grads):
             def from_output(output):
                 return _float_leaves(output), grads
+        repaired = self._repair_on(*self._inputs, from_output, reason)
+        # gradient accumulation: the values may have started in an earlier forward of this step; their output
+        # gradients are gone, so those are replayed forward only
+        for args, kwargs in reversed(self._forwards[:-1]):
+            if repaired:
+                break
+            repaired = self._repair_on(args, kwargs, None, reason)
+        if not repaired:
+            log.warning("compfx.Guard: step %d had a %s, but no op that runs below FP32 produced it (an FP32 "
+                        "overflow, or one in the loss function); skipped the step without a repair", self.steps, reason)
+
+    def _repair_on(self, args: tuple, kwargs: dict, from_output, reason: str) -> list[Repair]:
+        """Diagnose one forward's inputs and move the ops where non-finite values start to FP32, until the
+        repaired plan is finite on them (at most ``max_rounds`` times); the repairs made."""
         repaired = []
         for _ in range(self.max_rounds):
             diagnosis = diagnose_inputs(self.planned, args, kwargs, backward_from=from_output)
@@ -276,9 +302,7 @@ class Guard:
             if not targets:
                 break
             repaired += self._move_to_fp32(targets, reason)
-        if not repaired:
-            log.warning("compfx.Guard: step %d had a %s, but no op that runs below FP32 produced it (an FP32 "
-                        "overflow, or one in the loss function); skipped the step without a repair", self.steps, reason)
+        return repaired
 
     def _targets(self, diagnosis: Diagnosis) -> list[OpKey]:
         """The origins that run below FP32; for an origin already in FP32, its producers that do not."""

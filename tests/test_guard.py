@@ -193,3 +193,25 @@ def test_a_plain_model_or_a_bad_checkpoint_is_refused():
         compfx.Guard(model)
     with pytest.raises(compfx.PlanFileError, match="state_dict"):
         compfx.Guard(fast).load_state_dict({"plan": {}})
+
+
+def test_with_gradient_accumulation_the_guard_repairs_an_overflow_in_an_earlier_micro_batch():
+    # the guard diagnosed only the last forward before the step: an overflow in the first micro-batch was "no op
+    # below FP32", so every such step was skipped without a repair
+    model, fast = planned_drifting()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    guard = compfx.Guard(fast)
+    (x, y), (x2, y2) = batches(2)
+    losses = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        first = F.cross_entropy(fast(x * 10), y)  # exp leaves fp16's range here ...
+        (first / 2).backward()
+        second = F.cross_entropy(fast(x2), y2)  # ... not here
+        (second / 2).backward()
+        loss = (first.detach() + second.detach()) / 2
+        guard.step(optimizer, loss)
+        losses.append(loss.item())
+    assert not math.isfinite(losses[0]) and math.isfinite(losses[1])
+    assert [r.key for r in guard.repairs] == [EXP] and fast.plan[EXP] is Precision.FP32
+    assert guard.skipped == 1
