@@ -23,6 +23,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from compfx.analyze import model_device
 from compfx.capture import meta_value, normalize_example_inputs
 from compfx.cast_policy import AutocastRegion, is_cast, is_model_tensor
+from compfx.errors import BadInputError
 from compfx.vocabulary import dtype_name
 
 __all__ = ["CastInfo", "CastReport", "casts_in", "cast_report", "count_casts", "count_autocast_casts"]
@@ -79,7 +80,9 @@ class CastReport:
 
 
 def cast_report(gm: fx.GraphModule) -> CastReport:
-    """Count the casts in ``gm`` (inserted by compfx or already in the model).
+    """Count the casts in ``gm`` (inserted by compfx or already in the model); a planned module (``result.module``
+    of a search, a :class:`~compfx.apply.PlannedModule`) is read through its ``graph_module``, the graph of its
+    example inputs.
 
     >>> import torch, compfx
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
@@ -87,11 +90,21 @@ def cast_report(gm: fx.GraphModule) -> CastReport:
     >>> print(cast_report(compfx.apply(model, compfx.Plan.amp(a), analysis=a)))
     6 casts (bfloat16->float32: 1, float32->bfloat16: 5); 4 of parameters; 0 autocast regions
     """
+    gm = _graph_of(gm)
     casts = casts_in(gm)
     pairs = Counter(f"{dtype_name(c.src)}->{dtype_name(c.dst)}" for c in casts if c.src is not None)
     regions = sum(node.op == "call_module" and isinstance(gm.get_submodule(node.target), AutocastRegion)
                   for node in gm.graph.nodes)
     return CastReport(len(casts), dict(pairs), sum(c.parameter for c in casts), regions)
+
+
+def _graph_of(module) -> fx.GraphModule:
+    if not isinstance(module, fx.GraphModule):
+        module = getattr(module, "graph_module", module)  # a planned module's graph of its example inputs
+    if not isinstance(module, fx.GraphModule):
+        raise BadInputError(f"cast_report() reads a graph: a GraphModule (compfx.apply's) or a planned module "
+                            f"(result.module); got {type(module).__name__}.")
+    return module
 
 
 def count_casts(gm: fx.GraphModule) -> int:

@@ -203,3 +203,13 @@ def test_a_search_leaves_the_loaders_own_generator_as_it_was():
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     compfx.optimize(model, loader, optimizer=opt, loss_fn=ce, config=compfx.SearchConfig(**QUICK))
     assert torch.equal(loader.generator.get_state(), before)
+
+
+def test_cast_report_reads_a_planned_module_and_refuses_a_plain_one_clearly():
+    model, x = NormAndDropout(), torch.randn(8, 8)
+    analysis = compfx.analyze(model, x)
+    plan = compfx.Plan.amp(analysis)
+    fast = compfx.PlannedModule(model, plan, analysis=analysis)
+    assert compfx.cast_report(fast) == compfx.cast_report(compfx.apply(model, plan, analysis=analysis))
+    with pytest.raises(compfx.errors.BadInputError, match="got NormAndDropout"):
+        compfx.cast_report(model)
