@@ -15,6 +15,7 @@ import contextlib
 import inspect
 import logging
 import time
+import warnings
 from typing import Iterable, Iterator
 
 import torch
@@ -151,6 +152,7 @@ def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
     if not held:
         raise BadInputError("the optimizer holds no parameters, so the search would train nothing and compare plans "
                             "on an untrained loss; build it on model.parameters() (or the parameters you train).")
+    _warn_low_precision_parameters(model, held)
     if _needs_closure(optimizer):
         raise BadInputError(f"{type(optimizer).__name__}.step() needs a closure that re-evaluates the loss, but the "
                             "search steps the optimizer as a training loop does, optimizer.step() after backward(); "
@@ -163,6 +165,23 @@ def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
                             "SearchConfig(threshold=1.01).")
     if config.fp8:
         require_torchao()  # before any work: FP8 needs compfx[fp8]
+
+
+def _warn_low_precision_parameters(model: nn.Module, trained: list) -> None:
+    """Warn when the optimizer trains parameters held in fp16 or bf16: a plan computes from FP32 master weights
+    (its casts make the low copies), so the search's FP32 baseline upcasts them and is not the model's own run."""
+    trained_ids = {id(p) for p in trained}
+    low = [name for name, p in model.named_parameters() if id(p) in trained_ids and p.dtype in _LOW_DTYPES]
+    if low:
+        warnings.warn(f"compfx: the optimizer trains {len(low)} parameter(s) held in "
+                      f"{dtype_name(dict(model.named_parameters())[low[0]].dtype)} (e.g. {low[0]!r}). compfx plans "
+                      "compute from FP32 master weights, so the search's 'fp32' baseline upcasts them: it, and "
+                      "Plan.fp32, are not your model's own run. Keep trained parameters in FP32 (model.float()) and "
+                      "let the plan make the low-precision copies.", stacklevel=3)
+
+
+#: Parameter dtypes that are a low precision, not the FP32 master weights plans assume.
+_LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:

@@ -213,3 +213,13 @@ def test_cast_report_reads_a_planned_module_and_refuses_a_plain_one_clearly():
     assert compfx.cast_report(fast) == compfx.cast_report(compfx.apply(model, plan, analysis=analysis))
     with pytest.raises(compfx.errors.BadInputError, match="got NormAndDropout"):
         compfx.cast_report(model)
+
+
+def test_a_search_of_a_model_trained_in_bf16_says_its_fp32_baseline_is_not_the_models_own_run():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)).bfloat16()
+    g = torch.Generator().manual_seed(0)
+    data = [(torch.randn(8, 8, generator=g).bfloat16(), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.warns(UserWarning, match=r"trains 4 parameter\(s\) held in bfloat16 \(e.g. '0.weight'\)"):
+        compfx.optimize(model, data, optimizer=opt, loss_fn=ce, config=compfx.SearchConfig(**QUICK))
