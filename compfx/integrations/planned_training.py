@@ -21,11 +21,9 @@ model.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import os
-import random
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable
@@ -39,10 +37,10 @@ from ..errors import BadInputError
 from ..optimize import optimize
 from ..per_module import PlannedBlock, region_paths, restore_blocks
 from ..plan import Plan
-from ..rng import loader_generators
+from ..rng import loader_generators, rng_preserved
 from ..search.config import SearchConfig
 from ..search.result import SearchResult
-from ..search.sampling import check_first_batch, cuda_devices, move_batch
+from ..search.sampling import check_first_batch, move_batch
 from ..vocabulary import Precision, dtype_name
 
 __all__ = ["PLAN_FILE", "LOG_FILE", "PlannedRun", "first_batches", "planned_regions", "plan_model"]
@@ -51,24 +49,6 @@ __all__ = ["PLAN_FILE", "LOG_FILE", "PlannedRun", "first_batches", "planned_regi
 PLAN_FILE = "compfx-plan.json"
 #: the search log, in the trainer's output folder (``compfx report`` renders it)
 LOG_FILE = "compfx-search.jsonl"
-
-
-@contextlib.contextmanager
-def _rng_untouched(device: torch.device):
-    """Every generator a loader may draw from, as it was: torch (CPU and the device's), Python's, NumPy's."""
-    python_state = random.getstate()
-    try:
-        import numpy
-        numpy_state = numpy.random.get_state()
-    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-        numpy, numpy_state = None, None
-    try:
-        with torch.random.fork_rng(devices=cuda_devices(device)):
-            yield
-    finally:
-        random.setstate(python_state)
-        if numpy is not None:
-            numpy.random.set_state(numpy_state)
 
 
 def first_batches(loader: Iterable, count: int, device: torch.device) -> list:
@@ -88,15 +68,8 @@ def first_batches(loader: Iterable, count: int, device: torch.device) -> list:
         raise BadInputError(f"search_batches={count!r}; expected a positive int (the number of the trainer's first "
                             "batches the search trains on, e.g. 8).")
     source = getattr(loader, "base_dataloader", loader)
-    generators = loader_generators(source)
-    states = [g.get_state() for g in generators]
-    try:
-        with _rng_untouched(device):
-            batches = [move_batch(dict(b) if isinstance(b, dict) else b, device)
-                       for b in itertools.islice(source, count)]
-    finally:
-        for generator, state in zip(generators, states):
-            generator.set_state(state)
+    with rng_preserved(device, generators=loader_generators(source)):
+        batches = [move_batch(dict(b) if isinstance(b, dict) else b, device) for b in itertools.islice(source, count)]
     if not batches:
         raise BadInputError("the trainer's train dataloader yielded no batches; the search trains on its first "
                             "batches, so give the trainer a train_dataset with data.")
