@@ -29,9 +29,9 @@ from .measure import PhaseClock, long_lived_objects_frozen, settle_host_allocato
 from .rng import loader_generators, rng_preserved
 from .search import SearchConfig, SearchLog, SearchResult, decision_settings
 from .search.per_module import prepare_search
-from .search.sampling import FairSampler, check_first_batch, loader_batches
+from .search.sampling import FairSampler, check_first_batch, loader_batches, training_mode
 from .search.session import SearchSession
-from .vocabulary import dtype_name
+from .vocabulary import LOW_DTYPES, dtype_name
 
 __all__ = ["optimize"]
 
@@ -171,17 +171,14 @@ def _warn_low_precision_parameters(model: nn.Module, trained: list) -> None:
     """Warn when the optimizer trains parameters held in fp16 or bf16: a plan computes from FP32 master weights
     (its casts make the low copies), so the search's FP32 baseline upcasts them and is not the model's own run."""
     trained_ids = {id(p) for p in trained}
-    low = [name for name, p in model.named_parameters() if id(p) in trained_ids and p.dtype in _LOW_DTYPES]
+    low = [(name, p.dtype) for name, p in model.named_parameters() if id(p) in trained_ids and p.dtype in LOW_DTYPES]
     if low:
-        warnings.warn(f"compfx: the optimizer trains {len(low)} parameter(s) held in "
-                      f"{dtype_name(dict(model.named_parameters())[low[0]].dtype)} (e.g. {low[0]!r}). compfx plans "
+        (name, dtype), *_ = low
+        warnings.warn(f"compfx: the optimizer trains {len(low)} parameter(s) held in {dtype_name(dtype)} "
+                      f"(e.g. {name!r}). compfx plans "
                       "compute from FP32 master weights, so the search's 'fp32' baseline upcasts them: it, and "
                       "Plan.fp32, are not your model's own run. Keep trained parameters in FP32 (model.float()) and "
                       "let the plan make the low-precision copies.", stacklevel=3)
-
-
-#: Parameter dtypes that are a low precision, not the FP32 master weights plans assume.
-_LOW_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
@@ -217,8 +214,7 @@ def _train_mode(model: nn.Module):
     in. Only a model in eval mode is switched to ``train()`` as a whole.
     """
     modes = {module: module.training for module in model.modules()}
-    if not model.training:
-        model.train()
+    training_mode(model)
     try:
         yield
     finally:

@@ -37,6 +37,7 @@ __all__ = [
     "RANDOM_KINDS",
     "writes_input",
     "renorms_weight",
+    "renormed_weight",
     "is_in_place",
     "copy_graph",
 ]
@@ -226,6 +227,12 @@ def renorms_weight(node: fx.Node) -> bool:
     [True]
     """
     return node.target in _RENORMING_LOOKUPS and _argument(node, "max_norm") is not None
+
+
+def renormed_weight(node: fx.Node):
+    """The weight argument a :func:`renorms_weight` call writes (a ``get_attr`` node, usually); None for any other
+    call."""
+    return _argument(node, "weight") if renorms_weight(node) else None
 
 
 def _argument(node: fx.Node, name: str):

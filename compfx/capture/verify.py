@@ -52,7 +52,7 @@ from torch.utils import _pytree as pytree
 from ..errors import BadInputError
 from ._sites import first_line
 from .model_state import get_attribute
-from .nodes import renorms_weight, writes_input
+from .nodes import renormed_weight, writes_input
 from .record import is_kv_cache, with_kv_caches_copied
 
 __all__ = ["CaptureVerification", "verify_capture", "SAVED_TENSOR_SLACK", "COMPILED_PATH_BOUND", "VERIFICATION_META"]
@@ -392,8 +392,9 @@ def _written_parameters(gm: fx.GraphModule) -> list[torch.Tensor]:
         targets = []
         if node.op in ("call_function", "call_method") and writes_input(node) and node.args:
             targets.append(node.args[0])
-        if renorms_weight(node):
-            targets.append(node.args[1] if len(node.args) > 1 else node.kwargs.get("weight"))
+        weight = renormed_weight(node)
+        if weight is not None:
+            targets.append(weight)
         for target in targets:
             if isinstance(target, fx.Node) and target.op == "get_attr":
                 value = get_attribute(gm, target.target)

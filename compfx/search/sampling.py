@@ -70,8 +70,9 @@ from ..errors import BadInputError, CompfxError, NonFiniteGradientError
 from ..measure import Timing, time_interleaved, time_repeats, timed
 from ..rng import cuda_devices, loader_generators  # cuda_devices re-exported: the search's callers read it here
 
-__all__ = ["split_batch", "move_batch", "copied_batch", "model_loss", "check_loss", "check_first_batch",
-           "cuda_devices", "seed_device", "call_quietly", "StateSnapshot", "snapshot_state", "restore_state", "FairSampler", "MAX_EPOCH_BATCHES",
+__all__ = ["split_batch", "move_batch", "copied_batch", "training_mode", "dense_values", "model_loss", "check_loss",
+           "check_first_batch", "cuda_devices", "seed_device", "call_quietly", "StateSnapshot", "snapshot_state",
+           "restore_state", "FairSampler", "MAX_EPOCH_BATCHES",
            "loader_batches", "from_loader", "epoch_limit", "read_steps", "CALIBRATION_STEPS", "state_bytes"]
 
 #: At most this many steps find the loss scale (each skipped step halves it: 2**16 down to 2**-8).
