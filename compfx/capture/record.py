@@ -31,7 +31,7 @@ from ._sites import ValueBranchError, error_site, first_line, user_line, with_pr
 from .autocast_blocks import AutocastBlocks
 from .checkpoints import CheckpointRegions, is_reentrant_checkpoint
 from .draws import branch_on_draw
-from .dtype_reads import mark_dtype_read
+from .dtype_reads import DtypeReads
 from .functions import NOT_TRACED, FunctionCall, functions_as_calls, unrepresentable_argument
 from .model_state import named_tensors, reassignment_error
 from .nodes import has_side_effects, is_in_place
@@ -55,6 +55,7 @@ def record_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModul
     fake_args, fake_kwargs = _placeholders(graph, recorder, fake_mode, (args, kwargs), names)
     output = _run_forward(model, recorder, fake_mode, state, fake_args, fake_kwargs)
     recorder.finish_grad_mode()
+    recorder.dtype_reads.finish()
     output = pytree.tree_map(lambda leaf: None if is_kv_cache(leaf) else leaf, output)
     graph.output(_output_nodes(output, recorder))
     return _graph_module(model, graph, recorder.constants, _PyTreeInfo(names, in_spec, pytree.tree_structure(output)))
@@ -225,6 +226,7 @@ class _CallRecorder(TorchFunctionMode):
         self._saved_grad_mode: fx.Node | None = None
         self.regions = CheckpointRegions()  # which ops run inside torch.utils.checkpoint
         self._inside_function = False  # running a custom Function's forward, which is one call of the graph
+        self.dtype_reads = DtypeReads()  # x.dtype: followed by the call on its line that takes it, or kept
 
     # -- what the graph knows ----------------------------------------------------------
     def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
@@ -278,17 +280,18 @@ class _CallRecorder(TorchFunctionMode):
             decided = branch_on_draw(self.node_of.get(id(args[0])))
             if decided is not None:
                 return decided
+        follows = self.dtype_reads.taken_by(name, args, kwargs)
         try:
             result = func(*args, **kwargs)
         except DataDependentOutputException as error:
             raise self._value_read_error(name, error) from error
         if name == "__get__" and isinstance(result, torch.dtype) and args and id(args[0]) in self.node_of:
-            mark_dtype_read(self.node_of[id(args[0])], result, user_line())  # x.dtype: kept as a constant
+            self.dtype_reads.read(self.node_of[id(args[0])], result)
         writes = _writes(name, kwargs)
         if not writes:
             result = _distinct_from_inputs(result, args, kwargs)
         if writes or _holds_tensor(result):
-            self._record(func, name, args, kwargs, result)
+            self._record(func, name, args, kwargs, result, follows)
         return result
 
     def record_function(self, call: FunctionCall, args, kwargs):
@@ -328,9 +331,11 @@ class _CallRecorder(TorchFunctionMode):
         path, cls = self.module_stack[-1]
         return f" inside module {path} ({cls.__name__})"
 
-    def _record(self, func, name: str, args, kwargs, result) -> None:
+    def _record(self, func, name: str, args, kwargs, result, follows: tuple[fx.Node, torch.dtype] | None = None) -> None:
         self._follow_grad_mode()
         args, kwargs = self._argument(args), self._argument(kwargs)
+        if follows is not None:  # the dtype argument the model read from an activation: read it in the graph too
+            args, kwargs = self._reading_dtype(args, kwargs, *follows)
         if name in _DUNDER_OPERATORS:
             function, reflected = _DUNDER_OPERATORS[name]
             node = self.graph.call_function(function, tuple(reversed(args)) if reflected else args, kwargs)
@@ -350,6 +355,12 @@ class _CallRecorder(TorchFunctionMode):
                     self._annotate(item_node, item)
                     self.bind(item, item_node)
         self._alive.append(result)
+
+    def _reading_dtype(self, args, kwargs, node: fx.Node, dtype: torch.dtype):
+        """``args, kwargs`` with ``dtype`` replaced by ``getattr(node, "dtype")``, as the symbolic tracer writes it."""
+        read = self.graph.call_function(getattr, (node, "dtype"))
+        self._annotate(read, dtype)
+        return pytree.tree_map(lambda leaf: read if leaf is dtype else leaf, (args, kwargs))
 
     def _annotate(self, node: fx.Node, value) -> None:
         node.meta["val"] = value
