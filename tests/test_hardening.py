@@ -336,6 +336,8 @@ CASES = {  # name -> (call(ctx), error class, words the message must hold)
     # loaders and optimizers
     "loader __iter__ raises StopIteration": (lambda c: c.optimize(loader=_IterRaisesStopIteration()), BadInputError,
                                              "__iter__ raised StopIteration"),
+    "loss_fn detaching the output": (lambda c: c.optimize(loss_fn=lambda out, b: nll(out.detach(), b)),
+                                     BadInputError, "does not require grad"),
     "optimizer with its parameters emptied": (_emptied_optimizer, BadInputError, "holds no parameters"),
     "optimizer stepping only with a closure": (_closure_optimizer, BadInputError, "needs a closure"),
     "diagnose a meta-device model": (lambda c: compfx.diagnose(c.meta_model, c.x), BadInputError, "meta device"),

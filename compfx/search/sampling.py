@@ -203,11 +203,15 @@ def model_loss(output, batch) -> torch.Tensor:
 
 
 def check_loss(loss) -> torch.Tensor:
-    """``loss`` itself when it is a one-element tensor; otherwise :class:`BadInputError`."""
+    """``loss`` itself when it is a one-element tensor that, with grad enabled, requires grad; otherwise
+    :class:`BadInputError`."""
     if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
         shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
         raise BadInputError(f"loss_fn returned a {type(loss).__name__}{shape}; expected a scalar tensor. Reduce "
                             "the loss (e.g. .mean()) inside loss_fn.")
+    if torch.is_grad_enabled() and not loss.requires_grad:  # a training step's loss: backward must reach the model
+        raise BadInputError("loss_fn returned a loss that does not require grad, so backward cannot train the model; "
+                            "compute it from the model's output without .detach(), .item() or torch.no_grad().")
     return loss
 
 
