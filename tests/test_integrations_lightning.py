@@ -84,6 +84,16 @@ def test_lightning_trains_with_the_plan_and_resumes_without_searching(tmp_path, 
     torch.testing.assert_close(resumed.losses, module.losses[6:])
 
 
+def test_a_given_plan_trains_without_a_loss_fn(tmp_path):
+    """Nothing is searched, so the callback needs no loss of its own: training_step's loss trains the plan."""
+    searched = CompfxCallback(search_batches=2, loss_fn=ce, config=FAST_SEARCH)
+    _fit(tmp_path / "search", searched)
+    given = CompfxCallback(plan=tmp_path / "search" / PLAN_FILE, config=FAST_SEARCH)  # no loss_fn
+    trainer, module = _fit(tmp_path / "given", given)
+    assert given.searched is False and given.run.plan == searched.run.plan
+    assert trainer.global_step == 12 and all(math.isfinite(loss) for loss in module.losses)
+
+
 def test_the_planned_module_is_what_training_step_calls(tmp_path):
     calls, seen = [], []
 

@@ -49,7 +49,8 @@ class CompfxCallback(Callback):
       search trains on; taking them leaves the data order and RNG as they were.
     * ``loss_fn(output, batch)``: the loss of the planned module's output
       (the LightningModule's ``training_step`` mixes forward, loss and logging,
-      so the search needs the loss apart); defaults to ``output.loss``.
+      so the search needs the loss apart); defaults to ``output.loss``. A given ``plan``
+      needs none: nothing is searched, and ``training_step``'s loss trains it.
     * ``module``: the attribute path of the submodule to plan (e.g. ``"model"``
       for a LightningModule that wraps a Hugging Face model); default: the
       LightningModule's own ``forward``. The submodules that forward runs (the

@@ -76,11 +76,12 @@ def first_batches(loader: Iterable, count: int, device: torch.device) -> list:
     return batches
 
 
-def planned_regions(model: nn.Module, batch, loss_fn=None) -> tuple[list[str], tuple[type, ...]]:
+def planned_regions(model: nn.Module, batch, loss_fn=None, *, with_loss: bool = True) -> tuple[list[str], tuple[type, ...]]:
     """The regions a callback plans ``model`` by: the outermost submodules its forward runs on ``batch``, and
     their types (the ``per_module`` of :func:`compfx.optimize`, which finds exactly these regions).
 
-    One forward runs (no grad; parameters, buffers and RNG put back). Submodules
+    One forward runs (no grad; parameters, buffers and RNG put back), and ``loss_fn`` on its output unless
+    ``with_loss`` is False. Submodules
     the forward does not run (a loss module or metric a training step calls,
     an unused head) are no region; containers (``nn.ModuleList``) are not run,
     so their entries are the regions. What the model's own forward computes
@@ -103,7 +104,7 @@ def planned_regions(model: nn.Module, batch, loss_fn=None) -> tuple[list[str], t
                for path, module in model.named_modules() if path]
     handles.append(model.register_forward_hook(lambda *_: in_forward.__setitem__(0, False)))
     try:
-        check_first_batch(model, batch, loss_fn, model_device(model))
+        check_first_batch(model, batch, loss_fn, model_device(model), with_loss=with_loss)
     finally:
         for handle in handles:
             handle.remove()
@@ -214,14 +215,15 @@ def plan_model(model: nn.Module, batches: list, *, optimizer: torch.optim.Optimi
     >>> run.restore(); type(model[0]).__name__
     'Linear'
     """
-    regions, per_module = planned_regions(model, batches[0], loss_fn)
+    with_loss = plan is None or loss_fn is not None  # a given plan trains with the trainer's own loss
+    regions, per_module = planned_regions(model, batches[0], loss_fn, with_loss=with_loss)
     try:
         if plan is None:
             config = dataclasses.replace(config or SearchConfig(), keep_search_training=False)
             result = optimize(model, batches, optimizer=optimizer, loss_fn=loss_fn, low_dtype=low_dtype,
                               config=config, log=log, per_module=per_module)
             return PlannedRun(model, regions, result.plan, result, "searched")
-        args, kwargs = check_first_batch(model, batches[0], loss_fn, model_device(model))
+        args, kwargs = check_first_batch(model, batches[0], loss_fn, model_device(model), with_loss=with_loss)
         apply(model, plan, kwargs if kwargs else args, per_module=per_module,
               verify=(config or SearchConfig()).verify_capture)
         return PlannedRun(model, regions, plan, None, source)

@@ -250,8 +250,10 @@ def call_quietly(module: nn.Module, args: tuple, kwargs: dict):
 
 
 def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: torch.device, *,
-                      where: str = "the loader's first batch, in FP32 before any search") -> tuple[tuple, dict]:
-    """Run ``model`` and ``loss_fn`` once on ``batch`` (no grad) to catch bad inputs before any search work.
+                      where: str = "the loader's first batch, in FP32 before any search",
+                      with_loss: bool = True) -> tuple[tuple, dict]:
+    """Run ``model`` and ``loss_fn`` once on ``batch`` (no grad) to catch bad inputs before any search work;
+    ``with_loss=False`` runs the model alone (a given plan, applied without a search, needs no loss).
 
     The model's parameters, buffers (e.g. BatchNorm statistics) and the RNG are
     put back afterwards, so the check changes nothing. Returns the batch's
@@ -278,7 +280,8 @@ def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: t
     try:
         with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices(device)):
             output = _user_call("the model", lambda: model(*args, **kwargs), batch, where)
-            check_loss(_user_call("loss_fn", lambda: (loss_fn or model_loss)(output, batch), batch, where))
+            if with_loss:
+                check_loss(_user_call("loss_fn", lambda: (loss_fn or model_loss)(output, batch), batch, where))
     finally:
         restore_state(snapshot)
     return split_batch(copied_batch(batch))  # not the inputs the check ran on, which the model may have written
