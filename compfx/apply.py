@@ -32,6 +32,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from .analyze import Analysis, analyze, analyze_graph
 from .cast_policy import run_as_planned
 from .capture import capture, changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints, module_modes
+from .capture.verify import CODE_PATHS, COMPILED_PATH_BOUND
 from .errors import BadInputError, CaptureError, PlanMismatchError
 from .float8 import fp8_fallbacks
 from .opkey import OpKey
@@ -145,28 +146,40 @@ def _planned_graph(model: nn.Module, analysis: Analysis, plan: Plan, categories:
                      restore_outputs=restore_output_dtypes, fp8_recipe=plan.fp8_recipe, padded=plan.padded)
     _mirror_state(gm, model)
     gm.meta.update(compfx_plan=plan, compfx_capture_method=analysis.capture_method,
-                   compfx_fidelity_notes=_say_fidelity_notes(gm, analysis.capture_method, plan))
+                   compfx_fidelity_notes=_say_fidelity_notes(gm, analysis, plan))
     return keep_checkpoints(gm)  # whatever copy of the graph the passes made, its checkpointed regions recompute
 
 
 _SAID: set[str] = set()  # notes already logged in this process: a search rewrites one graph for many plans
 
 
-def _say_fidelity_notes(gm: fx.GraphModule, capture_method: str, plan: Plan) -> list[str]:
+def _say_fidelity_notes(gm: fx.GraphModule, analysis: Analysis, plan: Plan) -> list[str]:
     """Where this planned graph may compute otherwise than the model under ``torch.autocast`` (docs/fidelity.md):
     dtypes the model's Python read from activations the plan changes (:func:`compfx.capture.changed_dtype_reads`),
-    and a dynamo capture's compile-only code paths. Logged once per note, and returned."""
+    a dynamo capture's compile-only code paths, and a recorded graph of the model's FakeTensor code path. Logged once
+    per note, and returned."""
     notes = changed_dtype_reads(gm)
-    if capture_method == "dynamo" and any(p in (Precision.LOW, Precision.FP8) for p in plan.values()):
+    low = any(p in (Precision.LOW, Precision.FP8) for p in plan.values())
+    if low and analysis.capture_method == "dynamo":
         notes.append("the graph was captured by torch._dynamo.export, so it holds the code paths the model takes "
                      "under torch.compile (transformers: grouped-query attention through repeat_kv, mixture-of-experts "
                      "through grouped_mm_fallback) and the dtypes it read as constants")
+    elif low and _follows_fake_tensor_path(analysis):
+        notes.append("the graph was recorded on FakeTensors, where the model took another code path than in eager "
+                     "(transformers: an attention mask built instead of SDPA's is_causal), equal to eager in FP32 "
+                     f"within {COMPILED_PATH_BOUND:g} of each tensor's largest magnitude")
     new = [note for note in notes if note not in _SAID]
     if new:
         _SAID.update(new)
         log.warning("compfx: this plan can round otherwise than torch.autocast in %d place(s) (docs/fidelity.md): %s",
                     len(new), "; ".join(new[:3]))
     return notes
+
+
+def _follows_fake_tensor_path(analysis: Analysis) -> bool:
+    """Did capture's verification keep a recorded graph of the model's FakeTensor code path (within the bound)?"""
+    verification = analysis.verification
+    return verification is not None and any(note.startswith(CODE_PATHS["record"]) for note in verification.notes)
 
 
 def _plan_at(plan: Plan, analysis: Analysis, categories: Mapping[OpKey, Category]) -> tuple[Plan, tuple]:

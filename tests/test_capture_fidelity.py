@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compfx
@@ -614,6 +615,30 @@ def test_a_dynamo_graph_of_the_compiled_code_path_is_kept_within_the_bound_and_s
     verification = analysis.graph_module.meta[VERIFICATION_META]
     assert verification.faithful and not verification.exact
     assert any("torch.compile code path" in note for note in verification.notes)
+
+
+class _FakeTensorPath(_CompiledPath):
+    """Code that differs on FakeTensors, as transformers' does (its is_tracing reads a FakeTensor as tracing)."""
+
+    def forward(self, x):
+        h = self.proj(x)
+        if isinstance(h, FakeTensor):
+            return (h.flip(-1).cumsum(-1).flip(-1)[..., 0] * self.scale).sum()
+        return h.sum(-1).sum()
+
+
+def test_a_recorded_graph_of_the_fake_tensor_code_path_is_kept_within_the_bound_and_says_so():
+    torch.manual_seed(0)
+    model, x = _FakeTensorPath(), torch.randn(32, 64)
+    with pytest.warns(UserWarning, match="code path the model takes on FakeTensors"):
+        analysis = compfx.analyze(model, x, method="record")  # kept, not refused (auto would hand it to dynamo)
+    verification = analysis.graph_module.meta[VERIFICATION_META]
+    assert verification.faithful and not verification.exact
+    amp = compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis)
+    assert any("recorded on FakeTensors" in note for note in amp.meta["compfx_fidelity_notes"])
+    assert compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis).meta["compfx_fidelity_notes"] == []
+    with pytest.raises(CaptureError, match="beyond"):
+        compfx.analyze(_FakeTensorPath(scale=1.01), x, method="record")
 
 
 def test_a_dynamo_graph_that_computes_something_else_is_refused():

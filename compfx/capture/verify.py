@@ -32,10 +32,14 @@ eager's own spread instead; the result says so (``exact`` is False, ``notes``
 says why) and :func:`compfx.capture.capture` warns. So it does when the model
 itself has no backward on the example inputs (an op without a derivative, in
 an inference-only model): only the forwards are compared. And so it does for
-a dynamo graph whose values differ while eager reproduces itself: such a graph
-holds the model's ``torch.compile`` code path, which some models write
-differently from their eager code; it is compared within
-:data:`COMPILED_PATH_BOUND` of each tensor's largest magnitude instead.
+a dynamo or recorded graph whose values differ while eager reproduces itself:
+a dynamo graph holds the model's ``torch.compile`` code path, and a recorded
+one the path the model takes when it sees FakeTensors (transformers treats
+them as tracing, and builds an attention mask it leaves to SDPA's
+``is_causal`` in eager); some models write those paths differently from their
+eager code, so such a graph is compared within :data:`COMPILED_PATH_BOUND` of
+each tensor's largest magnitude instead. The symbolic tracer runs no model code
+on tensors, so its graphs stay bitwise.
 """
 
 from __future__ import annotations
@@ -62,10 +66,10 @@ __all__ = ["CaptureVerification", "verify_capture", "SAVED_TENSOR_SLACK", "COMPI
 #: checkpointed block saves at least that block's activations more.
 SAVED_TENSOR_SLACK = 2
 
-#: How far a dynamo graph may differ from eager, as a fraction of each compared tensor's largest magnitude, when eager
-#: reproduces itself bitwise: the model's torch.compile code path reorders the same math (float32 rounding, about
-#: 1e-6 of a magnitude per reordered reduction); a dropped gradient, checkpoint or Function is a difference in kind,
-#: and a precision change (bf16: 4e-3) is beyond it.
+#: How far a dynamo or recorded graph may differ from eager, as a fraction of each compared tensor's largest magnitude,
+#: when eager reproduces itself bitwise: the model's torch.compile (or FakeTensor) code path reorders the same math
+#: (float32 rounding, about 1e-6 of a magnitude per reordered reduction); a dropped gradient, checkpoint or Function is
+#: a difference in kind, and a precision change (bf16: 4e-3) is beyond it.
 COMPILED_PATH_BOUND = 1e-4
 
 #: ``gm.meta`` entry: the :class:`CaptureVerification` of the graph.
@@ -166,10 +170,10 @@ def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
             try:
                 notes.append(_within_eager_spread(eager, graph, replay.run(model, args, kwargs), difference))
             except _Difference as beyond:
-                if method != "dynamo":
+                if method not in CODE_PATHS:
                     return _result(method, str(beyond), eager, graph, start)
                 try:
-                    notes.append(_within_compiled_path_bound(eager, graph))
+                    notes.append(_within_compiled_path_bound(eager, graph, method))
                 except _Difference as still:
                     return _result(method, str(still), eager, graph, start)
             exact = False
@@ -191,9 +195,20 @@ def _within_eager_spread(eager: _Run, graph: _Run, again: _Run, difference: _Dif
             f"{spread[worst]:.3g}), so the graph was compared within twice that spread, not bitwise")
 
 
-def _within_compiled_path_bound(eager: _Run, graph: _Run) -> str:
-    """A dynamo graph holds the code the model runs under ``torch.compile``, which some models choose to differ
-    from their eager code (transformers: grouped-query attention through ``repeat_kv``, mixture-of-experts through
+#: The tracers whose graph holds a code path the model may write differently from its eager code, and what that
+#: path is: dynamo runs the model as torch.compile does; the recording tracer runs it on FakeTensors, which
+#: transformers' ``is_tracing`` reads as tracing.
+CODE_PATHS = {
+    "dynamo": "the dynamo graph follows the model's torch.compile code path",
+    "record": ("the recorded graph follows the code path the model takes on FakeTensors (transformers reads them as "
+               "tracing: it builds the attention mask that eager leaves to SDPA's is_causal)"),
+}
+
+
+def _within_compiled_path_bound(eager: _Run, graph: _Run, method: str) -> str:
+    """A dynamo graph holds the code the model runs under ``torch.compile``, and a recorded one the code it runs on
+    FakeTensors, which some models choose to differ from their eager code (transformers: an attention mask built
+    instead of SDPA's ``is_causal``, grouped-query attention through ``repeat_kv``, mixture-of-experts through
     ``grouped_mm_fallback``): the same math in another order. Compare it within :data:`COMPILED_PATH_BOUND` of each
     tensor's largest magnitude, and return the note that says how far it was; raise :class:`_Difference` beyond."""
     worst_name, worst = "", 0.0
@@ -205,11 +220,11 @@ def _within_compiled_path_bound(eager: _Run, graph: _Run) -> str:
         relative = float((actual.detach() - expected.detach()).abs().max()) / scale if scale else 0.0
         if relative > COMPILED_PATH_BOUND or relative != relative:
             raise _Difference(f"{name} differs from eager's by {relative:.3g} of its largest magnitude, beyond the "
-                              f"{COMPILED_PATH_BOUND:g} a graph of the model's torch.compile code path may differ by",
+                              f"{COMPILED_PATH_BOUND:g} a graph of another code path of the model may differ by",
                               values_only=True)
         if relative > worst:
             worst_name, worst = name, relative
-    return (f"the dynamo graph follows the model's torch.compile code path, which differs from its eager code: "
+    return (f"{CODE_PATHS[method]}, which differs from its eager code: "
             f"equal to eager within {worst:.2g} of each tensor's largest magnitude (most in {worst_name}; bound "
             f"{COMPILED_PATH_BOUND:g}), not bitwise")
 
