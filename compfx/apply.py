@@ -21,6 +21,7 @@ import copy
 import itertools
 import logging
 import time
+import warnings
 from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping
 
@@ -29,7 +30,7 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .analyze import Analysis, analyze, analyze_graph
+from .analyze import Analysis, analyze, analyze_graph, parameter_shapes
 from .cast_policy import run_as_planned
 from .capture import capture, changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints, module_modes
 from .capture.verify import CODE_PATHS, COMPILED_PATH_BOUND
@@ -111,6 +112,7 @@ def apply(
 
         return apply_per_module(model, plan, analysis, per_module, restore_output_dtypes=restore_output_dtypes)
     _check_same_parameters(analysis.graph_module, model)
+    _warn_if_searched_at_other_widths(plan, analysis)
     gm = _planned_graph(model, analysis, plan, {op.key: op.category for op in analysis.ops},
                         restore_output_dtypes=restore_output_dtypes)
     gm.train(model.training)
@@ -174,6 +176,22 @@ def _say_fidelity_notes(gm: fx.GraphModule, analysis: Analysis, plan: Plan) -> l
         log.warning("compfx: this plan can round otherwise than torch.autocast in %d place(s) (docs/fidelity.md): %s",
                     len(new), "; ".join(new[:3]))
     return notes
+
+
+def _warn_if_searched_at_other_widths(plan: Plan, analysis: Analysis) -> None:
+    """Op keys name layers, not widths, so a plan applies to the same layers resized; say so when the plan records
+    the parameter shapes it was searched on (:meth:`Plan.searched_on`) and this model's differ."""
+    if plan.parameter_shapes is None:
+        return
+    here = tuple(map(tuple, parameter_shapes(analysis.graph_module)))
+    if here == plan.parameter_shapes:
+        return
+    there, mine = sorted(set(plan.parameter_shapes) - set(here)), sorted(set(here) - set(plan.parameter_shapes))
+    warnings.warn(
+        f"compfx: this plan was searched on a model whose parameters have other shapes (e.g. {list(there[0]) if there else '-'} "
+        f"there, {list(mine[0]) if mine else '-'} here): the same layers at other widths. It applies, as its op keys "
+        "name layers, not widths, but its precisions were measured at the other shapes; search this model to "
+        "measure them here.", stacklevel=3)
 
 
 def _follows_fake_tensor_path(analysis: Analysis) -> bool:
@@ -298,6 +316,7 @@ class PlannedModule(nn.Module):
             raise BadInputError(f"PlannedModule takes a compfx.Plan; got {type(plan).__name__}.")
         plan.validate(analysis)
         _check_same_parameters(analysis.graph_module, model)
+        _warn_if_searched_at_other_widths(plan, analysis)
         _mirror_state(self, model)
         # Plain attributes, not submodules: the tensors are registered above under the model's names.
         object.__setattr__(self, "_model", model)

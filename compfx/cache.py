@@ -221,13 +221,12 @@ def plan_path(fingerprint: str, low_dtype: torch.dtype, *, cache_dir: str | os.P
     return _inside(folder, folder / f"{fingerprint}-{dtype_name(low_dtype)}.json")
 
 
-def save_plan(plan: Plan, *, cache_dir: str | os.PathLike | None = None,
-              parameter_shapes: list[list[int]] | None = None) -> Path:
+def save_plan(plan: Plan, *, cache_dir: str | os.PathLike | None = None) -> Path:
     """Store ``plan`` under its fingerprint and low dtype (replacing an older one); returns the file.
 
-    The file records this search (``searched``: when, host, process) and,
-    given them, the shapes of the parameters the model's forward reads
-    (:func:`compfx.analyze.parameter_shapes`): the compile backend runs the plan
+    The file records this search (``searched``: when, host, process) and, where
+    the plan records them (:meth:`Plan.searched_on`), the shapes of the parameters
+    the model's forward reads (:func:`compfx.analyze.parameter_shapes`): the compile backend runs the plan
     only for a graph that reads parameters of those shapes, not for another
     model whose ops are named alike (the same layers at other widths). Saves
     to one folder take turns; replacing a *different* plan that another process
@@ -242,8 +241,7 @@ def save_plan(plan: Plan, *, cache_dir: str | os.PathLike | None = None,
     remove_abandoned_temp_files(path.parent)
     searched = _this_search()
     with _folder_lock(path.parent):
-        data = {**plan.to_dict(), "searched": searched,
-                **({"parameter_shapes": parameter_shapes} if parameter_shapes is not None else {})}
+        data = {**plan.to_dict(), "searched": searched}
         previous = _load_or_skip(path) if path.is_file() else None
         if previous is not None:
             differing = _differing_ops(previous.plan, plan)

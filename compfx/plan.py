@@ -120,11 +120,11 @@ class Plan(Mapping[OpKey, Precision]):
     '101'
     """
 
-    __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe", "padded", "device_type")
+    __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe", "padded", "device_type", "parameter_shapes")
 
     def __init__(self, entries: Mapping[OpKey, Precision | str], *, low_dtype: torch.dtype, fingerprint: str,
                  fp8_recipe: Float8Recipe | str | None = None, padded: Iterable[OpKey] = (),
-                 device_type: str | None = None):
+                 device_type: str | None = None, parameter_shapes: Iterable[Iterable[int]] | None = None):
         checked = {}
         for key, precision in entries.items():
             if not isinstance(key, OpKey):
@@ -151,6 +151,9 @@ class Plan(Mapping[OpKey, Precision]):
                                     "'cuda', or None.")
         # where it was made for (metadata: plans equal in their precisions are equal, wherever they were made)
         object.__setattr__(self, "device_type", device_type)
+        # what it was searched for: the shapes of the model's parameters (compfx.analyze.parameter_shapes); op keys
+        # name layers, not widths, so this tells the model a plan file was searched on from the same layers resized
+        object.__setattr__(self, "parameter_shapes", _checked_shapes(parameter_shapes))
 
     def __setattr__(self, name, value):
         raise AttributeError("Plan is immutable; use plan.with_precisions(...)")
@@ -165,7 +168,7 @@ class Plan(Mapping[OpKey, Precision]):
 
     def __reduce__(self):  # pickling (spawned workers): the entries as a plain dict
         return (_rebuilt_plan, (dict(self._entries), self.low_dtype, self.fingerprint, self.fp8_recipe, self.padded,
-                                self.device_type))
+                                self.device_type, self.parameter_shapes))
 
     # -- Mapping -------------------------------------------------------------
     def __getitem__(self, key: OpKey) -> Precision:
@@ -243,7 +246,25 @@ class Plan(Mapping[OpKey, Precision]):
         if unknown:
             raise PlanMismatchError(f"with_precisions() got keys not in this plan: {unknown[:5]}")
         return Plan({**self._entries, **updates}, low_dtype=self.low_dtype, fingerprint=self.fingerprint,
-                    fp8_recipe=self.fp8_recipe, padded=self.padded, device_type=self.device_type)
+                    fp8_recipe=self.fp8_recipe, padded=self.padded, device_type=self.device_type,
+                    parameter_shapes=self.parameter_shapes)
+
+    def searched_on(self, analysis) -> "Plan":
+        """A copy that records the shapes of the parameters of the model it was searched on
+        (:func:`compfx.analyze.parameter_shapes`), so that :func:`compfx.apply` can say when a plan file meets the
+        same layers at other widths. A per-module analysis records none (its blocks are keyed, not one graph).
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Linear(4, 8), torch.randn(2, 4))
+        >>> compfx.Plan.amp(a).searched_on(a).parameter_shapes
+        ((8,), (8, 4))
+        """
+        from .analyze import parameter_shapes  # analyze imports this module
+        from .per_module import is_regions_analysis
+
+        shapes = None if is_regions_analysis(analysis) else parameter_shapes(analysis.graph_module)
+        return Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint, fp8_recipe=self.fp8_recipe,
+                    padded=self.padded, device_type=self.device_type, parameter_shapes=shapes)
 
     def with_padding(self, keys: Iterable[OpKey], *, analysis=None) -> "Plan":
         """A copy that pads exactly the ops ``keys`` (``with_padding(())``: none); precisions are unchanged.
@@ -264,7 +285,8 @@ class Plan(Mapping[OpKey, Precision]):
         ['0:linear#0']
         """
         plan = Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint,
-                    fp8_recipe=self.fp8_recipe, padded=keys, device_type=self.device_type)
+                    fp8_recipe=self.fp8_recipe, padded=keys, device_type=self.device_type,
+                    parameter_shapes=self.parameter_shapes)
         if analysis is not None:
             plan._check_padding(analysis)
         return plan
@@ -346,6 +368,8 @@ class Plan(Mapping[OpKey, Precision]):
             "ops": {str(k): str(v) for k, v in self._entries.items()},
             **({"fp8_recipe": str(self.fp8_recipe)} if self.fp8_recipe else {}),
             **({"padded": sorted(map(str, self.padded))} if self.padded else {}),
+            **({"parameter_shapes": [list(shape) for shape in self.parameter_shapes]}
+               if self.parameter_shapes is not None else {}),
         }
 
     @classmethod
@@ -405,7 +429,8 @@ class Plan(Mapping[OpKey, Precision]):
                 raise PlanFileError(f"{source} has fp8_recipe {recipe!r}; expected one of "
                                     f"{[r.value for r in Float8Recipe]}. Fix the file or search again.")
             return cls(entries, low_dtype=dtype_from_name(low), fingerprint=fingerprint, fp8_recipe=recipe,
-                       padded=_padded_from_file(data.get("padded", []), source), device_type=device_type)
+                       padded=_padded_from_file(data.get("padded", []), source), device_type=device_type,
+                       parameter_shapes=shapes)
         except (KeyError, TypeError, AttributeError, ValueError) as error:
             if isinstance(error, PlanMismatchError):
                 raise PlanFileError(f"{source} holds an invalid plan: {error}") from error
@@ -529,7 +554,22 @@ def _padded_from_file(value, source: str) -> frozenset:
     return frozenset(OpKey.parse(k) for k in value)
 
 
-def _rebuilt_plan(entries, low_dtype, fingerprint, fp8_recipe, padded=(), device_type=None) -> Plan:
+def _rebuilt_plan(entries, low_dtype, fingerprint, fp8_recipe, padded=(), device_type=None,
+                  parameter_shapes=None) -> Plan:
     """A pickled :class:`Plan` again (see ``Plan.__reduce__``)."""
     return Plan(entries, low_dtype=low_dtype, fingerprint=fingerprint, fp8_recipe=fp8_recipe, padded=padded,
-                device_type=device_type)
+                device_type=device_type, parameter_shapes=parameter_shapes)
+
+
+def _checked_shapes(shapes) -> tuple[tuple[int, ...], ...] | None:
+    """``shapes`` as a tuple of shapes (each a tuple of sizes), or None; a :class:`PlanMismatchError` otherwise."""
+    if shapes is None:
+        return None
+    try:
+        checked = tuple(tuple(shape) for shape in shapes)
+    except TypeError:
+        checked = None
+    if checked is None or not all(type(d) is int and d >= 0 for shape in checked for d in shape):
+        raise PlanMismatchError(f"parameter_shapes={str(shapes)[:80]}; expected shapes (sequences of sizes), as "
+                                "compfx.analyze.parameter_shapes gives them, or None.")
+    return checked

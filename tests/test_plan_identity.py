@@ -17,6 +17,7 @@ import os
 import subprocess
 import sys
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -98,6 +99,26 @@ def test_two_models_sharing_their_op_names_do_not_share_a_cached_plan(compfx_bac
     # a copy of the searched model (another object, as in a later process) still runs the searched plan
     record = compiled_record(compfx_backend, copy.deepcopy(narrow), x)
     assert (record.origin, dict(record.precisions)) == ("cache", dict(result.plan))
+
+
+def test_a_plan_file_applied_to_the_same_layers_at_other_widths_says_so(tmp_path, monkeypatch):
+    """A plan file records the parameter shapes it was searched on: apply and PlannedModule warn when a model of the
+    same layers at another width gets it (it still applies: op keys name layers), and say nothing for its own."""
+    monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
+    torch.manual_seed(0)
+    narrow = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    result = searched(narrow)
+    result.plan.save(tmp_path / "plan.json")
+    plan = Plan.load(tmp_path / "plan.json")
+    assert plan.parameter_shapes == ((4,), (4, 32), (32,), (32, 16)) == result.plan.parameter_shapes
+    wide, x = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 4)), torch.randn(2, 16)
+    with pytest.warns(UserWarning, match=r"other shapes \(e.g. \[4, 32\] there, \[4, 48\] here\)"):
+        compfx.apply(wide, plan, x)
+    with pytest.warns(UserWarning, match="same layers at other widths"):
+        compfx.PlannedModule(wide, plan, analysis=compfx.analyze(wide, x))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        compfx.apply(copy.deepcopy(narrow), plan, x)
 
 
 class Broken(nn.Module):

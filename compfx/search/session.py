@@ -20,7 +20,6 @@ from pathlib import Path
 import torch
 
 from .. import cache
-from ..analyze import parameter_shapes
 from ..errors import CompfxError
 from ..measure import PhaseClock, describe_fp32_math, fp32_math
 from ..memory import saved_activation_bytes
@@ -139,10 +138,11 @@ class SearchSession:
             self._note_specializations()
             self._note_inputs_written()
             self._note_fp32_math()
-            self._save_plan(padding.plan)
+            chosen = padding.plan.searched_on(self.analysis)  # its file says which widths it was searched at
+            self._save_plan(chosen)
             search_seconds = time.perf_counter() - started
             result = SearchResult(
-                module=self.local.runner_of(padding.plan), plan=padding.plan,
+                module=self.local.runner_of(chosen), plan=chosen,
                 stage1_plan=self.local.plan(decision.stage1.best.plan), analysis=self.analysis, log=self.log,
                 stage1_mode=decision.stage1.mode, loss0=decision.stage1.loss0,
                 fp32_epoch_seconds=decision.stage1.baseline.duration, search_seconds=search_seconds,
@@ -289,8 +289,7 @@ class SearchSession:
             self.plan_cache = "saved by rank 0"
         else:
             try:
-                shapes = None if is_regions_analysis(self.analysis) else parameter_shapes(self.analysis.graph_module)
-                self.plan_path = cache.save_plan(plan, cache_dir=self.config.cache_dir, parameter_shapes=shapes)
+                self.plan_path = cache.save_plan(plan, cache_dir=self.config.cache_dir)
                 self.plan_cache = (f"saved to {self.plan_path}; torch.compile(model, backend=\"compfx\") runs this "
                                    "plan")
             except CompfxError as error:
