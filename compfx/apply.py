@@ -180,7 +180,7 @@ def _say_fidelity_notes(gm: fx.GraphModule, analysis: Analysis, plan: Plan) -> l
 
 def _warn_if_searched_at_other_widths(plan: Plan, analysis: Analysis) -> None:
     """Op keys name layers, not widths, so a plan applies to the same layers resized; say so when the plan records
-    the parameter shapes it was searched on (:meth:`Plan.searched_on`) and this model's differ."""
+    the parameter shapes it was searched on (:meth:`Plan.with_parameter_shapes`) and this model's differ."""
     if plan.parameter_shapes is None:
         return
     here = tuple(map(tuple, parameter_shapes(analysis.graph_module)))

@@ -225,7 +225,7 @@ def save_plan(plan: Plan, *, cache_dir: str | os.PathLike | None = None) -> Path
     """Store ``plan`` under its fingerprint and low dtype (replacing an older one); returns the file.
 
     The file records this search (``searched``: when, host, process) and, where
-    the plan records them (:meth:`Plan.searched_on`), the shapes of the parameters
+    the plan records them (:meth:`Plan.with_parameter_shapes`), the shapes of the parameters
     the model's forward reads (:func:`compfx.analyze.parameter_shapes`): the compile backend runs the plan
     only for a graph that reads parameters of those shapes, not for another
     model whose ops are named alike (the same layers at other widths). Saves

@@ -249,20 +249,17 @@ class Plan(Mapping[OpKey, Precision]):
                     fp8_recipe=self.fp8_recipe, padded=self.padded, device_type=self.device_type,
                     parameter_shapes=self.parameter_shapes)
 
-    def searched_on(self, analysis) -> "Plan":
+    def with_parameter_shapes(self, shapes: Iterable[Iterable[int]] | None) -> "Plan":
         """A copy that records the shapes of the parameters of the model it was searched on
-        (:func:`compfx.analyze.parameter_shapes`), so that :func:`compfx.apply` can say when a plan file meets the
-        same layers at other widths. A per-module analysis records none (its blocks are keyed, not one graph).
+        (:func:`compfx.analyze.parameter_shapes`; a search's chosen plan records them), so that
+        :func:`compfx.apply` can say when a plan file meets the same layers at other widths.
 
         >>> import torch, compfx
+        >>> from compfx.analyze import parameter_shapes
         >>> a = compfx.analyze(torch.nn.Linear(4, 8), torch.randn(2, 4))
-        >>> compfx.Plan.amp(a).searched_on(a).parameter_shapes
+        >>> compfx.Plan.amp(a).with_parameter_shapes(parameter_shapes(a.graph_module)).parameter_shapes
         ((8,), (8, 4))
         """
-        from .analyze import parameter_shapes  # analyze imports this module
-        from .per_module import is_regions_analysis
-
-        shapes = None if is_regions_analysis(analysis) else parameter_shapes(analysis.graph_module)
         return Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint, fp8_recipe=self.fp8_recipe,
                     padded=self.padded, device_type=self.device_type, parameter_shapes=shapes)
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import cache
+from ..analyze import parameter_shapes
 from ..errors import CompfxError
 from ..measure import PhaseClock, describe_fp32_math, fp32_math
 from ..memory import saved_activation_bytes
@@ -138,7 +139,9 @@ class SearchSession:
             self._note_specializations()
             self._note_inputs_written()
             self._note_fp32_math()
-            chosen = padding.plan.searched_on(self.analysis)  # its file says which widths it was searched at
+            # its file says which widths it was searched at (a per-block plan is keyed by block: none)
+            chosen = padding.plan.with_parameter_shapes(
+                None if is_regions_analysis(self.analysis) else parameter_shapes(self.analysis.graph_module))
             self._save_plan(chosen)
             search_seconds = time.perf_counter() - started
             result = SearchResult(
