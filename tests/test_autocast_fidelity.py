@@ -144,7 +144,7 @@ class CastsBackOnOneLine(nn.Module):
 
 
 class CastsBackLinesLater(nn.Module):
-    """``input_dtype = x.dtype`` read on one line and used on another: a recorded graph keeps the dtype."""
+    """An RMSNorm's ``input_dtype = x.dtype`` ... ``.to(input_dtype)``, with a literal FP32 between."""
 
     def __init__(self, dim: int = 16):
         super().__init__()
@@ -155,6 +155,19 @@ class CastsBackLinesLater(nn.Module):
         input_dtype = h.dtype
         y = torch.softmax(h, -1, dtype=torch.float32) * 3
         return self.out(y.to(input_dtype))
+
+
+def _cast_to(tensor, dtype):
+    return tensor.to(dtype)
+
+
+class CastsBackInAHelper(CastsBackLinesLater):
+    """The dtype read passed to a function that casts: in another frame, it cannot be told from a literal."""
+
+    def forward(self, x):
+        h = self.fc(x)
+        input_dtype = h.dtype
+        return self.out(_cast_to(torch.softmax(h, -1, dtype=torch.float32) * 3, input_dtype))
 
 
 def test_a_dtype_read_that_the_call_on_its_line_takes_follows_the_plan():
@@ -199,8 +212,34 @@ def test_a_call_that_also_takes_a_limit_of_the_read_dtype_keeps_its_constant():
     assert torch.isfinite(gm(**kwargs)).all()
 
 
-def test_a_dtype_read_used_lines_later_is_kept_and_the_plan_says_where():
+def test_a_dtype_read_into_a_local_that_a_later_line_names_follows_the_plan():
     model, kwargs = CastsBackLinesLater(), {"x": _x()}
+    analysis = compfx.analyze(model, kwargs, method="record")
+    (softmax,) = [n for n in analysis.graph_module.graph.nodes if "softmax" in str(n.target)]
+    assert softmax.kwargs["dtype"] is torch.float32  # the literal between stays one
+    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    assert gm.meta["compfx_fidelity_notes"] == []
+    assert_bitwise(seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16), seeded_grads(gm, kwargs))
+
+
+def test_a_local_holding_a_literal_dtype_is_not_taken_for_a_read():
+    class UpcastsByALocal(CastsBackLinesLater):
+        def forward(self, x):
+            h = self.fc(x)
+            low = h.dtype != torch.float32  # a read, into a bool
+            dtype = torch.float32
+            return self.out((torch.softmax(h, -1) * (3 if low else 2)).to(dtype))
+
+    model, kwargs = UpcastsByALocal(), {"x": _x()}
+    analysis = compfx.analyze(model, kwargs, method="record")
+    (to,) = [n for n in analysis.graph_module.graph.nodes if n.target == "to"]
+    assert to.args[1] is torch.float32
+    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    assert any("low = h.dtype" in note for note in gm.meta["compfx_fidelity_notes"])
+
+
+def test_a_dtype_read_passed_to_another_function_is_kept_and_the_plan_says_where():
+    model, kwargs = CastsBackInAHelper(), {"x": _x()}
     analysis = compfx.analyze(model, kwargs, method="record")
     gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
     (note,) = gm.meta["compfx_fidelity_notes"]

@@ -7,15 +7,18 @@ Private to the package: the tracers and :func:`compfx.capture.capture` share it.
 
 from __future__ import annotations
 
+import linecache
 import os
+import sys
 import traceback
+import types
 from typing import Iterable
 
 import torch
 
 from ..errors import CaptureError
 
-__all__ = ["user_line", "error_site", "first_line", "ValueBranchError", "with_progress"]
+__all__ = ["user_line", "user_frame", "frame_site", "error_site", "first_line", "ValueBranchError", "with_progress"]
 
 
 _SKIPPED_DIRS = (  # torch's folder and compfx's (this file's grandparent)
@@ -40,6 +43,22 @@ def user_line(frames: Iterable[traceback.FrameSummary] | None = None) -> str:
         if _is_user_frame(frame.filename):
             return _format_frame(frame)
     return "an unknown line"
+
+
+def user_frame() -> types.FrameType | None:
+    """The innermost running frame outside torch and compfx (the frame :func:`user_line` names), or None."""
+    frame = sys._getframe(1)
+    while frame is not None and not _is_user_frame(frame.f_code.co_filename):
+        frame = frame.f_back
+    return frame
+
+
+def frame_site(frame: types.FrameType | None) -> str:
+    """``frame``'s file:line and source, as :func:`user_line` writes them."""
+    if frame is None:
+        return "an unknown line"
+    filename, lineno = frame.f_code.co_filename, frame.f_lineno
+    return f"{filename}:{lineno} ({linecache.getline(filename, lineno).strip()})"
 
 
 def error_site(error: BaseException) -> str:
