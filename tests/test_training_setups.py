@@ -121,6 +121,19 @@ def test_converting_a_planned_modules_parameters_to_another_dtype_is_refused_bef
     assert planned.to("cpu").float()(x).dtype == torch.float32
 
 
+@pytest.mark.parametrize("convert", [lambda m: m.double(), lambda m: m.half(), lambda m: m.to(torch.bfloat16)])
+def test_converting_the_planned_models_own_parameters_is_refused_at_the_next_call_and_converting_back_works(convert):
+    # .double() failed in torch ("expected scalar type"); .half() and .to(bfloat16) ran, with every cast made for
+    # FP32 weights, so ops the plan keeps in FP32 ran in the converted dtype
+    model, planned, x = planned_mlp()
+    expected = planned(x)
+    convert(model)
+    with pytest.raises(compfx.errors.BadInputError, match="converted from float32 to .* after it was planned"):
+        planned(x)
+    model.float()  # back (rounded to the other dtype and back), it runs again
+    assert planned(x).dtype == expected.dtype and torch.isfinite(planned(x)).all()
+
+
 class NormAndDropout(nn.Module):
     def __init__(self):
         super().__init__()
