@@ -154,6 +154,34 @@ def test_value_branch_error_names_the_users_line(method):
     assert info.value.__cause__ is not None
 
 
+class PackedTagger(nn.Module):
+    """An LSTM tagger on padded batches: pack_padded_sequence's output shape depends on the lengths' values."""
+
+    def __init__(self):
+        super().__init__()
+        self.emb, self.lstm, self.out = nn.Embedding(50, 16), nn.LSTM(16, 32, batch_first=True), nn.Linear(32, 5)
+
+    def forward(self, ids, lengths):
+        packed = nn.utils.rnn.pack_padded_sequence(self.emb(ids), lengths, batch_first=True, enforce_sorted=False)
+        out, _ = nn.utils.rnn.pad_packed_sequence(self.lstm(packed)[0], batch_first=True, total_length=ids.shape[1])
+        return self.out(out)
+
+
+def test_a_value_dependent_shape_is_refused_with_a_way_that_plans_the_rest():
+    model = PackedTagger()
+    batches = [(torch.randint(0, 50, (4, 10)), torch.tensor([10, 7, 5, 3]), torch.randint(0, 5, (4, 10)))] * 2
+    with pytest.raises(CaptureError, match="pack_padded_sequence.*output shape depends on its inputs' values") as info:
+        capture(model, batches[0][:2])
+    assert "per_module" in str(info.value) and "torch.where" not in str(info.value)
+    # ... and that way works: the blocks around the packed LSTM are planned, the LSTM and forward run eagerly
+    import compfx
+
+    result = compfx.optimize(model, batches, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
+                             loss_fn=lambda out, batch: F.cross_entropy(out.flatten(0, 1), batch[-1].flatten()),
+                             per_module=(nn.Embedding, nn.Linear), config=compfx.SearchConfig(progress=False))
+    assert len(result.plan) == 2
+
+
 class TensorMatmulInside(nn.Module):
     def forward(self, x):
         return torch.Tensor.matmul(x, x.t())  # FX proxies cannot go through this descriptor

@@ -280,6 +280,11 @@ def _trace_with(tracer: str, model, args, kwargs, leaf_modules, device_type: str
     return gm
 
 
+#: What to do when no tracer captured the model, unless the failure that got furthest knows better (``advice``).
+_CAPTURE_ADVICE = ("Check that forward() runs on the example inputs, replace branches on tensor values with torch.where, "
+                   "or keep the offending submodule opaque with capture(..., leaf_modules=[...]).")
+
+
 class _Attempts:
     """What each tracer gave, for the error when none gave a faithful graph."""
 
@@ -329,8 +334,7 @@ class _Attempts:
         return CaptureError(
             f"compfx could not capture {name} as one FX graph (tried {tried})"
             f"{f'; {lead[0]} got furthest' if len(self.failures) > 1 else ''}: {lead[1]}. "
-            "Check that forward() runs on the example inputs, replace branches on tensor values with "
-            "torch.where, or keep the offending submodule opaque with capture(..., leaf_modules=[...])."
+            + getattr(self.errors[order[0]], "advice", _CAPTURE_ADVICE)
             + (f" Other tracers: {'; '.join(rest)}." if rest else ""))
 
 

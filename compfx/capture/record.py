@@ -21,7 +21,8 @@ import warnings
 import torch
 import torch.fx as fx
 import torch.nn as nn
-from torch._subclasses.fake_tensor import DataDependentOutputException, FakeTensor, FakeTensorMode
+from torch._subclasses.fake_tensor import (DataDependentOutputException, DynamicOutputShapeException, FakeTensor,
+                                           FakeTensorMode)
 from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
@@ -175,6 +176,15 @@ class _DataDependentValue(CaptureError):
     """The model reads a tensor's value into Python (``float(t)``, ``t.item()``): fakes have no values."""
 
 
+class _ValueDependentShape(CaptureError):
+    """An op whose output shape depends on its inputs' values (``pack_padded_sequence``, ``nonzero``): one graph
+    holds fixed shapes. What to do differs from a branch: plan around it."""
+
+    advice = ("Plan the model block by block instead (compfx.optimize(..., per_module=(...))), with blocks that "
+              "neither run that call nor take its output: forward's own code and the other modules run eagerly in "
+              "FP32. Or move the call out of forward().")
+
+
 # Tensor dunders -> the operator function torch.fx (and dynamo) write for them, and whether the
 # reflected form swaps its operands (``2 - x`` calls ``x.__rsub__(2)``, i.e. ``sub(2, x)``).
 _DUNDER_OPERATORS = {
@@ -285,6 +295,10 @@ class _CallRecorder(TorchFunctionMode):
             result = func(*args, **kwargs)
         except DataDependentOutputException as error:
             raise self._value_read_error(name, error) from error
+        except DynamicOutputShapeException as error:
+            raise _ValueDependentShape(
+                f"the model calls {name} at {user_line()}{self._inside()}, whose output shape depends on its inputs' "
+                f"values ({error.args[0] if error.args else error}); one FX graph holds fixed shapes") from error
         if name == "__get__" and isinstance(result, torch.dtype) and args and id(args[0]) in self.node_of:
             self.dtype_reads.read(self.node_of[id(args[0])], result)
         writes = _writes(name, kwargs)
