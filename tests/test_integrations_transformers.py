@@ -158,3 +158,28 @@ def test_after_an_exception_in_training_restore_puts_the_models_own_submodules_b
     assert set(callback.run.blocks) == {"transformer", "lm_head"}
     callback.restore()
     assert all(a is b for a, b in zip(trainer.model.children(), children, strict=True))
+
+
+@pytest.mark.parametrize("kind", ["bert", "gpt2"])
+def test_with_label_smoothing_the_search_judges_the_smoothed_loss_the_trainer_trains(kind, tmp_path, monkeypatch):
+    """The trainer trains LabelSmoother's loss of the logits (labels shifted for a causal LM), not output.loss."""
+    seen = []
+    real_plan_model = compfx.integrations.transformers.plan_model
+    monkeypatch.setattr(compfx.integrations.transformers, "plan_model",
+                        lambda model, batches, **kw: seen.append((model, batches, kw["loss_fn"]))
+                        or real_plan_model(model, batches, **kw))
+    trainer, _, _ = _trainer(kind, tmp_path, CompfxCallback(search_batches=2, config=FAST_SEARCH), max_steps=2,
+                             label_smoothing_factor=0.1)
+    trainer.train()
+    (model, batches, loss_fn), = seen
+    batch = batches[0]
+    with torch.no_grad():
+        output = model(**batch)
+        logits, labels = output.logits, batch["labels"]
+        if kind == "gpt2":  # a causal LM: the trainer shifts the labels
+            logits, labels = logits[..., :-1, :], labels[..., 1:]
+        log_probs = -torch.log_softmax(logits, -1)
+        nll = log_probs.gather(-1, labels.unsqueeze(-1)).squeeze(-1).mean()
+        expected = 0.9 * nll + 0.1 * log_probs.mean()  # what smoothing 0.1 trains
+        torch.testing.assert_close(loss_fn(output, batch), expected)
+        assert not torch.allclose(loss_fn(output, batch), output.loss)

@@ -40,7 +40,7 @@ from ..plan import Plan
 from ..search.config import SearchConfig
 from .planned_training import LOG_FILE, PLAN_FILE, PlannedRun, first_batches, plan_model, saved_plan
 
-__all__ = ["CompfxCallback", "PLAN_FILE", "LOG_FILE"]
+__all__ = ["CompfxCallback", "trainer_loss", "PLAN_FILE", "LOG_FILE"]
 
 logger = hf_logging.get_logger("transformers.trainer")  # the trainer's logger: its verbosity settings apply
 
@@ -72,6 +72,25 @@ def check_training_arguments(args) -> None:
             "which applies the plan compfx.optimize saved, and no callback).")
 
 
+def trainer_loss(args, model):
+    """The loss the ``Trainer`` trains when it is not the model's own ``output.loss``: with
+    ``label_smoothing_factor``, its ``LabelSmoother`` on the logits (labels shifted for a causal LM, as the trainer
+    decides it); None otherwise, and the search judges the model's own loss.
+
+    >>> import transformers
+    >>> trainer_loss(transformers.TrainingArguments("out", report_to=[]), model=None) is None
+    True
+    """
+    if not getattr(args, "label_smoothing_factor", 0):
+        return None
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    smoother = LabelSmoother(epsilon=args.label_smoothing_factor)
+    shift = model._get_name() in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.values()
+    return lambda output, batch: smoother(output, batch["labels"], shift_labels=shift)
+
+
 class CompfxCallback(TrainerCallback):
     """Search a mixed-precision plan at train begin; the ``Trainer`` then trains with it.
 
@@ -81,8 +100,10 @@ class CompfxCallback(TrainerCallback):
     * ``config``: a :class:`~compfx.SearchConfig`; its ``keep_search_training``
       is set False (the trainer owns the training: its step count, schedule
       and checkpoints describe the model, and a resumed run matches).
-    * ``loss_fn(output, batch)``: defaults to the model's own ``output.loss``,
-      the loss the trainer trains (give yours with a custom ``compute_loss``).
+    * ``loss_fn(output, batch)``: defaults to the loss the trainer trains: the
+      model's own ``output.loss``, or, with ``label_smoothing_factor``, the
+      trainer's label-smoothed loss of the logits (give yours with a custom
+      ``compute_loss`` or ``compute_loss_func``).
     * ``low_dtype``: fp16 on CUDA, bf16 elsewhere by default.
     * ``plan``: a :class:`~compfx.Plan` or a plan file to train with, no search:
       one of the model's regions, as this callback writes them (another is a
@@ -155,7 +176,8 @@ class CompfxCallback(TrainerCallback):
         batches = first_batches(train_dataloader, self.search_batches, model_device(model))
         writes = state.is_world_process_zero
         log = os.path.join(args.output_dir, LOG_FILE) if writes and plan is None else None
-        self.run = plan_model(model, batches, optimizer=optimizer, loss_fn=self.loss_fn, low_dtype=self.low_dtype,
+        loss_fn = self.loss_fn or trainer_loss(args, model)
+        self.run = plan_model(model, batches, optimizer=optimizer, loss_fn=loss_fn, low_dtype=self.low_dtype,
                               config=self.config, plan=plan, log=log, source=source)
         if writes:
             self.run.plan.save(os.path.join(args.output_dir, PLAN_FILE))
