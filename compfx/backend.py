@@ -385,11 +385,26 @@ class CompfxBackend:
                                "%s and this graph runs on %s: it runs as given, but its precisions were chosen by "
                                "measurements there; search on this device to choose here.", self.plan.device_type,
                                device.type, level=logging.WARNING)
+            self._say_other_widths(gm, example_inputs)
             return _Choice(self.plan, "given", self.plan_source, keys)
         low_dtype = self.low_dtype or default_low_dtype(device)
         return (self._searched_here(gm, example_inputs, frame, device, low_dtype)
                 or self._cached(gm, example_inputs, device, low_dtype)
                 or self._default(gm, example_inputs, frame, device, low_dtype))
+
+    def _say_other_widths(self, gm: fx.GraphModule, example_inputs) -> None:
+        """A given plan that records the parameter shapes it was searched on, meeting a graph that reads parameters
+        of other shapes (the same layers at other widths): it runs, with a warning. A graph split off at a graph
+        break reads some of the model's parameters, so only shapes the plan never saw count."""
+        if self.plan.parameter_shapes is None:
+            return
+        other = sorted(set(map(tuple, parameter_shapes(gm, example_inputs))) - set(self.plan.parameter_shapes))
+        if other:
+            self._log_once(f"shapes:given:{self.plan.fingerprint}", "the plan given to compfx.backend was searched on "
+                           "a model whose parameters have other shapes (this graph reads %s, which it never saw): the "
+                           "same layers at other widths. It runs as given, as op keys name layers, not widths, but its "
+                           "precisions were measured at the other shapes; search this model to measure them here.",
+                           list(other[0]), level=logging.WARNING)
 
     def _searched_here(self, gm, example_inputs, frame, device, low_dtype) -> "_Choice | None":
         """The plan this process searched for the graph's model: known by ``model=``, by the graph's parameters,

@@ -121,6 +121,21 @@ def test_a_plan_file_applied_to_the_same_layers_at_other_widths_says_so(tmp_path
         compfx.apply(copy.deepcopy(narrow), plan, x)
 
 
+def test_a_plan_given_to_the_backend_for_the_same_layers_at_other_widths_runs_and_says_so(compfx_backend, caplog):
+    torch.manual_seed(0)
+    narrow = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    plan = searched(narrow).plan
+    wide, x = nn.Sequential(nn.Linear(16, 48), nn.ReLU(), nn.Linear(48, 4)), torch.randn(2, 16)
+    with caplog.at_level(logging.WARNING, logger="compfx"):
+        torch.compile(wide, backend=backend(plan, inner="aot_eager"))(x)
+    assert any("searched on a model whose parameters have other shapes" in m for m in caplog.messages)
+    caplog.clear()
+    torch._dynamo.reset()
+    with caplog.at_level(logging.WARNING, logger="compfx"):
+        torch.compile(copy.deepcopy(narrow), backend=backend(plan, inner="aot_eager"))(x)
+    assert not any("other shapes" in m for m in caplog.messages)
+
+
 class Broken(nn.Module):
     """Three linears with a graph break after the first: dynamo hands over two graphs."""
 
