@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .analyze import Analysis, analyze, analyze_graph, parameter_shapes
-from .cast_policy import run_as_planned
+from .cast_policy import check_weights_dtype, run_as_planned, weights_dtype
 from .capture import capture, changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints, module_modes
 from .capture.verify import CODE_PATHS, COMPILED_PATH_BOUND
 from .errors import BadInputError, CaptureError, PlanMismatchError
@@ -194,13 +194,6 @@ def _warn_if_searched_at_other_widths(plan: Plan, analysis: Analysis) -> None:
         "measure them here.", stacklevel=3)
 
 
-def _dtype_probe(model: nn.Module) -> tuple[torch.Tensor, torch.dtype] | None:
-    """The model's first floating parameter and its dtype now: ``.double()``, ``.half()`` and ``.to(dtype)`` convert
-    every floating parameter together, so one tells a planned module, at each call, that they happened."""
-    first = next((p for p in model.parameters() if p.is_floating_point()), None)
-    return None if first is None else (first, first.dtype)
-
-
 def _follows_fake_tensor_path(analysis: Analysis) -> bool:
     """Did capture's verification keep a recorded graph of the model's FakeTensor code path (within the bound)?"""
     verification = analysis.verification
@@ -329,7 +322,7 @@ class PlannedModule(nn.Module):
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_graphs", {})
         object.__setattr__(self, "_modules_in_order", [module for _, module in model.named_modules()])
-        object.__setattr__(self, "_dtype_probe", _dtype_probe(model))
+        object.__setattr__(self, "_weights_dtype", weights_dtype(model))
         self.plan, self.analysis, self.restore_output_dtypes = plan, analysis, restore_output_dtypes
         self.captures = captures if captures is not None else SignatureCaptures(model, analysis)
         self.specializations: list[Specialization] = []
@@ -362,13 +355,7 @@ class PlannedModule(nn.Module):
         return input_signature(args, kwargs, tuple(module.training for module in self._modules_in_order))
 
     def forward(self, *args, **kwargs):
-        probe = self._dtype_probe
-        if probe is not None and probe[0].dtype != probe[1]:
-            raise BadInputError(
-                f"the model's parameters were converted from {dtype_name(probe[1])} to {dtype_name(probe[0].dtype)} "
-                "(model.double(), .half(), .to(dtype)) after it was planned; this PlannedModule's casts were made for "
-                f"{dtype_name(probe[1])} weights and would compute something else. Convert the model back "
-                f"(.to(torch.{dtype_name(probe[1])})), or plan the converted model again.")
+        check_weights_dtype(self._weights_dtype)
         graph = self._graphs.get(self.signature(args, kwargs))
         if graph is None:
             graph = self.specialize(args, kwargs)

@@ -59,7 +59,8 @@ from torch.utils import _pytree as pytree
 
 from .capture import meta_value, renorms_weight, writes_input
 from .opkey import KEY_META, normalize_kind
-from .vocabulary import Precision, short_dtype_name
+from .errors import BadInputError
+from .vocabulary import Precision, dtype_name, short_dtype_name
 
 __all__ = [
     "NORM_KINDS", "COMPOSITE_KINDS", "PROMOTING_KINDS", "CAST_KINDS", "CAST_META", "AutocastRegion",
@@ -280,6 +281,27 @@ def _nodes_in(value) -> list[fx.Node]:
     return found
 
 
+
+
+def weights_dtype(module: nn.Module) -> tuple[torch.Tensor, torch.dtype] | None:
+    """The module's first floating parameter and its dtype now, for :func:`check_weights_dtype` at each call of a
+    planned module: ``.double()``, ``.half()`` and ``.to(dtype)`` convert every floating parameter together, so one
+    tells that they happened after the plan's casts were made."""
+    first = next((p for p in module.parameters() if p.is_floating_point()), None)
+    return None if first is None else (first, first.dtype)
+
+
+def check_weights_dtype(probe: tuple[torch.Tensor, torch.dtype] | None) -> None:
+    """A :class:`~compfx.errors.BadInputError` when the parameter :func:`weights_dtype` took is of another dtype now:
+    the casts were made for the weights' dtype at planning, and would compute something else (``.double()`` failed
+    deep in torch; ``.half()`` ran the ops the plan keeps in FP32 in half precision)."""
+    if probe is None or probe[0].dtype == probe[1]:
+        return
+    was, now = dtype_name(probe[1]), dtype_name(probe[0].dtype)
+    raise BadInputError(
+        f"the model's parameters were converted from {was} to {now} (model.double(), .half(), .to(dtype)) after it "
+        f"was planned; its planned graphs' casts were made for {was} weights and would compute something else. "
+        f"Convert the model back (.to(torch.{was})), or plan the converted model again.")
 
 
 def run_as_planned(graph, args: tuple, kwargs: dict, device_type: str):

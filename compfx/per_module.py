@@ -43,7 +43,7 @@ import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
 from .analyze import Analysis, analyze_graph, model_device
-from .cast_policy import run_as_planned
+from .cast_policy import check_weights_dtype, run_as_planned, weights_dtype
 from .capture import (buffers_restored, capture, describe_inputs, input_signature, keep_checkpoints, modes_of,
                       normalize_example_inputs)
 from .errors import BadInputError, CaptureError
@@ -165,6 +165,7 @@ class PlannedBlock(nn.Module):
                 object.__setattr__(self, name, getattr(block, name))
                 object.__setattr__(block, name, type(getattr(block, name))())
         object.__setattr__(self, "_block", block)  # not a submodule: its forward is what gets captured
+        object.__setattr__(self, "_weights_dtype", weights_dtype(block))  # checked at each call
         object.__setattr__(self, "_captures", {})  # input signature -> the block's Analysis (block-relative keys)
         object.__setattr__(self, "_graphs", {})  # (plan id, input signature) -> planned GraphModule
         object.__setattr__(self, "_plans", {})  # plan id -> plan, so that an id is never reused while cached
@@ -185,6 +186,7 @@ class PlannedBlock(nn.Module):
             self.categories = {}
 
     def forward(self, *args, **kwargs):
+        check_weights_dtype(self._weights_dtype)
         graph = self.graph_for(*args, **kwargs)
         # run_as_planned calls graph.forward, not graph(...): no second set of hooks
         return run_as_planned(graph, args, kwargs, graph.meta["compfx_device_type"])

@@ -134,6 +134,21 @@ def test_converting_the_planned_models_own_parameters_is_refused_at_the_next_cal
     assert planned(x).dtype == expected.dtype and torch.isfinite(planned(x)).all()
 
 
+def test_a_block_planned_in_place_refuses_to_run_after_its_model_was_converted():
+    # the callbacks' per-module blocks: a model.half() in the middle of training ran the blocks' FP32 casts on fp16
+    torch.manual_seed(0)
+    model, x = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), torch.randn(4, 8)
+    analysis = compfx.per_module.analyze_regions(model, x, nn.Linear)
+    compfx.apply(model, compfx.Plan.amp(analysis), x, per_module=(nn.Linear,))
+    assert type(model[0]).__name__ == "PlannedBlock"
+    expected = model(x)
+    model.half()
+    with pytest.raises(compfx.errors.BadInputError, match="converted from float32 to float16"):
+        model(x.half())
+    model.float()
+    assert model(x).dtype == expected.dtype
+
+
 class NormAndDropout(nn.Module):
     def __init__(self):
         super().__init__()
