@@ -113,14 +113,13 @@ class DtypeReads:
         dtypes = [a for a in (*args, *kwargs.values()) if type(a) is torch.dtype]
         if not dtypes or not self._reads:
             return None
-        leaves = pytree.tree_leaves((args, kwargs))
         frame = user_frame()
         read = None
         if pending is not None and pending.dtype in dtypes and _at(frame, pending):
             read = pending  # the first call after the read, on its line
         elif frame is not None:
             read = _named_local_read(frame, [r for r in self._reads if r.frame is frame and r.dtype in dtypes])
-        if read is not None and not _holds_a_limit(leaves, read.dtype):
+        if read is not None and not _holds_a_limit(pytree.tree_leaves((args, kwargs)), read.dtype):
             read.followed, read.on_its_line = True, read is pending
             return read.node, read.dtype
         if frame is None or not _spells_a_dtype(_source(frame)):  # not a literal: maybe one of the reads
