@@ -33,7 +33,7 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from .analyze import Analysis, analyze, analyze_graph, parameter_shapes
 from .cast_policy import check_weights_dtype, run_as_planned, weights_dtype
 from .capture import capture, changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints, module_modes
-from .capture.verify import CODE_PATHS, COMPILED_PATH_BOUND
+from .capture.verify import COMPILED_PATH_BOUND
 from .errors import BadInputError, CaptureError, PlanMismatchError
 from .float8 import fp8_fallbacks
 from .opkey import OpKey
@@ -197,7 +197,7 @@ def _warn_if_searched_at_other_widths(plan: Plan, analysis: Analysis) -> None:
 def _follows_fake_tensor_path(analysis: Analysis) -> bool:
     """Did capture's verification keep a recorded graph of the model's FakeTensor code path (within the bound)?"""
     verification = analysis.verification
-    return verification is not None and any(note.startswith(CODE_PATHS["record"]) for note in verification.notes)
+    return analysis.capture_method == "record" and verification is not None and verification.code_path
 
 
 def _plan_at(plan: Plan, analysis: Analysis, categories: Mapping[OpKey, Category]) -> tuple[Plan, tuple]:

@@ -85,7 +85,9 @@ class CaptureVerification:
     why equality was not exact where it could not be. ``outputs`` and
     ``gradients`` count the tensors compared, ``saved_eager`` / ``saved_graph``
     the tensors each run saved for backward (all of them; the comparison counts
-    those that require grad), ``seconds`` what the check cost.
+    those that require grad), ``seconds`` what the check cost. ``code_path`` is
+    True when the graph holds another code path of the model (:data:`CODE_PATHS`)
+    and was kept within :data:`COMPILED_PATH_BOUND`.
     """
 
     method: str
@@ -97,6 +99,7 @@ class CaptureVerification:
     saved_eager: int = 0
     saved_graph: int = 0
     seconds: float = 0.0
+    code_path: bool = False
 
     @property
     def faithful(self) -> bool:
@@ -162,7 +165,7 @@ def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
         except Exception as error:  # noqa: BLE001 - a graph that fails is unfaithful; say how
             return CaptureVerification(method, f"the graph fails on the example inputs with {first_line(error)}",
                                        False, seconds=time.perf_counter() - start)
-        exact = True
+        exact, code_path = True, False
         try:
             _compare(eager, graph)
         except _Difference as difference:
@@ -177,8 +180,9 @@ def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
                     notes.append(_within_compiled_path_bound(eager, graph, method))
                 except _Difference as still:
                     return _result(method, str(still), eager, graph, start)
+                code_path = True
             exact = False
-    return _result(method, None, eager, graph, start, exact=exact, notes=tuple(notes))
+    return _result(method, None, eager, graph, start, exact=exact, notes=tuple(notes), code_path=code_path)
 
 
 def _within_eager_spread(eager: _Run, graph: _Run, again: _Run, difference: _Difference) -> str:
@@ -235,9 +239,9 @@ class _NoBackward(Exception):
 
 
 def _result(method, mismatch, eager: _Run, graph: _Run, start: float, *, exact: bool = False,
-            notes: tuple = ()) -> CaptureVerification:
+            notes: tuple = (), code_path: bool = False) -> CaptureVerification:
     return CaptureVerification(method, mismatch, exact and mismatch is None, notes, eager.outputs, eager.gradients,
-                               eager.saved, graph.saved, time.perf_counter() - start)
+                               eager.saved, graph.saved, time.perf_counter() - start, code_path)
 
 
 # -- comparing two runs ---------------------------------------------------------------------------
