@@ -129,12 +129,16 @@ def test_a_shared_low_cast_sums_the_uses_gradients_in_the_low_dtype():
 # ---------------------------------------------------------------------------
 # dtypes the model's Python reads from activations (compfx.capture.dtype_reads), in a recorded graph
 
-class CastsBackOnOneLine(nn.Module):
-    """Mamba's ``out.to(hidden.dtype)`` and a KV cache's ``torch.tensor([], dtype=keys.dtype)``, each on its line."""
+class _ReadsADtype(nn.Module):
+    """Two linears around the part of ``forward`` each model below writes."""
 
     def __init__(self, dim: int = 16):
         super().__init__()
         self.fc, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
+
+
+class CastsBackOnOneLine(_ReadsADtype):
+    """Mamba's ``out.to(hidden.dtype)`` and a KV cache's ``torch.tensor([], dtype=keys.dtype)``, each on its line."""
 
     def forward(self, x):
         h = self.fc(x)
@@ -143,12 +147,8 @@ class CastsBackOnOneLine(nn.Module):
         return self.out(torch.cat([seed, (y * 3).flatten()]).view_as(h))
 
 
-class CastsBackLinesLater(nn.Module):
+class CastsBackLinesLater(_ReadsADtype):
     """An RMSNorm's ``input_dtype = x.dtype`` ... ``.to(input_dtype)``, with a literal FP32 between."""
-
-    def __init__(self, dim: int = 16):
-        super().__init__()
-        self.fc, self.out = nn.Linear(dim, dim), nn.Linear(dim, dim)
 
     def forward(self, x):
         h = self.fc(x)
@@ -161,7 +161,7 @@ def _cast_to(tensor, dtype):
     return tensor.to(dtype)
 
 
-class CastsBackInAHelper(CastsBackLinesLater):
+class CastsBackInAHelper(_ReadsADtype):
     """The dtype read passed to a function that casts: in another frame, it cannot be told from a literal."""
 
     def forward(self, x):
@@ -170,25 +170,34 @@ class CastsBackInAHelper(CastsBackLinesLater):
         return self.out(_cast_to(torch.softmax(h, -1, dtype=torch.float32) * 3, input_dtype))
 
 
-def test_a_dtype_read_that_the_call_on_its_line_takes_follows_the_plan():
-    model, kwargs = CastsBackOnOneLine(), {"x": _x()}
+def _recorded_under_amp(model):
+    """``model`` recorded on ``_x()`` and planned as AMP: (its inputs, the analysis, the planned graph)."""
+    kwargs = {"x": _x()}
     analysis = compfx.analyze(model, kwargs, method="record")
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    return kwargs, analysis, apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+
+
+def _recorded_node(analysis, match):
+    (node,) = [n for n in analysis.graph_module.graph.nodes if match(n)]
+    return node
+
+
+def test_a_dtype_read_that_the_call_on_its_line_takes_follows_the_plan():
+    model = CastsBackOnOneLine()
+    kwargs, _, gm = _recorded_under_amp(model)
     assert gm.meta["compfx_fidelity_notes"] == []
     assert_bitwise(seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16), seeded_grads(gm, kwargs))
 
 
 def test_a_literal_dtype_before_the_read_on_its_line_stays_a_literal():
-    class SoftmaxThenCastBack(CastsBackLinesLater):
+    class SoftmaxThenCastBack(_ReadsADtype):
         def forward(self, x):
             h = self.fc(x)
             return self.out((torch.softmax(h, -1, dtype=torch.float32) * 3).to(h.dtype))
 
-    model, kwargs = SoftmaxThenCastBack(), {"x": _x()}
-    analysis = compfx.analyze(model, kwargs, method="record")
-    (softmax,) = [n for n in analysis.graph_module.graph.nodes if "softmax" in str(n.target)]
-    assert softmax.kwargs["dtype"] is torch.float32
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    model = SoftmaxThenCastBack()
+    kwargs, analysis, gm = _recorded_under_amp(model)
+    assert _recorded_node(analysis, lambda n: "softmax" in str(n.target)).kwargs["dtype"] is torch.float32
     assert gm.meta["compfx_fidelity_notes"] == []
     assert_bitwise(seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16), seeded_grads(gm, kwargs))
 
@@ -197,51 +206,43 @@ def test_a_call_that_also_takes_a_limit_of_the_read_dtype_keeps_its_constant():
     """Followed, ``torch.full(..., finfo(h.dtype).min, dtype=h.dtype)`` would hold FP32's min in bf16: -inf, and a fully
     masked row's softmax NaN."""
 
-    class MasksWithAFullOfTheMin(CastsBackLinesLater):
+    class MasksWithAFullOfTheMin(_ReadsADtype):
         def forward(self, x):
             h = self.fc(x)
             floor = torch.full(h.shape, torch.finfo(h.dtype).min, dtype=h.dtype)
             return self.out(torch.softmax(torch.where(x > 10, h, floor), -1))  # x > 10 nowhere: every row masked
 
-    model, kwargs = MasksWithAFullOfTheMin(), {"x": _x()}
-    analysis = compfx.analyze(model, kwargs, method="record")
-    (full,) = [n for n in analysis.graph_module.graph.nodes if n.target is torch.full]
-    assert full.kwargs["dtype"] is torch.float32
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    kwargs, analysis, gm = _recorded_under_amp(MasksWithAFullOfTheMin())
+    assert _recorded_node(analysis, lambda n: n.target is torch.full).kwargs["dtype"] is torch.float32
     assert any("torch.full(h.shape" in note for note in gm.meta["compfx_fidelity_notes"])
     assert torch.isfinite(gm(**kwargs)).all()
 
 
 def test_a_dtype_read_into_a_local_that_a_later_line_names_follows_the_plan():
-    model, kwargs = CastsBackLinesLater(), {"x": _x()}
-    analysis = compfx.analyze(model, kwargs, method="record")
-    (softmax,) = [n for n in analysis.graph_module.graph.nodes if "softmax" in str(n.target)]
+    model = CastsBackLinesLater()
+    kwargs, analysis, gm = _recorded_under_amp(model)
+    softmax = _recorded_node(analysis, lambda n: "softmax" in str(n.target))
     assert softmax.kwargs["dtype"] is torch.float32  # the literal between stays one
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
     assert gm.meta["compfx_fidelity_notes"] == []
     assert_bitwise(seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16), seeded_grads(gm, kwargs))
 
 
 def test_a_local_holding_a_literal_dtype_is_not_taken_for_a_read():
-    class UpcastsByALocal(CastsBackLinesLater):
+    class UpcastsByALocal(_ReadsADtype):
         def forward(self, x):
             h = self.fc(x)
             low = h.dtype != torch.float32  # a read, into a bool
             dtype = torch.float32
             return self.out((torch.softmax(h, -1) * (3 if low else 2)).to(dtype))
 
-    model, kwargs = UpcastsByALocal(), {"x": _x()}
-    analysis = compfx.analyze(model, kwargs, method="record")
-    (to,) = [n for n in analysis.graph_module.graph.nodes if n.target == "to"]
-    assert to.args[1] is torch.float32
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    _, analysis, gm = _recorded_under_amp(UpcastsByALocal())
+    assert _recorded_node(analysis, lambda n: n.target == "to").args[1] is torch.float32
     assert any("low = h.dtype" in note for note in gm.meta["compfx_fidelity_notes"])
 
 
 def test_a_dtype_read_passed_to_another_function_is_kept_and_the_plan_says_where():
-    model, kwargs = CastsBackInAHelper(), {"x": _x()}
-    analysis = compfx.analyze(model, kwargs, method="record")
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    model = CastsBackInAHelper()
+    _, analysis, gm = _recorded_under_amp(model)
     (note,) = gm.meta["compfx_fidelity_notes"]
     assert "input_dtype = h.dtype" in note and "bfloat16 under this plan" in note
     fp32 = apply(model, compfx.Plan.fp32(analysis), analysis=analysis)
