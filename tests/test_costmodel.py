@@ -26,6 +26,7 @@ from compfx.cache import profile_folder
 from compfx.cast_policy import castable_inputs
 from compfx.costmodel import CastCost, OpProfile, OpProfiles, Predictor, fit_cast_cost, profile_ops
 from compfx.costmodel.cast_cost import _fit_line
+from compfx.costmodel.predictor import cast_sizes
 from compfx.costmodel.profile import _OpBench
 from compfx.measure import Conditions
 from compfx.opkey import KEY_META
@@ -277,6 +278,23 @@ def test_cast_cost_fit_takes_the_device_by_keyword_and_refuses_one_size():
         fit_cast_cost("cpu")
     with pytest.raises(compfx.BadInputError, match="two"):
         fit_cast_cost(device="cpu", sizes=(256, 256), use_cache=False)
+
+
+@pytest.mark.parametrize("width, sizes", [(8, (256, 4096)), (64, (256, 4096)), (128, (256, 4096, 65536)),
+                                          (1100, (256, 4096, 65536, 1 << 20))])
+def test_casts_are_fitted_up_to_the_size_that_holds_the_models_largest_tensor(width, sizes):
+    # the largest tensor is the (width x width) weight: 64, 4096, 16384 and 1.21M elements
+    a = compfx.analyze(nn.Linear(width, width), torch.randn(4, width))
+    assert cast_sizes(a.graph_module) == sizes
+
+
+def test_a_built_predictor_fits_casts_at_the_models_sizes(tmp_path, monkeypatch):
+    fitted = []
+    monkeypatch.setattr("compfx.costmodel.cast_cost._time_cast",
+                        lambda src, dst, numel, *rest: fitted.append(numel) or 1e-6 * (1 + numel * 1e-4))
+    a = compfx.analyze(nn.Linear(8, 8), torch.randn(4, 8), low_dtype=LOW)
+    Predictor.build(a, cache_dir=tmp_path, **FAST)
+    assert sorted(set(fitted)) == [256, 4096]  # not the 2**20-element casts a tiny model never makes
 
 
 def test_cast_cost_refuses_an_unfitted_pair():
