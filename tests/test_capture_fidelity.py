@@ -647,3 +647,75 @@ def test_a_dynamo_graph_that_computes_something_else_is_refused():
     torch.manual_seed(0)
     with pytest.raises(CaptureError, match="beyond"):
         compfx.analyze(_CompiledPath(scale=1.01), torch.randn(32, 64), method="dynamo")
+
+
+# -- state a graph would keep, or freeze, between calls ---------------------------------------------
+
+class ScatterIntoFreshZeros(nn.Module):
+    """A GNN's aggregation: messages summed into a tensor forward makes afresh on each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.message = nn.Linear(8, 8)
+
+    def forward(self, x, index):
+        return torch.zeros(3, 8).index_add_(0, index, self.message(x))
+
+
+class ReassignedRunningMean(nn.Module):
+    """Keeps a running mean by reassigning its buffer, which a graph cannot replay."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+        self.register_buffer("running", torch.zeros(4))
+
+    def forward(self, x):
+        y = self.fc(x)
+        self.running = 0.9 * self.running + 0.1 * y.detach().mean(0)
+        return y * self.running.sigmoid()
+
+
+class NumpyNoise(nn.Module):
+    """Adds feature noise drawn with numpy: a draw outside torch's RNG, anew on each call."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(6, 6)
+
+    def forward(self, x):
+        import numpy as np
+
+        return self.fc(x) + 0.1 * torch.from_numpy(np.random.rand(6)).float()
+
+
+def test_a_symbolic_graph_that_writes_a_constant_on_each_call_is_refused_and_another_tracer_kept():
+    model, x, index = ScatterIntoFreshZeros(), torch.randn(5, 8), torch.tensor([0, 2, 1, 0, 2])
+    symbolic = capture(model, (x, index), method="symbolic", verify=False)  # torch.zeros(3, 8) is a constant there
+    verification = verify_capture(model, symbolic, (x, index), {}, method="symbolic")
+    assert not verification.faithful and "second call" in verification.mismatch
+    a = compfx.analyze(model, (x, index))
+    gm = compfx.apply(model, compfx.Plan.fp32(a), analysis=a)
+    expected = model(x, index)
+    for _ in range(2):  # each call starts from zeros, as eager's does, and backward runs every time
+        out = gm(x, index)
+        torch.testing.assert_close(out, expected, rtol=0, atol=0)
+        out.sum().backward()
+
+
+def test_a_reassigned_buffer_is_refused_and_left_as_it_was():
+    model, x = ReassignedRunningMean(), torch.randn(3, 4)
+    buffer = model.running
+    with pytest.raises(CaptureError, match="assigns new tensors to running") as raised:
+        compfx.analyze(model, x)
+    assert "dynamo" in str(raised.value)  # dynamo too: its graph would hold the first update's value for ever
+    assert model.running is buffer and torch.equal(buffer, torch.zeros(4))
+
+
+def test_a_draw_outside_torchs_rng_is_refused_not_frozen_into_the_graph():
+    model, x = NumpyNoise(), torch.randn(2, 6)
+    symbolic = capture(model, x, method="symbolic", verify=False)
+    verification = verify_capture(model, symbolic, (x,), {}, method="symbolic")
+    assert not verification.faithful and "outside torch's random generator" in verification.mismatch
+    with pytest.raises(CaptureError, match="outside torch's random generator"):
+        compfx.analyze(model, x)

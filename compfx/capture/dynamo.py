@@ -38,6 +38,8 @@ def dynamo_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModul
     # allow_rnn: keep nn.GRU/LSTM in the graph as one op, as the symbolic tracer does.
     # Static shapes: compfx specialises to the example inputs (TC rules need concrete dims).
     defaults = capture_defaults(model, kwargs)
+    # buffers_restored also gives each buffer slot its own tensor back: dynamo replays a write after its graph,
+    # in place or (``self.running = ...``) by reassigning; verify_capture's eager run tells the two apart
     with torch._dynamo.config.patch(allow_rnn=True), buffers_restored(model):
         exported = torch._dynamo.export(model, aten_graph=False, assume_static_by_default=True)(
             *args, **kwargs, **defaults)

@@ -27,8 +27,8 @@ from ..errors import CaptureError
 #: forward reads, which a graph holds.
 _WEIGHT_HOOKS = (WeightNorm, SpectralNorm)
 
-__all__ = ["named_tensors", "get_attribute", "buffers_restored", "tracer_values_removed", "reassignment_error",
-           "stored_attributes_warning", "hooks_warning"]
+__all__ = ["named_tensors", "get_attribute", "buffers_restored", "state_slots", "slots_put_back",
+           "tracer_values_removed", "reassignment_error", "stored_attributes_warning", "hooks_warning"]
 
 
 def named_tensors(model: nn.Module):
@@ -47,14 +47,52 @@ def get_attribute(root: nn.Module, target: str):
 
 @contextlib.contextmanager
 def buffers_restored(model: nn.Module):
-    """Put every buffer of ``model`` back afterwards (dynamo export, and any measuring forward, run it for real)."""
+    """Put every buffer of ``model`` back afterwards (dynamo export, and any measuring forward, run it for real).
+
+    Yields a list, filled on the way out with the names of the parameters and buffers that ``forward`` reassigned
+    (``self.running = 0.9 * self.running + ...``): each slot gets its own tensor back as well as its value.
+
+    >>> import torch
+    >>> class Ema(torch.nn.Module):
+    ...     def __init__(self):
+    ...         super().__init__(); self.register_buffer("mean", torch.zeros(2))
+    ...     def forward(self, x):
+    ...         self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
+    ...         return x - self.mean
+    >>> model = Ema(); mean = model.mean
+    >>> with buffers_restored(model) as reassigned:
+    ...     _ = model(torch.ones(3, 2))
+    >>> reassigned, model.mean is mean, model.mean.tolist()
+    (['mean'], True, [0.0, 0.0])
+    """
     saved = [(b, b.detach().clone()) for b in model.buffers()]
+    slots = state_slots(model)
+    reassigned: list[str] = []
     try:
-        yield
+        yield reassigned
     finally:
+        reassigned.extend(slots_put_back(slots))
         with torch.no_grad():
             for buffer, value in saved:
                 buffer.copy_(value)
+
+
+def state_slots(model: nn.Module) -> list[tuple[str, dict, dict]]:
+    """(module prefix, its parameter dict, a copy of it) and the same for buffers, for every module."""
+    return [(prefix, tensors, dict(tensors)) for prefix, module in model.named_modules(remove_duplicate=False)
+            for tensors in (module._parameters, module._buffers)]
+
+
+def slots_put_back(slots) -> list[str]:
+    """Give every parameter and buffer slot of :func:`state_slots` its tensor back; the names of those that
+    held another."""
+    names = []
+    for prefix, tensors, before in slots:
+        for name, value in list(tensors.items()):
+            if name in before and value is not before[name]:
+                tensors[name] = before[name]
+                names.append(f"{prefix}.{name}" if prefix else name)
+    return names
 
 
 @contextlib.contextmanager
@@ -150,8 +188,10 @@ def _user_hooks(module: nn.Module) -> list:
 
 def reassignment_error(names) -> CaptureError:
     """The error for a forward that assigns new tensors to its parameters or buffers (``names``)."""
-    return CaptureError(
+    error = CaptureError(
         f"forward() assigns new tensors to {', '.join(sorted(set(names))[:3])}; compfx graphs replay in-place "
         "updates of parameters and buffers (self.x.add_(...), self.x.copy_(...)) but not reassignment "
         "(self.x = ..., and self.x += ... under the symbolic tracer, whose proxies add out of place). Update them "
         "with in-place methods")
+    error.advice = ""  # the message says what to do; no tracer can capture it otherwise
+    return error

@@ -17,6 +17,15 @@ compares bitwise (``torch.testing.assert_close`` with zero tolerance):
   compared: a graph may build an attention mask that eager leaves to SDPA's
   ``is_causal`` (Hugging Face does so under tracing), with the same results.
 
+The graph is called twice: a second call that differs from its first where
+eager's do not (or fails) is a graph that keeps state between calls, such as a
+tensor ``forward`` makes afresh each call and a tracer made one constant that
+every call writes in place. A model that reassigns a parameter or buffer
+(``self.running = ...``) is refused, and the slot gets its own tensor back: a
+graph replays in-place updates only. A model whose eager run draws from
+Python's or numpy's generator is run twice: if eager varies and the graph does
+not, the graph froze that draw, and it is refused.
+
 Backward starts from the same random gradient on each output for both runs
 (the gradient of a sum would hide differences, e.g. all of softmax's).
 Nothing of the caller's changes: gradients, ``requires_grad``, train/eval
@@ -45,6 +54,8 @@ on tensors, so its graphs stay bitwise.
 from __future__ import annotations
 
 import contextlib
+import functools
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -55,7 +66,7 @@ from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError
 from ._sites import first_line
-from .model_state import get_attribute
+from .model_state import get_attribute, reassignment_error, slots_put_back, state_slots
 from .nodes import renormed_weight, writes_input
 from .record import is_kv_cache, with_kv_caches_copied
 
@@ -160,19 +171,28 @@ def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
                 f"{type(model).__name__} fails on the example inputs even without compfx ({first_line(error)}), when "
                 "compfx runs it to check its capture. Give example inputs that forward() accepts (the shapes, dtypes "
                 "and device of a real batch).") from error
+        if replay.reassigned:  # the graph writes state in place: it cannot replay a reassignment
+            return CaptureVerification(method, str(reassignment_error(replay.reassigned)), False,
+                                       seconds=time.perf_counter() - start)
         try:
             graph = replay.run(gm, args, kwargs)
         except Exception as error:  # noqa: BLE001 - a graph that fails is unfaithful; say how
             return CaptureVerification(method, f"the graph fails on the example inputs with {first_line(error)}",
                                        False, seconds=time.perf_counter() - start)
         exact, code_path = True, False
+        eager_again = functools.cache(lambda: replay.run(model, args, kwargs))
+        graph_again = functools.cache(lambda: replay.run(gm, args, kwargs))
         try:
             _compare(eager, graph)
+            _same_on_a_second_call(graph, graph_again, eager, eager_again)
+            if replay.drew_outside_torch:  # the first eager run drew what the trace drew: compare a second one
+                _no_frozen_draw(eager, eager_again(), graph, graph_again())
         except _Difference as difference:
             if not difference.values_only:
                 return _result(method, str(difference), eager, graph, start)
             try:
-                notes.append(_within_eager_spread(eager, graph, replay.run(model, args, kwargs), difference))
+                notes.append(_within_eager_spread(eager, graph, eager_again(), difference))
+                _no_frozen_draw(eager, eager_again(), graph, graph_again())
             except _Difference as beyond:
                 if method not in CODE_PATHS:
                     return _result(method, str(beyond), eager, graph, start)
@@ -183,6 +203,40 @@ def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
                 code_path = True
             exact = False
     return _result(method, None, eager, graph, start, exact=exact, notes=tuple(notes), code_path=code_path)
+
+
+def _same_on_a_second_call(graph: _Run, graph_again, eager: _Run, eager_again) -> None:
+    """Raise :class:`_Difference` when a second call of the graph, from the same state, differs from its first
+    while eager's do not: the graph keeps state between calls that the model does not, e.g. a tensor ``forward``
+    makes afresh each call (``torch.zeros(n, d).index_add_(...)``) that became one constant of the graph, written in
+    place by every call."""
+    try:
+        again = graph_again()
+    except Exception as error:  # noqa: BLE001 - a graph that fails the second time is unfaithful; say how
+        raise _Difference(f"the graph fails on its second call with {first_line(error)}, where the model does not "
+                          f"({_KEEPS_STATE})", values_only=False) from None
+    try:
+        _compare(graph, again)
+    except _Difference as difference:
+        if not _spread(eager, eager_again()):
+            raise _Difference(f"a second call of the graph gives other results than its first, where the model's "
+                              f"do not ({_KEEPS_STATE}): {difference}", values_only=False) from None
+
+
+_KEEPS_STATE = ("it keeps state between calls, such as a tensor forward() creates afresh each call, which the graph "
+                "holds as one constant that every call writes in place")
+
+
+def _no_frozen_draw(eager: _Run, eager_again: _Run, graph: _Run, graph_again: _Run) -> None:
+    """Raise :class:`_Difference` when eager varies from call to call but the graph does not: the graph froze a
+    value the model draws anew each call outside torch's RNG (``numpy.random``, ``random``), and would train on
+    that one draw for ever."""
+    if not _spread(eager, eager_again) or _spread(graph, graph_again):
+        return
+    raise _Difference("eager gives other results on each call from the same torch RNG state, but the graph gives the "
+                      "same every call: forward() draws something outside torch's random generator (numpy.random, "
+                      "Python's random) that the graph froze at capture; draw it with torch (torch.rand, "
+                      "torch.randint), or pass it in as an input", values_only=False)
 
 
 def _within_eager_spread(eager: _Run, graph: _Run, again: _Run, difference: _Difference) -> str:
@@ -309,6 +363,9 @@ class _Replay:
 
     def __init__(self, model: nn.Module, rng_devices: list[int], buffers: list[tuple[torch.Tensor, torch.Tensor]]):
         self.model = model
+        self.reassigned: list[str] = []  # parameters and buffers a run of the model reassigned (then put back)
+        self.drew_outside_torch = False  # did a run of the model draw from Python's or numpy's generator?
+        self._slots = state_slots(model)
         self.parameters = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
         self._rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in rng_devices])
@@ -326,8 +383,13 @@ class _Replay:
             counted[1] += tensor.requires_grad
             return tensor
 
-        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-            output = fn(*args, **kwargs)
+        outside = _outside_rng_states()
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+                output = fn(*args, **kwargs)
+        finally:
+            self.reassigned.extend(slots_put_back(self._slots))
+        self.drew_outside_torch |= fn is self.model and not _same_states(outside, _outside_rng_states())
         result.saved, result.saved_requiring_grad = counted
         outputs = _output_tensors(output)
         roots = [(name, t) for name, t in outputs.items() if t.requires_grad] if self.backward else []
@@ -362,6 +424,28 @@ class _Replay:
             torch.cuda.set_rng_state(state, device)
         for parameter in self.parameters.values():
             parameter.grad = None
+
+
+def _outside_rng_states() -> tuple:
+    """Python's and numpy's global generator states (their draws are no part of a graph)."""
+    states = [random.getstate()]
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        return tuple(states)
+    return (*states, numpy.random.get_state())
+
+
+def _same_states(first: tuple, second: tuple) -> bool:
+    return all(_equal_state(a, b) for a, b in zip(first, second))
+
+
+def _equal_state(a, b) -> bool:
+    if isinstance(a, tuple) and isinstance(b, tuple):
+        return len(a) == len(b) and all(_equal_state(x, y) for x, y in zip(a, b))
+    if hasattr(a, "shape"):  # numpy's key array
+        return a.shape == b.shape and bool((a == b).all())
+    return a == b
 
 
 @contextlib.contextmanager
