@@ -321,20 +321,26 @@ class _Attempts:
         others = [f"{tracer}: {text}" for tracer, text, _ in self.failures]
         if self.mismatches:
             first, *rest = self.mismatches
-            others = [m.summary() for m in rest] + others
+            same = [tracer for tracer, text, _ in self.failures if text == first.mismatch]
+            others = [m.summary() for m in rest] + [f"{tracer}: {text}" for tracer, text, _ in self.failures
+                                                    if text != first.mismatch]
             return CaptureError(
                 f"compfx could not capture {name} faithfully (tried {tried}): the {first.method} graph would train "
                 f"differently from the model: {first.mismatch}. compfx does not plan a graph that changes what "
                 "training computes; rewrite that part of forward() (gradient hooks on intermediate tensors and "
-                "saved-tensor hooks are not captured), or report this model. "
-                + (f"Other tracers: {'; '.join(others)}." if others else ""))
+                "saved-tensor hooks are not captured), or report this model."
+                + (f" {' and '.join(same)} failed the same way." if same else "")
+                + (f" Other tracers: {'; '.join(others)}." if others else ""))
         order = self._furthest_first()
         lead = self.failures[order[0]]
-        rest = [others[i] for i in order[1:]]
+        same = [self.failures[i][0] for i in order[1:] if self.failures[i][1] == lead[1]]
+        rest = [others[i] for i in order[1:] if self.failures[i][1] != lead[1]]
+        advice = getattr(self.errors[order[0]], "advice", _CAPTURE_ADVICE)
         return CaptureError(
             f"compfx could not capture {name} as one FX graph (tried {tried})"
-            f"{f'; {lead[0]} got furthest' if len(self.failures) > 1 else ''}: {lead[1]}. "
-            + getattr(self.errors[order[0]], "advice", _CAPTURE_ADVICE)
+            f"{f'; {lead[0]} got furthest' if len(self.failures) > 1 else ''}: {lead[1]}."
+            + (f" {advice}" if advice else "")
+            + (f" {' and '.join(same)} failed the same way." if same else "")
             + (f" Other tracers: {'; '.join(rest)}." if rest else ""))
 
 
