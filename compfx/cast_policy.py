@@ -70,8 +70,10 @@ __all__ = [
 
 #: Ops whose weight/bias/running stats stay FP32 whatever the op's precision.
 NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "instance_norm"})
-#: Ops that autocast casts *inside*; "low" runs them under torch.autocast.
-COMPOSITE_KINDS = frozenset({"multi_head_attention", "gru", "lstm", "rnn_tanh", "rnn_relu"})
+#: Ops that autocast casts *inside*; "low" runs them under torch.autocast. einsum is one on CPU, where it reaches
+#: autocast as its GEMMs: it first sums an index only one operand has, in that operand's dtype, which casting its
+#: inputs would not (CUDA autocast casts einsum's inputs, as the region does there too).
+COMPOSITE_KINDS = frozenset({"multi_head_attention", "gru", "lstm", "rnn_tanh", "rnn_relu", "einsum"})
 #: "Other" ops that take mixed floating inputs and type-promote them (TensorIterator ops).
 PROMOTING_KINDS = frozenset("""
     add sub rsub mul div where maximum minimum fmax fmin pow float_power atan2 lerp addcmul addcdiv

@@ -97,6 +97,13 @@ _CPU_FP32 = _kinds("""
     linalg_eig linalg_eigh linalg_lstsq linalg_inv_ex
 """)
 
+# Composite ops (CompositeImplicitAutograd) with no autocast kernel of their own reach autocast as the GEMMs they
+# decompose into (bmm, mm), so as one captured op they run in lower precision: measured under CPU autocast. CUDA
+# lists einsum, chain_matmul and linalg_multi_dot itself, and puts tensordot on its promote list (the widest input
+# dtype), so tensordot is lower precision on CPU only.
+_COMPOSITE_GEMMS = _kinds("einsum inner chain_matmul linalg_multi_dot matrix_power linalg_matrix_power")
+_CPU_COMPOSITE_GEMMS = _kinds("tensordot")
+
 # compfx's own additions, on every device. F.multi_head_attention_forward stays
 # one call in both tracers' graphs (dynamo keeps it whole too). Inside it the
 # projections and attention GEMMs autocast to low precision (what CPU autocast
@@ -127,9 +134,10 @@ def _registered(device_type: str, category: Category) -> frozenset[str]:
 
 #: device type -> (whitelist kinds, blacklist kinds)
 AUTOCAST_POLICY: dict[str, tuple[frozenset[str], frozenset[str]]] = {
-    "cuda": (_CUDA_LOWER | _COMPFX_LOWER, _CUDA_FP32 | _registered("cuda", Category.BLACKLIST)),
-    "xpu": (_CUDA_LOWER | _COMPFX_LOWER, _CUDA_FP32 | _registered("xpu", Category.BLACKLIST)),  # CUDA's macros
-    "cpu": (_CPU_LOWER | _COMPFX_LOWER, _CPU_FP32),
+    "cuda": (_CUDA_LOWER | _COMPOSITE_GEMMS | _COMPFX_LOWER, _CUDA_FP32 | _registered("cuda", Category.BLACKLIST)),
+    "xpu": (_CUDA_LOWER | _COMPOSITE_GEMMS | _COMPFX_LOWER,  # CUDA's macros
+            _CUDA_FP32 | _registered("xpu", Category.BLACKLIST)),
+    "cpu": (_CPU_LOWER | _COMPOSITE_GEMMS | _CPU_COMPOSITE_GEMMS | _COMPFX_LOWER, _CPU_FP32),
 }
 
 #: Where the tables knowingly differ from this torch's autocast registrations, or cannot be checked against them:

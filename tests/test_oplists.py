@@ -27,6 +27,12 @@ CPU_SAMPLES = {
     "baddbmm": lambda d: torch.baddbmm(_t(2, 4, 6).to(d), _t(2, 4, 8).to(d), _t(2, 8, 6).to(d)),
     "conv2d": lambda d: F.conv2d(_t(1, 4, 6, 6).to(d), _t(8, 4, 3, 3).to(d)),
     "scaled_dot_product_attention": lambda d: F.scaled_dot_product_attention(*(_t(1, 2, 4, 8).to(d),) * 3),
+    # composites: no autocast kernel of their own, lower precision through the GEMMs they decompose into
+    "einsum": lambda d: torch.einsum("bij,bjk->bik", _t(2, 4, 8).to(d), _t(2, 8, 6).to(d)),
+    "tensordot": lambda d: torch.tensordot(_t(4, 8).to(d), _t(8, 6).to(d), dims=1),
+    "inner": lambda d: torch.inner(_t(4, 8).to(d), _t(6, 8).to(d)),
+    "linalg_multi_dot": lambda d: torch.linalg.multi_dot([_t(4, 8).to(d), _t(8, 6).to(d), _t(6, 2).to(d)]),
+    "linalg_matrix_power": lambda d: torch.linalg.matrix_power(_t(4, 4).to(d), 3),
     # blacklist
     "mse_loss": lambda d: F.mse_loss(_t(4, 8).to(d), _t(4, 8).to(d)),
     "cross_entropy_loss": lambda d: F.cross_entropy(_t(4, 5).to(d), torch.tensor([0, 1, 2, 3])),
