@@ -239,6 +239,20 @@ def test_a_call_that_also_takes_a_limit_of_the_read_dtype_keeps_its_constant():
     assert torch.isfinite(gm(**kwargs)).all()
 
 
+def test_a_read_only_for_a_limit_the_graph_follows_gets_no_note():
+    """DeBERTa's masking: the read feeds ``torch.finfo`` alone, and the follow pass gives the limit bf16's min."""
+
+    class MasksWithTheMinOfItsScores(_ReadsADtype):
+        def forward(self, x):
+            h = self.fc(x)
+            return self.out(torch.softmax(h.masked_fill(x > 1, torch.finfo(h.dtype).min), -1))
+
+    model = MasksWithTheMinOfItsScores()
+    kwargs, _, gm = _recorded_under_amp(model)
+    assert gm.meta["compfx_fidelity_notes"] == []
+    assert_bitwise(seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16), seeded_grads(gm, kwargs))
+
+
 def test_a_dtype_read_into_a_local_that_a_later_line_names_follows_the_plan():
     model = CastsBackLinesLater()
     kwargs, analysis, gm = _recorded_under_amp(model)

@@ -179,14 +179,44 @@ def _may_change(node: fx.Node, dtype: torch.dtype) -> bool:
 
 
 def changed_dtype_reads(gm: fx.GraphModule) -> list[str]:
-    """One line per activation whose dtype the model read and the (planned) graph changed, in graph order."""
+    """One line per activation whose dtype the model read and the (planned) graph changed, in graph order.
+
+    A read whose line takes the dtype only for a ``torch.finfo`` limit is left out where a call downstream holds
+    a limit that :mod:`compfx.passes.follow_dtype_limits` gave the planned dtype: the graph already reads what
+    the model would (``s.masked_fill(~mask, torch.finfo(q.dtype).min)``, DeBERTa's masking).
+    """
     changed = []
     for node in gm.graph.nodes:
         if DTYPE_READ_META not in node.meta:
             continue
         dtype, site = node.meta[DTYPE_READ_META]
         value = meta_value(node)
-        if isinstance(value, torch.Tensor) and value.dtype != dtype:
+        if isinstance(value, torch.Tensor) and value.dtype != dtype and not _limit_followed(node, site, value.dtype):
             changed.append(f"{site}: the model reads the dtype of {node.name}, {str(value.dtype)[6:]} under this plan, "
                            f"and the graph keeps the {str(dtype)[6:]} it read at capture")
     return changed
+
+
+#: ``x.dtype`` inside ``torch.finfo(...)`` (or ``finfo(...)``), and any ``.dtype`` read at all.
+_LIMIT_READ = re.compile(r"\bfinfo\(\s*[\w.\[\]]+\.dtype\s*\)")
+_ANY_READ = re.compile(r"\.dtype\b")
+
+
+def _limit_followed(node: fx.Node, site: str, dtype: torch.dtype) -> bool:
+    """Does ``site``'s line read the dtype only for ``finfo`` limits, and does a call downstream of ``node`` hold a
+    limit of ``dtype`` (:data:`~compfx.capture.dtype_limits.LIMIT_META`, as the follow pass leaves it)?"""
+    from .dtype_limits import LIMIT_META
+
+    if not _LIMIT_READ.search(site) or len(_ANY_READ.findall(site)) != len(_LIMIT_READ.findall(site)):
+        return False
+    seen, frontier = set(), [node]
+    while frontier:
+        current = frontier.pop()
+        for user in current.users:
+            if user in seen:
+                continue
+            seen.add(user)
+            if LIMIT_META in user.meta and user.meta[LIMIT_META][0] == dtype:
+                return True
+            frontier.append(user)
+    return False
