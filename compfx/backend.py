@@ -106,6 +106,7 @@ torch.float32
 from __future__ import annotations
 
 import logging
+import operator
 import os
 import warnings
 import weakref
@@ -359,6 +360,7 @@ class CompfxBackend:
             self._log_once(f"unplanned:{source}", "compfx backend: %d op(s) in a compiled graph have no entry in "
                            "the plan (%s) and run as 'follow' (e.g. %s)", len(unplanned), source,
                            ", ".join(map(str, unplanned[:3])))
+        self._say_unplanned_regions(gm)
         # Every op has a precision here (unplanned ones "follow"); the passes raise PassError themselves.
         # insert_casts keeps dynamo's node attributes (_dynamo_source), which AOT autograd needs.
         gm = apply_precisions(gm, precisions, low_dtype=plan.low_dtype, fp8_recipe=plan.fp8_recipe,
@@ -374,6 +376,21 @@ class CompfxBackend:
         ))
         # The plan padded these ops: Inductor must not pad them (or any other op of this graph) again.
         return self._compile_inner(gm, example_inputs, {"shape_padding": False} if padded else {})
+
+    def _say_unplanned_regions(self, gm: fx.GraphModule) -> None:
+        """Dynamo hands torch.utils.checkpoint's region (and other higher-order ops' bodies) over as a subgraph the
+        graph calls; the passes plan the graph's own ops, so the region's run as the model wrote them: say so."""
+        bodies = {name: sum(node.op in ("call_function", "call_method", "call_module")
+                            and node.target is not operator.getitem for node in body.graph.nodes)
+                  for name, body in gm.named_children() if isinstance(body, fx.GraphModule)}
+        bodies = {name: count for name, count in bodies.items() if count}
+        if bodies:
+            self._log_once("regions", "compfx backend: graph %s runs %d op(s) inside %d region(s) that dynamo passes "
+                           "as subgraphs (%s: torch.utils.checkpoint's, or another higher-order op's); the backend "
+                           "plans a graph's own ops, so these run as the model wrote them (FP32 where it computes in "
+                           "FP32). compfx.apply and compfx.optimize plan inside checkpointed regions.",
+                           gm.meta.get("dynamo_compile_id", "?"), sum(bodies.values()), len(bodies),
+                           ", ".join(sorted(bodies)[:3]), level=logging.WARNING)
 
     def _plan_for(self, gm: fx.GraphModule, example_inputs, frame) -> "_Choice":
         device = _graph_device(example_inputs)

@@ -181,6 +181,28 @@ def test_ops_without_plan_entry_follow_and_are_logged_once(caplog):
     assert sum("no entry in the plan" in message for message in caplog.messages) == 1
 
 
+class CheckpointedBlock(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.pre, self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 16), nn.Linear(16, 8)
+
+    def block(self, x):
+        return self.b(torch.relu(self.a(x)))
+
+    def forward(self, x):
+        x = self.pre(x)
+        return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False) + x
+
+
+def test_ops_in_a_checkpointed_region_are_said_to_run_unplanned(caplog):
+    """Dynamo passes the region as a subgraph; the backend plans the graph's own ops only, and says so."""
+    model = CheckpointedBlock()
+    with caplog.at_level(logging.INFO, logger="compfx"):
+        torch.compile(model, backend=backend(None, inner="aot_eager"))(torch.randn(4, 8)).sum().backward()
+    (said,) = [message for message in caplog.messages if "region(s) that dynamo passes as subgraphs" in message]
+    assert "runs 3 op(s) inside 1 region(s)" in said and "compfx.apply and compfx.optimize plan inside" in said
+
+
 # ---------------------------------------------------------------------------
 # plan sources and caching
 
