@@ -223,20 +223,25 @@ def test_a_literal_dtype_before_the_read_on_its_line_stays_a_literal():
     assert_bitwise(seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16), seeded_grads(gm, kwargs))
 
 
-def test_a_call_that_also_takes_a_limit_of_the_read_dtype_keeps_its_constant():
-    """Followed, ``torch.full(..., finfo(h.dtype).min, dtype=h.dtype)`` would hold FP32's min in bf16: -inf, and a fully
-    masked row's softmax NaN."""
+@pytest.mark.parametrize("make_floor", ["full", "tensor"])
+def test_a_call_that_also_takes_a_limit_of_the_read_dtype_follows_both(make_floor):
+    """``torch.full(..., finfo(h.dtype).min, dtype=h.dtype)`` follows the plan's dtype, and its limit the dtype's
+    limit (the follow pass): holding FP32's min in bf16 would be -inf, and a fully masked row's softmax NaN; a
+    0-dim ``torch.tensor`` of it would not fit a bf16 ``masked_fill`` at all."""
 
-    class MasksWithAFullOfTheMin(_ReadsADtype):
+    class MasksWithTheMin(_ReadsADtype):
         def forward(self, x):
             h = self.fc(x)
-            floor = torch.full(h.shape, torch.finfo(h.dtype).min, dtype=h.dtype)
-            return self.out(torch.softmax(torch.where(x > 10, h, floor), -1))  # x > 10 nowhere: every row masked
+            if make_floor == "full":
+                floor = torch.full(h.shape, torch.finfo(h.dtype).min, dtype=h.dtype)
+                return self.out(torch.softmax(torch.where(x > 10, h, floor), -1))  # x > 10 nowhere: all masked
+            return self.out(torch.softmax(h.masked_fill(x > 1, torch.tensor(torch.finfo(h.dtype).min, dtype=h.dtype)), -1))
 
-    kwargs, analysis, gm = _recorded_under_amp(MasksWithAFullOfTheMin())
-    assert _recorded_node(analysis, lambda n: n.target is torch.full).kwargs["dtype"] is torch.float32
-    assert any("torch.full(h.shape" in note for note in gm.meta["compfx_fidelity_notes"])
+    model = MasksWithTheMin()
+    kwargs, _, gm = _recorded_under_amp(model)
+    assert gm.meta["compfx_fidelity_notes"] == []
     assert torch.isfinite(gm(**kwargs)).all()
+    assert_bitwise(seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16), seeded_grads(gm, kwargs))
 
 
 def test_a_read_only_for_a_limit_the_graph_follows_gets_no_note():

@@ -23,8 +23,10 @@ writes it, so the call follows the plan as it does in eager
   ``hidden.to(torch.float32)`` between is a literal).
 
 A call that also takes a limit of the dtype (``torch.full(shape,
-torch.finfo(x.dtype).min, dtype=x.dtype)``) keeps its constant: FP32's limit
-would overflow the low dtype.
+torch.finfo(x.dtype).min, dtype=x.dtype)``) follows too, and its limit with it:
+:mod:`compfx.capture.dtype_limits` marks the literal, and the follow pass gives
+it the planned dtype's limit (FP32's would overflow the low dtype). A read for
+a ``finfo`` limit alone gets no note where such a limit downstream followed.
 
 **Kept, and said:** any other read (a dtype passed to a helper that casts,
 ``a, b = x.dtype, y.dtype``) stays the constant it was at capture. The recorder marks each such
@@ -48,7 +50,6 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ._sites import frame_site, user_frame
-from .dtype_limits import limit_name
 from .nodes import meta_value
 
 __all__ = ["DTYPE_READ_META", "DtypeReads", "mark_dtype_read", "changed_dtype_reads"]
@@ -119,7 +120,7 @@ class DtypeReads:
             read = pending  # the first call after the read, on its line
         elif frame is not None:
             read = _named_local_read(frame, [r for r in self._reads if r.frame is frame and r.dtype in dtypes])
-        if read is not None and not _holds_a_limit(pytree.tree_leaves((args, kwargs)), read.dtype):
+        if read is not None:
             read.followed, read.on_its_line = True, read is pending
             return read.node, read.dtype
         if frame is None or not _spells_a_dtype(_source(frame)):  # not a literal: maybe one of the reads
@@ -167,12 +168,6 @@ def _spells_a_dtype(line: str) -> bool:
     return _DTYPE_LITERAL.search(line) is not None
 
 
-def _holds_a_limit(leaves, dtype: torch.dtype) -> bool:
-    """``torch.full(shape, torch.finfo(x.dtype).min, dtype=x.dtype)``: the limit stays FP32's, which overflows to
-    -inf in a low dtype; that call keeps its constant dtype (and the read its note)."""
-    return any(limit_name(leaf, dtype) is not None for leaf in leaves)
-
-
 def _may_change(node: fx.Node, dtype: torch.dtype) -> bool:
     """A plan can change the dtype of a call's floating result (not of an input, a parameter or an integer)."""
     return node.op in ("call_function", "call_method") and dtype.is_floating_point
@@ -181,9 +176,9 @@ def _may_change(node: fx.Node, dtype: torch.dtype) -> bool:
 def changed_dtype_reads(gm: fx.GraphModule) -> list[str]:
     """One line per activation whose dtype the model read and the (planned) graph changed, in graph order.
 
-    A read whose line takes the dtype only for a ``torch.finfo`` limit is left out where a call downstream holds
-    a limit that :mod:`compfx.passes.follow_dtype_limits` gave the planned dtype: the graph already reads what
-    the model would (``s.masked_fill(~mask, torch.finfo(q.dtype).min)``, DeBERTa's masking).
+    A read for a ``torch.finfo`` limit is left out where a call downstream holds a limit that
+    :mod:`compfx.passes.follow_dtype_limits` gave the planned dtype: the graph already reads what the model would
+    (``s.masked_fill(~mask, torch.finfo(q.dtype).min)``, DeBERTa's masking).
     """
     changed = []
     for node in gm.graph.nodes:
@@ -197,17 +192,17 @@ def changed_dtype_reads(gm: fx.GraphModule) -> list[str]:
     return changed
 
 
-#: ``x.dtype`` inside ``torch.finfo(...)`` (or ``finfo(...)``), and any ``.dtype`` read at all.
+#: ``x.dtype`` inside ``torch.finfo(...)`` (or ``finfo(...)``).
 _LIMIT_READ = re.compile(r"\bfinfo\(\s*[\w.\[\]]+\.dtype\s*\)")
-_ANY_READ = re.compile(r"\.dtype\b")
 
 
 def _limit_followed(node: fx.Node, site: str, dtype: torch.dtype) -> bool:
-    """Does ``site``'s line read the dtype only for ``finfo`` limits, and does a call downstream of ``node`` hold a
-    limit of ``dtype`` (:data:`~compfx.capture.dtype_limits.LIMIT_META`, as the follow pass leaves it)?"""
+    """Does ``site``'s line read the dtype for a ``finfo`` limit (the read a line's call does not take: that one is
+    followed), and does a call downstream of ``node`` hold a limit of ``dtype``
+    (:data:`~compfx.capture.dtype_limits.LIMIT_META`, as the follow pass leaves it)?"""
     from .dtype_limits import LIMIT_META
 
-    if not _LIMIT_READ.search(site) or len(_ANY_READ.findall(site)) != len(_LIMIT_READ.findall(site)):
+    if not _LIMIT_READ.search(site):
         return False
     seen, frontier = set(), [node]
     while frontier:
