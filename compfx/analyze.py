@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import (VERIFICATION_META, capture, get_attribute, input_signature, is_pinned, module_modes, modes_of,
                       normalize_example_inputs, op_nodes)
+from .capture.functions import FunctionCall
 from .errors import BadInputError
 from .float8 import fp8_eligible
 from .opkey import KEY_META, OpKey
@@ -254,11 +255,20 @@ def _conv_groups(node: fx.Node) -> int:
     return groups if isinstance(groups, int) else 1
 
 
+def _category(node: fx.Node, key: OpKey, device: torch.device, overrides: Mapping[str, str] | None) -> Category:
+    """The op's list, by its kind (:func:`compfx.oplists.classify`). A custom autograd Function is on the
+    lower-precision list whatever its class is called: eager AMP runs its forward under autocast, as "low" runs
+    it (:func:`compfx.cast_policy.low_runs_under_autocast`), so AMP's plan is autocast there too."""
+    if isinstance(node.target, FunctionCall) and not (overrides and key.kind in overrides):
+        return Category.WHITELIST
+    return classify(key.kind, device.type, overrides)
+
+
 def describe_op(node: fx.Node, *, device: torch.device, low_dtype: torch.dtype,
                 overrides: Mapping[str, str] | None = None, capability=None, fp8: bool = False) -> OpInfo:
     """Build the :class:`OpInfo` of one keyed node (with its FP8 eligibility when ``fp8``)."""
     key: OpKey = node.meta[KEY_META]
-    category = classify(key.kind, device.type, overrides)
+    category = _category(node, key, device, overrides)
     input_shapes = _shapes(_input_values(node))
     groups = _conv_groups(node) if key.kind.startswith("conv") else 1
     eligible, reason = tc_eligible(key.kind, category, input_shapes, low_dtype=low_dtype, device=device,

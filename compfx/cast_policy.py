@@ -58,6 +58,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from .capture import meta_value, renorms_weight, writes_input
+from .capture.functions import FunctionCall
 from .opkey import KEY_META, normalize_kind
 from .errors import BadInputError
 from .vocabulary import Precision, dtype_name, short_dtype_name
@@ -190,9 +191,10 @@ def runs_under_autocast(kind: str, *, is_module_call: bool) -> bool:
 
 def low_runs_under_autocast(node: fx.Node) -> bool:
     """:func:`runs_under_autocast` for a keyed graph node. A ``call_method`` op has no function to wrap in an
-    autocast region, so "low" casts its inputs instead."""
-    return node.op != "call_method" and runs_under_autocast(node.meta[KEY_META].kind,
-                                                            is_module_call=node.op == "call_module")
+    autocast region, so "low" casts its inputs instead. A custom autograd Function's forward runs under the
+    caller's autocast in eager AMP (``custom_fwd`` decides what it does there), so its "low" does too."""
+    return node.op != "call_method" and (isinstance(node.target, FunctionCall) or runs_under_autocast(
+        node.meta[KEY_META].kind, is_module_call=node.op == "call_module"))
 
 
 def runs_as_is(kind: str, dtypes: Iterable[torch.dtype]) -> bool:

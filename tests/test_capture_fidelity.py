@@ -22,11 +22,13 @@ from compfx.capture import capture
 from compfx.capture.checkpoints import CHECKPOINT_META, CheckpointedGraph, checkpointed_nodes
 from compfx.capture.functions import FunctionCall
 from compfx.capture.verify import SAVED_TENSOR_SLACK, VERIFICATION_META, verify_capture
-from compfx.cast_policy import is_cast
+from compfx.cast_policy import AutocastRegion, is_cast
 from compfx.errors import CaptureError
 from compfx.opkey import KEY_META
 from compfx.vocabulary import Precision
 from zoo import NativeMHA
+
+from tests.helpers import assert_bitwise, seeded_grads
 
 TRACERS = ["symbolic", "record"]
 
@@ -210,20 +212,52 @@ def test_a_custom_function_runs_as_itself_and_every_gradient_matches_eager(metho
     _assert_grads_bitwise(model, eager)  # up.weight and up.bias included: a traced-through Function leaves them None
 
 
-def test_a_custom_function_gets_its_inputs_cast_per_the_plan():
+class ProjectThenSquare(torch.autograd.Function):
+    """A fused projection: a matmul inside forward, which eager AMP runs under the caller's autocast."""
+
+    @staticmethod
+    @torch.amp.custom_fwd(device_type="cpu")
+    def forward(ctx, x, w):
+        ctx.save_for_backward(x, w)
+        return (x @ w) ** 2
+
+    @staticmethod
+    @torch.amp.custom_bwd(device_type="cpu")
+    def backward(ctx, grad):
+        x, w = ctx.saved_tensors
+        inner = 2 * (x @ w) * grad
+        return inner @ w.T, x.T @ inner
+
+
+class WithProjection(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.up, self.w, self.down = nn.Linear(8, 16), nn.Parameter(torch.randn(16, 16) / 4), nn.Linear(16, 4)
+
+    def forward(self, x):
+        return self.down(ProjectThenSquare.apply(self.up(x), self.w))
+
+
+def test_a_custom_function_planned_low_runs_under_autocast_as_in_eager_amp():
     torch.manual_seed(0)
     model, x = WithFunction(), torch.randn(4, 8)
     analysis = compfx.analyze(model, x, low_dtype=torch.bfloat16)
-    key = next(op.key for op in analysis.ops if op.kind == "scaled_square")
-    plan = compfx.Plan.from_assignment(analysis, [Precision.LOW if op.key == key else Precision.FP32
-                                                  for op in analysis.ops])
+    (op,) = [op for op in analysis.ops if op.kind == "scaled_square"]
+    assert op.category == "whitelist"  # whatever the class is called: AMP runs it under autocast
+    plan = compfx.Plan.from_assignment(analysis, [Precision.LOW if o.key == op.key else Precision.FP32
+                                                  for o in analysis.ops])
     planned = compfx.apply(model, plan, analysis=analysis)
-    call = next(n for n in planned.graph.nodes if isinstance(n.target, FunctionCall))
-    cast = call.args[0]
-    assert is_cast(cast) and cast.meta["val"].dtype == torch.bfloat16
-    assert call.meta["val"].dtype == torch.bfloat16
+    assert sum(isinstance(m, AutocastRegion) for m in planned.modules()) == 1
     planned(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+def test_amps_plan_of_a_custom_function_with_a_matmul_inside_is_autocast_bitwise():
+    torch.manual_seed(0)
+    model, kwargs = WithProjection(), {"x": torch.randn(4, 8)}
+    analysis = compfx.analyze(model, kwargs, low_dtype=torch.bfloat16)
+    gm = compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    assert_bitwise(seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16), seeded_grads(gm, kwargs))
 
 
 # -- activation checkpointing -----------------------------------------------------------------------
