@@ -753,3 +753,22 @@ def test_a_draw_outside_torchs_rng_is_refused_not_frozen_into_the_graph():
     assert not verification.faithful and "outside torch's random generator" in verification.mismatch
     with pytest.raises(CaptureError, match="outside torch's random generator"):
         compfx.analyze(model, x)
+
+
+def test_numpy_in_forward_a_scalar_is_a_number_an_array_a_clear_error():
+    import numpy as np
+
+    class Scaled(nn.Module):
+        def __init__(self, table=None):
+            super().__init__()
+            self.fc, self.table = nn.Linear(4, 4), table
+
+        def forward(self, x):
+            y = self.fc(x) * np.float64(0.5)
+            return y if self.table is None else y * y.new_tensor(self.table)
+
+    x = torch.randn(2, 4)
+    assert compfx.analyze(Scaled(), x, method="record").verification.exact
+    with pytest.raises(CaptureError, match=r"passes a numpy ndarray to torch at .*y.new_tensor\(self.table\)") as raised:
+        compfx.analyze(Scaled(np.arange(4, dtype=np.float32)), x, method="record")
+    assert "NameError" not in str(raised.value)

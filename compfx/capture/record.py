@@ -254,7 +254,8 @@ class _CallRecorder(TorchFunctionMode):
         elif isinstance(tensor, FakeTensor):
             raise CaptureError(
                 f"a tensor of shape {tuple(tensor.shape)} at {user_line()}{self._inside()} came from a call that "
-                "torch's __torch_function__ does not show, so compfx cannot tell which op made it")
+                "torch's __torch_function__ does not show, so compfx cannot tell which op made it (torch.from_numpy "
+                "is one); make such a tensor once, as a buffer registered in __init__, or pass it in as an input")
         else:  # a plain tensor attribute or a global: a constant of the graph
             name = f"_compfx_constant_{len(self.constants)}"
             self.constants[name] = tensor
@@ -266,6 +267,14 @@ class _CallRecorder(TorchFunctionMode):
     def _argument(self, value):
         if isinstance(value, torch.Tensor):
             return self.node_for(value)
+        if type(value).__module__ == "numpy":  # the graph's code cannot name numpy: a scalar is a Python number
+            if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+                return value.item()
+            error = CaptureError(
+                f"the model passes a numpy {type(value).__name__} to torch at {user_line()}{self._inside()}, which a "
+                "graph cannot hold; make it a tensor once (a buffer registered in __init__) or pass it in as an input")
+            error.advice = ""  # the message says what to do
+            raise error
         if isinstance(value, torch.Size):
             return tuple(value)
         if isinstance(value, (tuple, list)):
