@@ -728,6 +728,7 @@ def test_a_symbolic_graph_that_writes_a_constant_on_each_call_is_refused_and_ano
     symbolic = capture(model, (x, index), method="symbolic", verify=False)  # torch.zeros(3, 8) is a constant there
     verification = verify_capture(model, symbolic, (x, index), {}, method="symbolic")
     assert not verification.faithful and "second call" in verification.mismatch
+    assert not [name for name in vars(model) if "constant" in name]  # fx's tracer left none on the model
     a = compfx.analyze(model, (x, index))
     gm = compfx.apply(model, compfx.Plan.fp32(a), analysis=a)
     expected = model(x, index)

@@ -12,6 +12,7 @@ tracer's proxy or FakeTensor there.
 from __future__ import annotations
 
 import contextlib
+import re
 
 import torch
 import torch.fx as fx
@@ -115,6 +116,12 @@ def tracer_values_removed(model: nn.Module):
         for prefix, module, attributes, parameters, buffers in saved:
             for name in _holding_tracer_values(module, attributes, parameters, buffers):
                 stored.append(f"{prefix}.{name}" if prefix else name)
+            for name in [n for n in module.__dict__ if n not in attributes and _FX_CONSTANT.fullmatch(n)]:
+                del module.__dict__[name]  # torch.fx's tracer keeps its constants on the root; the graph has its own
+
+
+#: The names ``torch.fx``'s symbolic tracer gives the tensor constants it sets on the module it traces.
+_FX_CONSTANT = re.compile(r"_tensor_constant\d+")
 
 
 def _holding_tracer_values(module: nn.Module, attributes: dict, parameters: dict, buffers: dict) -> list[str]:

@@ -17,7 +17,7 @@ compares bitwise (``torch.testing.assert_close`` with zero tolerance):
   compared: a graph may build an attention mask that eager leaves to SDPA's
   ``is_causal`` (Hugging Face does so under tracing), with the same results.
 
-The graph is called twice: a second call that differs from its first where
+The graph is called a second time, forward only: a call that differs from its first where
 eager's do not (or fails) is a graph that keeps state between calls, such as a
 tensor ``forward`` makes afresh each call and a tracer made one constant that
 every call writes in place. A model that reassigns a parameter or buffer
@@ -181,7 +181,8 @@ def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
                                        False, seconds=time.perf_counter() - start)
         exact, code_path = True, False
         eager_again = functools.cache(lambda: replay.run(model, args, kwargs))
-        graph_again = functools.cache(lambda: replay.run(gm, args, kwargs))
+        # a second call shows state the graph keeps between calls in its forward: no backward needed, nor paid
+        graph_again = functools.cache(lambda: replay.run(gm, args, kwargs, forward_only=True, again=True))
         try:
             _compare(eager, graph)
             _same_on_a_second_call(graph, graph_again, eager, eager_again)
@@ -216,11 +217,16 @@ def _same_on_a_second_call(graph: _Run, graph_again, eager: _Run, eager_again) -
         raise _Difference(f"the graph fails on its second call with {first_line(error)}, where the model does not "
                           f"({_KEEPS_STATE})", values_only=False) from None
     try:
-        _compare(graph, again)
+        _compare(_forward_part(graph), again)
     except _Difference as difference:
         if not _spread(eager, eager_again()):
             raise _Difference(f"a second call of the graph gives other results than its first, where the model's "
                               f"do not ({_KEEPS_STATE}): {difference}", values_only=False) from None
+
+
+def _forward_part(run: _Run) -> _Run:
+    """``run``'s outputs and buffers: what a forward-only run (``forward_only=True``) holds."""
+    return _Run({name: t for name, t in run.tensors.items() if not name.startswith("gradient of ")})
 
 
 _KEEPS_STATE = ("it keeps state between calls, such as a tensor forward() creates afresh each call, which the graph "
@@ -231,7 +237,7 @@ def _no_frozen_draw(eager: _Run, eager_again: _Run, graph: _Run, graph_again: _R
     """Raise :class:`_Difference` when eager varies from call to call but the graph does not: the graph froze a
     value the model draws anew each call outside torch's RNG (``numpy.random``, ``random``), and would train on
     that one draw for ever."""
-    if not _spread(eager, eager_again) or _spread(graph, graph_again):
+    if not _spread(eager, eager_again) or _spread(_forward_part(graph), graph_again):
         return
     raise _Difference("eager gives other results on each call from the same torch RNG state, but the graph gives the "
                       "same every call: forward() draws something outside torch's random generator (numpy.random, "
@@ -365,6 +371,8 @@ class _Replay:
         self.model = model
         self.reassigned: list[str] = []  # parameters and buffers a run of the model reassigned (then put back)
         self.drew_outside_torch = False  # did a run of the model draw from Python's or numpy's generator?
+        self.graph_private: frozenset[int] = frozenset()  # ids of the graph's tensors the model does not hold
+        self.private_storages: frozenset[int] = frozenset()  # and their storages' data pointers
         self._slots = state_slots(model)
         self.parameters = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
@@ -372,8 +380,10 @@ class _Replay:
         self._rng_devices = rng_devices
         self._buffer_values = buffers
 
-    def run(self, fn, args: tuple, kwargs: dict) -> _Run:
-        self._reset()
+    def run(self, fn, args: tuple, kwargs: dict, *, forward_only: bool = False, again: bool = False) -> _Run:
+        """``fn`` forward and backward (``forward_only``: forward under no-grad, outputs and buffers only), from the
+        caller's state; ``again``: the graph's own tensors (constants a tracer made) as its last call left them."""
+        self._reset(keep=self.graph_private if again else frozenset())
         args, kwargs = _fresh_inputs((args, kwargs))
         result = _Run()
         counted = [0, 0]
@@ -385,7 +395,8 @@ class _Replay:
 
         outside = _outside_rng_states()
         try:
-            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with (torch.no_grad() if forward_only else contextlib.nullcontext()), \
+                    torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 output = fn(*args, **kwargs)
         finally:
             self.reassigned.extend(slots_put_back(self._slots))
@@ -393,6 +404,10 @@ class _Replay:
         result.saved, result.saved_requiring_grad = counted
         outputs = _output_tensors(output)
         roots = [(name, t) for name, t in outputs.items() if t.requires_grad] if self.backward else []
+        if forward_only:
+            result.tensors = {f"output{name}": self._kept(tensor) for name, tensor in outputs.items()}
+            result.tensors.update(self._buffers_now())
+            return result
         if roots and fn is not self.model:
             torch.autograd.backward([t for _, t in roots], [_probe(t, i) for i, (_, t) in enumerate(roots)])
         elif roots:
@@ -401,7 +416,7 @@ class _Replay:
             except Exception as error:  # noqa: BLE001 - the model's own: its backward is not ours to judge
                 raise _NoBackward() from error
         for name, tensor in outputs.items():
-            result.tensors[f"output{name}"] = tensor.detach()
+            result.tensors[f"output{name}"] = self._kept(tensor)
             result.requires_grad[f"output{name}"] = tensor.requires_grad
         for name, parameter in self.parameters.items():
             result.tensors[f"gradient of parameter {name!r}"] = parameter.grad
@@ -409,21 +424,38 @@ class _Replay:
         for path, leaf in pytree.tree_flatten_with_path((args, kwargs))[0]:
             if isinstance(leaf, torch.Tensor) and leaf.requires_grad:
                 result.tensors[f"gradient of input{pytree.keystr(path)}"] = leaf.grad
-        for name, buffer in self.buffers.items():
-            result.tensors[f"buffer {name!r} after the step"] = buffer.detach().clone()
+        result.tensors.update(self._buffers_now())
         result.outputs, result.gradients = len(outputs), len(self.parameters) if self.backward else 0
         return result
 
-    def _reset(self) -> None:
-        """The state the caller left: buffers, RNG, no gradients."""
+    def _kept(self, output: torch.Tensor) -> torch.Tensor:
+        """``output`` as this run left it: a copy where it is (a view of) a graph's own tensor, which a later call
+        writes (``torch.zeros(n, d).index_add_(...)`` returns the constant itself)."""
+        output = output.detach()
+        return output.clone() if output.untyped_storage().data_ptr() in self.private_storages else output
+
+    def _buffers_now(self) -> dict[str, torch.Tensor]:
+        return {f"buffer {name!r} after the step": buffer.detach().clone() for name, buffer in self.buffers.items()}
+
+    def _reset(self, keep: frozenset = frozenset()) -> None:
+        """The state the caller left: buffers (but those whose id is in ``keep``), RNG, no gradients."""
         with torch.no_grad():
             for buffer, value in self._buffer_values:
-                buffer.copy_(value)
+                if id(buffer) not in keep:
+                    buffer.copy_(value)
         torch.set_rng_state(self._rng[0])
         for device, state in zip(self._rng_devices, self._rng[1]):
             torch.cuda.set_rng_state(state, device)
         for parameter in self.parameters.values():
             parameter.grad = None
+
+
+def _model_tensor_ids(model: nn.Module) -> set[int]:
+    """Every tensor the model holds: parameters, buffers and plain tensor attributes (which a recorded graph shares
+    as constants)."""
+    return {id(value) for module in model.modules()
+            for value in (*module._parameters.values(), *module._buffers.values(), *module.__dict__.values())
+            if isinstance(value, torch.Tensor)}
 
 
 def _outside_rng_states() -> tuple:
@@ -464,7 +496,11 @@ def _state_kept(model: nn.Module, gm: fx.GraphModule):
         with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad(), _warnings_quiet():
             if devices:  # CUDA kernels with atomics (index_add, scatter_add) vary run to run; CPU ones do not
                 torch.use_deterministic_algorithms(True, warn_only=True)
-            yield _Replay(model, devices, saved)
+            replay = _Replay(model, devices, saved)
+            private = [t for t in gm.buffers() if id(t) not in _model_tensor_ids(model)]
+            replay.graph_private = frozenset(map(id, private))
+            replay.private_storages = frozenset(t.untyped_storage().data_ptr() for t in private)
+            yield replay
     finally:
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
         with torch.no_grad():
