@@ -1,8 +1,9 @@
 """Capture verifies itself: the graph must train exactly as the model does before anything is planned.
 
 :func:`verify_capture` runs the eager model and the captured graph once each on
-the example inputs, forward and backward, from the same RNG state, and
-compares bitwise (``torch.testing.assert_close`` with zero tolerance):
+the example inputs, forward and backward, from the same RNG state (and the
+graph a second time, forward only: below), and compares bitwise
+(``torch.testing.assert_close`` with zero tolerance):
 
 * every output tensor, and whether it requires grad;
 * the gradient of **every** parameter (``None`` included: a parameter that
