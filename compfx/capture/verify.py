@@ -182,7 +182,8 @@ def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
                                        False, seconds=time.perf_counter() - start)
         exact, code_path = True, False
         eager_again = functools.cache(lambda: replay.run(model, args, kwargs))
-        # a second call shows state the graph keeps between calls in its forward: no backward needed, nor paid
+        # a second call shows state the graph keeps between calls in its forward: no backward needed, nor paid (with
+        # grad on all the same: kernels may choose otherwise without it, as CPU attention does, by rounding)
         graph_again = functools.cache(lambda: replay.run(gm, args, kwargs, forward_only=True, again=True))
         try:
             _compare(eager, graph)
@@ -227,7 +228,8 @@ def _same_on_a_second_call(graph: _Run, graph_again, eager: _Run, eager_again) -
 
 def _forward_part(run: _Run) -> _Run:
     """``run``'s outputs and buffers: what a forward-only run (``forward_only=True``) holds."""
-    return _Run({name: t for name, t in run.tensors.items() if not name.startswith("gradient of ")})
+    return _Run({name: t for name, t in run.tensors.items() if not name.startswith("gradient of ")},
+                saved=run.saved, saved_requiring_grad=run.saved_requiring_grad)
 
 
 _KEEPS_STATE = ("it keeps state between calls, such as a tensor forward() creates afresh each call, which the graph "
@@ -382,7 +384,7 @@ class _Replay:
         self._buffer_values = buffers
 
     def run(self, fn, args: tuple, kwargs: dict, *, forward_only: bool = False, again: bool = False) -> _Run:
-        """``fn`` forward and backward (``forward_only``: forward under no-grad, outputs and buffers only), from the
+        """``fn`` forward and backward (``forward_only``: no backward, outputs and buffers only), from the
         caller's state; ``again``: the graph's own tensors (constants a tracer made) as its last call left them."""
         self._reset(keep=self.graph_private if again else frozenset())
         args, kwargs = _fresh_inputs((args, kwargs))
@@ -396,8 +398,7 @@ class _Replay:
 
         outside = _outside_rng_states()
         try:
-            with (torch.no_grad() if forward_only else contextlib.nullcontext()), \
-                    torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 output = fn(*args, **kwargs)
         finally:
             self.reassigned.extend(slots_put_back(self._slots))
