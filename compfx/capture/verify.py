@@ -185,17 +185,20 @@ def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
         # a second call shows state the graph keeps between calls in its forward: no backward needed, nor paid (with
         # grad on all the same: kernels may choose otherwise without it, as CPU attention does, by rounding)
         graph_again = functools.cache(lambda: replay.run(gm, args, kwargs, forward_only=True, again=True))
+        difference = _difference(eager, graph)
+        if difference is not None and not difference.values_only:
+            return _result(method, str(difference), eager, graph, start)
         try:
-            _compare(eager, graph)
             _same_on_a_second_call(graph, graph_again, eager, eager_again)
-            if replay.drew_outside_torch:  # the first eager run drew what the trace drew: compare a second one
+            # eager varying while the graph does not is a frozen draw, whatever the first runs showed: the first
+            # eager run may draw what the trace drew (capture restores numpy's state), or not
+            if difference is not None or replay.drew_outside_torch:
                 _no_frozen_draw(eager, eager_again(), graph, graph_again())
-        except _Difference as difference:
-            if not difference.values_only:
-                return _result(method, str(difference), eager, graph, start)
+        except _Difference as kept:
+            return _result(method, str(kept), eager, graph, start)
+        if difference is not None:
             try:
                 notes.append(_within_eager_spread(eager, graph, eager_again(), difference))
-                _no_frozen_draw(eager, eager_again(), graph, graph_again())
             except _Difference as beyond:
                 if method not in CODE_PATHS:
                     return _result(method, str(beyond), eager, graph, start)
@@ -206,6 +209,15 @@ def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
                 code_path = True
             exact = False
     return _result(method, None, eager, graph, start, exact=exact, notes=tuple(notes), code_path=code_path)
+
+
+def _difference(eager: _Run, graph: _Run) -> "_Difference | None":
+    """The first difference of ``graph`` from ``eager`` (:func:`_compare`), or None."""
+    try:
+        _compare(eager, graph)
+    except _Difference as difference:
+        return difference
+    return None
 
 
 def _same_on_a_second_call(graph: _Run, graph_again, eager: _Run, eager_again) -> None:
