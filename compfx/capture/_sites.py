@@ -18,7 +18,8 @@ import torch
 
 from ..errors import CaptureError
 
-__all__ = ["user_line", "user_frame", "frame_site", "error_site", "first_line", "ValueBranchError", "with_progress"]
+__all__ = ["user_line", "user_frame", "frame_site", "error_site", "first_line", "ValueBranchError", "ExplainedCaptureError",
+           "with_progress"]
 
 
 _SKIPPED_DIRS = (  # torch's folder and compfx's (this file's grandparent)
@@ -77,6 +78,12 @@ def first_line(error: BaseException) -> str:
 
 class ValueBranchError(CaptureError):
     """The model branches on tensor values; no tracer can make one graph of that."""
+
+
+class ExplainedCaptureError(CaptureError):
+    """A capture error whose message says what to do: no general advice is added to it."""
+
+    advice = ""
 
 
 def with_progress(error: CaptureError, nodes: int) -> CaptureError:

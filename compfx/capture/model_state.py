@@ -23,6 +23,7 @@ from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
+from ._sites import ExplainedCaptureError
 
 #: The old ``torch.nn.utils.weight_norm`` / ``spectral_norm`` API's forward pre-hooks: they compute the weight
 #: forward reads, which a graph holds.
@@ -195,10 +196,8 @@ def _user_hooks(module: nn.Module) -> list:
 
 def reassignment_error(names) -> CaptureError:
     """The error for a forward that assigns new tensors to its parameters or buffers (``names``)."""
-    error = CaptureError(
+    return ExplainedCaptureError(
         f"forward() assigns new tensors to {', '.join(sorted(set(names))[:3])}; compfx graphs replay in-place "
         "updates of parameters and buffers (self.x.add_(...), self.x.copy_(...)) but not reassignment "
         "(self.x = ..., and self.x += ... under the symbolic tracer, whose proxies add out of place). Update them "
         "with in-place methods")
-    error.advice = ""  # the message says what to do; no tracer can capture it otherwise
-    return error

@@ -28,7 +28,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
-from ._sites import ValueBranchError, error_site, first_line, user_line, with_progress
+from ._sites import ExplainedCaptureError, ValueBranchError, error_site, first_line, user_line, with_progress
 from .autocast_blocks import AutocastBlocks
 from .checkpoints import CheckpointRegions, is_reentrant_checkpoint
 from .draws import branch_on_draw
@@ -270,11 +270,9 @@ class _CallRecorder(TorchFunctionMode):
         if type(value).__module__ == "numpy":  # the graph's code cannot name numpy: a scalar is a Python number
             if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
                 return value.item()
-            error = CaptureError(
+            raise ExplainedCaptureError(
                 f"the model passes a numpy {type(value).__name__} to torch at {user_line()}{self._inside()}, which a "
                 "graph cannot hold; make it a tensor once (a buffer registered in __init__) or pass it in as an input")
-            error.advice = ""  # the message says what to do
-            raise error
         if isinstance(value, torch.Size):
             return tuple(value)
         if isinstance(value, (tuple, list)):

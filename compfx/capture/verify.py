@@ -408,20 +408,21 @@ class _Replay:
             counted[1] += tensor.requires_grad
             return tensor
 
-        outside = _outside_rng_states()
+        outside = _outside_rng_states() if fn is self.model else None
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 output = fn(*args, **kwargs)
         finally:
             self.reassigned.extend(slots_put_back(self._slots))
-        self.drew_outside_torch |= fn is self.model and not _same_states(outside, _outside_rng_states())
+        if outside is not None:
+            self.drew_outside_torch |= not _same_states(outside, _outside_rng_states())
         result.saved, result.saved_requiring_grad = counted
         outputs = _output_tensors(output)
-        roots = [(name, t) for name, t in outputs.items() if t.requires_grad] if self.backward else []
         if forward_only:
             result.tensors = {f"output{name}": self._kept(tensor) for name, tensor in outputs.items()}
             result.tensors.update(self._buffers_now())
             return result
+        roots = [(name, t) for name, t in outputs.items() if t.requires_grad] if self.backward else []
         if roots and fn is not self.model:
             torch.autograd.backward([t for _, t in roots], [_probe(t, i) for i, (_, t) in enumerate(roots)])
         elif roots:
