@@ -50,6 +50,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ._sites import frame_site, user_frame
+from .dtype_limits import LIMIT_META
 from .nodes import meta_value
 
 __all__ = ["DTYPE_READ_META", "DtypeReads", "mark_dtype_read", "changed_dtype_reads"]
@@ -200,8 +201,6 @@ def _limit_followed(node: fx.Node, site: str, dtype: torch.dtype) -> bool:
     """Does ``site``'s line read the dtype for a ``finfo`` limit (the read a line's call does not take: that one is
     followed), and does a call downstream of ``node`` hold a limit of ``dtype``
     (:data:`~compfx.capture.dtype_limits.LIMIT_META`, as the follow pass leaves it)?"""
-    from .dtype_limits import LIMIT_META
-
     if not _LIMIT_READ.search(site):
         return False
     seen, frontier = set(), [node]
