@@ -29,7 +29,7 @@ from typing import Iterable, Iterator
 
 import torch
 
-__all__ = ["rng_preserved", "cuda_devices", "loader_generators"]
+__all__ = ["rng_preserved", "cuda_devices", "loader_generators", "outside_torch_states", "same_states"]
 
 
 def cuda_devices(device: torch.device) -> list[int]:
@@ -90,12 +90,7 @@ def rng_preserved(*devices, generators: Iterable[torch.Generator] = ()) -> Itera
     ``generators`` are other generators it may advance (:func:`loader_generators`).
     """
     own = [(generator, generator.get_state()) for generator in generators]
-    python_state = random.getstate()
-    try:
-        import numpy
-        numpy_state = numpy.random.get_state()
-    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-        numpy, numpy_state = None, None
+    outside = outside_torch_states()
     lazy = _LazySeeds()
     try:
         with torch.random.fork_rng(devices=_cuda_indices(devices)):
@@ -104,6 +99,37 @@ def rng_preserved(*devices, generators: Iterable[torch.Generator] = ()) -> Itera
         lazy.restore()
         for generator, state in own:
             generator.set_state(state)
-        random.setstate(python_state)
-        if numpy is not None:
-            numpy.random.set_state(numpy_state)
+        _set_outside_torch_states(outside)
+
+
+def outside_torch_states() -> tuple:
+    """Python's global generator state, and NumPy's where NumPy is installed: the generators no graph draws from.
+
+    >>> import random
+    >>> before = outside_torch_states(); _ = random.random()
+    >>> same_states(before, outside_torch_states())
+    False
+    """
+    states = [random.getstate()]
+    try:
+        import numpy
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        return tuple(states)
+    return (*states, numpy.random.get_state())
+
+
+def _set_outside_torch_states(states: tuple) -> None:
+    random.setstate(states[0])
+    if len(states) > 1:
+        import numpy
+
+        numpy.random.set_state(states[1])
+
+
+def same_states(first, second) -> bool:
+    """Are two :func:`outside_torch_states` equal (NumPy's key is an array, compared element by element)?"""
+    if isinstance(first, tuple) and isinstance(second, tuple):
+        return len(first) == len(second) and all(same_states(a, b) for a, b in zip(first, second))
+    if hasattr(first, "shape"):
+        return first.shape == second.shape and bool((first == second).all())
+    return first == second

@@ -56,7 +56,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import random
 import time
 from dataclasses import dataclass, field
 
@@ -66,6 +65,7 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError
+from ..rng import outside_torch_states, same_states
 from ._sites import first_line
 from .model_state import get_attribute, reassignment_error, slots_put_back, state_slots
 from .nodes import renormed_weight, writes_input
@@ -408,14 +408,14 @@ class _Replay:
             counted[1] += tensor.requires_grad
             return tensor
 
-        outside = _outside_rng_states() if fn is self.model else None
+        outside = outside_torch_states() if fn is self.model else None
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
                 output = fn(*args, **kwargs)
         finally:
             self.reassigned.extend(slots_put_back(self._slots))
         if outside is not None:
-            self.drew_outside_torch |= not _same_states(outside, _outside_rng_states())
+            self.drew_outside_torch |= not same_states(outside, outside_torch_states())
         result.saved, result.saved_requiring_grad = counted
         outputs = _output_tensors(output)
         if forward_only:
@@ -471,28 +471,6 @@ def _model_tensor_ids(model: nn.Module) -> set[int]:
     return {id(value) for module in model.modules()
             for value in (*module._parameters.values(), *module._buffers.values(), *module.__dict__.values())
             if isinstance(value, torch.Tensor)}
-
-
-def _outside_rng_states() -> tuple:
-    """Python's and numpy's global generator states (their draws are no part of a graph)."""
-    states = [random.getstate()]
-    try:
-        import numpy
-    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
-        return tuple(states)
-    return (*states, numpy.random.get_state())
-
-
-def _same_states(first: tuple, second: tuple) -> bool:
-    return all(_equal_state(a, b) for a, b in zip(first, second))
-
-
-def _equal_state(a, b) -> bool:
-    if isinstance(a, tuple) and isinstance(b, tuple):
-        return len(a) == len(b) and all(_equal_state(x, y) for x, y in zip(a, b))
-    if hasattr(a, "shape"):  # numpy's key array
-        return a.shape == b.shape and bool((a == b).all())
-    return a == b
 
 
 @contextlib.contextmanager
