@@ -106,7 +106,6 @@ torch.float32
 from __future__ import annotations
 
 import logging
-import operator
 import os
 import warnings
 import weakref
@@ -120,7 +119,7 @@ import torch.nn as nn
 
 from . import cache
 from .analyze import analyze_graph, fingerprint_of, parameter_shapes
-from .capture import key_dynamo_graph, named_tensors, op_nodes
+from .capture import is_numerical_op, key_dynamo_graph, named_tensors, op_nodes
 from .cast_policy import compute_dtype
 from .errors import BadInputError, PlanMismatchError
 from .float8 import fp8_fallbacks
@@ -380,8 +379,7 @@ class CompfxBackend:
     def _say_unplanned_regions(self, gm: fx.GraphModule) -> None:
         """Dynamo hands torch.utils.checkpoint's region (and other higher-order ops' bodies) over as a subgraph the
         graph calls; the passes plan the graph's own ops, so the region's run as the model wrote them: say so."""
-        bodies = {name: sum(node.op in ("call_function", "call_method", "call_module")
-                            and node.target is not operator.getitem for node in body.graph.nodes)
+        bodies = {name: sum(node.op.startswith("call") and is_numerical_op(node) for node in body.graph.nodes)
                   for name, body in gm.named_children() if isinstance(body, fx.GraphModule)}
         bodies = {name: count for name, count in bodies.items() if count}
         if bodies:
