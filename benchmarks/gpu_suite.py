@@ -296,7 +296,7 @@ def _start_state(args, env: dict, merged: dict | None, settings: Settings) -> di
                        "bench": {"rows": {}}}
     state["environment"] = env
     state["bench"]["settings"] = asdict(settings)
-    if (state.get("fp8") or {}).get("status") != "ok":  # a measured FP8 part is kept, as rows are
+    if not state.get("fp8"):  # an earlier run's FP8 part, measured or failed, stands until a run of the part
         state["fp8"] = {"status": "not measured", "why": FP8_NOTE}
     state["runs"].append({"run": len(state["runs"]) + 1, "started": _now(), "argv": sys.argv[1:],
                           "parts": args.parts, "budget_min": args.budget_min, "commit": _git_commit(),

@@ -251,3 +251,17 @@ def test_replace_section_touches_only_the_text_between_the_markers():
     assert gpu_readme.replace_section(text, "new") == f"a\n{gpu_readme.BEGIN}\nnew\n{gpu_readme.END}\nb\n"
     with pytest.raises(ValueError, match="exactly once"):
         gpu_readme.replace_section("no markers", "new")
+
+
+def test_a_failed_fp8_part_stays_recorded_through_a_later_run_of_other_parts():
+    from benchmarks import gpu_suite
+    from benchmarks.gpu_bench import Settings
+
+    failed = {"status": "failed", "why": "see the output tail", "output_tail": "CaptureError: ...", "run": 1}
+    merged = {"suite": "benchmarks.gpu_suite", "format": 1, "smoke": False, "device_name": "GPU", "slug": "gpu",
+              "runs": [{"run": 1}], "bench": {"rows": {}}, "fp8": failed}
+    args = gpu_suite.parse_args(["--parts", "env,cuda-tests,bench"])
+    state = gpu_suite._start_state(args, {"device_name": "GPU", "status": "ok"}, merged, Settings.for_run(False))
+    assert state["fp8"] == failed and len(state["runs"]) == 2
+    fresh = gpu_suite._start_state(args, {"device_name": "GPU", "status": "ok"}, None, Settings.for_run(False))
+    assert fresh["fp8"]["status"] == "not measured"
