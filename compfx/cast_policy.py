@@ -14,7 +14,10 @@ model prices.
     would make the write land on a temporary copy (:func:`mutated_positions`);
   - the weight, bias and running statistics of normalisation ops
     (:data:`NORM_KINDS`): their kernels take FP32 parameters beside a low
-    activation, and casting a running-stat buffer would lose its in-place update;
+    activation, and casting a running-stat buffer would lose its in-place update.
+    On CUDA, layer norm's and group norm's kernels take their weight and bias
+    only in the input's dtype (:data:`SAME_DTYPE_PARAMETERS_ON_CUDA`), so there
+    a plan that runs them low casts those too;
   - float64 tensors, which autocast leaves alone too.
 
 * **Who shares a cast** (:func:`shares_cast`): a parameter or buffer is cast
@@ -64,13 +67,17 @@ from .errors import BadInputError
 from .vocabulary import Precision, dtype_name, short_dtype_name
 
 __all__ = [
-    "NORM_KINDS", "COMPOSITE_KINDS", "PROMOTING_KINDS", "CAST_KINDS", "CAST_META", "AutocastRegion",
+    "NORM_KINDS", "SAME_DTYPE_PARAMETERS_ON_CUDA", "COMPOSITE_KINDS", "PROMOTING_KINDS", "CAST_KINDS", "CAST_META", "AutocastRegion",
     "mutated_positions", "castable", "castable_inputs", "is_model_tensor", "shares_cast", "runs_under_autocast", "low_runs_under_autocast",
     "runs_as_is", "is_cast", "compute_dtype", "precision_dtype", "run_as_planned",
 ]
 
 #: Ops whose weight/bias/running stats stay FP32 whatever the op's precision.
 NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "instance_norm"})
+#: Norm ops whose CUDA kernels read weight and bias in the input's dtype ("expected scalar type Half but found
+#: Float" beside a low input; batch and instance norm take FP32 ones, as cuDNN wants). CUDA autocast runs them in
+#: FP32, so only a plan that runs them low meets this; CPU kernels take FP32 parameters beside a low input.
+SAME_DTYPE_PARAMETERS_ON_CUDA = frozenset({"layer_norm", "group_norm"})
 #: Ops that autocast casts *inside*; "low" runs them under torch.autocast. einsum is one on CPU, where it reaches
 #: autocast as its GEMMs: it first sums an index only one operand has, in that operand's dtype, which casting its
 #: inputs would not (CUDA autocast casts einsum's inputs, as the region does there too).
@@ -118,10 +125,16 @@ def castable(kind: str, position, value, mutated: Iterable = frozenset()) -> boo
     (True, False)
     >>> castable("add", 0, torch.ones(2), mutated={0}), castable("add", 1, torch.ones(2, dtype=torch.float64))
     (False, False)
+    >>> castable("layer_norm", 2, torch.ones(2, device="meta")), castable("batch_norm", 1, torch.ones(2, device="meta"))
+    (False, False)
     """
-    if position in mutated or (kind in NORM_KINDS and position not in _INPUT_POSITIONS):
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dtype == torch.float64:
         return False
-    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
+    if position in mutated:
+        return False
+    if kind in NORM_KINDS and position not in _INPUT_POSITIONS:
+        return kind in SAME_DTYPE_PARAMETERS_ON_CUDA and value.device.type == "cuda"
+    return True
 
 
 def castable_inputs(node: fx.Node, value_of: Callable[[fx.Node], Any] = meta_value) -> list[tuple[Any, fx.Node]]:
