@@ -14,7 +14,10 @@ model prices.
     would make the write land on a temporary copy (:func:`mutated_positions`);
   - the weight, bias and running statistics of normalisation ops
     (:data:`NORM_KINDS`): their kernels take FP32 parameters beside a low
-    activation, and casting a running-stat buffer would lose its in-place update;
+    activation, and casting a running-stat buffer would lose its in-place update.
+    On CUDA, layer norm's and group norm's kernels take their weight and bias
+    only in the input's dtype (:data:`SAME_DTYPE_PARAMETERS_ON_CUDA`), so there
+    a plan that runs them low casts those too;
   - float64 tensors, which autocast leaves alone too.
 
 * **Who shares a cast** (:func:`shares_cast`): a parameter or buffer is cast
@@ -33,6 +36,12 @@ model prices.
 * **Which ops take mixed dtypes** (:func:`runs_as_is`): "follow" ops run on
   whatever reaches them when the dtypes agree or the op type-promotes
   (:data:`PROMOTING_KINDS`); GEMMs and RNNs reject mixed inputs.
+
+* **FP32 by a dtype argument** (:func:`fp32_by_dtype_argument`): on CUDA,
+  autocast runs softmax, sum, cumsum and the other ops of its
+  ``fp32_set_opt_dtype`` policy in FP32 by passing ``dtype=torch.float32``, not
+  by casting their input (softmax then reads the low input and writes FP32,
+  with no FP32 copy of its input); a plan's FP32 does the same there.
 
 * **What a cast is** (:func:`is_cast`): a conversion node (``.to``,
   ``.float()``, ``.type_as``, ``aten._to_copy``, ...) that changes the
@@ -64,17 +73,24 @@ from .errors import BadInputError
 from .vocabulary import Precision, dtype_name, short_dtype_name
 
 __all__ = [
-    "NORM_KINDS", "COMPOSITE_KINDS", "PROMOTING_KINDS", "CAST_KINDS", "CAST_META", "AutocastRegion",
+    "NORM_KINDS", "SAME_DTYPE_PARAMETERS_ON_CUDA", "COMPOSITE_KINDS", "PROMOTING_KINDS", "FP32_BY_DTYPE_ARGUMENT_ON_CUDA", "CAST_KINDS", "CAST_META", "AutocastRegion",
     "mutated_positions", "castable", "castable_inputs", "is_model_tensor", "shares_cast", "runs_under_autocast", "low_runs_under_autocast",
-    "runs_as_is", "is_cast", "compute_dtype", "precision_dtype", "run_as_planned",
+    "runs_as_is", "fp32_by_dtype_argument", "is_cast", "compute_dtype", "precision_dtype", "run_as_planned",
 ]
 
 #: Ops whose weight/bias/running stats stay FP32 whatever the op's precision.
 NORM_KINDS = frozenset({"batch_norm", "layer_norm", "group_norm", "instance_norm"})
+#: Norm ops whose CUDA kernels read weight and bias in the input's dtype ("expected scalar type Half but found
+#: Float" beside a low input; batch and instance norm take FP32 ones, as cuDNN wants). CUDA autocast runs them in
+#: FP32, so only a plan that runs them low meets this; CPU kernels take FP32 parameters beside a low input.
+SAME_DTYPE_PARAMETERS_ON_CUDA = frozenset({"layer_norm", "group_norm"})
 #: Ops that autocast casts *inside*; "low" runs them under torch.autocast. einsum is one on CPU, where it reaches
 #: autocast as its GEMMs: it first sums an index only one operand has, in that operand's dtype, which casting its
 #: inputs would not (CUDA autocast casts einsum's inputs, as the region does there too).
 COMPOSITE_KINDS = frozenset({"multi_head_attention", "gru", "lstm", "rnn_tanh", "rnn_relu", "einsum"})
+#: CUDA autocast's ``fp32_set_opt_dtype`` ops (autocast_mode.cpp): FP32 is ``dtype=torch.float32``, not a cast.
+FP32_BY_DTYPE_ARGUMENT_ON_CUDA = frozenset({"softmax", "log_softmax", "sum", "prod", "cumsum", "cumprod",
+                                            "linalg_vector_norm", "linalg_matrix_norm"})
 #: "Other" ops that take mixed floating inputs and type-promote them (TensorIterator ops).
 PROMOTING_KINDS = frozenset("""
     add sub rsub mul div where maximum minimum fmax fmin pow float_power atan2 lerp addcmul addcdiv
@@ -118,10 +134,16 @@ def castable(kind: str, position, value, mutated: Iterable = frozenset()) -> boo
     (True, False)
     >>> castable("add", 0, torch.ones(2), mutated={0}), castable("add", 1, torch.ones(2, dtype=torch.float64))
     (False, False)
+    >>> castable("layer_norm", 2, torch.ones(2, device="meta")), castable("batch_norm", 1, torch.ones(2, device="meta"))
+    (False, False)
     """
-    if position in mutated or (kind in NORM_KINDS and position not in _INPUT_POSITIONS):
+    if not isinstance(value, torch.Tensor) or not value.is_floating_point() or value.dtype == torch.float64:
         return False
-    return isinstance(value, torch.Tensor) and value.is_floating_point() and value.dtype != torch.float64
+    if position in mutated:
+        return False
+    if kind in NORM_KINDS and position not in _INPUT_POSITIONS:
+        return kind in SAME_DTYPE_PARAMETERS_ON_CUDA and value.device.type == "cuda"
+    return True
 
 
 def castable_inputs(node: fx.Node, value_of: Callable[[fx.Node], Any] = meta_value) -> list[tuple[Any, fx.Node]]:
@@ -148,6 +170,30 @@ def precision_dtype(precision: Precision, low_dtype: torch.dtype) -> torch.dtype
     (torch.float32, None)
     """
     return {Precision.LOW: low_dtype, Precision.FP32: torch.float32, Precision.FP8: torch.float32}.get(precision)
+
+
+def fp32_by_dtype_argument(node: fx.Node, device_type: str) -> bool:
+    """Does FP32 run ``node`` by passing ``dtype=torch.float32`` rather than by casting its input, as CUDA autocast
+    runs the ops of :data:`FP32_BY_DTYPE_ARGUMENT_ON_CUDA`? Only a torch function or Tensor method (a module
+    takes no ``dtype=``), and only when the model gave no dtype of its own (autocast keeps the model's).
+
+    >>> import torch, compfx
+    >>> class Pool(torch.nn.Module):
+    ...     def forward(self, x):
+    ...         return x.softmax(-1) + torch.sum(x, dtype=torch.float64)
+    >>> softmax, total = [n for n in compfx.op_nodes(compfx.capture(Pool(), torch.randn(2, 3)))
+    ...                   if n.meta[KEY_META].kind in ("softmax", "sum")]
+    >>> fp32_by_dtype_argument(softmax, "cuda"), fp32_by_dtype_argument(total, "cuda")
+    (True, False)
+    >>> fp32_by_dtype_argument(softmax, "cpu")  # CPU autocast casts: its FP32 list holds no such op
+    False
+    """
+    if device_type != "cuda" or node.op not in ("call_function", "call_method"):
+        return False
+    if isinstance(node.target, torch._ops.OpOverload) or node.meta[KEY_META].kind not in FP32_BY_DTYPE_ARGUMENT_ON_CUDA:
+        return False
+    given = [*node.args, *node.kwargs.values()]
+    return "dtype" not in node.kwargs and not any(isinstance(arg, torch.dtype) for arg in given)
 
 
 # -- who shares a cast -------------------------------------------------------------

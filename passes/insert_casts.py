@@ -3,7 +3,9 @@
 Which inputs are cast, and which ops run under autocast instead, is
 :mod:`compfx.cast_policy`'s to say; this pass applies it to a graph:
 
-* ``LOW`` / ``FP32``: the op's castable inputs are cast to that dtype.
+* ``LOW`` / ``FP32``: the op's castable inputs are cast to that dtype; on CUDA,
+  FP32 passes ``dtype=torch.float32`` to softmax, sum and the other ops CUDA
+  autocast runs so (:func:`~compfx.cast_policy.fp32_by_dtype_argument`).
   Composite ops and leaf modules run ``LOW`` under ``torch.autocast``
   (:class:`~compfx.cast_policy.AutocastRegion`).
 * ``FOLLOW``: on an ``OTHER`` op, no casts (what autocast does for unlisted
@@ -34,8 +36,8 @@ import torch.fx as fx
 
 from compfx.capture import get_attribute, has_side_effects
 from compfx.capture.nodes import copy_graph, inherit_location
-from compfx.cast_policy import (CAST_META, AutocastRegion, castable_inputs, precision_dtype, runs_as_is,
-                                low_runs_under_autocast, shares_cast)
+from compfx.cast_policy import (CAST_META, AutocastRegion, castable_inputs, fp32_by_dtype_argument, precision_dtype,
+                                runs_as_is, low_runs_under_autocast, shares_cast)
 from compfx.errors import PassError
 from compfx.opkey import KEY_META, OpKey
 from compfx.oplists import classify
@@ -171,6 +173,10 @@ class _CastInserter:
                 self._cast_inputs(node, castable, self._widest_input_dtype(castable))
             return False
         dtype = precision_dtype(precision, self.low_dtype)
+        if precision is Precision.FP32 and fp32_by_dtype_argument(node, self.device_type) and any(
+                self.dtypes.value(arg).dtype != torch.float32 for _, arg in castable):
+            node.kwargs = {**node.kwargs, "dtype": torch.float32}
+            return True
         self._cast_inputs(node, castable, dtype or self._widest_input_dtype(castable))
         return False
 

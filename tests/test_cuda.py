@@ -103,6 +103,19 @@ def test_amp_plan_inserts_as_many_casts_as_cuda_autocast(name):
     assert count_casts(gm) == count_autocast_casts(model, inputs, dtype=torch.float16, device_type="cuda")
 
 
+@pytest.mark.parametrize("low_dtype", LOW_DTYPES)
+@pytest.mark.parametrize("name", sorted(ZOO))
+def test_a_plan_that_runs_every_op_low_trains_on_cuda(name, low_dtype):
+    """Norms too: CUDA's layer and group norm kernels take weight and bias only in the input's dtype, where CPU's
+    and batch norm's take FP32 ones (cast_policy.SAME_DTYPE_PARAMETERS_ON_CUDA)."""
+    model, inputs = _on_cuda(name)
+    analysis = compfx.analyze(model, inputs, low_dtype=low_dtype)
+    planned = apply(model, compfx.Plan.from_bitstring(analysis, "0" * len(analysis.ops)), analysis=analysis)
+    out, grads = _forward_backward(planned, inputs, dict(model.named_parameters()))
+    assert torch.isfinite(out.float()).all()
+    assert all(grad is None or grad.dtype == torch.float32 for grad in grads.values())
+
+
 # -- Tensor Cores on the real capability ---------------------------------------------------------
 
 class _Shapes(nn.Module):

@@ -446,3 +446,18 @@ def test_a_rewrite_under_no_grad_prices_the_same_casts_as_one_with_grad():
         loud = apply(analysis.graph_module, plan, analysis=analysis)
     assert casts_in(quiet) == casts_in(loud)
     assert any(cast.backward and not cast.parameter for cast in casts_in(loud))  # activations' casts have one
+
+
+def test_layer_and_group_norm_parameters_are_cast_with_their_input_on_cuda_only():
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from compfx.cast_policy import castable
+
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        on_cuda = torch.empty(4, device="cuda")
+    on_cpu = torch.ones(4)
+    # CUDA's layer and group norm kernels read weight and bias in the input's dtype; batch norm's read FP32
+    assert castable("layer_norm", 2, on_cuda) and castable("group_norm", "weight", on_cuda)
+    assert not castable("batch_norm", 1, on_cuda) and not castable("instance_norm", "weight", on_cuda)
+    assert not castable("layer_norm", 2, on_cpu) and not castable("group_norm", 2, on_cpu)
+    assert castable("layer_norm", 0, on_cpu)  # the input itself always is
