@@ -7,7 +7,11 @@ with fake evaluators.
 
 ==================  ==============================================================
 ``space``           what the search knows of each op (category, TC, group)
-``stage1``          Algorithm 1: one epoch per plan, the loss guard, exact-safe pruning
+``stage1``          Algorithm 1: the first incumbent, then one trial per candidate
+``stage1_space``    Stage 1's candidates, and how it covers them within its budget
+``stage1_samples``  one epoch per plan: exact-safe pruning, the loss guard, judging against the incumbent
+``stage1_screen``   the cost-model screen: candidates the profiles show cannot win are not sampled
+``stage1_turns``    candidates' epochs taking turns with the incumbent's, on the same batches
 ``stage2``          Algorithm 2: timed steps for the "other" ops between Stage-1 ops
 ``compare``         the decision rule: when a candidate replaces the incumbent (paired, interleaved duels)
 ``evidence``        why each op got its precision, read from the log (the report's "why" column)
@@ -37,7 +41,9 @@ from .log import Replay, SampleRecord, SearchLog
 from .outcome import Outcome
 from .result import SearchResult
 from .space import SearchSpace
-from .stage1 import Stage1Result, run_stage1, should_skip, skip_message, stage1_candidates, stage1_plan_space
+from .stage1 import Stage1Result, run_stage1
+from .stage1_screen import should_skip, skip_message
+from .stage1_space import stage1_candidates, stage1_plan_space
 from .stage2 import Segment, Stage2Result, algorithm2_candidates, run_stage2, stage2_segments
 
 __all__ = [
