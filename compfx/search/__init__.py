@@ -18,13 +18,13 @@ with fake evaluators.
 ``convergence``     the guard (loss within ``threshold`` x FP32's) and the final loss check
 ``allocation``      QSync's per-device allocator (one plan per rank)
 ``distributed``     the search under ``torch.distributed``: a synchronised evaluator, the rank strategies
-``evaluator``       the Evaluator interface; the local, replaying and function evaluators
+``evaluator``       the Evaluator interface; the local, replaying and function evaluators; a log's replay
 ``per_module``      the search over a model's blocks (``optimize(..., per_module=...)``): its evaluator
 ``sampling``        fair training samples: same state, same RNG, same batches, restored in place
 ``driver``          runs the stages and the check, then a strategy's decision; the recorder
 ``session``         one search of a real model (what :func:`compfx.optimize` runs once it has wired the inputs)
 ``config``          :class:`SearchConfig` and the settings that decide (for resume)
-``log``             the JSON Lines search log and its replay
+``log``             the JSON Lines search log: its format, digests and keys
 ``outcome``         what one sample gave
 ``result``          :class:`SearchResult`, what :func:`compfx.optimize` returns
 ``report``          the report of a result (``result.report()``)
@@ -36,8 +36,8 @@ from .compare import Comparison, DecisionRule, StepComparison, median_interval, 
 from .config import DECIDES, SearchConfig, decision_settings
 from .convergence import check_plan, check_winner, is_accepted, loss_limit
 from .driver import SINGLE_PROCESS, Decision, Recorder, SingleProcess, Strategy, compare_steps, run_search
-from .evaluator import Evaluator, FunctionEvaluator, LocalEvaluator, ReplayingEvaluator, measured_time
-from .log import Replay, SampleRecord, SearchLog
+from .evaluator import Evaluator, FunctionEvaluator, LocalEvaluator, Replay, ReplayingEvaluator, measured_time
+from .log import SampleRecord, SearchLog
 from .outcome import Outcome
 from .result import SearchResult
 from .space import SearchSpace
