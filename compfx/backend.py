@@ -119,11 +119,12 @@ import torch.nn as nn
 
 from . import cache
 from .analyze import analyze_graph, fingerprint_of, parameter_shapes
-from .capture import is_numerical_op, key_dynamo_graph, named_tensors, op_nodes
+from .capture import is_numerical_op, key_dynamo_graph, op_nodes
+from .capture.dynamo import CallIndexOffsets
 from .cast_policy import compute_dtype
 from .errors import BadInputError, PlanMismatchError
 from .float8 import fp8_fallbacks
-from .opkey import KEY_META, OpKey, normalize_module_path
+from .opkey import KEY_META, OpKey
 from .oplists import classify
 from .passes import apply_precisions
 from .passes.pad_shapes import PADDED_META
@@ -169,107 +170,6 @@ class GraphRecord:
     plan_path: str | None = None
     padded: tuple[OpKey, ...] = ()
     fp8_fallbacks: tuple[tuple[OpKey, str], ...] = ()
-
-
-# ---------------------------------------------------------------------------
-# keying dynamo graphs
-
-
-class _ModelNames:
-    """id(module / parameter / buffer) -> fully qualified name in one model."""
-
-    def __init__(self, model: nn.Module):
-        self.modules = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-        self.tensors = {id(t): name for name, t in named_tensors(model)}
-
-
-def _frame_root_prefix(gm: fx.GraphModule, example_inputs: Sequence, names: _ModelNames) -> str:
-    """FQN of the module that dynamo's frame started in ('' for the model itself).
-
-    A parameter placeholder's source reads ``L['self'].a.weight`` relative to the
-    frame; the real tensor passed for it has the full name ``inner.a.weight``.
-    """
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, example_inputs):
-        full = names.tensors.get(id(value)) if isinstance(value, torch.Tensor) else None
-        source = getattr(node.meta.get("grapharg"), "source", None)
-        if full is None or source is None:
-            continue
-        relative = normalize_module_path(str(source.name))
-        if full == relative:
-            return ""
-        if relative and full.endswith("." + relative):
-            return full[: -len(relative) - 1]
-    return ""
-
-
-def _module_path(node: fx.Node, names: _ModelNames | None, prefix: str) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if names is not None and stack:
-        module_id = list(stack.keys())[-1]
-        if str(module_id).isdigit() and int(module_id) in names.modules:
-            return names.modules[int(module_id)]
-    relative = node.meta[KEY_META].module
-    return ".".join(part for part in (prefix, relative) if part)
-
-
-def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, model: nn.Module | None = None,
-                      index_offsets: Mapping[tuple[str, str], int] | None = None) -> dict[OpKey, fx.Node]:
-    """Give a dynamo backend graph's ops the OpKeys that :func:`compfx.capture` gives the model.
-
-    ``model`` (optional) maps dynamo's frame-relative module paths back to the
-    model's names; ``index_offsets`` ((module, kind) -> calls in earlier graphs)
-    continues call indices across graph breaks. Returns the keys in graph order.
-
-    >>> import torch
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
-    >>> keys = []
-    >>> def record(gm, example_inputs):
-    ...     keys.extend(map(str, key_backend_graph(gm, example_inputs, model=model)))
-    ...     return gm.forward
-    >>> _ = torch.compile(model, backend=record)(torch.randn(2, 4))
-    >>> keys
-    ['0:linear#0', '1:relu#0']
-    """
-    key_dynamo_graph(gm)  # capture's keys, relative to dynamo's frame, indices from 0
-    names = _ModelNames(model) if model is not None else None
-    prefix = _frame_root_prefix(gm, example_inputs, names) if names is not None else ""
-    counts: Counter = Counter(index_offsets or {})
-    keys: dict[OpKey, fx.Node] = {}
-    for node in op_nodes(gm):
-        module, kind = _module_path(node, names, prefix), node.meta[KEY_META].kind
-        key = OpKey(module, kind, counts[(module, kind)])
-        counts[(module, kind)] += 1
-        node.meta[KEY_META] = key
-        keys[key] = node
-    return keys
-
-
-class _CallIndexOffsets:
-    """Call counts per (module, kind) over the graphs one backend compiled, remembered per dynamo frame.
-
-    Dynamo compiles the graphs of one forward in execution order on the first
-    call, so the counts before a frame are that frame's index offsets. A
-    recompile of a frame (new shapes, eval mode) reuses its first offsets.
-    """
-
-    def __init__(self):
-        self._running: Counter = Counter()
-        self._by_frame: dict[int, Counter] = {}
-        self._counted: set[int] = set()
-
-    def for_frame(self, frame_id: int | None) -> Counter:
-        if frame_id is None:  # not called by dynamo: a graph of its own
-            return Counter()
-        return self._by_frame.setdefault(frame_id, Counter(self._running))
-
-    def count(self, frame_id: int | None, keys) -> None:
-        if frame_id is None or frame_id in self._counted:
-            return
-        self._counted.add(frame_id)
-        for key in keys:
-            slot = (key.module, key.kind)
-            self._running[slot] = max(self._running[slot], key.index + 1)
 
 
 # ---------------------------------------------------------------------------
@@ -325,7 +225,7 @@ class CompfxBackend:
         # emulate_precision_casts first: an explicit entry in inductor_options wins
         self.inductor_patches = {"emulate_precision_casts": emulate_precision_casts, **(inductor_options or {})}
         self.records: list[GraphRecord] = []
-        self._offsets = _CallIndexOffsets()
+        self._offsets = CallIndexOffsets()
         self._searched_offsets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its offsets
         self._previous_searched: cache.SearchedPlan | None = None  # the searched model of the graph compiled last
         self._logged: set[str] = set()
@@ -441,9 +341,8 @@ class CompfxBackend:
                  + (f", saved to {searched.path}" if searched.path else ""))
         if not self._same_device(plan, device, where):
             return None
-        offsets = self._searched_offsets.setdefault(model, _CallIndexOffsets())
-        counts = Counter(offsets.for_frame(frame))
-        keys = tuple(key_backend_graph(gm, example_inputs, model=model, index_offsets=counts))
+        offsets = self._searched_offsets.setdefault(model, CallIndexOffsets())
+        keys = tuple(key_dynamo_graph(gm, offsets.for_frame(frame), example_inputs=example_inputs, model=model))
         planned = [key in plan for key in keys]
         # known by its parameters (or model=), one op of the plan's will do; known only by following one of the
         # model's graphs, every op must continue the plan
@@ -458,7 +357,7 @@ class CompfxBackend:
     def _cached(self, gm, example_inputs, device, low_dtype) -> "_Choice | None":
         """The cached plan of this graph's whole-model fingerprint, when its ops are exactly the graph's and it was
         searched on this device type; a cached plan that is not used is warned about, never skipped silently."""
-        whole = tuple(key_backend_graph(gm, example_inputs, model=self.model))  # call indices from 0
+        whole = tuple(key_dynamo_graph(gm, example_inputs=example_inputs, model=self.model))  # call indices from 0
         if not whole:
             return None
         found = cache.find_cached(fingerprint_of(whole), low_dtype=low_dtype, cache_dir=self.cache_dir)
@@ -595,9 +494,9 @@ def _refusing(refusal: PlanMismatchError) -> Callable:
     return refuse
 
 
-def _keyed(gm: fx.GraphModule, example_inputs, model, offsets: _CallIndexOffsets, frame) -> tuple[OpKey, ...]:
+def _keyed(gm: fx.GraphModule, example_inputs, model, offsets: CallIndexOffsets, frame) -> tuple[OpKey, ...]:
     """The graph's ops keyed for ``model`` (None: as dynamo names them), indices continued from ``offsets``."""
-    keys = tuple(key_backend_graph(gm, example_inputs, model=model, index_offsets=offsets.for_frame(frame)))
+    keys = tuple(key_dynamo_graph(gm, offsets.for_frame(frame), example_inputs=example_inputs, model=model))
     offsets.count(frame, keys)
     return keys
 
@@ -625,6 +524,24 @@ def _fp8_ops(gm: fx.GraphModule, precisions: Mapping[OpKey, Precision], device: 
 
 def _keyed_nodes(gm: fx.GraphModule) -> dict[OpKey, fx.Node]:
     return {node.meta[KEY_META]: node for node in op_nodes(gm)}
+
+
+def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, model: nn.Module | None = None,
+                      index_offsets: Mapping[tuple[str, str], int] | None = None) -> dict[OpKey, fx.Node]:
+    """Deprecated: use :func:`compfx.capture.key_dynamo_graph` (``counts``, ``example_inputs=``, ``model=``).
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     _ = key_backend_graph(torch.fx.symbolic_trace(torch.nn.Sequential()))
+    >>> caught[0].category.__name__
+    'DeprecationWarning'
+    """
+    warnings.warn("compfx.backend.key_backend_graph is deprecated; use compfx.capture.key_dynamo_graph(gm, counts, "
+                  "example_inputs=..., model=...), the one function that keys dynamo's graphs",
+                  DeprecationWarning, stacklevel=2)
+    key_dynamo_graph(gm, Counter(index_offsets or {}), example_inputs=example_inputs, model=model)
+    return _keyed_nodes(gm)
 
 
 # ---------------------------------------------------------------------------
