@@ -3,97 +3,13 @@
 ``torch.compile(model, backend="compfx")`` (registered through the
 ``torch_dynamo_backends`` entry point) or, with explicit settings,
 ``torch.compile(model, backend=compfx.backend(plan, inner="inductor"))``.
-
-For every graph dynamo hands over, the backend
-
-1. keys the graph's ops with the same :class:`~compfx.opkey.OpKey` that
-   :func:`compfx.capture` gives them (dynamo inlines modules and lifts
-   parameters to placeholders; the keys come from ``nn_module_stack``, and
-   values from ``meta["example_value"]``),
-2. picks the plan: the one it was given (a :class:`~compfx.plan.Plan` or a
-   path), else the plan searched for this model (see "Plan identity" below),
-   else the default plan below,
-3. inserts the plan's casts (:func:`compfx.passes.apply_precisions`)
-   *before* AOT autograd, so AOT derives a backward through the casts and
-   training works,
-4. hands the graph to ``inner``: ``"inductor"``, ``"aot_eager"``,
-   ``"eager"``, any registered backend name, or a backend callable.
-
-**Plan identity.** Without a given plan, a graph runs a searched plan only
-when it is a graph of the model that plan was searched for:
-
-* ``"searched"``: in the process that ran :func:`compfx.optimize`, a graph that
-  reads the searched model's parameters (or any graph of a backend built with
-  ``model=`` that model) runs that search's plan, a graph split off at a graph
-  break included: the model is known, so its ops are named as the search named
-  them, call indices continued across its graphs;
-* ``"cache"``: otherwise, the plan cached under the graph's whole-model
-  fingerprint (:func:`compfx.cache.find_cached`), and only when its ops are
-  exactly the graph's and it was searched on the graph's device type. A graph
-  whose ops are a subset of a cached model's (a smaller model, or a piece of
-  another model split at a graph break) runs the default plan: no lookup
-  "covers" it with another model's plan.
-
-Whenever a searched or cached plan runs, the ``compfx`` logger says once, at
-INFO, which file, searched when, by which process, on which device type and
-under which torch release. A cached plan of this fingerprint that is not used
-(other ops, another device type) is a WARNING, never silent, as is one whose
-file replaced a different plan of another process's search (see
-:mod:`compfx.cache`), and a given plan made for another device type.
-
-**Which plan ran** is recorded per graph (:class:`GraphRecord`: ``origin``
-``"given"``, ``"searched"``, ``"cache"`` or ``"default"``, the plan's
-fingerprint and file); :meth:`CompfxBackend.report` prints the records. An
-explicit plan whose keys match none of the ops of the first graphs compiled was
-made for another model and is refused with a
-:class:`~compfx.errors.PlanMismatchError` that reaches the caller of the
-compiled model as itself: the backend hands dynamo a graph that raises it
-when called (dynamo would wrap an error raised while compiling in its
-``BackendCompilerFailed``), so every call of that graph refuses the plan and
-nothing of the model runs.
-
-**Default plan** (no plan given or cached): ``Plan.amp`` of the graph, i.e.
-whitelist -> low, blacklist -> fp32, other -> follow. Whitelisted ops that are
-not Tensor Core eligible stay low, as autocast does: on a CPU no op is
-eligible, so the fp32 alternative would turn the default into "no mixed
-precision at all", and CoMP's Stage 1 is what decides, by measurement,
-whether those ops should go back to fp32.
-
-**Shape padding.** The backend applies the plan's padding (``plan.padded``,
-:mod:`compfx.passes.pad_shapes`) before AOT autograd, as it applies the casts:
-those ops were padded because the search measured that it pays. Inductor has
-a padding of its own (``torch._inductor.config.shape_padding``, its ``pad_mm``
-pass on CUDA, on by default), which pads misaligned ``mm`` / ``bmm`` / ``addmm``
-where its own benchmark says so. So that no op is padded twice, and none the
-plan left unpadded is padded behind its back, a graph in which the plan pads
-an op is compiled with ``shape_padding=False`` (whatever ``inductor_options``
-say); a graph the plan pads nothing
-in (every graph of a plan without padding, and the default plan) keeps
-Inductor's setting as it is (``inductor_options={"shape_padding": ...}`` sets
-it). ``GraphRecord.padded`` lists the ops padded in each graph.
-
-**Graph breaks** give several graphs; each gets the plan's entries for its
-own ops. A plan key missing from a graph is fine (it lives in another graph);
-a graph op without a plan entry runs as ``"follow"`` and is logged once. Two
-things differ from one whole-model capture, and the backend repairs both:
-the call index (dynamo restarts counting in each graph, so the backend keeps
-counting across the graphs of one backend object, in the order dynamo first
-compiles them, which is execution order), and, when dynamo starts a frame
-inside a submodule, the module path (give ``model=`` and the backend maps
-dynamo's modules and parameters back to the model's own names). Use one
-backend object per model: :func:`compile_with_plan` does.
-
-**Inductor and precision casts.** Inductor fuses pointwise ops and, by
-default, drops a downcast that is followed by an upcast inside a fused
-kernel, so a plan's "low" would silently run in fp32. The backend compiles
-with ``torch._inductor.config.emulate_precision_casts=True`` (passed as
-``config_patches`` to ``compile_fx``, which also covers the backward graph,
-compiled later, out of our scope): the rounding the plan asks for happens,
-at the cost of a few conversions per fused kernel. The casts are nodes of
-the graph itself, so Inductor's FX graph cache key (a hash of the graph and
-of the config) differs between plans and a different plan never reuses a
-stale kernel. Dynamo's own cache is per backend object: a new plan means a
-new backend object, and dynamo recompiles for it.
+For every graph dynamo hands over, the backend keys its ops as
+:func:`compfx.capture` does (:func:`~compfx.capture.key_dynamo_graph`), picks
+the plan (given, searched for this model in this process, cached, or
+``Plan.amp`` of the graph), inserts the plan's casts before AOT autograd, and
+hands the graph to ``inner``. ``docs/compile.md`` says which plan runs when,
+and how graph breaks, shape padding and Inductor's casts are handled;
+:class:`GraphRecord` says what happened to each graph.
 
 >>> import torch, compfx
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
@@ -153,7 +69,7 @@ class GraphRecord:
     Which plan it was: ``origin`` (``"given"``, ``"searched"`` for the plan this
     process searched for the graph's model, ``"cache"`` for the cached plan of
     this graph's fingerprint, ``"default"`` for ``Plan.amp`` of the graph; see
-    the module docstring), ``plan_fingerprint``, ``plan_path`` (the file it was
+    docs/compile.md), ``plan_fingerprint``, ``plan_path`` (the file it was
     read from or saved to, or None), and ``plan_source``, the same in words.
     ``fp8_fallbacks``: the plan's FP8 ops that cannot run FP8 at this graph's
     shapes (not multiples of 16, or dynamic), with why; they run at AMP's
@@ -423,7 +339,7 @@ class CompfxBackend:
 
         Once a graph matched, later graphs without a match are graph-break
         pieces keyed differently (a frame inside a submodule, without
-        ``model=``): their ops follow, as the module docstring says.
+        ``model=``): their ops follow (docs/compile.md, "Graph breaks").
         """
         if not keys or self._matched or any(key in self.plan for key in keys):
             self._matched = self._matched or any(key in self.plan for key in keys)
