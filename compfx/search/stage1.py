@@ -13,7 +13,7 @@ decision rule (:class:`~compfx.search.compare.DecisionRule`), and ties keep
 the incumbent.
 
 This module runs the stage (:func:`run_stage1`: the first incumbent, then one
-trial per candidate); its parts are rooms of their own:
+trial per candidate); its parts are modules of their own:
 
 * :mod:`~compfx.search.stage1_space`: the candidates, and how the stage
   covers them within its budget;
