@@ -3,97 +3,13 @@
 ``torch.compile(model, backend="compfx")`` (registered through the
 ``torch_dynamo_backends`` entry point) or, with explicit settings,
 ``torch.compile(model, backend=compfx.backend(plan, inner="inductor"))``.
-
-For every graph dynamo hands over, the backend
-
-1. keys the graph's ops with the same :class:`~compfx.opkey.OpKey` that
-   :func:`compfx.capture` gives them (dynamo inlines modules and lifts
-   parameters to placeholders; the keys come from ``nn_module_stack``, and
-   values from ``meta["example_value"]``),
-2. picks the plan: the one it was given (a :class:`~compfx.plan.Plan` or a
-   path), else the plan searched for this model (see "Plan identity" below),
-   else the default plan below,
-3. inserts the plan's casts (:func:`compfx.passes.apply_precisions`)
-   *before* AOT autograd, so AOT derives a backward through the casts and
-   training works,
-4. hands the graph to ``inner``: ``"inductor"``, ``"aot_eager"``,
-   ``"eager"``, any registered backend name, or a backend callable.
-
-**Plan identity.** Without a given plan, a graph runs a searched plan only
-when it is a graph of the model that plan was searched for:
-
-* ``"searched"``: in the process that ran :func:`compfx.optimize`, a graph that
-  reads the searched model's parameters (or any graph of a backend built with
-  ``model=`` that model) runs that search's plan, a graph split off at a graph
-  break included: the model is known, so its ops are named as the search named
-  them, call indices continued across its graphs;
-* ``"cache"``: otherwise, the plan cached under the graph's whole-model
-  fingerprint (:func:`compfx.cache.find_cached`), and only when its ops are
-  exactly the graph's and it was searched on the graph's device type. A graph
-  whose ops are a subset of a cached model's (a smaller model, or a piece of
-  another model split at a graph break) runs the default plan: no lookup
-  "covers" it with another model's plan.
-
-Whenever a searched or cached plan runs, the ``compfx`` logger says once, at
-INFO, which file, searched when, by which process, on which device type and
-under which torch release. A cached plan of this fingerprint that is not used
-(other ops, another device type) is a WARNING, never silent, as is one whose
-file replaced a different plan of another process's search (see
-:mod:`compfx.cache`), and a given plan made for another device type.
-
-**Which plan ran** is recorded per graph (:class:`GraphRecord`: ``origin``
-``"given"``, ``"searched"``, ``"cache"`` or ``"default"``, the plan's
-fingerprint and file); :meth:`CompfxBackend.report` prints the records. An
-explicit plan whose keys match none of the ops of the first graphs compiled was
-made for another model and is refused with a
-:class:`~compfx.errors.PlanMismatchError` that reaches the caller of the
-compiled model as itself: the backend hands dynamo a graph that raises it
-when called (dynamo would wrap an error raised while compiling in its
-``BackendCompilerFailed``), so every call of that graph refuses the plan and
-nothing of the model runs.
-
-**Default plan** (no plan given or cached): ``Plan.amp`` of the graph, i.e.
-whitelist -> low, blacklist -> fp32, other -> follow. Whitelisted ops that are
-not Tensor Core eligible stay low, as autocast does: on a CPU no op is
-eligible, so the fp32 alternative would turn the default into "no mixed
-precision at all", and CoMP's Stage 1 is what decides, by measurement,
-whether those ops should go back to fp32.
-
-**Shape padding.** The backend applies the plan's padding (``plan.padded``,
-:mod:`compfx.passes.pad_shapes`) before AOT autograd, as it applies the casts:
-those ops were padded because the search measured that it pays. Inductor has
-a padding of its own (``torch._inductor.config.shape_padding``, its ``pad_mm``
-pass on CUDA, on by default), which pads misaligned ``mm`` / ``bmm`` / ``addmm``
-where its own benchmark says so. So that no op is padded twice, and none the
-plan left unpadded is padded behind its back, a graph in which the plan pads
-an op is compiled with ``shape_padding=False`` (whatever ``inductor_options``
-say); a graph the plan pads nothing
-in (every graph of a plan without padding, and the default plan) keeps
-Inductor's setting as it is (``inductor_options={"shape_padding": ...}`` sets
-it). ``GraphRecord.padded`` lists the ops padded in each graph.
-
-**Graph breaks** give several graphs; each gets the plan's entries for its
-own ops. A plan key missing from a graph is fine (it lives in another graph);
-a graph op without a plan entry runs as ``"follow"`` and is logged once. Two
-things differ from one whole-model capture, and the backend repairs both:
-the call index (dynamo restarts counting in each graph, so the backend keeps
-counting across the graphs of one backend object, in the order dynamo first
-compiles them, which is execution order), and, when dynamo starts a frame
-inside a submodule, the module path (give ``model=`` and the backend maps
-dynamo's modules and parameters back to the model's own names). Use one
-backend object per model: :func:`compile_with_plan` does.
-
-**Inductor and precision casts.** Inductor fuses pointwise ops and, by
-default, drops a downcast that is followed by an upcast inside a fused
-kernel, so a plan's "low" would silently run in fp32. The backend compiles
-with ``torch._inductor.config.emulate_precision_casts=True`` (passed as
-``config_patches`` to ``compile_fx``, which also covers the backward graph,
-compiled later, out of our scope): the rounding the plan asks for happens,
-at the cost of a few conversions per fused kernel. The casts are nodes of
-the graph itself, so Inductor's FX graph cache key (a hash of the graph and
-of the config) differs between plans and a different plan never reuses a
-stale kernel. Dynamo's own cache is per backend object: a new plan means a
-new backend object, and dynamo recompiles for it.
+For every graph dynamo hands over, the backend keys its ops as
+:func:`compfx.capture` does (:func:`~compfx.capture.key_dynamo_graph`), picks
+the plan (given, searched for this model in this process, cached, or
+``Plan.amp`` of the graph), inserts the plan's casts before AOT autograd, and
+hands the graph to ``inner``. ``docs/compile.md`` says which plan runs when,
+and how graph breaks, shape padding and Inductor's casts are handled;
+:class:`GraphRecord` says what happened to each graph.
 
 >>> import torch, compfx
 >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
@@ -119,11 +35,12 @@ import torch.nn as nn
 
 from . import cache
 from .analyze import analyze_graph, fingerprint_of, parameter_shapes
-from .capture import is_numerical_op, key_dynamo_graph, named_tensors, op_nodes
+from .capture import is_numerical_op, key_dynamo_graph, op_nodes
+from .capture.dynamo import CallIndexOffsets
 from .cast_policy import compute_dtype
 from .errors import BadInputError, PlanMismatchError
 from .float8 import fp8_fallbacks
-from .opkey import KEY_META, OpKey, normalize_module_path
+from .opkey import KEY_META, OpKey
 from .oplists import classify
 from .passes import apply_precisions
 from .passes.pad_shapes import PADDED_META
@@ -152,7 +69,7 @@ class GraphRecord:
     Which plan it was: ``origin`` (``"given"``, ``"searched"`` for the plan this
     process searched for the graph's model, ``"cache"`` for the cached plan of
     this graph's fingerprint, ``"default"`` for ``Plan.amp`` of the graph; see
-    the module docstring), ``plan_fingerprint``, ``plan_path`` (the file it was
+    docs/compile.md), ``plan_fingerprint``, ``plan_path`` (the file it was
     read from or saved to, or None), and ``plan_source``, the same in words.
     ``fp8_fallbacks``: the plan's FP8 ops that cannot run FP8 at this graph's
     shapes (not multiples of 16, or dynamic), with why; they run at AMP's
@@ -169,107 +86,6 @@ class GraphRecord:
     plan_path: str | None = None
     padded: tuple[OpKey, ...] = ()
     fp8_fallbacks: tuple[tuple[OpKey, str], ...] = ()
-
-
-# ---------------------------------------------------------------------------
-# keying dynamo graphs
-
-
-class _ModelNames:
-    """id(module / parameter / buffer) -> fully qualified name in one model."""
-
-    def __init__(self, model: nn.Module):
-        self.modules = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
-        self.tensors = {id(t): name for name, t in named_tensors(model)}
-
-
-def _frame_root_prefix(gm: fx.GraphModule, example_inputs: Sequence, names: _ModelNames) -> str:
-    """FQN of the module that dynamo's frame started in ('' for the model itself).
-
-    A parameter placeholder's source reads ``L['self'].a.weight`` relative to the
-    frame; the real tensor passed for it has the full name ``inner.a.weight``.
-    """
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    for node, value in zip(placeholders, example_inputs):
-        full = names.tensors.get(id(value)) if isinstance(value, torch.Tensor) else None
-        source = getattr(node.meta.get("grapharg"), "source", None)
-        if full is None or source is None:
-            continue
-        relative = normalize_module_path(str(source.name))
-        if full == relative:
-            return ""
-        if relative and full.endswith("." + relative):
-            return full[: -len(relative) - 1]
-    return ""
-
-
-def _module_path(node: fx.Node, names: _ModelNames | None, prefix: str) -> str:
-    stack = node.meta.get("nn_module_stack") or {}
-    if names is not None and stack:
-        module_id = list(stack.keys())[-1]
-        if str(module_id).isdigit() and int(module_id) in names.modules:
-            return names.modules[int(module_id)]
-    relative = node.meta[KEY_META].module
-    return ".".join(part for part in (prefix, relative) if part)
-
-
-def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, model: nn.Module | None = None,
-                      index_offsets: Mapping[tuple[str, str], int] | None = None) -> dict[OpKey, fx.Node]:
-    """Give a dynamo backend graph's ops the OpKeys that :func:`compfx.capture` gives the model.
-
-    ``model`` (optional) maps dynamo's frame-relative module paths back to the
-    model's names; ``index_offsets`` ((module, kind) -> calls in earlier graphs)
-    continues call indices across graph breaks. Returns the keys in graph order.
-
-    >>> import torch
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
-    >>> keys = []
-    >>> def record(gm, example_inputs):
-    ...     keys.extend(map(str, key_backend_graph(gm, example_inputs, model=model)))
-    ...     return gm.forward
-    >>> _ = torch.compile(model, backend=record)(torch.randn(2, 4))
-    >>> keys
-    ['0:linear#0', '1:relu#0']
-    """
-    key_dynamo_graph(gm)  # capture's keys, relative to dynamo's frame, indices from 0
-    names = _ModelNames(model) if model is not None else None
-    prefix = _frame_root_prefix(gm, example_inputs, names) if names is not None else ""
-    counts: Counter = Counter(index_offsets or {})
-    keys: dict[OpKey, fx.Node] = {}
-    for node in op_nodes(gm):
-        module, kind = _module_path(node, names, prefix), node.meta[KEY_META].kind
-        key = OpKey(module, kind, counts[(module, kind)])
-        counts[(module, kind)] += 1
-        node.meta[KEY_META] = key
-        keys[key] = node
-    return keys
-
-
-class _CallIndexOffsets:
-    """Call counts per (module, kind) over the graphs one backend compiled, remembered per dynamo frame.
-
-    Dynamo compiles the graphs of one forward in execution order on the first
-    call, so the counts before a frame are that frame's index offsets. A
-    recompile of a frame (new shapes, eval mode) reuses its first offsets.
-    """
-
-    def __init__(self):
-        self._running: Counter = Counter()
-        self._by_frame: dict[int, Counter] = {}
-        self._counted: set[int] = set()
-
-    def for_frame(self, frame_id: int | None) -> Counter:
-        if frame_id is None:  # not called by dynamo: a graph of its own
-            return Counter()
-        return self._by_frame.setdefault(frame_id, Counter(self._running))
-
-    def count(self, frame_id: int | None, keys) -> None:
-        if frame_id is None or frame_id in self._counted:
-            return
-        self._counted.add(frame_id)
-        for key in keys:
-            slot = (key.module, key.kind)
-            self._running[slot] = max(self._running[slot], key.index + 1)
 
 
 # ---------------------------------------------------------------------------
@@ -325,7 +141,7 @@ class CompfxBackend:
         # emulate_precision_casts first: an explicit entry in inductor_options wins
         self.inductor_patches = {"emulate_precision_casts": emulate_precision_casts, **(inductor_options or {})}
         self.records: list[GraphRecord] = []
-        self._offsets = _CallIndexOffsets()
+        self._offsets = CallIndexOffsets()
         self._searched_offsets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its offsets
         self._previous_searched: cache.SearchedPlan | None = None  # the searched model of the graph compiled last
         self._logged: set[str] = set()
@@ -441,9 +257,8 @@ class CompfxBackend:
                  + (f", saved to {searched.path}" if searched.path else ""))
         if not self._same_device(plan, device, where):
             return None
-        offsets = self._searched_offsets.setdefault(model, _CallIndexOffsets())
-        counts = Counter(offsets.for_frame(frame))
-        keys = tuple(key_backend_graph(gm, example_inputs, model=model, index_offsets=counts))
+        offsets = self._searched_offsets.setdefault(model, CallIndexOffsets())
+        keys = tuple(key_dynamo_graph(gm, offsets.for_frame(frame), example_inputs=example_inputs, model=model))
         planned = [key in plan for key in keys]
         # known by its parameters (or model=), one op of the plan's will do; known only by following one of the
         # model's graphs, every op must continue the plan
@@ -458,7 +273,7 @@ class CompfxBackend:
     def _cached(self, gm, example_inputs, device, low_dtype) -> "_Choice | None":
         """The cached plan of this graph's whole-model fingerprint, when its ops are exactly the graph's and it was
         searched on this device type; a cached plan that is not used is warned about, never skipped silently."""
-        whole = tuple(key_backend_graph(gm, example_inputs, model=self.model))  # call indices from 0
+        whole = tuple(key_dynamo_graph(gm, example_inputs=example_inputs, model=self.model))  # call indices from 0
         if not whole:
             return None
         found = cache.find_cached(fingerprint_of(whole), low_dtype=low_dtype, cache_dir=self.cache_dir)
@@ -524,7 +339,7 @@ class CompfxBackend:
 
         Once a graph matched, later graphs without a match are graph-break
         pieces keyed differently (a frame inside a submodule, without
-        ``model=``): their ops follow, as the module docstring says.
+        ``model=``): their ops follow (docs/compile.md, "Graph breaks").
         """
         if not keys or self._matched or any(key in self.plan for key in keys):
             self._matched = self._matched or any(key in self.plan for key in keys)
@@ -595,9 +410,9 @@ def _refusing(refusal: PlanMismatchError) -> Callable:
     return refuse
 
 
-def _keyed(gm: fx.GraphModule, example_inputs, model, offsets: _CallIndexOffsets, frame) -> tuple[OpKey, ...]:
+def _keyed(gm: fx.GraphModule, example_inputs, model, offsets: CallIndexOffsets, frame) -> tuple[OpKey, ...]:
     """The graph's ops keyed for ``model`` (None: as dynamo names them), indices continued from ``offsets``."""
-    keys = tuple(key_backend_graph(gm, example_inputs, model=model, index_offsets=offsets.for_frame(frame)))
+    keys = tuple(key_dynamo_graph(gm, offsets.for_frame(frame), example_inputs=example_inputs, model=model))
     offsets.count(frame, keys)
     return keys
 
@@ -625,6 +440,24 @@ def _fp8_ops(gm: fx.GraphModule, precisions: Mapping[OpKey, Precision], device: 
 
 def _keyed_nodes(gm: fx.GraphModule) -> dict[OpKey, fx.Node]:
     return {node.meta[KEY_META]: node for node in op_nodes(gm)}
+
+
+def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, model: nn.Module | None = None,
+                      index_offsets: Mapping[tuple[str, str], int] | None = None) -> dict[OpKey, fx.Node]:
+    """Deprecated: use :func:`compfx.capture.key_dynamo_graph` (``counts``, ``example_inputs=``, ``model=``).
+
+    >>> import warnings
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     _ = key_backend_graph(torch.fx.symbolic_trace(torch.nn.Sequential()))
+    >>> caught[0].category.__name__
+    'DeprecationWarning'
+    """
+    warnings.warn("compfx.backend.key_backend_graph is deprecated; use compfx.capture.key_dynamo_graph(gm, counts, "
+                  "example_inputs=..., model=...), the one function that keys dynamo's graphs",
+                  DeprecationWarning, stacklevel=2)
+    key_dynamo_graph(gm, Counter(index_offsets or {}), example_inputs=example_inputs, model=model)
+    return _keyed_nodes(gm)
 
 
 # ---------------------------------------------------------------------------

@@ -80,6 +80,84 @@ def test_key_dynamo_graph_continues_indices_across_graphs():
     assert [str(k) for k in key_dynamo_graph(one_graph(), counts)] == ["0:relu#1"]
 
 
+class _BreakInside(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a, self.b = nn.Linear(8, 8), nn.Linear(8, 8)
+
+    def forward(self, x):
+        x = torch.relu(self.a(x))
+        torch._dynamo.graph_break()  # dynamo starts a frame inside this submodule: its paths are relative to it
+        return torch.relu(self.b(x))
+
+
+class _BreakInForward(nn.Module):
+    def __init__(self, block: nn.Module):
+        super().__init__()
+        self.block, self.head = block, nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = torch.relu(self.block(x))
+        torch._dynamo.graph_break()  # the model's own ':relu' is counted across its graphs
+        x = torch.relu(x) * 2
+        return self.head(torch.relu(x))
+
+
+def _keys_over_graphs(model, x, *, named_by_model: bool):
+    """The keys key_dynamo_graph gives the graphs torch.compile hands a backend (one ``counts`` across them), and
+    how many graphs there were; ``named_by_model``: with ``model=``, as the compfx backend keys them."""
+    counts, keys, graphs = {}, [], []
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        keys.extend(str(k) for k in key_dynamo_graph(gm, counts, example_inputs=example_inputs,
+                                                     model=model if named_by_model else None))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(x)
+    torch._dynamo.reset()
+    return keys, len(graphs)
+
+
+@pytest.mark.parametrize("model, named_by_model", [(_BreakInForward(nn.Linear(8, 8)), False),
+                                                   (_BreakInForward(nn.Linear(8, 8)), True),
+                                                   (_BreakInForward(_BreakInside()), True)],
+                         ids=["break-in-forward", "break-in-forward-model", "break-in-a-submodule-model"])
+def test_graphs_split_at_graph_breaks_are_keyed_as_capture_keys_the_whole_model(model, named_by_model):
+    """The keys the backend plans by are the keys of one capture of the model, which compfx.apply plans by."""
+    x = torch.randn(4, 8)
+    keys, graphs = _keys_over_graphs(model, x, named_by_model=named_by_model)
+    assert graphs >= 2, "the test needs a model dynamo splits"
+    assert keys == _keys(capture(model, (x,)))
+    assert len(set(keys)) == len(keys)
+
+
+def test_a_graph_split_off_inside_a_submodule_needs_the_model_for_its_names():
+    model, x = _BreakInForward(_BreakInside()), torch.randn(4, 8)
+    keys, _ = _keys_over_graphs(model, x, named_by_model=False)
+    assert "a:linear#0" in keys and "block.a:linear#0" not in keys  # relative to the frame: the backend's model=
+
+
+def test_the_old_backend_keying_name_warns_and_keys_as_key_dynamo_graph():
+    from compfx.backend import key_backend_graph
+
+    model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
+    seen = []
+
+    def backend(gm, example_inputs):
+        with pytest.warns(DeprecationWarning, match="key_dynamo_graph"):
+            old = [str(k) for k in key_backend_graph(gm, example_inputs, model=model, index_offsets={("0", "linear"): 2})]
+        new = [str(k) for k in key_dynamo_graph(gm, {("0", "linear"): 2}, example_inputs=example_inputs, model=model)]
+        seen.append((old, new))
+        return gm.forward
+
+    torch._dynamo.reset()
+    torch.compile(model, backend=backend)(torch.randn(2, 4))
+    torch._dynamo.reset()
+    assert seen == [(["0:linear#2", "1:relu#0"], ["0:linear#2", "1:relu#0"])]
+
+
 # ---------------------------------------------------------------------------
 # the user's model is left as it was
 

@@ -6,12 +6,16 @@ static shapes: its graph is specialised to the example inputs. Its parameters
 are re-pointed at the model's own FQNs and its grad-mode switches made to
 restore the caller's mode, so its graph looks like the other tracers'.
 :func:`key_dynamo_graph` gives the graphs ``torch.compile`` hands the compfx
-backend the same metadata and OpKeys.
+backend the same metadata and OpKeys, call indices continued across the
+graphs of a model split at graph breaks (:class:`CallIndexOffsets` remembers
+where each dynamo frame's graphs start).
 """
 
 from __future__ import annotations
 
 import inspect
+from collections import Counter
+from typing import Sequence
 
 import torch
 import torch.fx as fx
@@ -20,13 +24,13 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
-from ..opkey import OpKey, assign_op_keys
+from ..opkey import KEY_META, OpKey, assign_op_keys, normalize_module_path
 from .autocast_blocks import mark_pinned
 from .dtype_limits import mark_dtype_limits
 from .model_state import buffers_restored, get_attribute, named_tensors
-from .nodes import complete_metadata, is_numerical_op
+from .nodes import complete_metadata, is_numerical_op, op_nodes
 
-__all__ = ["dynamo_capture", "CAPTURE_DEFAULTS", "capture_defaults", "key_dynamo_graph"]
+__all__ = ["dynamo_capture", "CAPTURE_DEFAULTS", "capture_defaults", "key_dynamo_graph", "CallIndexOffsets"]
 
 
 def dynamo_capture(model: nn.Module, args: tuple, kwargs: dict) -> fx.GraphModule:
@@ -134,16 +138,22 @@ def capture_defaults(model: nn.Module, kwargs: dict) -> dict:
     return {name: value for name, value in CAPTURE_DEFAULTS.items() if name in parameters and name not in kwargs}
 
 
-def key_dynamo_graph(gm: fx.GraphModule, counts: dict[tuple[str, str], int] | None = None) -> list[OpKey]:
+def key_dynamo_graph(gm: fx.GraphModule, counts: dict[tuple[str, str], int] | None = None, *,
+                     example_inputs: Sequence = (), model: nn.Module | None = None) -> list[OpKey]:
     """Key the graph that dynamo hands a ``torch.compile`` backend, like :func:`~compfx.capture.capture` would.
 
     Dynamo graphs keep values in ``meta["example_value"]`` and lift parameters
     to placeholders; this copies the values to ``meta["val"]`` (and adds
     ``tensor_meta``), marks ``torch.finfo`` literals (:func:`~compfx.capture.mark_dtype_limits`) and
     the ops of the model's ``autocast(enabled=False)`` blocks (:func:`~compfx.capture.mark_pinned`),
-    then writes an OpKey on every numerical op. For a model
-    split into several graphs, pass one ``counts`` dict to every call, in
-    execution order, so call indices continue across the graphs.
+    then writes an OpKey on every numerical op. Its module paths are
+    relative to the frame dynamo started in; ``model``, with the graph's
+    ``example_inputs``, maps them back to the model's own names (a frame that
+    starts inside a submodule, at a graph break). For a model split into
+    several graphs, pass one ``counts`` dict ((module, kind) -> next call
+    index, updated in place) to every call, in execution order, so call
+    indices continue across the graphs as in one capture of the whole model.
+    Returns the keys in graph order.
 
     >>> import torch
     >>> from compfx.capture import key_dynamo_graph
@@ -158,4 +168,88 @@ def key_dynamo_graph(gm: fx.GraphModule, counts: dict[tuple[str, str], int] | No
     complete_metadata(gm)
     mark_dtype_limits(gm)
     mark_pinned(gm)
-    return list(assign_op_keys(gm, include=is_numerical_op, counts=counts))
+    assign_op_keys(gm, include=is_numerical_op)  # capture's keys, relative to dynamo's frame, indices from 0
+    names = _ModelNames(model) if model is not None else None
+    prefix = _frame_root_prefix(gm, example_inputs, names) if names is not None else ""
+    counts = {} if counts is None else counts
+    keys = []
+    for node in op_nodes(gm):
+        module, kind = _module_path(node, names, prefix), node.meta[KEY_META].kind
+        key = OpKey(module, kind, counts.get((module, kind), 0))
+        counts[(module, kind)] = key.index + 1
+        node.meta[KEY_META] = key
+        keys.append(key)
+    return keys
+
+
+class _ModelNames:
+    """id(module / parameter / buffer) -> fully qualified name in one model."""
+
+    def __init__(self, model: nn.Module):
+        self.modules = {id(m): name for name, m in model.named_modules(remove_duplicate=False)}
+        self.tensors = {id(t): name for name, t in named_tensors(model)}
+
+
+def _frame_root_prefix(gm: fx.GraphModule, example_inputs: Sequence, names: _ModelNames) -> str:
+    """FQN of the module that dynamo's frame started in ('' for the model itself).
+
+    A parameter placeholder's source reads ``L['self'].a.weight`` relative to the
+    frame; the real tensor passed for it has the full name ``inner.a.weight``.
+    """
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for node, value in zip(placeholders, example_inputs):
+        full = names.tensors.get(id(value)) if isinstance(value, torch.Tensor) else None
+        source = getattr(node.meta.get("grapharg"), "source", None)
+        if full is None or source is None:
+            continue
+        relative = normalize_module_path(str(source.name))
+        if full == relative:
+            return ""
+        if relative and full.endswith("." + relative):
+            return full[: -len(relative) - 1]
+    return ""
+
+
+def _module_path(node: fx.Node, names: _ModelNames | None, prefix: str) -> str:
+    stack = node.meta.get("nn_module_stack") or {}
+    if names is not None and stack:
+        module_id = list(stack.keys())[-1]
+        if str(module_id).isdigit() and int(module_id) in names.modules:
+            return names.modules[int(module_id)]
+    relative = node.meta[KEY_META].module
+    return ".".join(part for part in (prefix, relative) if part)
+
+
+class CallIndexOffsets:
+    """Call counts per (module, kind) over the graphs one backend compiled, remembered per dynamo frame.
+
+    Dynamo compiles the graphs of one forward in execution order on the first
+    call, so the counts before a frame are that frame's index offsets. A
+    recompile of a frame (new shapes, eval mode) reuses its first offsets.
+
+    >>> offsets = CallIndexOffsets()
+    >>> dict(offsets.for_frame(1))  # the first frame's graph: indices from 0
+    {}
+    >>> offsets.count(1, [OpKey("", "relu", 0), OpKey("", "relu", 1)])  # it ran two relus
+    >>> dict(offsets.for_frame(2)), dict(offsets.for_frame(1))  # the next frame continues; frame 1 recompiled, not
+    ({('', 'relu'): 2}, {})
+    """
+
+    def __init__(self):
+        self._running: Counter = Counter()
+        self._by_frame: dict[int, Counter] = {}
+        self._counted: set[int] = set()
+
+    def for_frame(self, frame_id: int | None) -> Counter:
+        """The ``counts`` a graph of this frame is keyed from (:func:`key_dynamo_graph`): a copy, to update."""
+        if frame_id is None:  # not called by dynamo: a graph of its own
+            return Counter()
+        return Counter(self._by_frame.setdefault(frame_id, Counter(self._running)))
+
+    def count(self, frame_id: int | None, keys) -> None:
+        if frame_id is None or frame_id in self._counted:
+            return
+        self._counted.add(frame_id)
+        for key in keys:
+            slot = (key.module, key.kind)
+            self._running[slot] = max(self._running[slot], key.index + 1)

@@ -22,10 +22,12 @@ One module per job:
   :func:`profile_padding` times an op unpadded and padded (Campo's input
   padding: does padding pay for this op alone?);
 * :mod:`~compfx.costmodel.cast_cost`: :func:`fit_cast_cost` fits the cost of a cast;
-* :mod:`~compfx.costmodel.predictor`: :class:`Predictor` prices a rewritten
+* :mod:`~compfx.costmodel.pricing`: :class:`Predictor` prices a rewritten
   graph from its metadata (the dtypes :mod:`compfx.passes` wrote, the casts
-  :func:`compfx.passes.casts_in` lists); :class:`SearchPredictor` calibrates
-  it on the search's FP32 baseline and predicts Stage-1 epochs.
+  :func:`compfx.passes.casts_in` lists);
+* :mod:`~compfx.costmodel.predictor`: :class:`SearchPredictor` calibrates it
+  on the search's FP32 baseline (and the evidence of later samples) and
+  predicts Stage-1 epochs.
 
 All timing goes through :mod:`compfx.measure`.
 
@@ -39,8 +41,8 @@ True
 """
 
 from .cast_cost import CastCost, fit_cast_cost
-from .predictor import (MEASURED_STEP, PREDICTED_STEP, STALE_PROFILE_RATIO, STALE_PROFILES, Prediction, Predictor,
-                        SearchPredictor)
+from .predictor import MEASURED_STEP, PREDICTED_STEP, STALE_PROFILE_RATIO, STALE_PROFILES, SearchPredictor
+from .pricing import Prediction, Predictor
 from .profile import OpProfile, OpProfiles, PaddingProfile, profile_ops, profile_padding
 
 __all__ = [

@@ -46,7 +46,7 @@ class SearchConfig:
       ``loss_0 * threshold`` (``loss_0 + (threshold - 1) * |loss_0|``), loss_0
       being the FP32 epoch's. The paper uses 1.01.
     * ``stage1_budget``: most Stage-1 samples after the FP32 baseline; past
-      ``2**k`` the space is reduced (see :func:`compfx.search.stage1.stage1_plan_space`).
+      ``2**k`` the space is reduced (see :func:`compfx.search.stage1_space.stage1_plan_space`).
     * ``stage2_budget``: most Stage-2 candidates timed, the Stage-1 winner included.
     * ``seed``: the RNG seed every sample starts from.
     * ``warmup``: untimed steps before each timed sample (a Stage-1 epoch, a

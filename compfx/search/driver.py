@@ -37,7 +37,8 @@ from ..vocabulary import SampleStatus, Stage
 from .compare import AFTER_THE_SEARCH, MAX_DUEL_BLOCKS, Comparison, StepComparison, speedup_measured
 from .config import SearchConfig
 from .convergence import check_winner
-from .log import BATCHES, DUEL, Replay, SampleRecord, SearchLog
+from .evaluator import Replay
+from .log import BATCHES, DUEL, SampleRecord, SearchLog
 from .outcome import Reporter, failure_reason
 from .space import SearchSpace
 from .stage1 import Stage1Result, run_stage1

@@ -33,7 +33,8 @@ A failure that belongs to the plan is raised as
 
 Implementations here: :class:`LocalEvaluator` trains the real model in this
 process (:mod:`compfx.search.sampling`); :class:`ReplayingEvaluator` wraps
-another and serves samples a resumed log already holds;
+another and serves samples a resumed log already holds (:class:`Replay` reads
+them from the log's records);
 :class:`FunctionEvaluator` adapts plain functions (tests, custom measurement).
 Under ``torch.distributed``, :class:`compfx.search.distributed.SyncedEvaluator`
 wraps one so that every rank sees the same numbers.
@@ -43,21 +44,21 @@ from __future__ import annotations
 
 import functools
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
-from typing import Any, Callable, ContextManager, Generator, Hashable, Protocol, Sequence, runtime_checkable
+from dataclasses import dataclass, replace
+from typing import Any, Callable, ContextManager, Generator, Hashable, Iterator, Protocol, Sequence, runtime_checkable
 
 import torch
 import torch.nn as nn
 
-from ..errors import BadInputError, CaptureError, PlanFailedError, SearchError
+from ..errors import BadInputError, CaptureError, PlanFailedError, SearchError, SearchReplayError
 from ..measure import PhaseClock, interleaved_order
 from ..plan import Assignment, Plan
-from ..vocabulary import Stage
-from .log import Replay, ReplayedState
+from ..vocabulary import SampleStatus, Stage
+from .log import BATCHES, DUEL, REPLAYED_STAGES, SampleRecord
 from .sampling import FairSampler, from_loader, restore_state, state_bytes
 
-__all__ = ["Evaluator", "Epoch", "FunctionEvaluator", "ReplayingEvaluator", "LocalEvaluator", "plan_failures",
-           "measured_time", "each_batch"]
+__all__ = ["Evaluator", "Epoch", "FunctionEvaluator", "ReplayingEvaluator", "Replay", "ReplayedState",
+           "LocalEvaluator", "plan_failures", "measured_time", "each_batch"]
 
 #: A Stage-1 epoch: yields (loss, seconds) per batch, returns the trained state.
 Epoch = Generator[tuple[float, float], None, Any]
@@ -154,6 +155,137 @@ def plan_failures():
         if from_loader(error):  # the sample loader's own error: the caller's to see, not the plan's
             raise
         raise PlanFailedError(f"{type(error).__name__}: {error}") from error
+
+
+# -- replaying a resumed search's log ----------------------------------------------------------
+
+@dataclass(frozen=True)
+class ReplayedState:
+    """Stands in for the trained state of a Stage-1 epoch served from the log (it was not kept)."""
+
+    plan: Assignment
+
+
+class Replay:
+    """Outcomes of logged samples, keyed by stage and plan, handed back instead of re-running them.
+
+    It also records, per Stage-1 epoch that runs live, each batch's loss and
+    seconds, which :meth:`annotate` adds to the log line so that a later resume
+    can replay the epoch batch by batch (pruning decisions depend on them).
+
+    >>> from compfx.search.log import SearchLog
+    >>> log = SearchLog()
+    >>> log.append(SampleRecord(Stage.STAGE2, "10", SampleStatus.ACCEPTED, seconds=0.5, cost=0.5))
+    >>> Replay(log.records).time_step(Assignment.parse("10"))
+    0.5
+    """
+
+    def __init__(self, records=()):
+        records = list(records)
+        #: per (stage, plan), its logged samples in order (a Stage-1 plan may be sampled twice: the incumbent)
+        self.logged: dict[tuple[Stage, str], list[SampleRecord]] = {}
+        self.skipped: set[tuple[Stage, str]] = set()  # never run (the cost model skipped them): nothing to replay
+        for record in records:
+            key = (record.stage, record.plan)
+            if record.status is SampleStatus.SKIPPED:
+                self.skipped.add(key)
+            elif record.is_sample and record.stage in REPLAYED_STAGES:
+                self.logged.setdefault(key, []).append(record)
+        self.replayed: dict[tuple[Stage, str], int] = {}  # records served from the log, not yet annotated
+        self._batches: dict[str, list[list[float]]] = {}
+        self._duels: dict[tuple[str, ...], list[list[list[float]]]] = {}  # plans -> blocks of seconds per plan
+        self._replayed_duels: set[tuple[str, ...]] = set()
+        self._duels_of_epochs: set[tuple[str, ...]] = set()  # logged duels whose rounds were Stage-1 epochs
+        for record in records:
+            duel = record.extra.get(DUEL) if not record.is_sample else None
+            if duel:
+                rounds, seconds = int(duel["rounds"]), duel["seconds"]
+                epoch_pairs = int(duel.get("epoch_pairs", 0))  # epochs taking turns: replayed as those epochs
+                if epoch_pairs:
+                    self._duels_of_epochs.add((duel["incumbent"], duel["candidate"]))
+                blocks = self._duels.setdefault((duel["incumbent"], duel["candidate"]), [])
+                for start in range(epoch_pairs, len(seconds[0]), rounds):
+                    blocks.append([[float(s) for s in row[start:start + rounds]] for row in seconds])
+
+    def has(self, stage: Stage, plan: Assignment) -> bool:
+        """Does the log hold the plan's next sample of ``stage``? A Stage-1 epoch is served once per logged sample
+        (a plan sampled twice, the incumbent, has two); a timing or a loss check as often as it is asked for."""
+        return bool(self.logged.get((stage, str(plan))))
+
+    def _take(self, stage: Stage, plan: Assignment) -> SampleRecord:
+        key = (stage, str(plan))
+        self.replayed[key] = self.replayed.get(key, 0) + 1
+        records = self.logged[key]
+        record = records.pop(0) if stage is Stage.STAGE1 or len(records) > 1 else records[0]
+        if record.status is SampleStatus.ERROR:
+            raise SearchReplayError(f"(replayed from the log) {record.reason}")
+        return record
+
+    def epoch(self, plan: Assignment, run_live: Callable[[], Iterator]) -> Iterator:
+        """A Stage-1 epoch: the logged batches replayed, or the live epoch with its batches recorded."""
+        if self.has(Stage.STAGE1, plan):
+            return self._replay_epoch(plan)
+        return self._record_epoch(plan, run_live())
+
+    def _replay_epoch(self, plan: Assignment):
+        record = self._take(Stage.STAGE1, plan)
+        batches = record.extra.get(BATCHES)
+        if batches is None:
+            raise SearchError(f"the logged Stage-1 sample {plan} has no per-batch losses, so it cannot be "
+                              "replayed; expected a log written by this compfx version. Search again without "
+                              "resume=True.")
+        for loss, seconds in batches:
+            yield float(loss), float(seconds)
+        return ReplayedState(plan)
+
+    def _record_epoch(self, plan: Assignment, epoch):
+        batches = self._batches[str(plan)] = []
+        try:
+            while True:
+                loss, seconds = next(epoch)
+                batches.append([loss, seconds])
+                yield loss, seconds
+        except StopIteration as stop:
+            return stop.value
+        finally:
+            epoch.close()  # pruning closes this wrapper: let the live epoch restore the state
+
+    def time_step(self, plan: Assignment) -> float:
+        return float(self._take(Stage.STAGE2, plan).seconds)
+
+    def duel_block(self, plans, rounds: int) -> list[list[float]] | None:
+        """The next logged block of a duel between ``plans`` (incumbent, candidate), or None to time it live."""
+        key = tuple(map(str, plans))
+        blocks = self._duels.get(key)
+        if not blocks or len(blocks[0][0]) != rounds:
+            return None
+        self._replayed_duels.add(key)
+        return blocks.pop(0)
+
+    def serve_duels(self, plans) -> None:
+        """The duels of ``plans`` (in either order) are the logged ones: not logged again (epochs taking turns,
+        replayed, are their own duel)."""
+        names = tuple(map(str, plans))
+        self._replayed_duels.update(key for key in (names, names[::-1]) if key in self._duels_of_epochs)
+
+    def check_loss(self, plan: Assignment) -> float:
+        return float(self._take(Stage.CHECK, plan).loss)
+
+    def annotate(self, record: SampleRecord) -> SampleRecord | None:
+        """The record to log: None when it was replayed (already in the log), with per-batch data for Stage 1."""
+        key = (record.stage, record.plan)
+        if self.replayed.get(key):
+            self.replayed[key] -= 1  # this record came from the log: it is there already
+            return None
+        if record.status is SampleStatus.SKIPPED and key in self.skipped:
+            return None
+        duel = record.extra.get(DUEL) if not record.is_sample else None
+        if duel and (duel["incumbent"], duel["candidate"]) in self._replayed_duels:
+            return None  # its seconds came from the log, which holds this note already
+        if record.stage is Stage.STAGE1 and record.plan in self._batches:
+            batches = self._batches.pop(record.plan)
+            return replace(record, extra={**record.extra, BATCHES: batches})
+        return record
 
 
 class ReplayingEvaluator:

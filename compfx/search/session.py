@@ -29,8 +29,8 @@ from ..vocabulary import Stage
 from .compare import IN_THE_FIRST_DUEL, IN_THE_FIRST_EPOCHS, StepComparison
 from .config import SearchConfig
 from .driver import SINGLE_PROCESS, Recorder, compare_steps, comparison_of, run_search
-from .evaluator import LocalEvaluator, ReplayingEvaluator, measured_time
-from .log import RESULT, Replay, SearchLog
+from .evaluator import LocalEvaluator, Replay, ReplayingEvaluator, measured_time
+from .log import RESULT, SearchLog
 from .padding import PaddingDecision, decide_padding, padding_candidates, padding_gate
 from .per_module import PerModuleEvaluator
 from .result import SearchResult
