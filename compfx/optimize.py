@@ -22,15 +22,16 @@ import torch
 import torch.nn as nn
 
 from . import cache
-from .analyze import analyze, model_device
+from .analyze import analyze
+from .batches import check_first_batch, model_device
 from .errors import BadInputError
 from .float8 import require_torchao
 from .measure import PhaseClock, long_lived_objects_frozen, settle_host_allocator
-from .rng import loader_generators, rng_preserved
 from .search import SearchConfig, SearchLog, SearchResult, decision_settings
 from .search.per_module import prepare_search
-from .search.sampling import FairSampler, check_first_batch, loader_batches, training_mode
+from .search.sampling import FairSampler, loader_batches, training_mode
 from .search.session import SearchSession
+from .state import loader_generators, rng_preserved
 from .vocabulary import LOW_DTYPES, dtype_name
 
 __all__ = ["optimize"]

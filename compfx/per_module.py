@@ -42,16 +42,17 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .analyze import Analysis, analyze_graph, model_device
+from .analyze import Analysis, analyze_graph
+from .batches import model_device
 from .cast_policy import check_weights_dtype, run_as_planned, weights_dtype
-from .capture import (buffers_restored, capture, describe_inputs, input_signature, keep_checkpoints, modes_of,
+from .capture import (capture, describe_inputs, input_signature, keep_checkpoints, modes_of,
                       normalize_example_inputs)
 from .errors import BadInputError, CaptureError
 from .float8 import fp8_fallbacks
 from .opkey import KEY_META, OpKey
 from .passes import apply_precisions
 from .plan import Plan
-from .rng import cuda_devices
+from .state import buffers_restored, torch_rng_preserved
 from .vocabulary import Category, Precision, check_low_dtype, default_low_dtype, dtype_name
 
 __all__ = ["PlannedBlock", "apply_per_module", "analyze_regions", "captured_regions", "regions_analysis",
@@ -444,7 +445,7 @@ def captured_regions(model: nn.Module, example_inputs, per_module, device, low_d
 
     handles = [model.get_submodule(p).register_forward_pre_hook(capture_block(p), with_kwargs=True) for p in paths]
     try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices(device)), buffers_restored(model):
+        with torch.no_grad(), torch_rng_preserved(device), buffers_restored(model):
             model(*args, **kwargs)
     finally:
         for handle in handles:

@@ -60,14 +60,15 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError, CaptureError
+from ..batches import model_devices
 from ..opkey import assign_op_keys
-from ..rng import rng_preserved
+from ..state import buffers_restored, rng_preserved, torch_rng_preserved
 from ._sites import ValueBranchError, error_site, first_line
 from .autocast_blocks import PINNED_META, autocast_probe, holds_half_precision, is_pinned, mark_pinned
 from .dtype_limits import LIMIT_META, mark_dtype_limits
 from .dtype_reads import DTYPE_READ_META, changed_dtype_reads
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
-from .model_state import (buffers_restored, get_attribute, hooks_warning, named_tensors, stored_attributes_warning,
+from .model_state import (get_attribute, hooks_warning, named_tensors, stored_attributes_warning,
                           tracer_values_removed)
 from .nodes import (
     DATA_MOVEMENT_KINDS,
@@ -115,7 +116,6 @@ __all__ = [
     "module_modes",
     "reads_its_state_in_python",
     "key_dynamo_graph",
-    "buffers_restored",
     "distinct_input_tensors",
     "normalize_example_inputs",
     "ExampleInputs",
@@ -194,7 +194,7 @@ def capture(
         raise BadInputError(f"method={method!r}; expected one of {', '.join(map(repr, CAPTURE_METHODS))}.")
     args, kwargs = distinct_input_tensors(*normalize_example_inputs(example_inputs))  # one input, one placeholder
     # rng_preserved: a forward that draws random numbers, or reseeds, leaves the caller's generators as they were
-    with _modes_restored(model), _fake_tensor_failures_quiet(), rng_preserved(*_devices_of(model)):
+    with _modes_restored(model), _fake_tensor_failures_quiet(), rng_preserved(*model_devices(model)):
         if modes is not None:
             for name, module in model.named_modules():
                 module.training = modes.get(name, module.training)
@@ -206,10 +206,6 @@ def capture(
     mark_dtype_limits(gm)
     mark_pinned(gm)
     return gm
-
-
-def _devices_of(model: nn.Module) -> set[torch.device]:
-    return {t.device for t in (*model.parameters(), *model.buffers())}
 
 
 #: The tracers ``method="auto"`` tries, in order.
@@ -407,9 +403,9 @@ def _check_runs_eagerly(model: nn.Module, args: tuple, kwargs: dict, capture_err
     """After a capture failure: if ``model`` fails on the example inputs in plain eager mode too, the inputs are
     wrong (shape, dtype, device), not the tracing; raise :class:`BadInputError` saying so. Changes nothing."""
     try:
-        cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *pytree.tree_leaves((args, kwargs)))
-                       if isinstance(t, torch.Tensor) and t.is_cuda})
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda), buffers_restored(model), warnings.catch_warnings():
+        inputs = [t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        with torch.no_grad(), torch_rng_preserved(*model_devices(model), *inputs), buffers_restored(model), \
+                warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model(*args, **kwargs)
     except Exception as error:  # noqa: BLE001 - any failure here is the inputs' (or the model's own)

@@ -31,16 +31,15 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from ..analyze import model_device
 from ..apply import apply
+from ..batches import check_first_batch, model_device, move_batch
 from ..errors import BadInputError
 from ..optimize import optimize
 from ..per_module import PlannedBlock, region_paths, restore_blocks
 from ..plan import Plan
-from ..rng import loader_generators, rng_preserved
 from ..search.config import SearchConfig
 from ..search.result import SearchResult
-from ..search.sampling import check_first_batch, move_batch
+from ..state import loader_generators, rng_preserved
 from ..vocabulary import Precision, dtype_name
 
 __all__ = ["PLAN_FILE", "LOG_FILE", "PlannedRun", "first_batches", "planned_regions", "plan_model"]

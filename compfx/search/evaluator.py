@@ -52,9 +52,10 @@ import torch.nn as nn
 from ..errors import BadInputError, CaptureError, PlanFailedError, SearchError
 from ..measure import PhaseClock, interleaved_order
 from ..plan import Assignment, Plan
+from ..state import restore_state, state_bytes
 from ..vocabulary import Stage
 from .log import Replay, ReplayedState
-from .sampling import FairSampler, from_loader, restore_state, state_bytes
+from .sampling import FairSampler, from_loader
 
 __all__ = ["Evaluator", "Epoch", "FunctionEvaluator", "ReplayingEvaluator", "LocalEvaluator", "plan_failures",
            "measured_time", "each_batch"]
