@@ -24,8 +24,10 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("compfx.capture",),
     # can it: classify, Tensor Core / FP8 / padding eligibility, the cast rules; and the plan (OpKey -> precision).
     # One layer: the plan reads only the shared words, while FP8's fallback at a shape the plan's FP8 op cannot run
-    # is AMP's precision for the op, which the plan defines (plan.AMP_PRECISION)
-    ("compfx.oplists", "compfx.tensor_cores", "compfx.float8", "compfx.cast_policy", "compfx.analyze", "compfx.plan"),
+    # is AMP's precision for the op, which the plan defines (plan.AMP_PRECISION); the analysis of a model's blocks
+    # alone (regions, for per_module) is an analysis too
+    ("compfx.oplists", "compfx.tensor_cores", "compfx.float8", "compfx.cast_policy", "compfx.analyze", "compfx.plan",
+     "compfx.regions"),
     # graph rewrites
     ("compfx.passes",),
     # a model + a plan -> the planned model (whole, or block by block); what a planned step saves

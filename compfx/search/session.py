@@ -24,7 +24,7 @@ from ..analyze import parameter_shapes
 from ..errors import CompfxError
 from ..measure import PhaseClock, describe_fp32_math, fp32_math
 from ..memory import saved_activation_bytes
-from ..per_module import is_regions_analysis
+from ..regions import is_regions_analysis
 from ..state import torch_rng_preserved
 from ..vocabulary import Stage
 from .compare import IN_THE_FIRST_DUEL, IN_THE_FIRST_EPOCHS, StepComparison
