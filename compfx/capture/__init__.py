@@ -63,8 +63,9 @@ from ..errors import BadInputError, CaptureError
 from ..batches import model_devices
 from ..opkey import assign_op_keys
 from ..state import buffers_restored, rng_preserved, torch_rng_preserved
-from ._sites import ValueBranchError, error_site, first_line
-from .autocast_blocks import PINNED_META, autocast_probe, holds_half_precision, is_pinned, mark_pinned
+from ._sites import ValueBranchError, error_site, first_line, reads_a_value
+from .autocast_blocks import (PINNED_META, AutocastRefusedError, autocast_probe, holds_half_precision, is_pinned,
+                              mark_pinned)
 from .dtype_limits import LIMIT_META, mark_dtype_limits
 from .dtype_reads import DTYPE_READ_META, changed_dtype_reads
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
@@ -295,8 +296,7 @@ class _Attempts:
         self.tried.append(tracer)
         text = str(error) if isinstance(error, CaptureError) else (
             f"dynamo export failed with {first_line(error)} at {error_site(error)}")
-        reads_value = "data-dependent" in text or "data dependent" in text.lower() or "reads a tensor's value" in text
-        self.failures.append((tracer, text, (reads_value, getattr(error, "progress", None) or 0)))
+        self.failures.append((tracer, text, (reads_a_value(error), getattr(error, "progress", None) or 0)))
         self.errors.append(error)
 
     def unfaithful(self, verification: CaptureVerification) -> None:
@@ -350,9 +350,7 @@ def _as_under_autocast(trace, device_type: str | None) -> fx.GraphModule:
     try:
         with autocast_probe(device_type):
             gm = trace()
-    except CaptureError as error:
-        if "unsafe to autocast" not in str(error):  # CUDA autocast refuses binary_cross_entropy
-            raise
+    except AutocastRefusedError:  # CUDA autocast refuses binary_cross_entropy
         return trace()
     return trace() if holds_half_precision(gm) else gm
 

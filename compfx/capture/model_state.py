@@ -23,8 +23,7 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils import _pytree as pytree
 
-from ..errors import CaptureError
-from ._sites import ExplainedCaptureError
+from ..errors import CaptureError, ExplainedCaptureError
 
 #: The old ``torch.nn.utils.weight_norm`` / ``spectral_norm`` API's forward pre-hooks: they compute the weight
 #: forward reads, which a graph holds.
