@@ -59,8 +59,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from ..errors import BadInputError, CaptureError
 from ..batches import model_devices
+from ..errors import BadInputError, CaptureError
 from ..opkey import assign_op_keys
 from ..state import buffers_restored, rng_preserved, torch_rng_preserved
 from ._sites import ValueBranchError, error_site, first_line, reads_a_value
