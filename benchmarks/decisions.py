@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 import compfx
 from compfx.files import write_json_atomic
-from compfx.search.sampling import model_loss, split_batch
+from compfx.batches import model_loss, split_batch
 
 __all__ = ["independent_steps", "run_one", "CASES", "markdown"]
 

@@ -38,7 +38,7 @@ import torch
 import torch.nn as nn
 
 from compfx.measure import CLOCKS, interleaved_order, median_interval, settle_host_allocator, synchronize, timed
-from compfx.rng import cuda_devices
+from compfx.state import cuda_devices
 from compfx.vocabulary import default_low_dtype as _auto_low_dtype
 from compfx.vocabulary import dtype_name
 

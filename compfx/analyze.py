@@ -20,6 +20,7 @@ from torch.utils import _pytree as pytree
 
 from .capture import (VERIFICATION_META, capture, get_attribute, input_signature, is_pinned, module_modes, modes_of,
                       normalize_example_inputs, op_nodes)
+from .batches import model_device
 from .capture.functions import FunctionCall
 from .errors import BadInputError
 from .float8 import fp8_eligible
@@ -29,8 +30,7 @@ from .tensor_cores import pad_eligible, tc_eligible
 from .vocabulary import Category, check_low_dtype, default_low_dtype, dtype_name
 
 __all__ = ["OpInfo", "Analysis", "analyze", "analyze_graph", "fingerprint_of", "parameter_shapes", "describe_op",
-           "category_label", "model_device",
-           "check_device", "check_capability"]
+           "category_label", "check_device", "check_capability"]
 
 Shape = tuple[int, ...]
 
@@ -188,13 +188,6 @@ class Analysis:
 def category_label(op) -> str:
     """An op's category as tables print it: ``"whitelist"``, or ``"whitelist, pinned"`` for a pinned op."""
     return f"{op.category}, pinned" if getattr(op, "pinned", False) else str(op.category)
-
-
-def model_device(model: nn.Module) -> torch.device:
-    """Device of the model's parameters (CPU for a model without any)."""
-    for tensor in (*model.parameters(), *model.buffers()):
-        return tensor.device
-    return torch.device("cpu")
 
 
 def check_device(device) -> torch.device:

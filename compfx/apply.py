@@ -39,6 +39,7 @@ from .float8 import fp8_fallbacks
 from .opkey import OpKey
 from .passes import apply_precisions
 from .plan import Plan
+from .regions import analyze_regions
 from .vocabulary import Category, Precision, dtype_name
 
 __all__ = ["apply", "priced_regions_graph", "PlannedModule", "Specialization", "SignatureCaptures"]
@@ -90,9 +91,7 @@ def apply(
     if not isinstance(plan, Plan):
         raise BadInputError(f"apply() takes a compfx.Plan; got {type(plan).__name__}. Build one with "
                             "Plan.amp(analysis), Plan.from_bitstring(...) or Plan.load(path).")
-    if analysis is None and per_module and example_inputs is not None:
-        from .per_module import analyze_regions  # each block on its own: the rest need not be capturable
-
+    if analysis is None and per_module and example_inputs is not None:  # each block alone: the rest need not capture
         analysis = analyze_regions(model, example_inputs, per_module, low_dtype=plan.low_dtype, verify=verify)
     if analysis is None:
         if example_inputs is None:
@@ -120,7 +119,7 @@ def apply(
 
 
 def priced_regions_graph(analysis: Analysis, plan: Plan) -> fx.GraphModule:
-    """The blocks' graphs side by side (``compfx.per_module.regions_graph``) rewritten for ``plan``: what the cost
+    """The blocks' graphs side by side (``compfx.regions.regions_graph``) rewritten for ``plan``: what the cost
     model prices for a model planned block by block.
 
     It is built as each :class:`~compfx.per_module.PlannedBlock` builds the

@@ -22,6 +22,7 @@ import torch.nn as nn
 
 from .capture import normalize_example_inputs
 from .errors import BadInputError, CompfxError
+from .state import torch_rng_preserved
 from .vocabulary import dtype_name
 
 __all__ = ["main"]
@@ -136,13 +137,13 @@ def _example_inputs(args, seed: int = 0):
         generator = torch.Generator().manual_seed(seed)
         return tuple(torch.randn(*shape, generator=generator) for shape in args.input_shape)
     function = _inputs_function(args.inputs)
-    with torch.random.fork_rng(devices=[]):
+    with torch_rng_preserved():
         torch.manual_seed(seed)
         return _call_inputs_function(args.inputs, function)
 
 
 def _batch_of(inputs):
-    """A batch that :func:`~compfx.search.sampling.split_batch` reads back as exactly ``inputs`` (a tuple batch's
+    """A batch that :func:`~compfx.batches.split_batch` reads back as exactly ``inputs`` (a tuple batch's
     last item is its target, so positional inputs get an empty one)."""
     args, kwargs = normalize_example_inputs(inputs)
     if args and kwargs:
@@ -156,7 +157,7 @@ def _search_batches(args) -> list:
     ``i`` (a function that draws random tokens gives different batches, the same in every run)."""
     function = _inputs_function(args.inputs)
     batches = []
-    with torch.random.fork_rng(devices=[]):
+    with torch_rng_preserved():
         for i in range(args.batches):
             torch.manual_seed(args.seed + i)
             batch = _call_inputs_function(args.inputs, function)

@@ -34,15 +34,15 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from .analyze import analyze, model_device
+from .analyze import analyze
 from .apply import PlannedModule
+from .batches import check_first_batch, check_loss, copied_batch, model_device, model_devices, model_loss, split_batch
 from .capture import module_modes
 from .errors import BadInputError
 from .opkey import KEY_META, OpKey
 from .passes.pad_shapes import PAD_META
 from .plan import Plan
-from .search.sampling import (StateSnapshot, check_first_batch, check_loss, copied_batch, cuda_devices,
-                              dense_values, model_loss, restore_state, split_batch)
+from .state import RngState, dense_values, restore_values, saved_values, torch_rng_preserved
 from .vocabulary import Precision, dtype_name, short_dtype_name
 
 __all__ = ["diagnose", "diagnose_inputs", "Diagnosis", "OpDiagnosis", "planned_module", "shadow_graph_of",
@@ -148,7 +148,7 @@ def diagnose(module: nn.Module, batch, *, loss_fn: LossFn | None = None, plan: P
     ``module`` is a :class:`~compfx.apply.PlannedModule` (``optimize(...).module``),
     or a plain model, run under ``plan`` or, without one, under ``Plan.amp``
     in ``low_dtype`` ("where would AMP hurt?"). ``batch`` is what the training
-    loop feeds (see :func:`~compfx.search.sampling.split_batch`);
+    loop feeds (see :func:`~compfx.batches.split_batch`);
     ``loss_fn(output, batch)`` defaults to the model's own ``output.loss``,
     else the sum of its floating outputs. The model, its gradients and
     buffers, any optimizer and the RNG are left bitwise unchanged.
@@ -236,38 +236,25 @@ def untouched_state(model: nn.Module, rng=None):
     """Run forwards inside that leave ``model``'s buffers and the RNG as they were; yields ``replay()``, which puts
     both back to where they were at entry (or the RNG to ``rng``, a :func:`rng_state`), so that the next run
     sees what the first saw (the same BatchNorm statistics, the same dropout masks)."""
-    buffers = StateSnapshot([(b, b.detach().clone()) for b in model.buffers()], [], None)
-    cuda = _cuda_of(model)
-    with torch.random.fork_rng(devices=cuda):
+    buffers = saved_values(model.buffers())
+    with torch_rng_preserved(*model_devices(model)):
         start = rng if rng is not None else rng_state(model)
 
         def replay():
-            restore_state(buffers)
-            _set_rng_state(start, cuda)
+            restore_values(buffers)
+            start.restore()
 
         if rng is not None:
-            _set_rng_state(rng, cuda)
+            rng.restore()
         try:
             yield replay
         finally:
-            restore_state(buffers)
+            restore_values(buffers)
 
 
-def _cuda_of(model: nn.Module) -> list[int]:
-    devices = {t.device for t in (*model.parameters(), *model.buffers())}
-    return sorted({i for device in devices for i in cuda_devices(device)})
-
-
-def rng_state(model: nn.Module):
+def rng_state(model: nn.Module) -> RngState:
     """The CPU generator's state and those of ``model``'s CUDA devices (what :func:`untouched_state` replays)."""
-    cuda = _cuda_of(model)
-    return torch.get_rng_state(), [torch.cuda.get_rng_state(i) for i in cuda]
-
-
-def _set_rng_state(state, cuda: list[int]) -> None:
-    torch.set_rng_state(state[0])
-    for i, s in zip(cuda, state[1]):
-        torch.cuda.set_rng_state(s, i)
+    return RngState.now(*model_devices(model))
 
 
 def _shadow_backward(backward_from: BackwardFrom | None, low: "_Run") -> BackwardFrom | None:

@@ -10,6 +10,7 @@ from __future__ import annotations
 __all__ = [
     "CompfxError",
     "CaptureError",
+    "ExplainedCaptureError",
     "BadInputError",
     "PlanMismatchError",
     "PlanFileError",
@@ -31,6 +32,12 @@ class CompfxError(Exception):
 
 class CaptureError(CompfxError):
     """The model could not be captured as one FX graph."""
+
+
+class ExplainedCaptureError(CaptureError):
+    """A capture error whose message says what to do: no general advice is added to it."""
+
+    advice = ""
 
 
 class BadInputError(CompfxError, ValueError):

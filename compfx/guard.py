@@ -58,7 +58,7 @@ from .errors import BadInputError, PlanFileError
 from .opkey import OpKey
 from .plan import Plan
 from .search.log import SearchLog
-from .search.sampling import dense_values
+from .state import dense_values
 from .vocabulary import Precision, Stage
 
 __all__ = ["Guard", "Repair"]

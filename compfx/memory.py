@@ -21,8 +21,8 @@ from typing import Iterable, Iterator
 import torch
 import torch.nn as nn
 
-from .capture import buffers_restored
-from .rng import cuda_devices
+from .batches import model_devices
+from .state import buffers_restored, torch_rng_preserved
 
 __all__ = ["SavedStorages", "saved_storages", "saved_activation_bytes"]
 
@@ -95,8 +95,7 @@ def saved_storages(resident: Iterable[torch.Tensor] = ()) -> Iterator[SavedStora
 def _state_kept(module: nn.Module) -> Iterator[None]:
     """Undo what a measuring forward changes: buffers (BatchNorm running stats) and the RNG (dropout)."""
     # Parameters too: a CUDA model with dropout and no buffers still draws from the CUDA generator.
-    devices = sorted({index for t in (*module.parameters(), *module.buffers()) for index in cuda_devices(t.device)})
-    with torch.random.fork_rng(devices=devices), buffers_restored(module):
+    with torch_rng_preserved(*model_devices(module)), buffers_restored(module):
         yield
 
 

@@ -22,15 +22,16 @@ import torch
 import torch.nn as nn
 
 from . import cache
-from .analyze import analyze, model_device
+from .analyze import analyze
+from .batches import check_first_batch, model_device
 from .errors import BadInputError
 from .float8 import require_torchao
 from .measure import PhaseClock, long_lived_objects_frozen, settle_host_allocator
-from .rng import loader_generators, rng_preserved
+from .per_module import plan_blocks_fp32
 from .search import SearchConfig, SearchLog, SearchResult, decision_settings
-from .search.per_module import prepare_search
-from .search.sampling import FairSampler, check_first_batch, loader_batches, training_mode
+from .search.sampling import FairSampler, loader_batches, training_mode
 from .search.session import SearchSession
+from .state import loader_generators, rng_preserved
 from .vocabulary import LOW_DTYPES, dtype_name
 
 __all__ = ["optimize"]
@@ -114,8 +115,8 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         inputs = check_first_batch(model, first, loss_fn, device)  # bad inputs fail here, before any work
         args, kwargs = inputs
         with clock.phase("capture"):
-            analysis = (prepare_search(model, kwargs if kwargs else args, per_module, device=device, low_dtype=low_dtype,
-                                       verify=config.verify_capture)
+            analysis = (plan_blocks_fp32(model, kwargs if kwargs else args, per_module, device=device,
+                                         low_dtype=low_dtype, verify=config.verify_capture)
                         if per_module else analyze(model, kwargs if kwargs else args, device=device, low_dtype=low_dtype,
                                                    fp8=config.fp8, verify=config.verify_capture))
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,

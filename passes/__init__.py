@@ -1,5 +1,8 @@
 """Graph passes: each takes a GraphModule and returns one (or reads it). Importable as ``compfx.passes``.
 
+This folder sits at the repository root (the required layout) and installs as ``compfx.passes``
+(``pyproject.toml``'s ``package-dir``).
+
 * :func:`insert_casts` (``insert_casts.py``): give every keyed op the precision of its plan entry.
 * :func:`restore_output_dtypes` (``restore_output_dtypes.py``): return the outputs in the model's own dtypes.
 * :func:`pad_shapes` (``pad_shapes.py``): zero-pad the plan's padded ops to the Tensor Core multiple, slice back.

@@ -20,7 +20,7 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from compfx.analyze import model_device
+from compfx.batches import model_device
 from compfx.capture import meta_value, normalize_example_inputs
 from compfx.cast_policy import AutocastRegion, is_cast, is_model_tensor
 from compfx.errors import BadInputError

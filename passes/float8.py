@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
+from compfx.batches import model_device, model_devices
 from compfx.errors import PassError
 from compfx.float8 import DEFAULT_RECIPE, FP8_KINDS, float8_config, fp8_runs_natively, require_torchao
 from compfx.opkey import KEY_META
@@ -120,8 +121,9 @@ def float8_matmuls(gm: fx.GraphModule, precisions, *, recipe: Float8Recipe | str
 
 
 def _graph_device(gm: fx.GraphModule) -> torch.device:
-    for tensor in (*gm.parameters(), *gm.buffers()):
-        return tensor.device
+    """The device of the graph's parameters and buffers, else of the first tensor value it holds, else the CPU."""
+    if model_devices(gm):
+        return model_device(gm)
     for node in gm.graph.nodes:
         value = node.meta.get("val", node.meta.get("example_value"))
         if isinstance(value, torch.Tensor):

@@ -598,7 +598,7 @@ class CheckedBlock(nn.Module):
 
 
 def test_per_module_regions_are_verified_and_keep_the_tracer_that_passed():
-    from compfx.per_module import analyze_regions
+    from compfx.regions import analyze_regions
 
     torch.manual_seed(0)
     x = torch.randn(4, 8)

@@ -636,7 +636,7 @@ def test_the_cost_model_prices_a_per_module_search(one_thread, tmp_path, monkeyp
 
     import compfx
     from compfx.costmodel import Predictor
-    from compfx.per_module import analyze_regions
+    from compfx.regions import analyze_regions
     from tests.helpers import batches, ce
 
     monkeypatch.setenv("COMPFX_CACHE_DIR", str(tmp_path))

@@ -14,7 +14,7 @@ import compfx
 from compfx.apply import PlannedModule
 from compfx.cli import main
 from compfx.examples import Drifting
-from compfx.search.sampling import snapshot_state
+from compfx.state import snapshot_state
 from compfx.vocabulary import Precision
 
 pytestmark = pytest.mark.usefixtures("one_thread")

@@ -37,7 +37,7 @@ from compfx.plan import Plan
 from compfx.search import FunctionEvaluator, SearchConfig, SearchSpace, run_stage1
 from compfx.search.log import DIGEST, SearchLog
 from compfx.apply import PlannedModule
-from compfx.search.sampling import restore_state, snapshot_state
+from compfx.state import restore_state, snapshot_state
 from test_reliability import Tiny
 from tests.helpers import nll
 

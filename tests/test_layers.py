@@ -17,14 +17,17 @@ ROOT = Path(__file__).resolve().parents[1]
 #: The layers, lowest first. A module may import its own layer's modules (without a cycle) and lower layers'.
 #: A name is a module or a package (then every module in it, unless a longer name says otherwise).
 LAYERS: tuple[tuple[str, ...], ...] = (
-    # the shared words, errors and file handling every stage uses
-    ("compfx.vocabulary", "compfx.errors", "compfx.opkey", "compfx.files", "compfx.rng"),
+    # the shared words, errors and file handling every stage uses; what a batch is, and the state a run of the
+    # user's model may change (RNG, buffers, training state), saved and put back
+    ("compfx.vocabulary", "compfx.errors", "compfx.opkey", "compfx.files", "compfx.state", "compfx.batches"),
     # model -> FX graph
     ("compfx.capture",),
     # can it: classify, Tensor Core / FP8 / padding eligibility, the cast rules; and the plan (OpKey -> precision).
     # One layer: the plan reads only the shared words, while FP8's fallback at a shape the plan's FP8 op cannot run
-    # is AMP's precision for the op, which the plan defines (plan.AMP_PRECISION)
-    ("compfx.oplists", "compfx.tensor_cores", "compfx.float8", "compfx.cast_policy", "compfx.analyze", "compfx.plan"),
+    # is AMP's precision for the op, which the plan defines (plan.AMP_PRECISION); the analysis of a model's blocks
+    # alone (regions, for per_module) is an analysis too
+    ("compfx.oplists", "compfx.tensor_cores", "compfx.float8", "compfx.cast_policy", "compfx.analyze", "compfx.plan",
+     "compfx.regions"),
     # graph rewrites
     ("compfx.passes",),
     # a model + a plan -> the planned model (whole, or block by block); what a planned step saves
@@ -159,6 +162,34 @@ def test_no_module_imports_a_higher_layer():
     assert not found, "imports from a lower layer to a higher one:\n" + "\n".join(found)
 
 
+#: Modules that use a planned model or build one, and so need nothing of the search: the training conventions they
+#: share with it (batches, losses, state and RNG) are the lowest layer's (compfx.batches, compfx.state).
+NOT_THE_SEARCH = ("compfx.diagnose", "compfx.guard", "compfx.apply", "compfx.per_module", "compfx.capture",
+                  "compfx.analyze")
+
+#: (module, search module) -> why the import stays. Each entry must still be needed (the test checks).
+READS_THE_SEARCH = {
+    ("compfx.guard", "compfx.search.log"): "Guard(log=...) notes its repairs in the search's log (SearchLog, the log "
+                                           "format the search writes and the report reads)",
+}
+
+
+def search_imports(graph: dict[str, dict[str, int]]) -> dict[tuple[str, str], int]:
+    """(module, search module) -> line, for the modules of :data:`NOT_THE_SEARCH` (and their submodules)."""
+    return {(module, target): line for module, edges in graph.items() for target, line in edges.items()
+            if any(module == name or module.startswith(name + ".") for name in NOT_THE_SEARCH)
+            and (target == "compfx.search" or target.startswith("compfx.search."))}
+
+
+def test_diagnose_guard_apply_capture_and_analyze_import_nothing_from_the_search():
+    found = search_imports(import_graph())
+    stray = [f"{module} imports {target} at line {line}" for (module, target), line in sorted(found.items())
+             if (module, target) not in READS_THE_SEARCH]
+    assert not stray, "imports from the search:\n" + "\n".join(stray)
+    stale = [f"{module} -> {target}" for module, target in READS_THE_SEARCH if (module, target) not in found]
+    assert not stale, "READS_THE_SEARCH names imports that are gone; drop them: " + "; ".join(stale)
+
+
 # -- the checks themselves can fail ---------------------------------------------------------------------------
 
 def test_the_graph_sees_imports_inside_functions(tmp_path):
@@ -169,6 +200,13 @@ def test_the_graph_sees_imports_inside_functions(tmp_path):
     assert cycles(graph) == [["compfx.plan", "compfx.search.driver"]]
     assert upward_imports(graph) == ["compfx.plan (layer 2) imports compfx.search.driver (layer 6) at line 5"]
     assert cycles({"a": {"b": 1}, "b": {"c": 1}, "c": {"a": 1}, "d": {"a": 1}}) == [["a", "b", "c"]]
+
+
+def test_search_imports_are_found():
+    graph = {"compfx.capture.record": {"compfx.search.sampling": 3, "compfx.opkey": 1},
+             "compfx.diagnose": {"compfx.search": 7}, "compfx.optimize": {"compfx.search.session": 2}}
+    assert search_imports(graph) == {("compfx.capture.record", "compfx.search.sampling"): 3,
+                                     ("compfx.diagnose", "compfx.search"): 7}
 
 
 @pytest.mark.parametrize("module, target, upward", [

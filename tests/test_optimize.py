@@ -14,7 +14,8 @@ import compfx
 from compfx import SearchConfig, SearchResult, optimize
 from compfx.apply import apply
 from compfx.errors import BadInputError
-from compfx.search.sampling import FairSampler, restore_state, snapshot_state
+from compfx.search.sampling import FairSampler
+from compfx.state import restore_state, snapshot_state
 from tests.helpers import batches, ce, fp32_op_count
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py

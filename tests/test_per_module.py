@@ -10,7 +10,8 @@ from torch.utils.checkpoint import checkpoint
 
 import compfx
 from compfx.errors import BadInputError
-from compfx.per_module import PlannedBlock, analyze_regions
+from compfx.per_module import PlannedBlock
+from compfx.regions import analyze_regions
 
 
 class Block(nn.Module):
@@ -202,10 +203,10 @@ def test_pricing_a_plan_whose_blocks_ran_works_nothing_out_on_faketensors_again(
     # FakeTensors when they built their graphs, and pricing it must reuse that, not do it again
     from compfx.passes.propagate_dtypes import DtypePropagator
     from compfx.apply import priced_regions_graph
-    from compfx.search.per_module import prepare_search
+    from compfx.per_module import plan_blocks_fp32
 
     model, (x, _) = Net(), data()
-    analysis = prepare_search(model, x, Block)
+    analysis = plan_blocks_fp32(model, x, Block)
     plan = compfx.Plan.amp(analysis)
     categories = {op.key: op.category for op in analysis.ops}
     for module in model.modules():
@@ -238,3 +239,24 @@ def test_a_blocks_dropout_switched_off_after_planning_is_off_in_the_planned_bloc
     for block in eager.blocks:
         block.drop.eval()
     torch.testing.assert_close(model(x), eager(x), rtol=0, atol=0)
+
+
+def test_plan_blocks_fp32_plans_the_blocks_in_place_and_trains_as_the_model_did():
+    # what a search per block starts from (the apply stage's work): every block a PlannedBlock running FP32, each
+    # holding the capture the analysis made, and a training step bitwise the eager model's
+    from compfx.per_module import plan_blocks_fp32
+
+    torch.manual_seed(0)
+    model, (x, y) = Net(), data()
+    eager = {name: t.clone() for name, t in model.state_dict().items()}
+    before = grads_after_step(model, x, y)
+    analysis = plan_blocks_fp32(model, x, Block)
+    assert [type(block) for block in model.blocks] == [PlannedBlock, PlannedBlock]
+    assert {str(key).split(":")[0] for key in analysis.keys} >= {"blocks.0.fc1", "blocks.1.fc2"}
+    assert all(precision is compfx.Precision.FP32 for block in model.blocks for precision in block.plan.values())
+    assert list(model.state_dict()) == list(eager)
+    assert all(len(block._captures) == 1 for block in model.blocks)  # the analysis's captures, not new ones
+    after = grads_after_step(model, x, y)
+    torch.testing.assert_close(after[0], before[0], rtol=0, atol=0)
+    for name, grad in before[1].items():
+        torch.testing.assert_close(after[1][name], grad, rtol=0, atol=0)

@@ -11,7 +11,8 @@ import torch.nn.functional as F
 import compfx
 from compfx.errors import BadInputError
 from compfx.integrations.planned_training import plan_model, planned_regions
-from compfx.per_module import PlannedBlock, analyze_regions, restore_blocks
+from compfx.per_module import PlannedBlock, restore_blocks
+from compfx.regions import analyze_regions
 
 
 class Stack(nn.Module):
@@ -52,7 +53,7 @@ def test_the_regions_are_the_outermost_submodules_forward_runs():
     regions, types = planned_regions(model, batches()[0], lambda out, batch: model.criterion(out, batch[-1]))
     assert regions == ["embed", "layers.0", "layers.1", "head"]  # not the loss's criterion, not the ModuleList
     assert types == (nn.Linear, nn.Sequential)
-    assert compfx.per_module.region_paths(model, types) == regions  # what optimize(per_module=types) plans
+    assert compfx.regions.region_paths(model, types) == regions  # what optimize(per_module=types) plans
     assert torch.equal(rng, torch.get_rng_state())
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in state.items())
     assert not model.embed._forward_pre_hooks  # its hooks are gone

@@ -21,7 +21,7 @@ from compfx.errors import (BadInputError, CompfxError, NonFiniteGradientError, P
                            PlanMismatchError)
 from compfx.optimize import SearchConfig, optimize
 from compfx.search.log import SearchLog
-from compfx.search.sampling import snapshot_state
+from compfx.state import snapshot_state
 from tests.helpers import EXACT, fp32_op_count, nll
 
 BATCHES = 2

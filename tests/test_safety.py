@@ -28,7 +28,7 @@ from compfx.plan import Plan
 from compfx.search import SearchConfig
 from compfx.search import sampling
 from compfx.search.log import SearchLog
-from compfx.search.sampling import snapshot_state
+from compfx.state import snapshot_state
 from tests.helpers import ce
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py

@@ -10,10 +10,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from compfx.batches import model_loss, split_batch
 from compfx.errors import BadInputError
 from compfx.measure import Timing, time_repeats, timed
-from compfx.search.sampling import (FairSampler, model_loss, read_steps, restore_state, snapshot_state,
-                                    split_batch)
+from compfx.search.sampling import FairSampler, read_steps
+from compfx.state import restore_state, snapshot_state
 from tests.helpers import ce
 
 

@@ -138,7 +138,7 @@ def test_a_block_planned_in_place_refuses_to_run_after_its_model_was_converted()
     # the callbacks' per-module blocks: a model.half() in the middle of training ran the blocks' FP32 casts on fp16
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), torch.randn(4, 8)
-    analysis = compfx.per_module.analyze_regions(model, x, nn.Linear)
+    analysis = compfx.regions.analyze_regions(model, x, nn.Linear)
     compfx.apply(model, compfx.Plan.amp(analysis), x, per_module=(nn.Linear,))
     assert type(model[0]).__name__ == "PlannedBlock"
     expected = model(x)

@@ -59,15 +59,17 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
+from ..batches import model_devices
 from ..errors import BadInputError, CaptureError
 from ..opkey import assign_op_keys
-from ..rng import rng_preserved
-from ._sites import ValueBranchError, error_site, first_line
-from .autocast_blocks import PINNED_META, autocast_probe, holds_half_precision, is_pinned, mark_pinned
+from ..state import buffers_restored, rng_preserved, torch_rng_preserved
+from ._sites import ValueBranchError, error_site, first_line, reads_a_value
+from .autocast_blocks import (PINNED_META, AutocastRefusedError, autocast_probe, holds_half_precision, is_pinned,
+                              mark_pinned)
 from .dtype_limits import LIMIT_META, mark_dtype_limits
 from .dtype_reads import DTYPE_READ_META, changed_dtype_reads
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
-from .model_state import (buffers_restored, get_attribute, hooks_warning, named_tensors, stored_attributes_warning,
+from .model_state import (get_attribute, hooks_warning, named_tensors, stored_attributes_warning,
                           tracer_values_removed)
 from .nodes import (
     DATA_MOVEMENT_KINDS,
@@ -115,7 +117,6 @@ __all__ = [
     "module_modes",
     "reads_its_state_in_python",
     "key_dynamo_graph",
-    "buffers_restored",
     "distinct_input_tensors",
     "normalize_example_inputs",
     "ExampleInputs",
@@ -194,7 +195,7 @@ def capture(
         raise BadInputError(f"method={method!r}; expected one of {', '.join(map(repr, CAPTURE_METHODS))}.")
     args, kwargs = distinct_input_tensors(*normalize_example_inputs(example_inputs))  # one input, one placeholder
     # rng_preserved: a forward that draws random numbers, or reseeds, leaves the caller's generators as they were
-    with _modes_restored(model), _fake_tensor_failures_quiet(), rng_preserved(*_devices_of(model)):
+    with _modes_restored(model), _fake_tensor_failures_quiet(), rng_preserved(*model_devices(model)):
         if modes is not None:
             for name, module in model.named_modules():
                 module.training = modes.get(name, module.training)
@@ -206,10 +207,6 @@ def capture(
     mark_dtype_limits(gm)
     mark_pinned(gm)
     return gm
-
-
-def _devices_of(model: nn.Module) -> set[torch.device]:
-    return {t.device for t in (*model.parameters(), *model.buffers())}
 
 
 #: The tracers ``method="auto"`` tries, in order.
@@ -299,8 +296,7 @@ class _Attempts:
         self.tried.append(tracer)
         text = str(error) if isinstance(error, CaptureError) else (
             f"dynamo export failed with {first_line(error)} at {error_site(error)}")
-        reads_value = "data-dependent" in text or "data dependent" in text.lower() or "reads a tensor's value" in text
-        self.failures.append((tracer, text, (reads_value, getattr(error, "progress", None) or 0)))
+        self.failures.append((tracer, text, (reads_a_value(error), getattr(error, "progress", None) or 0)))
         self.errors.append(error)
 
     def unfaithful(self, verification: CaptureVerification) -> None:
@@ -354,9 +350,7 @@ def _as_under_autocast(trace, device_type: str | None) -> fx.GraphModule:
     try:
         with autocast_probe(device_type):
             gm = trace()
-    except CaptureError as error:
-        if "unsafe to autocast" not in str(error):  # CUDA autocast refuses binary_cross_entropy
-            raise
+    except AutocastRefusedError:  # CUDA autocast refuses binary_cross_entropy
         return trace()
     return trace() if holds_half_precision(gm) else gm
 
@@ -407,9 +401,9 @@ def _check_runs_eagerly(model: nn.Module, args: tuple, kwargs: dict, capture_err
     """After a capture failure: if ``model`` fails on the example inputs in plain eager mode too, the inputs are
     wrong (shape, dtype, device), not the tracing; raise :class:`BadInputError` saying so. Changes nothing."""
     try:
-        cuda = sorted({t.device.index or 0 for t in (*model.parameters(), *pytree.tree_leaves((args, kwargs)))
-                       if isinstance(t, torch.Tensor) and t.is_cuda})
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda), buffers_restored(model), warnings.catch_warnings():
+        inputs = [t.device for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+        with torch.no_grad(), torch_rng_preserved(*model_devices(model), *inputs), buffers_restored(model), \
+                warnings.catch_warnings():
             warnings.simplefilter("ignore")
             model(*args, **kwargs)
     except Exception as error:  # noqa: BLE001 - any failure here is the inputs' (or the model's own)

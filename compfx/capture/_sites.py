@@ -12,14 +12,17 @@ import os
 import sys
 import traceback
 import types
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
+from torch._subclasses.fake_tensor import DataDependentOutputException
+from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
-from ..errors import CaptureError
+from ..errors import CaptureError, ExplainedCaptureError
 
-__all__ = ["user_line", "user_frame", "frame_site", "error_site", "first_line", "ValueBranchError", "ExplainedCaptureError",
-           "with_progress"]
+# ExplainedCaptureError is compfx.errors' (users catch it there); its old import path from here keeps working
+__all__ = ["user_line", "user_frame", "frame_site", "error_site", "first_line", "ValueBranchError", "ValueReadError",
+           "ExplainedCaptureError", "with_progress", "causes", "reads_a_value"]
 
 
 _SKIPPED_DIRS = (  # torch's folder and compfx's (this file's grandparent)
@@ -80,10 +83,32 @@ class ValueBranchError(CaptureError):
     """The model branches on tensor values; no tracer can make one graph of that."""
 
 
-class ExplainedCaptureError(CaptureError):
-    """A capture error whose message says what to do: no general advice is added to it."""
+class ValueReadError(CaptureError):
+    """The model reads a tensor's value into Python (``float(t)``, ``t.item()``), which a tracer's fake tensors do
+    not have."""
 
-    advice = ""
+
+#: torch's errors for a value only a real run has: dynamo's and FakeTensor's guard on a data-dependent expression,
+#: and an op whose output FakeTensor cannot know (``.item()``)
+_TORCH_VALUE_READS = (GuardOnDataDependentSymNode, DataDependentOutputException)
+
+
+def causes(error: BaseException) -> Iterator[BaseException]:
+    """``error``, then the exception it was raised from (or during), and so on: the chain a traceback shows."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        yield error
+        error = error.__cause__ or error.__context__
+
+
+def reads_a_value(error: BaseException) -> bool:
+    """Did ``error`` come from the model reading a tensor's value? Told by the types along its chain.
+
+    >>> reads_a_value(ValueReadError("...")), reads_a_value(CaptureError("a data-dependent remark"))
+    (True, False)
+    """
+    return any(isinstance(cause, (ValueReadError, *_TORCH_VALUE_READS)) for cause in causes(error))
 
 
 def with_progress(error: CaptureError, nodes: int) -> CaptureError:

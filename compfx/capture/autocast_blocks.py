@@ -47,10 +47,12 @@ from torch.fx.experimental.proxy_tensor import PreDispatchTorchFunctionMode
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
+from ..errors import CaptureError
+from ._sites import causes
 from .nodes import meta_value
 
-__all__ = ["ENTER", "EXIT", "PINNED_META", "AutocastBlocks", "autocast_probe", "mark_pinned", "is_pinned",
-           "holds_half_precision"]
+__all__ = ["ENTER", "EXIT", "PINNED_META", "AutocastBlocks", "autocast_probe", "AutocastRefusedError", "mark_pinned",
+           "is_pinned", "holds_half_precision"]
 
 ENTER, EXIT = torch.amp.autocast_mode._enter_autocast, torch.amp.autocast_mode._exit_autocast
 
@@ -95,12 +97,23 @@ def _probing(device_type: str) -> bool:
     return device_type in _PROBED
 
 
+class AutocastRefusedError(CaptureError):
+    """Under :func:`autocast_probe`, autocast refused an op of the model (CUDA autocast refuses
+    ``binary_cross_entropy``): the capture is made again without the probe."""
+
+
+#: What torch's autocast says when it refuses an op. It raises a plain RuntimeError, so its message is all that tells
+#: the refusal apart; :func:`autocast_probe` reads it, once, and raises :class:`AutocastRefusedError` instead.
+_REFUSAL = "unsafe to autocast"
+
+
 @contextlib.contextmanager
 def autocast_probe(device_type: str):
     """Run with autocast on for ``device_type`` at FP32, so that code that asks ``torch.is_autocast_enabled``
     before opening an ``autocast(enabled=False)`` block (``maybe_autocast``) opens it; autocast's state is
     put back afterwards. FP32 autocast casts no FP32 or FP64 tensor; check the result with
-    :func:`holds_half_precision`."""
+    :func:`holds_half_precision`. A capture error whose cause is autocast refusing an op becomes an
+    :class:`AutocastRefusedError`."""
     if not torch.amp.is_autocast_available(device_type) or torch.is_autocast_enabled(device_type):
         yield  # no autocast there, or the caller's own is on: leave it as it is
         return
@@ -110,6 +123,10 @@ def autocast_probe(device_type: str):
     _PROBED.add(device_type)
     try:
         yield
+    except CaptureError as error:
+        if any(isinstance(cause, RuntimeError) and _REFUSAL in str(cause) for cause in causes(error)):
+            raise AutocastRefusedError(str(error)) from error
+        raise
     finally:
         _PROBED.discard(device_type)
         torch.set_autocast_enabled(device_type, False)

@@ -25,9 +25,10 @@ from torch.utils import _pytree as pytree
 
 from ..errors import CaptureError
 from ..opkey import KEY_META, OpKey, assign_op_keys, normalize_module_path
+from ..state import buffers_restored
 from .autocast_blocks import mark_pinned
 from .dtype_limits import mark_dtype_limits
-from .model_state import buffers_restored, get_attribute, named_tensors
+from .model_state import get_attribute, named_tensors
 from .nodes import complete_metadata, is_numerical_op, op_nodes
 
 __all__ = ["dynamo_capture", "CAPTURE_DEFAULTS", "capture_defaults", "key_dynamo_graph", "CallIndexOffsets"]

@@ -1,9 +1,10 @@
-"""The model's parameters and buffers as capture reads them, and its buffers put back.
+"""The model's parameters and buffers as capture reads them, and what a trace may leave in the model.
 
 Every tracer names tensors by the model's own FQNs (:func:`named_tensors`,
 :func:`get_attribute`), so graphs from different tracers read the same
 ``get_attr`` targets; a forward that runs for real (dynamo export, an eager
-check, a measurement) leaves the buffers as it found them (:func:`buffers_restored`); and no trace leaves
+check, a measurement) leaves the buffers as it found them
+(:func:`compfx.state.buffers_restored`); and no trace leaves
 a value of its own in the model (:func:`tracer_values_removed`): while tracing, a forward that assigns a
 tensor to an attribute (``self.last = h``, or ``self.steps += 1``, which a proxy does out of place) puts the
 tracer's proxy or FakeTensor there.
@@ -22,15 +23,14 @@ from torch.nn.utils.spectral_norm import SpectralNorm
 from torch.nn.utils.weight_norm import WeightNorm
 from torch.utils import _pytree as pytree
 
-from ..errors import CaptureError
-from ._sites import ExplainedCaptureError
+from ..errors import CaptureError, ExplainedCaptureError
 
 #: The old ``torch.nn.utils.weight_norm`` / ``spectral_norm`` API's forward pre-hooks: they compute the weight
 #: forward reads, which a graph holds.
 _WEIGHT_HOOKS = (WeightNorm, SpectralNorm)
 
-__all__ = ["named_tensors", "get_attribute", "buffers_restored", "state_slots", "slots_put_back",
-           "tracer_values_removed", "reassignment_error", "stored_attributes_warning", "hooks_warning"]
+__all__ = ["named_tensors", "get_attribute", "tracer_values_removed", "reassignment_error", "stored_attributes_warning",
+           "hooks_warning"]
 
 
 def named_tensors(model: nn.Module):
@@ -45,56 +45,6 @@ def get_attribute(root: nn.Module, target: str):
     for part in target.split("."):
         obj = getattr(obj, part)
     return obj
-
-
-@contextlib.contextmanager
-def buffers_restored(model: nn.Module):
-    """Put every buffer of ``model`` back afterwards (dynamo export, and any measuring forward, run it for real).
-
-    Yields a list, filled on the way out with the names of the parameters and buffers that ``forward`` reassigned
-    (``self.running = 0.9 * self.running + ...``): each slot gets its own tensor back as well as its value.
-
-    >>> import torch
-    >>> class Ema(torch.nn.Module):
-    ...     def __init__(self):
-    ...         super().__init__(); self.register_buffer("mean", torch.zeros(2))
-    ...     def forward(self, x):
-    ...         self.mean = 0.9 * self.mean + 0.1 * x.mean(0)
-    ...         return x - self.mean
-    >>> model = Ema(); mean = model.mean
-    >>> with buffers_restored(model) as reassigned:
-    ...     _ = model(torch.ones(3, 2))
-    >>> reassigned, model.mean is mean, model.mean.tolist()
-    (['mean'], True, [0.0, 0.0])
-    """
-    saved = [(b, b.detach().clone()) for b in model.buffers()]
-    slots = state_slots(model)
-    reassigned: list[str] = []
-    try:
-        yield reassigned
-    finally:
-        reassigned.extend(slots_put_back(slots))
-        with torch.no_grad():
-            for buffer, value in saved:
-                buffer.copy_(value)
-
-
-def state_slots(model: nn.Module) -> list[tuple[str, dict, dict]]:
-    """(module prefix, its parameter dict, a copy of it) and the same for buffers, for every module."""
-    return [(prefix, tensors, dict(tensors)) for prefix, module in model.named_modules(remove_duplicate=False)
-            for tensors in (module._parameters, module._buffers)]
-
-
-def slots_put_back(slots) -> list[str]:
-    """Give every parameter and buffer slot of :func:`state_slots` its tensor back; the names of those that
-    held another."""
-    names = []
-    for prefix, tensors, before in slots:
-        for name, value in list(tensors.items()):
-            if name in before and value is not before[name]:
-                tensors[name] = before[name]
-                names.append(f"{prefix}.{name}" if prefix else name)
-    return names
 
 
 @contextlib.contextmanager

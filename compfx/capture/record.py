@@ -27,8 +27,8 @@ from torch.fx.graph import _PyTreeCodeGen, _PyTreeInfo
 from torch.overrides import TorchFunctionMode
 from torch.utils import _pytree as pytree
 
-from ..errors import CaptureError
-from ._sites import ExplainedCaptureError, ValueBranchError, error_site, first_line, user_line, with_progress
+from ..errors import CaptureError, ExplainedCaptureError
+from ._sites import ValueBranchError, ValueReadError, error_site, first_line, user_line, with_progress
 from .autocast_blocks import AutocastBlocks
 from .checkpoints import CheckpointRegions, is_reentrant_checkpoint
 from .draws import branch_on_draw
@@ -172,7 +172,7 @@ def _output_nodes(output, recorder: _CallRecorder) -> list:
     return nodes
 
 
-class _DataDependentValue(CaptureError):
+class _DataDependentValue(ValueReadError):
     """The model reads a tensor's value into Python (``float(t)``, ``t.item()``): fakes have no values."""
 
 

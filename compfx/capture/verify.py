@@ -65,9 +65,10 @@ import torch.nn as nn
 from torch.utils import _pytree as pytree
 
 from ..errors import BadInputError
-from ..rng import outside_torch_states, same_states
+from ..state import (RngState, outside_torch_states, restore_values, same_states, saved_values, slots_put_back,
+                     state_slots, torch_rng_preserved)
 from ._sites import first_line
-from .model_state import get_attribute, reassignment_error, slots_put_back, state_slots
+from .model_state import get_attribute, reassignment_error
 from .nodes import renormed_weight, writes_input
 from .record import is_kv_cache, with_kv_caches_copied
 
@@ -389,7 +390,7 @@ class _Replay:
 
     backward = True
 
-    def __init__(self, model: nn.Module, rng_devices: list[int], buffers: list[tuple[torch.Tensor, torch.Tensor]]):
+    def __init__(self, model: nn.Module, rng: RngState, buffers: list[tuple[torch.Tensor, torch.Tensor]]):
         self.model = model
         self.reassigned: list[str] = []  # parameters and buffers a run of the model reassigned (then put back)
         self.drew_outside_torch = False  # did a run of the model draw from Python's or numpy's generator?
@@ -398,8 +399,7 @@ class _Replay:
         self._slots = state_slots(model)
         self.parameters = dict(model.named_parameters())
         self.buffers = dict(model.named_buffers())
-        self._rng = (torch.get_rng_state(), [torch.cuda.get_rng_state(d) for d in rng_devices])
-        self._rng_devices = rng_devices
+        self._rng = rng
         self._buffer_values = buffers
 
     def run(self, fn, args: tuple, kwargs: dict, *, forward_only: bool = False, again: bool = False) -> _Run:
@@ -461,13 +461,8 @@ class _Replay:
 
     def _reset(self, keep: frozenset = frozenset()) -> None:
         """The state the caller left: buffers (but those whose id is in ``keep``), RNG, no gradients."""
-        with torch.no_grad():
-            for buffer, value in self._buffer_values:
-                if id(buffer) not in keep:
-                    buffer.copy_(value)
-        torch.set_rng_state(self._rng[0])
-        for device, state in zip(self._rng_devices, self._rng[1]):
-            torch.cuda.set_rng_state(state, device)
+        restore_values(self._buffer_values, keep=keep)
+        self._rng.restore()
         for parameter in self.parameters.values():
             parameter.grad = None
 
@@ -488,24 +483,23 @@ def _state_kept(model: nn.Module, gm: fx.GraphModule):
     grads = [(p, p.grad, p.requires_grad) for p in parameters]
     modes = [(m, m.training) for m in (*model.modules(), *gm.modules())]
     tensors = list({id(t): t for t in (*model.buffers(), *gm.buffers(), *_written_parameters(gm))}.values())
-    saved = [(t, t.detach().clone()) for t in tensors]
-    devices = sorted({t.device.index or 0 for t in (*parameters, *tensors) if t.is_cuda})
+    saved = saved_values(tensors)
+    devices = {t.device for t in (*parameters, *tensors)}
     deterministic = (torch.are_deterministic_algorithms_enabled(),
                      torch.is_deterministic_algorithms_warn_only_enabled())
     try:
-        with torch.random.fork_rng(devices=devices), torch.inference_mode(False), torch.enable_grad(), _warnings_quiet():
-            if devices:  # CUDA kernels with atomics (index_add, scatter_add) vary run to run; CPU ones do not
+        with torch_rng_preserved(*devices), torch.inference_mode(False), torch.enable_grad(), _warnings_quiet():
+            # CUDA kernels with atomics (index_add, scatter_add) vary run to run; CPU ones do not
+            if any(d.type == "cuda" for d in devices):
                 torch.use_deterministic_algorithms(True, warn_only=True)
-            replay = _Replay(model, devices, saved)
+            replay = _Replay(model, RngState.now(*devices), saved)
             private = [t for t in gm.buffers() if id(t) not in _model_tensor_ids(model)]
             replay.graph_private = frozenset(map(id, private))
             replay.private_storages = frozenset(t.untyped_storage().data_ptr() for t in private)
             yield replay
     finally:
         torch.use_deterministic_algorithms(deterministic[0], warn_only=deterministic[1])
-        with torch.no_grad():
-            for tensor, value in saved:
-                tensor.copy_(value)
+        restore_values(saved)
         for parameter, grad, requires_grad in grads:
             parameter.grad = grad
             parameter.requires_grad_(requires_grad)

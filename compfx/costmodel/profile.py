@@ -32,7 +32,7 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..cache import discard_entry, entry_path, profile_folder, read_entry, write_entry
-from ..capture import LIMIT_META, get_attribute
+from ..capture import LIMIT_META, get_attribute, writes_input
 from ..capture.dtype_limits import limit_value
 from ..cast_policy import AutocastRegion, castable, low_runs_under_autocast, mutated_positions
 from ..errors import BadInputError, SearchError
@@ -211,6 +211,15 @@ class _OpBench:
         return {i for i, (position, value) in enumerate(zip(positions, pytree.tree_leaves(self.values), strict=True))
                 if castable(self.kind, position, value, mutated)}
 
+    def writes_a_leaf(self) -> bool:
+        """Does the op write its first argument in place, which the step gives it as a leaf that requires grad?
+        Autograd refuses that write (in the model the op writes an activation, not a leaf): see ``clone_first``."""
+        leaves = pytree.tree_leaves(self.values)
+        first = leaves[0] if leaves else None
+        writes = writes_input(self.node) or getattr(self.module, "inplace", False) is True  # nn.ReLU(inplace=True)
+        return (writes and isinstance(first, torch.Tensor) and bool(first.requires_grad)
+                and first.is_floating_point())  # as _real makes it
+
     def padding(self):
         """How the padding pass would pad this op at its recorded shapes (an ``OpPadding``), or None."""
         from ..passes.pad_shapes import padding_of_call  # the pass's own rule, so the profile times what it builds
@@ -328,13 +337,10 @@ def _op_entry_key(signature: Mapping, dtype: torch.dtype, casts: Iterable[int], 
 
 
 def _measure(bench: _OpBench, dtype: torch.dtype, timing: Mapping, padding=None) -> float:
-    try:
-        return time_fastest(bench.make_step(dtype, padding=padding), device=bench.device, **timing)
-    except RuntimeError as error:
-        if "in-place" not in str(error):
-            raise
-        # x.relu_() on a leaf that requires grad: time it on a copy made inside the step
-        return time_fastest(bench.make_step(dtype, clone_first=True, padding=padding), device=bench.device, **timing)
+    # x.relu_() on a leaf that requires grad: time it on a copy made inside the step (padded, it writes the padded copy)
+    clone_first = padding is None and bench.writes_a_leaf()
+    return time_fastest(bench.make_step(dtype, clone_first=clone_first, padding=padding), device=bench.device,
+                        **timing)
 
 
 # -- padding: does the padded op beat the unpadded one? ---------------------------------------------

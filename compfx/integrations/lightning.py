@@ -30,7 +30,7 @@ except ImportError as error:  # pragma: no cover - the test extra installs it
 
 import torch
 
-from ..analyze import model_device
+from ..batches import model_device
 from ..errors import BadInputError, PlanFileError
 from ..plan import Plan
 from ..search.config import SearchConfig

@@ -31,16 +31,16 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from ..analyze import model_device
 from ..apply import apply
+from ..batches import check_first_batch, model_device, move_batch
 from ..errors import BadInputError
 from ..optimize import optimize
-from ..per_module import PlannedBlock, region_paths, restore_blocks
+from ..per_module import PlannedBlock, restore_blocks
 from ..plan import Plan
-from ..rng import loader_generators, rng_preserved
+from ..regions import region_paths
 from ..search.config import SearchConfig
 from ..search.result import SearchResult
-from ..search.sampling import check_first_batch, move_batch
+from ..state import loader_generators, rng_preserved
 from ..vocabulary import Precision, dtype_name
 
 __all__ = ["PLAN_FILE", "LOG_FILE", "PlannedRun", "first_batches", "planned_regions", "plan_model"]
@@ -207,7 +207,7 @@ def plan_model(model: nn.Module, batches: list, *, optimizer: torch.optim.Optimi
     >>> model = torch.nn.Sequential(torch.nn.Linear(8, 3))
     >>> batches = [(torch.randn(4, 8), torch.randint(0, 3, (4,)))]
     >>> ce = lambda out, batch: torch.nn.functional.cross_entropy(out, batch[-1])
-    >>> a = compfx.per_module.analyze_regions(model, batches[0][0], torch.nn.Linear)
+    >>> a = compfx.regions.analyze_regions(model, batches[0][0], torch.nn.Linear)
     >>> run = plan_model(model, batches, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=ce,
     ...                  plan=compfx.Plan.fp32(a), source="a test")
     >>> run.searched, run.regions, type(model[0]).__name__

@@ -53,9 +53,10 @@ import torch.nn as nn
 from ..errors import BadInputError, CaptureError, PlanFailedError, SearchError, SearchReplayError
 from ..measure import PhaseClock, interleaved_order
 from ..plan import Assignment, Plan
+from ..state import restore_state, state_bytes
 from ..vocabulary import SampleStatus, Stage
 from .log import BATCHES, DUEL, REPLAYED_STAGES, SampleRecord
-from .sampling import FairSampler, from_loader, restore_state, state_bytes
+from .sampling import FairSampler, from_loader
 
 __all__ = ["Evaluator", "Epoch", "FunctionEvaluator", "ReplayingEvaluator", "Replay", "ReplayedState",
            "LocalEvaluator", "plan_failures", "measured_time", "each_batch"]

@@ -1,12 +1,12 @@
 """The search over a model planned block by block (``compfx.optimize(..., per_module=(Block, ...))``).
 
-:func:`prepare_search` analyses the blocks alone and makes each a
-:class:`~compfx.per_module.PlannedBlock` (running FP32, as it was);
-:class:`PerModuleEvaluator` then switches every plan into those same blocks
+The model comes with its blocks made :class:`~compfx.per_module.PlannedBlock` s
+running FP32 (:func:`compfx.per_module.plan_blocks_fp32`, the apply stage's);
+:class:`PerModuleEvaluator` switches every plan into those same blocks
 (:meth:`~compfx.per_module.PlannedBlock.use_plan`), so the samples train the
 user's model as it is wrapped (FSDP2, activation checkpointing) and their
 timings include the all-gathers. Applying a plan per block is the apply
-stage's (:mod:`compfx.per_module`); choosing it is the search's.
+stage's; choosing it is the search's.
 """
 
 from __future__ import annotations
@@ -14,36 +14,13 @@ from __future__ import annotations
 import contextlib
 from typing import Hashable
 
-import torch
 import torch.nn as nn
 
-from ..analyze import Analysis
-from ..per_module import PlannedBlock, apply_per_module, captured_regions, regions_analysis, resharded
+from ..per_module import PlannedBlock
 from ..plan import Assignment, Plan
 from .evaluator import LocalEvaluator, each_batch
 
-__all__ = ["PerModuleEvaluator", "prepare_search"]
-
-
-def prepare_search(model: nn.Module, example_inputs, per_module, *, device=None,
-                   low_dtype: torch.dtype | None = None, verify: bool = True) -> Analysis:
-    """What ``compfx.optimize(..., per_module=...)`` searches over: :func:`~compfx.per_module.analyze_regions`, with
-    every block of ``model`` made a :class:`~compfx.per_module.PlannedBlock` (running FP32, as it was) so that each
-    plan can be switched into it.
-
-    Blocks planned already (``compfx.apply(..., per_module=...)`` before ``fully_shard``) are kept as they are.
-    """
-    captured, signatures, device, low_dtype = captured_regions(model, example_inputs, per_module, device, low_dtype,
-                                                               verify)
-    analysis = regions_analysis(captured, signatures, device, low_dtype)
-    apply_per_module(model, Plan.fp32(analysis), analysis, per_module)
-    for path, signature in signatures.items():  # the blocks' captures, made here, are what each block would make
-        block = model.get_submodule(path)
-        if isinstance(block, PlannedBlock):
-            block.keep_capture(signature, captured[path])
-    resharded(model)
-    return analysis
-
+__all__ = ["PerModuleEvaluator"]
 
 
 class PerModuleEvaluator(LocalEvaluator):

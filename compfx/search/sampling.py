@@ -6,19 +6,12 @@ dropout masks and a shuffling ``DataLoader`` repeat, one shuffling with its own
 same order and runs the same training step. When it ends -- finished, pruned,
 failed or interrupted -- the state is restored **in place**: values are
 ``copy_``-ed back into the very Parameter, buffer and optimizer-state tensors
-that existed before, so the user's optimizer and any references they hold stay
-valid.
+that existed before (:func:`compfx.state.restore_state`), so the user's
+optimizer and any references they hold stay valid.
 
-How a batch maps to the model (:func:`split_batch`):
-
-* a ``dict``: every entry is a keyword argument (Hugging Face style, labels included);
-* a ``tuple`` / ``list``: all items but the last are positional inputs, the
-  last is the target (a 1-item tuple is inputs only);
-* a ``Tensor``: the only positional input.
-
-``loss_fn(output, batch)`` receives the model output and the whole batch (on
-the device); without one, the model's own loss is used (``output.loss`` or
-``output["loss"]``).
+What a batch is, how it reaches the model and what the loss is are
+:mod:`compfx.batches`'; the state snapshots and the RNG are :mod:`compfx.state`'s.
+This module walks the loader, takes the steps and keeps every sample fair.
 
 The loader is the user's: an exception it raises (a missing file, a lost
 connection) is not a plan's failure. It reaches the caller as itself, after the
@@ -53,32 +46,28 @@ at which fp16 samples would skip their first steps (timing faster, training less
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
 import warnings
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import Any, Callable, Generator, Iterable, Iterator, Mapping, Sequence
+from typing import Callable, Generator, Iterable, Iterator, Sequence
 
 import torch
 import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from ..errors import BadInputError, CompfxError, NonFiniteGradientError
+from ..batches import LossFn, check_loss, copied_batch, model_loss, move_batch, split_batch
+from ..errors import BadInputError, NonFiniteGradientError
 from ..measure import Timing, time_interleaved, time_repeats, timed
-from ..rng import cuda_devices, loader_generators  # cuda_devices re-exported: the search's callers read it here
+from ..state import (HeldState, LiveState, StateSnapshot, dense_values, loader_generators, restore_generators,
+                     restore_state, saved_generators, seed_device, snapshot_state)
 
-__all__ = ["split_batch", "move_batch", "copied_batch", "training_mode", "dense_values", "model_loss", "check_loss",
-           "check_first_batch", "cuda_devices", "seed_device", "call_quietly", "StateSnapshot", "snapshot_state",
-           "restore_state", "FairSampler", "MAX_EPOCH_BATCHES",
-           "loader_batches", "from_loader", "epoch_limit", "read_steps", "CALIBRATION_STEPS", "state_bytes"]
+__all__ = ["training_mode", "call_quietly", "FairSampler", "MAX_EPOCH_BATCHES", "loader_batches", "from_loader",
+           "epoch_limit", "read_steps", "CALIBRATION_STEPS"]
 
 #: At most this many steps find the loss scale (each skipped step halves it: 2**16 down to 2**-8).
 CALIBRATION_STEPS = 24
-
-LossFn = Callable[[Any, Any], torch.Tensor]
 
 #: Most batches one epoch takes from a loader without ``len()``: it may be an endless stream, and every Stage-1
 #: sample walks one epoch of it.
@@ -143,32 +132,7 @@ def epoch_limit(loader: Iterable) -> int | None:
     return length if isinstance(length, int) and length >= 0 else None
 
 
-# -- batches and losses -----------------------------------------------------------
-
-def split_batch(batch) -> tuple[tuple, dict]:
-    """``(args, kwargs)`` for ``model(*args, **kwargs)`` (see the module docstring).
-
-    >>> import torch
-    >>> args, kwargs = split_batch((torch.zeros(2, 3), torch.zeros(2)))
-    >>> len(args), kwargs
-    (1, {})
-    """
-    if isinstance(batch, Mapping):
-        return (), dict(batch)
-    if isinstance(batch, (tuple, list)):
-        if not batch:
-            raise BadInputError("the loader yielded an empty batch; expected (inputs..., target) or a dict")
-        return (tuple(batch[:-1]) if len(batch) > 1 else tuple(batch)), {}
-    if isinstance(batch, torch.Tensor):
-        return (batch,), {}
-    raise BadInputError(f"the loader yielded a {type(batch).__name__}; compfx expected a tuple/list "
-                        "(inputs..., target), a dict of keyword arguments, or a tensor.")
-
-
-def move_batch(batch, device: torch.device):
-    """The batch with every tensor on ``device`` (non-blocking where it can be)."""
-    return pytree.tree_map(lambda t: t.to(device, non_blocking=True) if isinstance(t, torch.Tensor) else t, batch)
-
+# -- a step's inputs and mode ------------------------------------------------------
 
 def training_mode(module: nn.Module) -> None:
     """Training mode for a sample; a module in training mode already keeps each submodule's own mode (a BatchNorm
@@ -177,62 +141,9 @@ def training_mode(module: nn.Module) -> None:
         module.train()
 
 
-def copied_batch(batch):
-    """The batch with every tensor cloned: what a model that writes its inputs (``x.mul_(0.5)``) may write.
-
-    The search runs every plan on the same batches, many times; a forward that wrote the loader's own tensors
-    would feed each later step other data, and leave the user's data changed.
-    """
-    return pytree.tree_map(lambda t: t.clone() if isinstance(t, torch.Tensor) else t, batch)
-
-
 def _versions(batch) -> list[int]:
     """Each tensor's version counter: it moves whenever the tensor (or a view of it) is written in place."""
     return [t._version for t in pytree.tree_leaves(batch) if isinstance(t, torch.Tensor)]
-
-
-def model_loss(output, batch) -> torch.Tensor:
-    """The default ``loss_fn``: the loss the model computed itself (``output.loss`` / ``output["loss"]``)."""
-    loss = output.get("loss") if isinstance(output, Mapping) else getattr(output, "loss", None)
-    if loss is None:
-        raise BadInputError(
-            f"the model returned a {type(output).__name__} without a loss, and no loss_fn was given. Pass "
-            "loss_fn=lambda output, batch: torch.nn.functional.cross_entropy(output, batch[-1]) (or your own "
-            "loss), or give the model labels so that it returns .loss.")
-    return loss
-
-
-def check_loss(loss) -> torch.Tensor:
-    """``loss`` itself when it is a one-element tensor that, with grad enabled, requires grad; otherwise
-    :class:`BadInputError`."""
-    if not isinstance(loss, torch.Tensor) or loss.numel() != 1:
-        shape = f" of shape {tuple(loss.shape)}" if isinstance(loss, torch.Tensor) else ""
-        raise BadInputError(f"loss_fn returned a {type(loss).__name__}{shape}; expected a scalar tensor. Reduce "
-                            "the loss (e.g. .mean()) inside loss_fn.")
-    if torch.is_grad_enabled() and not loss.requires_grad:  # a training step's loss: backward must reach the model
-        raise BadInputError("loss_fn returned a loss that does not require grad, so backward cannot train the model; "
-                            "compute it from the model's output without .detach(), .item() or torch.no_grad().")
-    return loss
-
-
-def seed_device(seed: int, device: torch.device) -> None:
-    """Seed the generators work on ``device`` draws from: the CPU's, and ``device``'s own when it is a GPU.
-
-    Not ``torch.manual_seed``: it seeds every CUDA device, and, before CUDA is
-    initialised, queues that seed for later, where ``torch.random.fork_rng``
-    cannot undo it; a search on the CPU would then change the caller's CUDA RNG.
-
-    >>> import torch
-    >>> seed_device(3, torch.device("cpu")); a = torch.rand(1)
-    >>> seed_device(3, torch.device("cpu")); torch.equal(a, torch.rand(1))
-    True
-    """
-    torch.random.default_generator.manual_seed(seed)
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        torch.cuda.default_generators[index].manual_seed(seed)
-    elif device.type != "cpu":
-        torch.manual_seed(seed)  # other accelerators (mps, xpu): their own seeding
 
 
 def call_quietly(module: nn.Module, args: tuple, kwargs: dict):
@@ -247,187 +158,6 @@ def call_quietly(module: nn.Module, args: tuple, kwargs: dict):
     if isinstance(module, fx.GraphModule):
         return nn.Module.__call__(module, *args, **kwargs)
     return module(*args, **kwargs)
-
-
-def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: torch.device, *,
-                      where: str = "the loader's first batch, in FP32 before any search",
-                      with_loss: bool = True) -> tuple[tuple, dict]:
-    """Run ``model`` and ``loss_fn`` once on ``batch`` (no grad) to catch bad inputs before any search work;
-    ``with_loss=False`` runs the model alone (a given plan, applied without a search, needs no loss).
-
-    The model's parameters, buffers (e.g. BatchNorm statistics) and the RNG are
-    put back afterwards, so the check changes nothing. Returns the batch's
-    model inputs on ``device``, as ``(args, kwargs)``.
-
-    >>> import torch
-    >>> model = torch.nn.Linear(3, 2)
-    >>> args, kwargs = check_first_batch(model, (torch.randn(4, 3), torch.randn(4, 2)),
-    ...                                  lambda out, b: torch.nn.functional.mse_loss(out, b[-1]), torch.device("cpu"))
-    >>> args[0].shape, kwargs
-    (torch.Size([4, 3]), {})
-    """
-    devices = {t.device for t in (*model.parameters(), *model.buffers())}
-    if len(devices) > 1:
-        raise BadInputError(f"the model's parameters and buffers are spread over {sorted(map(str, devices))}; "
-                            "compfx expected one device. Move the whole model there with model.to(device).")
-    if any(d.type == "meta" for d in devices):
-        raise BadInputError("the model's parameters or buffers are on the meta device (shapes, no values), but "
-                            "compfx runs it; materialise it first, e.g. model.to_empty(device='cpu') and load its "
-                            "weights, then build the optimizer on model.parameters().")
-    batch = copied_batch(move_batch(batch, device))  # the model may write its inputs: never the loader's tensors
-    args, kwargs = split_batch(batch)
-    snapshot = snapshot_state(model)
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices(device)):
-            output = _user_call("the model", lambda: model(*args, **kwargs), batch, where)
-            if with_loss:
-                check_loss(_user_call("loss_fn", lambda: (loss_fn or model_loss)(output, batch), batch, where))
-    finally:
-        restore_state(snapshot)
-    return split_batch(copied_batch(batch))  # not the inputs the check ran on, which the model may have written
-
-
-def _user_call(what: str, call: Callable[[], Any], batch, where: str):
-    """``call()``, turning a failure into a :class:`BadInputError` that says which batch and why."""
-    try:
-        return call()
-    except CompfxError:
-        raise
-    except Exception as error:
-        first = (str(error).splitlines() or [""])[0][:300]
-        raise BadInputError(
-            f"{what} failed on {where} ({type(error).__name__}: "
-            f"{first}). The batch was {_describe(batch)}; expected one the model trains on "
-            "(a tuple (inputs..., target), a dict of keyword arguments, or a tensor). Fix the loader, the "
-            "model or loss_fn so that one FP32 training step runs.") from error
-
-
-def _describe(batch) -> str:
-    return str(pytree.tree_map(lambda t: f"Tensor{tuple(t.shape)}:{t.dtype}" if isinstance(t, torch.Tensor)
-                               else type(t).__name__, batch))[:200]
-
-
-# -- state snapshots ------------------------------------------------------------
-
-@dataclass
-class StateSnapshot:
-    """Copies of a model's and optimizer's state, plus the live tensors to restore them into."""
-
-    tensors: list[tuple[torch.Tensor, torch.Tensor]]  # (live parameter or buffer, saved copy)
-    grads: list[tuple[nn.Parameter, torch.Tensor | None]]
-    optimizer: torch.optim.Optimizer | None
-    optimizer_state: list[tuple[torch.Tensor, dict | None]] = field(default_factory=list)  # (param, saved)
-    param_groups: list[dict] = field(default_factory=list)
-
-    def matches(self) -> bool:
-        """True when the live state is bitwise equal to this snapshot."""
-        if not all(_same(live, saved) for live, saved in self.tensors):
-            return False
-        if not all(_same(p.grad, g) for p, g in self.grads):
-            return False
-        if self.optimizer is None:
-            return True
-        for param, saved in self.optimizer_state:
-            live = self.optimizer.state.get(param)
-            if (saved is None) != (not live):
-                return False
-            if saved is not None and (saved.keys() != live.keys()
-                                      or not all(_same(live[k], v) for k, (_, v) in saved.items())):
-                return False
-        return [_hyper(g) for g in self.optimizer.param_groups] == self.param_groups
-
-
-def _same(a, b) -> bool:
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        return (isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.dtype == b.dtype
-                and a.shape == b.shape and torch.equal(a, b))
-    return a == b
-
-
-def dense_values(grad: torch.Tensor) -> torch.Tensor:
-    """The values a gradient holds, as a dense tensor: a sparse gradient's (``nn.Embedding(sparse=True)``)
-    stored values, summed where indices repeat, since norms and finiteness tests take no sparse tensor."""
-    return grad.coalesce().values() if grad.is_sparse else grad
-
-
-def _hyper(group: dict) -> dict:
-    return {k: v for k, v in group.items() if k != "params"}
-
-
-def _clone(value):
-    return value.detach().clone() if isinstance(value, torch.Tensor) else copy.deepcopy(value)
-
-
-def snapshot_state(model: nn.Module, optimizer: torch.optim.Optimizer | None = None) -> StateSnapshot:
-    """Copy the parameters, gradients, buffers and optimizer state (and hyperparameters).
-
-    >>> import torch
-    >>> model = torch.nn.Linear(2, 2)
-    >>> snapshot = snapshot_state(model)
-    >>> with torch.no_grad(): _ = model.weight.add_(1)
-    >>> restore_state(snapshot); snapshot.matches()
-    True
-    """
-    params = list(model.parameters())
-    tensors = [(t, t.detach().clone()) for t in (*params, *model.buffers())]
-    grads = [(p, None if p.grad is None else p.grad.detach().clone()) for p in params]
-    snapshot = StateSnapshot(tensors, grads, optimizer)
-    if optimizer is not None:
-        for group in optimizer.param_groups:
-            for param in group["params"]:
-                state = optimizer.state.get(param)
-                # keep the live tensor next to its copy, to restore into the same object
-                saved = {k: (v, _clone(v)) for k, v in state.items()} if state else None
-                snapshot.optimizer_state.append((param, saved))
-        snapshot.param_groups = [copy.deepcopy(_hyper(g)) for g in optimizer.param_groups]
-    return snapshot
-
-
-def state_bytes(snapshot: StateSnapshot) -> int:
-    """Bytes of the state a snapshot holds: parameters, buffers, gradients and the optimizer's tensors.
-
-    >>> import torch
-    >>> state_bytes(snapshot_state(torch.nn.Linear(2, 2)))  # 6 float32 values
-    24
-    """
-    tensors = [saved for _, saved in snapshot.tensors] + [grad for _, grad in snapshot.grads]
-    tensors += [value for _, saved in snapshot.optimizer_state if saved for _, value in saved.values()]
-    return sum(t.numel() * t.element_size() for t in tensors if isinstance(t, torch.Tensor))
-
-
-@torch.no_grad()
-def restore_state(snapshot: StateSnapshot) -> None:
-    """Copy the snapshot back into the same tensors it was taken from (bitwise)."""
-    for live, saved in snapshot.tensors:
-        live.copy_(saved)
-    for param, grad in snapshot.grads:
-        if grad is None:
-            param.grad = None
-        elif param.grad is not None and param.grad.shape == grad.shape and param.grad.dtype == grad.dtype:
-            param.grad.copy_(grad)
-        else:
-            param.grad = grad.clone()
-    optimizer = snapshot.optimizer
-    if optimizer is None:
-        return
-    for param, saved in snapshot.optimizer_state:
-        if saved is None:
-            optimizer.state.pop(param, None)  # the optimizer had not stepped yet: it starts lazily again
-            continue
-        restored = {}
-        for key, (original, value) in saved.items():
-            if isinstance(original, torch.Tensor):
-                original.copy_(value)
-                restored[key] = original
-            else:
-                restored[key] = copy.deepcopy(value)
-        optimizer.state[param] = restored
-    for group, hyper in zip(optimizer.param_groups, snapshot.param_groups):
-        for key, value in hyper.items():
-            if isinstance(group.get(key), torch.Tensor) and isinstance(value, torch.Tensor):
-                group[key].copy_(value)
-            else:
-                group[key] = copy.deepcopy(value)
 
 
 def _is_dtensor(value) -> bool:
@@ -466,7 +196,7 @@ class FairSampler:
         self.initial = snapshot_state(model, optimizer)
         #: the loader's own generators (a DataLoader's seeded shuffle) and their states now: every epoch starts
         #: from these, so every sample walks the loader in one order, as seeding torch's does for an unseeded one
-        self.loader_rng = [(generator, generator.get_state()) for generator in loader_generators(loader)]
+        self.loader_rng = saved_generators(loader_generators(loader))
         length = epoch_limit(loader)
         self.epoch_batches = length if length is not None else MAX_EPOCH_BATCHES  # what bounds an epoch
         self._bounded = length is None
@@ -484,8 +214,7 @@ class FairSampler:
         """Seed what a sample draws from: the device's generators (dropout, an unseeded shuffle) and the loader's
         own, back at their states when the sampler was made."""
         seed_device(self.seed, self.device)
-        for generator, state in self.loader_rng:
-            generator.set_state(state)
+        restore_generators(self.loader_rng)
 
     @contextmanager
     def fresh_start(self, module: nn.Module):
@@ -748,8 +477,8 @@ class FairSampler:
 
 class _Turns:
     """The modules of :meth:`FairSampler.epochs_taking_turns`: the model holds the state of the module whose turn it
-    is; each other module's waits in a :class:`_Held` state, exchanged with the model's by value when its turn
-    comes."""
+    is; each other module's waits in a :class:`~compfx.state.HeldState`, exchanged with the model's by value when
+    its turn comes."""
 
     def __init__(self, sampler: FairSampler, modules: list[nn.Module], switch: Callable[[int], object] | None):
         self.sampler, self.modules, self.switch = sampler, modules, switch
@@ -760,9 +489,9 @@ class _Turns:
         self.fetched: list = []
         self._fetch(0)  # a shuffling loader draws its order now, after seeding, as in an epoch alone
         # the model holds the initial state now (every warm-up restored it): each other module starts from a copy
-        self.state = _LiveState.of(sampler.initial, sampler.device)
+        self.state = LiveState.of(sampler.initial, sampler.device)
         self.live = 0
-        self.held = {j: _Held.copy_of(sampler.initial, sampler.device) for j in range(1, len(modules))}
+        self.held = {j: HeldState.copy_of(sampler.initial, sampler.device) for j in range(1, len(modules))}
         self.scalers = [sampler._scaler() for _ in modules]
         self.open = set(range(len(modules)))
 
@@ -819,102 +548,6 @@ class _Turns:
         if not self.open:
             self.held.clear()
             self.sampler.restore()
-
-
-@dataclass
-class _LiveState:
-    """The model's and optimizer's tensors a snapshot restores (a buffer the model later replaces by another object
-    is not followed, as in :func:`restore_state`)."""
-
-    tensors: list[torch.Tensor]  # Parameters and buffers
-    params: list[nn.Parameter]  # their gradients
-    optimizer_params: list[torch.Tensor]  # the optimizer's state is keyed by them
-    optimizer: torch.optim.Optimizer | None
-    device: torch.device
-
-    @classmethod
-    def of(cls, snapshot: StateSnapshot, device: torch.device) -> "_LiveState":
-        return cls([live for live, _ in snapshot.tensors], [param for param, _ in snapshot.grads],
-                   [param for param, _ in snapshot.optimizer_state], snapshot.optimizer, device)
-
-    def optimizer_state(self, param) -> dict | None:
-        return (self.optimizer.state.get(param) or None) if self.optimizer is not None else None
-
-
-class _Held:
-    """A model's and optimizer's state held out of the model, and the RNG's, exchanged with the model's in place.
-
-    Values are copied, not the model's tensors replaced: each plan's step then runs on the same memory as an epoch
-    alone does (warm in the caches as it would be), and the user's Parameters, buffers and optimizer state keep
-    their own storage throughout.
-    """
-
-    def __init__(self, tensors: list, grads: list, optimizer_state: list, rng: list):
-        self.tensors, self.grads, self.optimizer_state, self.rng = tensors, grads, optimizer_state, rng
-
-    @classmethod
-    def copy_of(cls, snapshot: StateSnapshot, device: torch.device) -> "_Held":
-        """A copy of the state ``snapshot`` holds (it stays as it is), and the RNG's state now."""
-        optimizer_state = [None if saved is None else {key: _clone(copy) for key, (_, copy) in saved.items()}
-                           for _, saved in snapshot.optimizer_state]
-        return cls([_clone(copy) for _, copy in snapshot.tensors],
-                   [None if grad is None else _clone(grad) for _, grad in snapshot.grads], optimizer_state,
-                   _rng_states(device))
-
-    @torch.no_grad()
-    def exchange(self, live: _LiveState) -> None:
-        """Put this state into the live tensors, and hold the state they had instead."""
-        for tensor, held in zip(live.tensors, self.tensors):
-            _exchange_values(tensor, held)
-        for i, param in enumerate(live.params):
-            param.grad, self.grads[i] = self.grads[i], param.grad  # set anew by every step: no copy needed
-        for i, param in enumerate(live.optimizer_params):
-            current, held = live.optimizer_state(param), self.optimizer_state[i]
-            if current is not None and held is not None and _same_layout(current, held):
-                for key in current:
-                    if isinstance(current[key], torch.Tensor):
-                        _exchange_values(current[key], held[key])
-                    else:
-                        current[key], held[key] = held[key], current[key]
-                continue
-            # one of them has no state yet (the optimizer creates it at its first step): the dicts change places
-            if held is None:
-                live.optimizer.state.pop(param, None)
-            else:
-                live.optimizer.state[param] = held
-            self.optimizer_state[i] = current
-        rng = _rng_states(live.device)
-        _set_rng_states(live.device, self.rng)
-        self.rng = rng
-
-
-def _exchange_values(live: torch.Tensor, held: torch.Tensor) -> None:
-    kept = live.detach().clone()
-    live.copy_(held)
-    held.copy_(kept)
-
-
-def _same_layout(a: dict, b: dict) -> bool:
-    """Do two optimizer states hold the same keys, with tensors of the same shape and dtype?"""
-    if a.keys() != b.keys():
-        return False
-    return all(isinstance(a[k], torch.Tensor) == isinstance(b[k], torch.Tensor)
-               and (not isinstance(a[k], torch.Tensor) or (a[k].shape == b[k].shape and a[k].dtype == b[k].dtype))
-               for k in a)
-
-
-def _rng_states(device: torch.device) -> list[torch.Tensor]:
-    """The states of the generators a training step on ``device`` draws from (see :func:`seed_device`)."""
-    states = [torch.random.default_generator.get_state()]
-    if device.type == "cuda":
-        states.append(torch.cuda.get_rng_state(device))
-    return states
-
-
-def _set_rng_states(device: torch.device, states: list[torch.Tensor]) -> None:
-    torch.random.default_generator.set_state(states[0])
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(states[1], device)
 
 
 def read_steps(records) -> list[float]:

@@ -24,7 +24,8 @@ from ..analyze import parameter_shapes
 from ..errors import CompfxError
 from ..measure import PhaseClock, describe_fp32_math, fp32_math
 from ..memory import saved_activation_bytes
-from ..per_module import is_regions_analysis
+from ..regions import is_regions_analysis
+from ..state import torch_rng_preserved
 from ..vocabulary import Stage
 from .compare import IN_THE_FIRST_DUEL, IN_THE_FIRST_EPOCHS, StepComparison
 from .config import SearchConfig
@@ -34,7 +35,7 @@ from .log import RESULT, SearchLog
 from .padding import PaddingDecision, decide_padding, padding_candidates, padding_gate
 from .per_module import PerModuleEvaluator
 from .result import SearchResult
-from .sampling import FairSampler, cuda_devices
+from .sampling import FairSampler
 from .space import SearchSpace
 
 __all__ = ["SearchSession", "COMPARE_ROUNDS"]
@@ -125,7 +126,7 @@ class SearchSession:
         config, clock = self.config, self.clock
         progress = _progress_bar(config.progress)
         try:
-            with torch.random.fork_rng(devices=cuda_devices(self.analysis.device)):  # the user's RNG is untouched
+            with torch_rng_preserved(self.analysis.device):  # the user's RNG is untouched
                 with clock.phase("profiling"):
                     predictor = self._predictor()
                 recorder = Recorder(self.log, replay=self.replay, predictor=predictor, progress=progress, clock=clock)
