@@ -42,7 +42,7 @@ from tabulate import tabulate
 
 import compfx
 from compfx import examples
-from compfx.apply import apply
+from compfx.planned_module import apply
 from compfx.costmodel import Predictor
 from compfx.files import write_json_atomic
 from compfx.measure import CLOCKS, device_name, timed

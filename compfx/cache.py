@@ -111,7 +111,7 @@ __all__ = ["CACHE_DIR_ENV", "FINGERPRINT_PATTERN", "MAX_ENTRY_BYTES", "TEMP_MAX_
 
 #: Environment variable that moves the plan cache.
 CACHE_DIR_ENV = "COMPFX_CACHE_DIR"
-#: What a fingerprint is (:attr:`compfx.analyze.Analysis.fingerprint`): 16 lowercase hex digits of a sha256.
+#: What a fingerprint is (:attr:`compfx.analysis.Analysis.fingerprint`): 16 lowercase hex digits of a sha256.
 FINGERPRINT_PATTERN = re.compile(r"[0-9a-f]{16}")
 #: A profile or cast-cost entry is a few hundred bytes; a larger file is not one compfx wrote.
 MAX_ENTRY_BYTES = 1 << 20
@@ -226,7 +226,7 @@ def save_plan(plan: Plan, *, cache_dir: str | os.PathLike | None = None) -> Path
 
     The file records this search (``searched``: when, host, process) and, where
     the plan records them (:meth:`Plan.with_parameter_shapes`), the shapes of the parameters
-    the model's forward reads (:func:`compfx.analyze.parameter_shapes`): the compile backend runs the plan
+    the model's forward reads (:func:`compfx.analysis.parameter_shapes`): the compile backend runs the plan
     only for a graph that reads parameters of those shapes, not for another
     model whose ops are named alike (the same layers at other widths). Saves
     to one folder take turns; replacing a *different* plan that another process
@@ -407,7 +407,7 @@ def find_plan_covering(keys: Iterable[OpKey], *, low_dtype: torch.dtype | None =
     A lookup by op names alone: any cached model whose ops include these names
     matches, another model's too (a smaller model, the same layers at other
     widths, a piece of another model). The compile backend never uses it (see
-    :mod:`compfx.backend`); call it only where you know the keys are a piece
+    :mod:`compfx.compile_backend`); call it only where you know the keys are a piece
     of a model you searched, and pass the plan to ``compfx.backend`` yourself.
     """
     wanted = set(keys)

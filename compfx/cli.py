@@ -20,7 +20,7 @@ import sys
 import torch
 import torch.nn as nn
 
-from .capture import normalize_example_inputs
+from .graph_capture import normalize_example_inputs
 from .errors import BadInputError, CompfxError
 from .state import torch_rng_preserved
 from .vocabulary import dtype_name
@@ -242,7 +242,7 @@ def _seed(text: str) -> int:
 
 
 def _cmd_analyze(args) -> int:
-    from .analyze import analyze
+    from .analysis import analyze
 
     model = _build_model(args.model)
     inputs = _example_inputs(args)
@@ -302,7 +302,7 @@ def _check_output_paths(args) -> None:
 
 
 def _cmd_search(args) -> int:
-    from .optimize import optimize
+    from .optimization import optimize
     from .search.config import SearchConfig
 
     _check_search_data(args)
@@ -335,7 +335,7 @@ def _cmd_report(args) -> int:
 def _cmd_plan_show(args) -> int:
     from tabulate import tabulate
 
-    from .analyze import analyze
+    from .analysis import analyze
     from .plan import Plan
 
     plan = Plan.load(args.plan)
@@ -401,7 +401,7 @@ def _add_search_parsers(sub) -> None:
 
 
 def _cmd_diagnose(args) -> int:
-    from .diagnose import diagnose
+    from .diagnosis import diagnose
     from .plan import Plan
 
     model = _build_model(args.model)

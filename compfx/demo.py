@@ -12,10 +12,10 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from .apply import apply
+from .planned_module import apply
 from .errors import BadInputError
 from .examples import cnn
-from .optimize import optimize
+from .optimization import optimize
 from .plan import Plan
 from .search import SearchConfig, SearchResult
 

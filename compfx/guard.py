@@ -8,10 +8,10 @@ that was safe at step 100 may overflow at step 50,000. Used like ``GradScaler``:
     guard.step(optimizer, loss)                # steps, or skips the step and repairs the plan
 
 On a non-finite loss or gradient the guard skips the optimizer step, finds the
-op(s) where the non-finite values start (:func:`compfx.diagnose.diagnose_inputs`
+op(s) where the non-finite values start (:func:`compfx.diagnosis.diagnose_inputs`
 on the same batch, backward from the gradient that reached the module's
 output in this step) and moves them, or when they already run in FP32 their
-producers, to FP32 with :meth:`~compfx.apply.PlannedModule.replan`: the same
+producers, to FP32 with :meth:`~compfx.planned_module.PlannedModule.replan`: the same
 module object, the same Parameters, so the optimizer keeps working. It checks
 the repaired plan on the same batch and repairs again while non-finite values
 remain (at most ``max_rounds`` times). With gradient accumulation (several
@@ -52,8 +52,8 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.utils import _pytree as pytree
 
-from .apply import PlannedModule
-from .diagnose import Diagnosis, diagnose_inputs, rng_state, shadow_graph_of, untouched_state
+from .planned_module import PlannedModule
+from .diagnosis import Diagnosis, diagnose_inputs, rng_state, shadow_graph_of, untouched_state
 from .errors import BadInputError, PlanFileError
 from .opkey import OpKey
 from .plan import Plan
@@ -87,17 +87,17 @@ class Repair:
 
 
 class Guard:
-    """Watches a :class:`~compfx.apply.PlannedModule` during training; repairs its plan in place when it overflows.
+    """Watches a :class:`~compfx.planned_module.PlannedModule` during training; repairs its plan in place when it overflows.
 
     ``check_every`` checks the loss and gradients for non-finite values every
     that many steps (1: every step; between checks a non-finite step reaches
     the optimizer). ``shadow_every`` (None: never) compares with an FP32 shadow
     run; ``loss_fn(output, batch)`` and ``step(..., batch=)`` make that a loss
     comparison. ``scaler`` is the fp16 run's ``GradScaler``; ``log`` a
-    :class:`~compfx.SearchLog` (or its path) to note repairs in.
+    :class:`~compfx.search.SearchLog` (or its path) to note repairs in.
 
     >>> import torch, compfx
-    >>> from compfx.apply import PlannedModule
+    >>> from compfx.planned_module import PlannedModule
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
     >>> a = compfx.analyze(model, torch.randn(3, 4), low_dtype=torch.float16)
     >>> fast = PlannedModule(model, compfx.Plan.amp(a), analysis=a)
@@ -137,7 +137,7 @@ class Guard:
         self.check_every, self.shadow_every, self.drift_threshold = check_every, shadow_every, float(drift_threshold)
         self.max_rounds, self.min_scale = max_rounds, float(min_scale)
         if log is not None and not isinstance(log, (str, os.PathLike, SearchLog)):
-            raise BadInputError(f"log={log!r}; expected a search log's path, a compfx.SearchLog, or None.")
+            raise BadInputError(f"log={log!r}; expected a search log's path, a compfx.search.SearchLog, or None.")
         # a path is added to (the search's own log, say), never truncated
         self.log = SearchLog.append_to(log) if isinstance(log, (str, os.PathLike)) else log
         self.repairs: list[Repair] = []

@@ -43,10 +43,10 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .analyze import Analysis, analyze_graph
+from .analysis import Analysis, analyze_graph
 from .batches import model_device
 from .cast_policy import check_weights_dtype, run_as_planned, weights_dtype
-from .capture import capture, describe_inputs, input_signature, keep_checkpoints, modes_of
+from .graph_capture import capture, describe_inputs, input_signature, keep_checkpoints, modes_of
 from .errors import BadInputError, CaptureError
 from .float8 import fp8_fallbacks
 from .opkey import OpKey

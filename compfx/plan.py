@@ -23,7 +23,7 @@ device type than the model it is applied to, the plan still applies (op keys
 and casts do not depend on either) and a warning says that its precisions were
 measured elsewhere, so a search on this setup may choose differently. (The
 compile backend's plan cache is stricter: it never runs a cached plan searched on
-another device type; see :mod:`compfx.backend`.)
+another device type; see :mod:`compfx.compile_backend`.)
 
 A plan may also pad ops (``plan.padded``, set with :meth:`Plan.with_padding`):
 those ops run with their unfit dims zero-padded to the Tensor Core multiple
@@ -151,7 +151,7 @@ class Plan(Mapping[OpKey, Precision]):
                                     "'cuda', or None.")
         # where it was made for (metadata: plans equal in their precisions are equal, wherever they were made)
         object.__setattr__(self, "device_type", device_type)
-        # what it was searched for: the shapes of the model's parameters (compfx.analyze.parameter_shapes); op keys
+        # what it was searched for: the shapes of the model's parameters (compfx.analysis.parameter_shapes); op keys
         # name layers, not widths, so this tells the model a plan file was searched on from the same layers resized
         object.__setattr__(self, "parameter_shapes", _checked_shapes(parameter_shapes))
 
@@ -251,11 +251,11 @@ class Plan(Mapping[OpKey, Precision]):
 
     def with_parameter_shapes(self, shapes: Iterable[Iterable[int]] | None) -> "Plan":
         """A copy that records the shapes of the parameters of the model it was searched on
-        (:func:`compfx.analyze.parameter_shapes`; a search's chosen plan records them), so that
+        (:func:`compfx.analysis.parameter_shapes`; a search's chosen plan records them), so that
         :func:`compfx.apply` can say when a plan file meets the same layers at other widths.
 
         >>> import torch, compfx
-        >>> from compfx.analyze import parameter_shapes
+        >>> from compfx.analysis import parameter_shapes
         >>> a = compfx.analyze(torch.nn.Linear(4, 8), torch.randn(2, 4))
         >>> compfx.Plan.amp(a).with_parameter_shapes(parameter_shapes(a.graph_module)).parameter_shapes
         ((8,), (8, 4))
@@ -269,7 +269,7 @@ class Plan(Mapping[OpKey, Precision]):
         Every key must be in the plan and not at ``fp8`` (the float8 path has
         its own shape rule). Given the ``analysis``, each op must be
         ``pad_eligible`` there too; :meth:`validate` (which :func:`compfx.apply`
-        and :class:`~compfx.apply.PlannedModule` call) checks that in any case.
+        and :class:`~compfx.planned_module.PlannedModule` call) checks that in any case.
         A refused key is a :class:`~compfx.errors.PlanMismatchError`.
 
         >>> import torch, compfx
@@ -568,5 +568,5 @@ def _checked_shapes(shapes) -> tuple[tuple[int, ...], ...] | None:
         checked = None
     if checked is None or not all(type(d) is int and d >= 0 for shape in checked for d in shape):
         raise PlanMismatchError(f"parameter_shapes={str(shapes)[:80]}; expected shapes (sequences of sizes), as "
-                                "compfx.analyze.parameter_shapes gives them, or None.")
+                                "compfx.analysis.parameter_shapes gives them, or None.")
     return checked

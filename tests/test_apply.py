@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import compfx
-from compfx.apply import apply
+from compfx.planned_module import apply
 from compfx.errors import BadInputError, PlanFileError, PlanMismatchError
 from compfx.passes import count_autocast_casts, count_casts
 from zoo import ZOO, make

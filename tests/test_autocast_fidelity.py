@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
-from compfx.apply import apply
-from compfx.capture import meta_value
+from compfx.planned_module import apply
+from compfx.graph_capture import meta_value
 from compfx.cast_policy import CAST_META, AutocastRegion
 from compfx.passes import count_autocast_casts, count_casts
 
@@ -148,7 +148,7 @@ def test_a_shared_low_cast_sums_the_uses_gradients_in_the_low_dtype():
 
 
 # ---------------------------------------------------------------------------
-# dtypes the model's Python reads from activations (compfx.capture.dtype_reads), in a recorded graph
+# dtypes the model's Python reads from activations (compfx.graph_capture.dtype_reads), in a recorded graph
 
 class _ReadsADtype(nn.Module):
     """Two linears around the part of ``forward`` each model below writes."""

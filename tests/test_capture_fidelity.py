@@ -18,10 +18,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compfx
-from compfx.capture import capture
-from compfx.capture.checkpoints import CHECKPOINT_META, CheckpointedGraph, checkpointed_nodes
-from compfx.capture.functions import FunctionCall
-from compfx.capture.verify import SAVED_TENSOR_SLACK, VERIFICATION_META, verify_capture
+from compfx.graph_capture import capture
+from compfx.graph_capture.checkpoints import CHECKPOINT_META, CheckpointedGraph, checkpointed_nodes
+from compfx.graph_capture.functions import FunctionCall
+from compfx.graph_capture.verify import SAVED_TENSOR_SLACK, VERIFICATION_META, verify_capture
 from compfx.cast_policy import AutocastRegion, is_cast
 from compfx.errors import CaptureError
 from compfx.opkey import KEY_META

@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.apply import apply
+from compfx.planned_module import apply
 from compfx.cache import profile_folder
 from compfx.cast_policy import castable_inputs
 from compfx.costmodel import CastCost, OpProfile, OpProfiles, Predictor, fit_cast_cost, profile_ops
@@ -226,7 +226,7 @@ def _analysis_or_special(name: str):
 ])
 def test_low_profile_casts_what_the_rewriter_casts(name, kind, casts):
     a = _analysis_or_special(name)
-    node = next(n for n in compfx.op_nodes(a.graph_module) if n.meta[KEY_META].kind == kind)
+    node = next(n for n in compfx.graph_capture.op_nodes(a.graph_module) if n.meta[KEY_META].kind == kind)
     assert _OpBench(a.graph_module, node, a.device).cast_positions() == casts
 
 
@@ -234,7 +234,7 @@ def test_low_profile_casts_what_the_rewriter_casts(name, kind, casts):
                                   "writes_and_doubles"])
 def test_low_profile_casts_exactly_the_inputs_the_cast_policy_names(name):
     a = _analysis_or_special(name)
-    for node in compfx.op_nodes(a.graph_module):
+    for node in compfx.graph_capture.op_nodes(a.graph_module):
         bench = _OpBench(a.graph_module, node, a.device)
         leaves = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
         cast_nodes = {leaves[i] for i in bench.cast_positions()}

@@ -407,7 +407,7 @@ def test_the_report_from_the_log_is_the_report_and_quotes_one_interleaved_compar
     assert comparison.phase == IN_THE_FIRST_EPOCHS or min(counts) % 7 == 0
     assert result.step_seconds == {name: comparison.median(name) for name in comparison.seconds}
     x = loader[0][0]
-    assert comparison.saved_bytes["fp32"] == compfx.saved_activation_bytes(
+    assert comparison.saved_bytes["fp32"] == compfx.memory.saved_activation_bytes(
         compfx.apply(model, compfx.Plan.fp32(result.analysis), analysis=result.analysis), (x,))
     text = result.report()
     assert text == render_log_report(path)  # `compfx report LOG` prints the same report, numbers and evidence

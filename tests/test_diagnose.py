@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
-from compfx.apply import PlannedModule
+from compfx.planned_module import PlannedModule
 from compfx.cli import main
 from compfx.examples import Drifting
 from compfx.state import snapshot_state

@@ -155,7 +155,7 @@ def activation_heavy_mlp():
 
 def test_an_all_low_plan_saves_fewer_activation_bytes_than_fp32():
     import compfx
-    from compfx.apply import apply
+    from compfx.planned_module import apply
 
     torch.manual_seed(0)
     model, x = activation_heavy_mlp(), (torch.randn(256, 8),)

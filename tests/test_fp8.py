@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 import compfx
-from compfx.apply import PlannedModule, apply
-from compfx.backend import backend
+from compfx.planned_module import PlannedModule, apply
+from compfx.compile_backend import backend
 from compfx.errors import BadInputError, PlanFileError, PlanMismatchError
 from compfx.float8 import fp8_eligible
 from compfx.passes import Float8Matmul

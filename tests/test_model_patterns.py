@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
-from compfx.apply import PlannedModule, apply
+from compfx.planned_module import PlannedModule, apply
 
 from tests.helpers import assert_bitwise, seeded_grads
 
@@ -238,7 +238,7 @@ def test_vmap_model_trains_under_the_compfx_backend(fresh_dynamo):
 
 
 def test_passes_keep_functorch_levels_random_draws_and_writes():
-    from compfx.capture import has_side_effects
+    from compfx.graph_capture import has_side_effects
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -469,6 +469,6 @@ class HalfPrecisionBlock(nn.Module):
 def test_a_model_with_half_precision_layers_is_captured_as_it_runs():
     model, x = HalfPrecisionBlock(), _x(2, 8)
     gm = compfx.capture(model, (x,))
-    dtypes = {str(n.meta["compfx_key"]): n.meta["val"].dtype for n in compfx.op_nodes(gm)}
+    dtypes = {str(n.meta["compfx_key"]): n.meta["val"].dtype for n in compfx.graph_capture.op_nodes(gm)}
     assert dtypes == {"a:linear#0": torch.float32, "b:linear#0": torch.bfloat16}
     assert torch.equal(gm(x), model(x))

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import compfx
 from compfx import SearchConfig, SearchResult, optimize
-from compfx.apply import apply
+from compfx.planned_module import apply
 from compfx.errors import BadInputError
 from compfx.search.sampling import FairSampler
 from compfx.state import restore_state, snapshot_state

@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.apply import PlannedModule, apply
+from compfx.planned_module import PlannedModule, apply
 from compfx.errors import PlanFileError, PlanMismatchError
 from compfx.opkey import OpKey
 from compfx.passes import pad_shapes

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import compfx
 from compfx import SearchConfig, cache, optimize
-from compfx.backend import compile_with_plan
+from compfx.compile_backend import compile_with_plan
 from compfx.costmodel import PaddingProfile
 from compfx.errors import PlanFailedError
 from compfx.opkey import OpKey

@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.apply import apply
-from compfx.capture import key_dynamo_graph
+from compfx.planned_module import apply
+from compfx.graph_capture import key_dynamo_graph
 from compfx.errors import PassError
 from compfx.opkey import KEY_META
-from compfx.capture import meta_value
+from compfx.graph_capture import meta_value
 from compfx.cast_policy import CAST_META, AutocastRegion, shares_cast
 from compfx.passes import (apply_precisions, cast_report, casts_in, count_autocast_casts, count_casts, insert_casts,
                            output_dtypes, propagate_dtypes, restore_output_dtypes)
@@ -116,7 +116,7 @@ def test_random_plans_run_forward_and_backward_with_sound_casts(name, low_dtype,
 
 
 def _all(gm, precision):
-    return {node.meta[KEY_META]: precision for node in compfx.op_nodes(gm)}
+    return {node.meta[KEY_META]: precision for node in compfx.graph_capture.op_nodes(gm)}
 
 
 def test_low_casts_activations_and_parameters_once_and_names_them():
@@ -312,7 +312,7 @@ def test_propagate_dtypes_refreshes_values_downstream_of_a_changed_dtype():
     gm = compfx.capture(model, inputs)
     x = next(n for n in gm.graph.nodes if n.op == "placeholder")
     x.meta["val"] = x.meta["val"].to(torch.bfloat16)
-    conv = next(n for n in compfx.op_nodes(gm) if n.meta[KEY_META].kind == "conv2d")
+    conv = next(n for n in compfx.graph_capture.op_nodes(gm) if n.meta[KEY_META].kind == "conv2d")
     assert meta_value(conv).dtype == torch.float32  # stale until propagated
     propagate_dtypes(gm)
     assert meta_value(conv).dtype == torch.float32  # bf16 input, FP32 weight: promoted on fakes

@@ -68,7 +68,7 @@ def test_apply_per_module_returns_the_same_model_with_the_blocks_replaced_and_th
     assert model(x).dtype == torch.float32
     # the blocks' graphs run the plan: bf16 casts inside, none outside
     graph = model.blocks[0].graph_for(model.embed(x))
-    assert compfx.count_casts(graph) > 0
+    assert compfx.passes.count_casts(graph) > 0
     assert any(n.target == "_compfx_block.fc1.weight" for n in graph.graph.nodes if n.op == "get_attr")
 
 
@@ -202,7 +202,7 @@ def test_pricing_a_plan_whose_blocks_ran_works_nothing_out_on_faketensors_again(
     # the search prices plans on the blocks' graphs side by side; a plan the blocks have run was worked out on
     # FakeTensors when they built their graphs, and pricing it must reuse that, not do it again
     from compfx.passes.propagate_dtypes import DtypePropagator
-    from compfx.apply import priced_regions_graph
+    from compfx.planned_module import priced_regions_graph
     from compfx.per_module import plan_blocks_fp32
 
     model, (x, _) = Net(), data()

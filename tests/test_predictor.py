@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import compfx
 from compfx.measure import Conditions
-from compfx.apply import apply
+from compfx.planned_module import apply
 from compfx.costmodel import (MEASURED_STEP, PREDICTED_STEP, STALE_PROFILE_RATIO, STALE_PROFILES, CastCost, OpProfile,
                               OpProfiles, Predictor, SearchPredictor)
 from compfx.costmodel.predictor import (CONTRADICTED_PROFILES, EVIDENCE_SCALE, PREDICTION_SCALE, SCALE_EVIDENCE,

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.capture.draws import fixed_outcome
+from compfx.graph_capture.draws import fixed_outcome
 from compfx.errors import CaptureError
 
 COMPARISONS = [operator.lt, operator.le, operator.gt, operator.ge]

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import compfx
-from compfx.apply import PlannedModule, apply
+from compfx.planned_module import PlannedModule, apply
 from compfx.cli import main
 from compfx.errors import BadInputError, FileWriteError, PlanFileError
 from compfx.plan import Plan

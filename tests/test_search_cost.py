@@ -20,8 +20,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.apply import apply
-from compfx.capture import meta_value
+from compfx.planned_module import apply
+from compfx.graph_capture import meta_value
 from compfx.measure import PhaseClock
 from compfx.plan import Assignment, Plan
 from compfx.errors import PlanFailedError

@@ -27,8 +27,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..apply import apply
-from ..capture import meta_value
+from ..planned_module import apply
+from ..graph_capture import meta_value
 from ..cast_policy import compute_dtype
 from ..errors import BadInputError, SearchError
 from ..opkey import KEY_META, OpKey

@@ -8,5 +8,5 @@
   ``CompfxCallback`` for Hugging Face's and Lightning's ``Trainer`` (optional
   extras); :mod:`compfx.integrations.planned_training` is what they share.
 
-The ``torch.compile`` integration is the backend, :mod:`compfx.backend`.
+The ``torch.compile`` integration is the backend, :mod:`compfx.compile_backend`.
 """

@@ -31,10 +31,10 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from ..apply import apply
+from ..planned_module import apply
 from ..batches import check_first_batch, model_device, move_batch
 from ..errors import BadInputError
-from ..optimize import optimize
+from ..optimization import optimize
 from ..per_module import PlannedBlock, restore_blocks
 from ..plan import Plan
 from ..regions import region_paths

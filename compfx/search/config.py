@@ -80,7 +80,7 @@ class SearchConfig:
     * ``per_device``: under ``torch.distributed``, let ranks hold different plans
       (QSync's allocator, see :mod:`compfx.search.allocation`).
     * ``memory_budget``: the most activation bytes one forward of the chosen
-      plan may save for backward (measured as :func:`compfx.saved_activation_bytes`
+      plan may save for backward (measured as :func:`compfx.memory.saved_activation_bytes`
       does, on the loader's first batch; per rank under ``torch.distributed``);
       plans over it are rejected before they run. None: no limit.
     * ``predictor``: ``"on"`` profiles each op once (cached, see :mod:`compfx.costmodel`),
@@ -104,7 +104,7 @@ class SearchConfig:
       float8 GEMMs are emulated (no GPU of compute capability 8.9+) FP8 is slow,
       so give a ``cost_fn`` that prices it as the target hardware would.
     * ``verify_capture``: before searching, check that the captured graph trains
-      exactly as the model does (:func:`compfx.capture.verify.verify_capture`: one
+      exactly as the model does (:func:`compfx.graph_capture.verify.verify_capture`: one
       forward and backward of each; a graph that would train differently is refused
       with :class:`~compfx.errors.CaptureError`). False skips the check, at the risk
       of training something other than the model; it does not change the decision.

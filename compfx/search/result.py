@@ -33,7 +33,7 @@ class LoggedOp:
 
 @dataclass(frozen=True)
 class LoggedAnalysis:
-    """The part of an :class:`~compfx.analyze.Analysis` a report needs, read back from a log (no graph, no model)."""
+    """The part of an :class:`~compfx.analysis.Analysis` a report needs, read back from a log (no graph, no model)."""
 
     ops: tuple[LoggedOp, ...]
     low_dtype: torch.dtype
@@ -52,7 +52,7 @@ class SearchResult:
     * ``module``: the model rewritten to run ``plan``. It shares the model's
       Parameters, so the optimizer given to ``optimize`` keeps training it.
     * ``plan``: the chosen :class:`~compfx.plan.Plan`; ``stage1_plan``: the Stage-1 winner.
-    * ``analysis``: the :class:`~compfx.analyze.Analysis` the plans are over.
+    * ``analysis``: the :class:`~compfx.analysis.Analysis` the plans are over.
     * ``log``: every sample and note (:class:`~compfx.search.log.SearchLog`).
     * ``stage1_mode``, ``loss0`` (the FP32 epoch's loss), ``fp32_epoch_seconds``,
       ``search_seconds`` (wall time of the whole ``optimize`` call: what the

@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from .. import cache
-from ..analyze import parameter_shapes
+from ..analysis import parameter_shapes
 from ..errors import CompfxError
 from ..measure import PhaseClock, describe_fp32_math, fp32_math
 from ..memory import saved_activation_bytes
@@ -116,7 +116,8 @@ class SearchSession:
 
     def _regions_graph_of(self, plan):
         """The blocks' graphs side by side, rewritten for ``plan``: what the cost model prices per block."""
-        from ..apply import priced_regions_graph  # the apply stage imports the passes: load it when first needed
+        # the apply stage imports the passes: load it when first needed
+        from ..planned_module import priced_regions_graph
 
         with self.clock.phase("rewrites"):
             return priced_regions_graph(self.analysis, plan)

@@ -30,10 +30,11 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .analyze import Analysis, analyze, analyze_graph, parameter_shapes
+from .analysis import Analysis, analyze, analyze_graph, parameter_shapes
 from .cast_policy import check_weights_dtype, run_as_planned, weights_dtype
-from .capture import capture, changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints, module_modes
-from .capture.verify import COMPILED_PATH_BOUND
+from .graph_capture import (capture, changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints,
+                            module_modes)
+from .graph_capture.verify import COMPILED_PATH_BOUND
 from .errors import BadInputError, CaptureError, PlanMismatchError
 from .float8 import fp8_fallbacks
 from .opkey import OpKey
@@ -79,7 +80,7 @@ def apply(
     ``verify`` is False.
 
     >>> import torch, compfx
-    >>> from compfx.apply import apply
+    >>> from compfx.planned_module import apply
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> a = compfx.analyze(model, torch.randn(3, 4))
     >>> gm = apply(model, compfx.Plan.from_bitstring(a, "0f1"), analysis=a)
@@ -156,7 +157,7 @@ _SAID: set[str] = set()  # notes already logged in this process: a search rewrit
 
 def _say_fidelity_notes(gm: fx.GraphModule, analysis: Analysis, plan: Plan) -> list[str]:
     """Where this planned graph may compute otherwise than the model under ``torch.autocast`` (docs/fidelity.md):
-    dtypes the model's Python read from activations the plan changes (:func:`compfx.capture.changed_dtype_reads`),
+    dtypes the model's Python read from activations the plan changes (:func:`compfx.graph_capture.changed_dtype_reads`),
     a dynamo capture's compile-only code paths, and a recorded graph of the model's FakeTensor code path. Logged once
     per note, and returned."""
     notes = changed_dtype_reads(gm)
@@ -283,7 +284,7 @@ class PlannedModule(nn.Module):
     A graph that :func:`compfx.capture` recorded (or dynamo exported) holds the
     example inputs' sizes as constants, and every graph is specialised to the
     train/eval mode and the branches its inputs took. So the first call with a
-    new signature (:func:`~compfx.capture.input_signature`: shapes, dtypes,
+    new signature (:func:`~compfx.graph_capture.input_signature`: shapes, dtypes,
     devices, argument structure, and every module's train/eval mode, read from
     the model at each call) captures the model again
     with those inputs and rewrites that graph with the same OpKey-keyed plan;
@@ -298,7 +299,7 @@ class PlannedModule(nn.Module):
     ``graph`` is the planned graph of the analysis's own inputs, if already built.
 
     >>> import torch, compfx
-    >>> from compfx.apply import PlannedModule
+    >>> from compfx.planned_module import PlannedModule
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> a = compfx.analyze(model, torch.randn(3, 4))
     >>> planned = PlannedModule(model, compfx.Plan.amp(a), analysis=a)
@@ -348,7 +349,7 @@ class PlannedModule(nn.Module):
         return self
 
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
-        """What a graph for these inputs is specialised to: the inputs (:func:`~compfx.capture.input_signature`)
+        """What a graph for these inputs is specialised to: the inputs (:func:`~compfx.graph_capture.input_signature`)
         and every module's train/eval mode, in the model's order (as :func:`compfx.analyze` keys its example)."""
         # modes_of(model), from a list kept at construction: a training step pays this every call
         return input_signature(args, kwargs, tuple(module.training for module in self._modules_in_order))

@@ -34,10 +34,10 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from .analyze import analyze
-from .apply import PlannedModule
+from .analysis import analyze
+from .planned_module import PlannedModule
 from .batches import check_first_batch, check_loss, copied_batch, model_device, model_devices, model_loss, split_batch
-from .capture import module_modes
+from .graph_capture import module_modes
 from .errors import BadInputError
 from .opkey import KEY_META, OpKey
 from .passes.pad_shapes import PAD_META
@@ -145,7 +145,7 @@ def diagnose(module: nn.Module, batch, *, loss_fn: LossFn | None = None, plan: P
              low_dtype: torch.dtype | None = None) -> Diagnosis:
     """Run one forward and backward of ``module`` with an FP32 shadow; return each op's :class:`Diagnosis` row.
 
-    ``module`` is a :class:`~compfx.apply.PlannedModule` (``optimize(...).module``),
+    ``module`` is a :class:`~compfx.planned_module.PlannedModule` (``optimize(...).module``),
     or a plain model, run under ``plan`` or, without one, under ``Plan.amp``
     in ``low_dtype`` ("where would AMP hurt?"). ``batch`` is what the training
     loop feeds (see :func:`~compfx.batches.split_batch`);

@@ -164,7 +164,7 @@ def capture(
     land here: their Python runs as is, in a fraction of dynamo's time);
     *dynamo* is ``torch._dynamo.export``. Recorded and dynamo graphs are
     specialised to the example inputs' shapes and check them when called
-    (:func:`check_input_shapes`); :class:`compfx.apply.PlannedModule` re-captures
+    (:func:`check_input_shapes`); :class:`compfx.planned_module.PlannedModule` re-captures
     per input signature. ``leaf_modules`` names module types or qualified names
     that stay as one ``call_module`` op (symbolic capture only). The graph is
     specialised to the model's current train/eval mode and to the branches the
@@ -176,7 +176,7 @@ def capture(
     are put back afterwards, whatever happens.
 
     ``verify=True`` checks each tracer's graph against the model before taking
-    it (:func:`~compfx.capture.verify.verify_capture`: one forward and backward
+    it (:func:`~compfx.graph_capture.verify.verify_capture`: one forward and backward
     of each on the example inputs, outputs, every gradient and the tensors
     saved for backward compared bitwise); a graph that would train differently
     is passed over for the next tracer, and :class:`~compfx.errors.CaptureError`
@@ -186,7 +186,7 @@ def capture(
 
     >>> import torch, compfx
     >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(2, 4))
-    >>> [str(n.meta["compfx_key"]) for n in compfx.op_nodes(gm)]
+    >>> [str(n.meta["compfx_key"]) for n in compfx.graph_capture.op_nodes(gm)]
     ['0:linear#0', '1:relu#0']
     """
     if not isinstance(model, nn.Module):
@@ -215,7 +215,7 @@ _TRACERS = ("symbolic", "record", "dynamo")
 
 def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.GraphModule:
     """The method choice: each tracer ``method`` allows, in order, until one gives a graph (that, with ``verify``,
-    trains exactly as the model does: :func:`~compfx.capture.verify.verify_capture`)."""
+    trains exactly as the model does: :func:`~compfx.graph_capture.verify.verify_capture`)."""
     attempts = _Attempts(model)
     device_type = _probed_device_type(model, args, kwargs)  # the model's own autocast blocks open under a probe
     for tracer in _TRACERS if method == "auto" else (method,):

@@ -22,7 +22,7 @@ import torch
 import torch.nn as nn
 
 from . import cache
-from .analyze import analyze
+from .analysis import analyze
 from .batches import check_first_batch, model_device
 from .errors import BadInputError
 from .float8 import require_torchao
@@ -43,7 +43,7 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
     """Search a mixed-precision plan for ``model`` on ``sample_loader``; return the :class:`SearchResult`.
 
     ``result.module`` is the model rewritten to run the chosen plan
-    (``result.plan``), a :class:`~compfx.apply.PlannedModule`: it runs at any
+    (``result.plan``), a :class:`~compfx.planned_module.PlannedModule`: it runs at any
     batch size and sequence length (a new input signature is captured once
     and rewritten with the same plan), and it shares the model's Parameters,
     so ``optimizer`` (built on ``model.parameters()``) keeps training it. ``result.report()``

@@ -4,7 +4,7 @@
 ``torch_dynamo_backends`` entry point) or, with explicit settings,
 ``torch.compile(model, backend=compfx.backend(plan, inner="inductor"))``.
 For every graph dynamo hands over, the backend keys its ops as
-:func:`compfx.capture` does (:func:`~compfx.capture.key_dynamo_graph`), picks
+:func:`compfx.capture` does (:func:`~compfx.graph_capture.key_dynamo_graph`), picks
 the plan (given, searched for this model in this process, cached, or
 ``Plan.amp`` of the graph), inserts the plan's casts before AOT autograd, and
 hands the graph to ``inner``. ``docs/compile.md`` says which plan runs when,
@@ -34,9 +34,9 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import cache
-from .analyze import analyze_graph, fingerprint_of, parameter_shapes
-from .capture import is_numerical_op, key_dynamo_graph, op_nodes
-from .capture.dynamo import CallIndexOffsets
+from .analysis import analyze_graph, fingerprint_of, parameter_shapes
+from .graph_capture import is_numerical_op, key_dynamo_graph, op_nodes
+from .graph_capture.dynamo import CallIndexOffsets
 from .cast_policy import compute_dtype
 from .errors import BadInputError, PlanMismatchError
 from .float8 import fp8_fallbacks
@@ -444,7 +444,7 @@ def _keyed_nodes(gm: fx.GraphModule) -> dict[OpKey, fx.Node]:
 
 def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, model: nn.Module | None = None,
                       index_offsets: Mapping[tuple[str, str], int] | None = None) -> dict[OpKey, fx.Node]:
-    """Deprecated: use :func:`compfx.capture.key_dynamo_graph` (``counts``, ``example_inputs=``, ``model=``).
+    """Deprecated: use :func:`compfx.graph_capture.key_dynamo_graph` (``counts``, ``example_inputs=``, ``model=``).
 
     >>> import warnings
     >>> with warnings.catch_warnings(record=True) as caught:
@@ -453,7 +453,7 @@ def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, mode
     >>> caught[0].category.__name__
     'DeprecationWarning'
     """
-    warnings.warn("compfx.backend.key_backend_graph is deprecated; use compfx.capture.key_dynamo_graph(gm, counts, "
+    warnings.warn("compfx.compile_backend.key_backend_graph is deprecated; use compfx.graph_capture.key_dynamo_graph(gm, counts, "
                   "example_inputs=..., model=...), the one function that keys dynamo's graphs",
                   DeprecationWarning, stacklevel=2)
     key_dynamo_graph(gm, Counter(index_offsets or {}), example_inputs=example_inputs, model=model)
@@ -556,7 +556,7 @@ def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str |
     ``registered_backend().records`` stay empty.
 
     >>> import torch, compfx
-    >>> from compfx.backend import compile_with_plan
+    >>> from compfx.compile_backend import compile_with_plan
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
     >>> plan = compfx.Plan.amp(compfx.analyze(model, torch.randn(2, 4)))
     >>> compiled = compile_with_plan(model, plan, inner="aot_eager")

@@ -18,10 +18,10 @@ import torch.nn as nn
 from tabulate import tabulate
 from torch.utils import _pytree as pytree
 
-from .capture import (VERIFICATION_META, capture, get_attribute, input_signature, is_pinned, module_modes, modes_of,
-                      normalize_example_inputs, op_nodes)
+from .graph_capture import (VERIFICATION_META, capture, get_attribute, input_signature, is_pinned, module_modes,
+                            modes_of, normalize_example_inputs, op_nodes)
 from .batches import model_device
-from .capture.functions import FunctionCall
+from .graph_capture.functions import FunctionCall
 from .errors import BadInputError
 from .float8 import fp8_eligible
 from .opkey import KEY_META, OpKey
@@ -52,7 +52,7 @@ class OpInfo:
     #: (:func:`compfx.tensor_cores.pad_eligible`)? Judged from shapes on any device; the search decides "should".
     pad_eligible: bool = False
     pad_reason: str = ""
-    #: Inside one of the model's ``torch.autocast(enabled=False)`` blocks (:mod:`compfx.capture.autocast_blocks`):
+    #: Inside one of the model's ``torch.autocast(enabled=False)`` blocks (:mod:`compfx.graph_capture.autocast_blocks`):
     #: ``Plan.amp`` runs it in FP32, and the search leaves it there unless ``SearchConfig(search_pinned=True)``.
     pinned: bool = False
 
@@ -104,7 +104,7 @@ class Analysis:
     graph_module: fx.GraphModule = field(repr=False)
     capture_method: str = "symbolic"
     #: How the graph was captured, so that it can be captured again at other input shapes
-    #: (:class:`compfx.apply.PlannedModule`): the example inputs' :func:`~compfx.capture.input_signature`
+    #: (:class:`compfx.planned_module.PlannedModule`): the example inputs' :func:`~compfx.graph_capture.input_signature`
     #: (None for graphs handed over by torch.compile), the leaf modules, and each module's train/eval mode.
     example_signature: Hashable = field(default=None, repr=False)
     leaf_modules: tuple = ()
@@ -118,8 +118,8 @@ class Analysis:
 
     @property
     def verification(self):
-        """What :func:`compfx.capture.capture` found when it checked this graph against the model (a
-        :class:`~compfx.capture.CaptureVerification`), or None if it was not checked."""
+        """What :func:`compfx.graph_capture.capture` found when it checked this graph against the model (a
+        :class:`~compfx.graph_capture.CaptureVerification`), or None if it was not checked."""
         return self.graph_module.meta.get(VERIFICATION_META)
 
     @property
