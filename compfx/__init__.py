@@ -29,7 +29,7 @@ from .opkey import OpKey
 from .optimization import optimize
 from .passes import cast_report
 from .plan import Plan
-from .planned_module import PlannedModule, apply
+from .planned_module import PlannedModule, apply, plan_blocks
 from .search import DecisionRule, SearchConfig, SearchResult
 from .vocabulary import Precision
 
@@ -41,7 +41,7 @@ _ERRORS = ["CompfxError", "CaptureError", "BadInputError", "PlanMismatchError", 
 
 __all__ = [
     # the pipeline: capture, analyse, plan, apply
-    "capture", "analyze", "Analysis", "OpInfo", "OpKey", "Precision", "Plan", "apply", "PlannedModule",
+    "capture", "analyze", "Analysis", "OpInfo", "OpKey", "Precision", "Plan", "apply", "PlannedModule", "plan_blocks",
     # search
     "optimize", "SearchConfig", "DecisionRule", "SearchResult",
     # torch.compile

@@ -198,9 +198,9 @@ def planned_module(module: nn.Module, batch, *, plan: Plan | None = None,
     if not isinstance(module, nn.Module):
         raise BadInputError(f"diagnose() takes an nn.Module or a compfx PlannedModule; got {type(module).__name__}.")
     if isinstance(module, fx.GraphModule) and "compfx_plan" in module.meta:
-        raise BadInputError("diagnose() got a graph from compfx.apply(); it needs the model it came from to run the "
-                            "FP32 shadow. Pass compfx.PlannedModule(model, plan, analysis=...) or the model "
-                            "with plan=.")
+        raise BadInputError("diagnose() got a planned graph (a PlannedModule's .graph_module); it needs the model "
+                            "it came from to run the FP32 shadow. Pass the PlannedModule itself (what compfx.apply "
+                            "returns) or the model with plan=.")
     args, kwargs = split_batch(batch)
     if plan is not None:
         low_dtype = plan.low_dtype

@@ -99,7 +99,7 @@ def test_amp_plan_is_autocast_bitwise_in_outputs_and_grads(name, low_dtype):
     model, kwargs = MODELS[name](), {"x": _x()}
     analysis = compfx.analyze(model, kwargs, low_dtype=low_dtype)
     reference = seeded_grads(model, kwargs, autocast_dtype=low_dtype)
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False).graph_module
     assert_bitwise(reference, seeded_grads(gm, kwargs))
     regions = sum(isinstance(m, AutocastRegion) for m in gm.modules())  # casts inside a region are autocast's
     assert regions == (3 if name == "einsum_mixer" else 0)
@@ -110,7 +110,7 @@ def test_amp_plan_is_autocast_bitwise_in_outputs_and_grads(name, low_dtype):
 def test_each_use_of_an_activation_has_its_own_cast_and_a_parameter_one_for_all_uses():
     model = SeparateQKV()
     analysis = compfx.analyze(model, (_x(),))
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis)
+    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis).graph_module
     casts = [n for n in gm.graph.nodes if n.meta.get(CAST_META)]
     norm_out = [c for c in casts if c.args[0].op == "call_function" and "layer_norm" in str(c.args[0].target)]
     assert len(norm_out) == 3 and all(len(c.users) == 1 for c in norm_out)  # q, k and v: one cast each
@@ -118,7 +118,7 @@ def test_each_use_of_an_activation_has_its_own_cast_and_a_parameter_one_for_all_
 
     tied = TiedLinear()
     analysis = compfx.analyze(tied, (_x(),))
-    gm = apply(tied, compfx.Plan.amp(analysis), analysis=analysis)
+    gm = apply(tied, compfx.Plan.amp(analysis), analysis=analysis).graph_module
     (weight_cast,) = [n for n in gm.graph.nodes if n.meta.get(CAST_META) and n.args[0].target == "fc.weight"]
     assert len(weight_cast.users) == 2 and meta_value(weight_cast).dtype == torch.bfloat16
 
@@ -195,7 +195,8 @@ def _recorded_under_amp(model):
     """``model`` recorded on ``_x()`` and planned as AMP: (its inputs, the analysis, the planned graph)."""
     kwargs = {"x": _x()}
     analysis = compfx.analyze(model, kwargs, method="record")
-    return kwargs, analysis, apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    return kwargs, analysis, apply(model, compfx.Plan.amp(analysis), analysis=analysis,
+                                   restore_output_dtypes=False).graph_module
 
 
 def _recorded_node(analysis, match):
@@ -285,7 +286,7 @@ def test_a_dtype_read_passed_to_another_function_is_kept_and_the_plan_says_where
     _, analysis, gm = _recorded_under_amp(model)
     (note,) = gm.meta["compfx_fidelity_notes"]
     assert "input_dtype = h.dtype" in note and "bfloat16 under this plan" in note
-    fp32 = apply(model, compfx.Plan.fp32(analysis), analysis=analysis)
+    fp32 = apply(model, compfx.Plan.fp32(analysis), analysis=analysis).graph_module
     assert fp32.meta["compfx_fidelity_notes"] == []  # a plan that keeps h in FP32 changes nothing there
 
 
@@ -341,7 +342,7 @@ def _amp_against_autocast(name):
     model.train()
     analysis = compfx.analyze(model, kwargs)
     expected = seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16)  # the model itself under torch.autocast
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False).graph_module
     return expected, seeded_grads(gm, kwargs), gm
 
 

@@ -104,7 +104,7 @@ def test_fp8_keeps_fp32_master_weights_optimizer_and_state_dict():
     assert {k: (v.dtype, v.shape) for k, v in planned.state_dict().items()} == before
     assert planned.get_parameter("0.weight") is model[0].weight and model[0].weight.dtype == torch.float32
     assert not torch.equal(model[0].weight, weight)  # the optimizer trained the model's own FP32 weight
-    assert sum(isinstance(m, compfx.passes.Float8Matmul) for m in planned.modules()) == 2
+    assert sum(isinstance(m, compfx.passes.Float8Matmul) for m in planned.graph_module.modules()) == 2
 
 
 # ---------------------------------------------------------------------------

@@ -374,7 +374,7 @@ def test_a_block_for_another_device_type_pins_nothing():
 def test_the_planned_graph_opens_the_models_block_around_the_pinned_ops():
     model = PinnedRotary()
     analysis = compfx.analyze(model, _rotary_inputs())
-    planned = apply(model, compfx.Plan.amp(analysis), analysis=analysis)
+    planned = apply(model, compfx.Plan.amp(analysis), analysis=analysis).graph_module
     nodes = list(planned.graph.nodes)
     (enter,) = [n for n in nodes if n.target is torch.amp.autocast_mode._enter_autocast]
     (leave,) = [n for n in nodes if n.target is torch.amp.autocast_mode._exit_autocast]

@@ -20,7 +20,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.planned_module import apply
+from compfx.planned_module import planned_graph
 from compfx.graph_capture import meta_value
 from compfx.measure import PhaseClock
 from compfx.plan import Assignment, Plan
@@ -85,7 +85,7 @@ def _rewrite(plan: Assignment):
         return original(self, run)
 
     with mock.patch.object(propagation.DtypePropagator, "_run_fake", counting):
-        gm = apply(_MODEL, Plan.from_assignment(_ANALYSIS, plan), analysis=_ANALYSIS)
+        gm = planned_graph(_MODEL, Plan.from_assignment(_ANALYSIS, plan), _ANALYSIS)
     return gm, len(calls)
 
 

@@ -77,13 +77,13 @@ def test_a_recorded_graph_at_another_shape_names_the_input_and_dimension():
     g = torch.Generator().manual_seed(0)
     analysis = compfx.analyze(model, tokens("bert", 4, 8, g))
     assert analysis.capture_method == "record"
-    planned = compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis)
+    graph = compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis).graph_module  # one signature's
     with pytest.raises(BadInputError, match=r"input_ids has size 3 in dimension 0 \(the batch\).*PlannedModule"):
-        planned(**tokens("bert", 3, 8, g))
+        graph(**tokens("bert", 3, 8, g))
     with pytest.raises(BadInputError, match=r"input_ids has size 12 in dimension 1 \(the sequence"):
-        planned(**tokens("bert", 4, 12, g))
+        graph(**tokens("bert", 4, 12, g))
     with pytest.raises(BadInputError, match="input_ids is torch.int32"):
-        planned(input_ids=torch.ones(4, 8, dtype=torch.int32), labels=torch.zeros(4, dtype=torch.long))
+        graph(input_ids=torch.ones(4, 8, dtype=torch.int32), labels=torch.zeros(4, dtype=torch.long))
 
 
 @pytest.mark.parametrize("method", ["symbolic", "record", "dynamo"])

@@ -20,8 +20,8 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: compfx.__all__ without the errors: what a user's path needs.
 PUBLIC = ["capture", "analyze", "Analysis", "OpInfo", "OpKey", "Precision", "Plan", "apply", "PlannedModule",
-          "optimize", "SearchConfig", "DecisionRule", "SearchResult", "compile_with_plan", "backend", "diagnose",
-          "Diagnosis", "Guard", "cast_report"]
+          "plan_blocks", "optimize", "SearchConfig", "DecisionRule", "SearchResult", "compile_with_plan", "backend",
+          "diagnose", "Diagnosis", "Guard", "cast_report"]
 #: The errors in compfx.__all__: the ones a user catches.
 ERRORS = ["CompfxError", "CaptureError", "BadInputError", "PlanMismatchError", "PlanFileError", "FileWriteError",
           "LogIntegrityError", "CacheKeyError", "SearchError", "PassError"]

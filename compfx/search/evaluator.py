@@ -380,10 +380,10 @@ class LocalEvaluator:
     def module_of(self, plan: Plan) -> nn.Module:
         """:meth:`module` for a :class:`Plan` (the cost model prices plans; the padding decision pads them)."""
         if plan not in self._modules:
-            from ..planned_module import apply  # the apply stage imports the passes: load it when first needed
+            from ..planned_module import planned_graph  # the apply stage imports the passes: load it when first needed
 
             with self.clock.phase("rewrites"):
-                self._modules[plan] = apply(self.model, plan, analysis=self.analysis)
+                self._modules[plan] = planned_graph(self.model, plan, self.analysis)
         return self._modules[plan]
 
     def runner(self, plan: Assignment) -> nn.Module:
