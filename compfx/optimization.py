@@ -196,7 +196,7 @@ def _check_cache_folder(config: SearchConfig) -> None:
     """The cache folder (plans, and the cost model's profiles) before any work: a path that cannot be one is a
     :class:`~compfx.errors.CacheKeyError`; one this process cannot write is warned about now (the search still
     runs; its plan is then not saved)."""
-    if not config.cache_plan and config.predictor == "off":
+    if not config.cache_plan and not config.predictor:
         return
     folder = cache.cache_folder(config.cache_dir)
     problem = cache.unwritable(folder)

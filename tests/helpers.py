@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 #: SearchConfig fields for the exact CoMP search (no cost model: every candidate is measured)
-EXACT = {"predictor": "off"}
+EXACT = {"predictor": False}
 
 
 def ce(output, batch):

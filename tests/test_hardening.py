@@ -45,7 +45,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 backend_module = importlib.import_module("compfx.compile_backend")
 
-QUICK = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor="off")
+QUICK = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor=False)
 
 
 class Other(nn.Module):

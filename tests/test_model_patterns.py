@@ -130,7 +130,7 @@ def test_a_search_that_rewards_low_precision_finds_low_plans_for_finfo_masking()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = [_padded(4, 8, seed=i) for i in range(3)]
     result = optimize(model, loader, optimizer=opt, loss_fn=lambda out, batch: out.float().square().mean(),
-                      config=SearchConfig(cost_fn=fp32_op_count, predictor="off", progress=False, warmup=0,
+                      config=SearchConfig(cost_fn=fp32_op_count, predictor=False, progress=False, warmup=0,
                                           repeats=1, stage2_check_batches=1, cache_plan=False))
     failed = [r for r in result.log.samples() if str(r.status) == "error"]
     assert not failed, failed[0].reason
@@ -389,7 +389,7 @@ def _search(model, loader, log=None, **config):
 
     return optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3), log=log,
                     loss_fn=lambda out, batch: out.float().square().mean(),
-                    config=SearchConfig(cost_fn=fp32_op_count, predictor="off", progress=False, warmup=0, repeats=1,
+                    config=SearchConfig(cost_fn=fp32_op_count, predictor=False, progress=False, warmup=0, repeats=1,
                                         stage2_check_batches=1, cache_plan=False, **config))
 
 

@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 VOCAB = 64
 CHEAP = compfx.SearchConfig(progress=False, warmup=0, repeats=1, stage1_budget=3, stage2_budget=2,
-                            stage2_check_batches=1, predictor="off")
+                            stage2_check_batches=1, predictor=False)
 
 
 def tiny_gpt2():

@@ -39,7 +39,7 @@ def low_op_count(plan, seconds):
     return float(sum(p == "low" for p in plan.values()))
 
 
-QUICK = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor="off", threshold=2.0,
+QUICK = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor=False, threshold=2.0,
              cost_fn=low_op_count)
 
 

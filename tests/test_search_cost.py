@@ -289,7 +289,7 @@ def test_the_step_comparison_warms_every_plan_up_even_those_that_trained_in_the_
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     result = compfx.optimize(model, batches(4, (8, 8)), loss_fn=ce, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
-                             config=compfx.SearchConfig(cost_fn=first_linear_low_only, predictor="off", progress=False,
+                             config=compfx.SearchConfig(cost_fn=first_linear_low_only, predictor=False, progress=False,
                                                         warmup=0, repeats=1, stage2_check_batches=0, cache_plan=False))
     plans = result.step_comparison.plans
     assert plans["chosen"] not in (plans["fp32"], plans["amp"])  # the comparison ran after the search

@@ -222,5 +222,6 @@ def test_a_cpu_search_settles_the_host_allocator_first():
     loader = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(2)]
     with mock.patch("compfx.optimization.settle_host_allocator") as settle:
         compfx.optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=ce,
-                        config=compfx.SearchConfig(progress=False, stage1_budget=1, cache_plan=False, rounds=0))
+                        config=compfx.SearchConfig(progress=False, stage1_budget=1, cache_plan=False,
+                                                   decision=compfx.DecisionRule(rounds=0)))
     settle.assert_called_once_with(torch.device("cpu"))

@@ -11,7 +11,7 @@ import torch.nn as nn
 import compfx
 from helpers import ce
 
-QUICK = dict(progress=False, stage1_budget=4, rounds=3, confidence=0.7, cache_plan=False)
+QUICK = dict(progress=False, stage1_budget=4, decision=compfx.DecisionRule(rounds=3, confidence=0.7), cache_plan=False)
 
 
 class SparseBag(nn.Module):

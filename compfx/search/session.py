@@ -89,7 +89,7 @@ class SearchSession:
 
     def _predictor(self):
         """The cost model, or None when it is off or cannot be built (then the search is exact)."""
-        if self.config.predictor == "off":
+        if not self.config.predictor:
             return None
         if any(self.space.fp8_eligible):
             self.log.note(Stage.SEARCH, "cost model off: it does not price FP8 ops yet, so every candidate is "
@@ -108,7 +108,7 @@ class SearchSession:
         try:
             # a regions graph is rewritten for pricing alone: only the plans the search prices are annotated
             return SearchPredictor.build(self.analysis, rewrite=rewrite, cache_dir=self.config.cache_dir,
-                                         annotate_all=not regions, confidence=self.config.confidence)
+                                         annotate_all=not regions, confidence=self.config.decision.confidence)
         except Exception as error:  # the predictor only orders and skips: never fail the search for it
             self.log.note(Stage.SEARCH, f"cost model unavailable ({type(error).__name__}: {error}); measuring every "
                           "candidate")
@@ -197,22 +197,23 @@ class SearchSession:
         report: one interleaved phase, warm, same batches.
 
         It is not part of the decision, and it is the only timing the report
-        quotes: ``config.rounds`` rounds (at least three), each giving every plan one step on the same
-        batch (:func:`compfx.search.driver.compare_steps`), after a warm-up round, and in a single process another
+        quotes: ``config.decision.rounds`` rounds (at least three), each giving every plan one step on the
+        same batch (:func:`compfx.search.driver.compare_steps`), after a warm-up round, and in a single process another
         block of them while the chosen plan's speed-up is unclear (ranks of ``torch.distributed`` take the same
         steps). Timings the search took earlier, in other phases, are not mixed in.
         """
         samples_before = self.clock.seconds.get("samples", 0.0)
-        rounds = max(self.config.rounds, COMPARE_ROUNDS)
+        rounds = max(self.config.decision.rounds, COMPARE_ROUNDS)
         plans = {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan, "chosen": decision.plan}
         # Warm, even for plans that trained in the search: FP32's plan last ran in the search's first epochs, and
         # after the later samples its first step here ran 1.5-1.8x its others on the README example, which
         # widened the interval of every run and, in one, hid a 1.14x speed-up behind "no measurable difference".
         warmup = max(1, self.config.warmup)
         with self.clock.phase("step comparison"):
+            rule = self.config.decision
             comparison = compare_steps(functools.partial(self.local.time_steps, warmup=warmup), self.local.saved_bytes,
-                                       plans, self.log, rounds=rounds, confidence=self.config.confidence,
-                                       margin=self.config.margin if self.strategy is SINGLE_PROCESS else None)
+                                       plans, self.log, rounds=rounds, confidence=rule.confidence,
+                                       margin=rule.margin if self.strategy is SINGLE_PROCESS else None)
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
                         target="step comparison")
         return comparison
@@ -225,13 +226,13 @@ class SearchSession:
         fp32, amp, chosen = self.space.fp32_plan, self.space.amp_plan, decision.plan
         if padding.kept or chosen not in (fp32, amp) or self.strategy is not SINGLE_PROCESS:
             return None
-        rounds = max(self.config.rounds, COMPARE_ROUNDS)
+        rounds = max(self.config.decision.rounds, COMPARE_ROUNDS)
         for incumbent, challenger, verdict in decision.stage1.duels:
             if {incumbent, challenger} == {fp32, amp} and min(map(len, verdict.seconds), default=0) >= rounds:
                 with self.clock.phase("step comparison"):
                     return comparison_of(dict(zip((incumbent, challenger), verdict.seconds)), self.local.saved_bytes,
                                          {"fp32": fp32, "amp": amp, "chosen": chosen}, self.log,
-                                         confidence=self.config.confidence,
+                                         confidence=self.config.decision.confidence,
                                          phase=IN_THE_FIRST_EPOCHS if decision.stage1.first_epochs_in_turns
                                          else IN_THE_FIRST_DUEL)
         return None
