@@ -467,23 +467,45 @@ def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, mode
 def backend(plan: PlanSource = None, *, inner: str | Callable = "inductor", low_dtype: torch.dtype | None = None,
             model: nn.Module | None = None, cache_dir: str | os.PathLike | None = None,
             emulate_precision_casts: bool = True, inductor_options: Mapping[str, object] | None = None) -> CompfxBackend:
-    """A ``torch.compile`` backend that runs ``model`` with ``plan``'s precisions.
+    """A ``torch.compile`` backend that runs the compiled model with ``plan``'s precisions, then ``inner``.
 
-    ``plan``: a :class:`~compfx.plan.Plan`, the path of a plan file, or None
-    (the plan ``compfx.optimize()`` cached for this model, else the default
-    AMP-equivalent plan). The backend's own options: ``inner`` (``"inductor"``,
-    ``"aot_eager"``, ``"eager"``, another registered backend name, or a
-    backend callable), ``low_dtype`` (when no plan is given), ``model`` (names
-    for graphs that start inside a submodule), ``cache_dir`` and
-    ``emulate_precision_casts``. ``inductor_options`` are Inductor config
-    patches, passed to Inductor only (``inner="inductor"``).
+    For every graph dynamo hands over, it keys the ops as :func:`compfx.capture`
+    does, inserts the plan's casts before AOT autograd (so training works), and
+    hands the graph to ``inner``; ``.records`` lists a
+    :class:`GraphRecord` per graph compiled. ``docs/compile.md`` says which plan
+    runs when, and how graph breaks and padding are handled.
 
-    >>> import torch, compfx
-    >>> model = torch.nn.Linear(4, 4)
-    >>> plan = compfx.Plan.fp32(compfx.analyze(model, torch.randn(2, 4)))
-    >>> compiled = torch.compile(model, backend=compfx.backend(plan, inner="aot_eager"))
-    >>> compiled(torch.randn(2, 4)).shape
-    torch.Size([2, 4])
+    Args:
+        plan: a :class:`~compfx.plan.Plan`, the path of a plan file, or None: the plan ``compfx.optimize()``
+            searched for this model (in this process, else from the plan cache), else AMP's plan of each graph.
+        inner: the backend that compiles the planned graphs: ``"inductor"``, ``"aot_eager"``, ``"eager"``,
+            another registered backend name, or a backend callable.
+        low_dtype: the precision of "low" ops when no plan is given (a plan names its own).
+        model: the model being compiled, so that graphs starting inside a submodule (after a graph break) name
+            their ops as the plan does.
+        cache_dir: the plan cache folder (None: ``$COMPFX_CACHE_DIR``, else ``~/.cache/compfx/plans``).
+        emulate_precision_casts: Inductor keeps a downcast followed by an upcast inside a fused kernel (its
+            ``emulate_precision_casts``), so a plan's "low" is not silently run in FP32.
+        inductor_options: Inductor config patches, passed to Inductor only (``inner="inductor"``).
+
+    Returns:
+        CompfxBackend: a callable to pass as ``torch.compile(model, backend=...)``.
+
+    Raises:
+        BadInputError: an unknown ``inner``, options for another inner backend than Inductor, a ``plan`` of
+            another type, or a ``low_dtype`` other than the plan's.
+        PlanFileError: ``plan`` is a path to a missing or damaged plan file.
+        PlanMismatchError: the plan names no op of ``model`` (or, at compile time, of the graph): it was made
+            for another model.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Linear(4, 4)
+        >>> plan = compfx.Plan.fp32(compfx.analyze(model, torch.randn(2, 4)))
+        >>> compiled = torch.compile(model, backend=compfx.backend(plan, inner="aot_eager"))
+        >>> compiled(torch.randn(2, 4)).shape
+        torch.Size([2, 4])
     """
     return CompfxBackend(plan, inner=inner, low_dtype=low_dtype, model=model, cache_dir=cache_dir,
                          emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)
@@ -544,26 +566,38 @@ def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str |
                       low_dtype: torch.dtype | None = None, dynamic: bool | None = None, fullgraph: bool = False,
                       cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool = True,
                       inductor_options: Mapping[str, object] | None = None) -> nn.Module:
-    """``torch.compile(model)`` under a compfx backend made for this model; the backend is ``.compfx_backend``.
+    """``torch.compile(model)`` under a compfx backend made for this model: the plan's casts, then ``inner``.
 
     One backend per model, built with ``model=`` so that graph breaks inside
-    submodules still find their plan entries; ``dynamic`` and ``fullgraph`` go
-    to ``torch.compile``, the rest to :func:`backend`. When the first call
-    hands the backend no graph (dynamo ran the model eagerly: an ``nn.LSTM``
-    without ``torch._dynamo.config.allow_rnn``), a warning says so
+    submodules still find their plan entries. When the first call hands the
+    backend no graph (dynamo ran the model eagerly: an ``nn.LSTM`` without
+    ``torch._dynamo.config.allow_rnn``), a warning says so
     (:func:`no_graph_message`): no plan applied. ``torch.compile(model,
     backend="compfx")`` cannot tell, as dynamo never calls it; its
     ``registered_backend().records`` stay empty.
 
-    >>> import torch, compfx
-    >>> from compfx.compile_backend import compile_with_plan
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
-    >>> plan = compfx.Plan.amp(compfx.analyze(model, torch.randn(2, 4)))
-    >>> compiled = compile_with_plan(model, plan, inner="aot_eager")
-    >>> compiled(torch.randn(2, 4)).dtype
-    torch.float32
-    >>> {str(k): d for k, d in compiled.compfx_backend.records[0].compute_dtypes.items()}
-    {'0:linear#0': torch.bfloat16, '1:relu#0': torch.bfloat16}
+    Args:
+        model: the ``nn.Module`` to compile (not changed; the compiled module shares its Parameters).
+        plan, inner, low_dtype, cache_dir, emulate_precision_casts, inductor_options: as for :func:`backend`.
+        dynamic, fullgraph: passed to ``torch.compile``.
+
+    Returns:
+        nn.Module: the compiled model (``torch.compile``'s); its backend is ``.compfx_backend``, whose
+        ``.records`` say what happened to each graph.
+
+    Raises:
+        BadInputError, PlanFileError, PlanMismatchError: as for :func:`backend`, before anything is compiled.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+        >>> plan = compfx.Plan.amp(compfx.analyze(model, torch.randn(2, 4)))
+        >>> compiled = compfx.compile_with_plan(model, plan, inner="aot_eager")
+        >>> compiled(torch.randn(2, 4)).dtype
+        torch.float32
+        >>> {str(k): d for k, d in compiled.compfx_backend.records[0].compute_dtypes.items()}
+        {'0:linear#0': torch.bfloat16, '1:relu#0': torch.bfloat16}
     """
     compfx = CompfxBackend(plan, inner=inner, low_dtype=low_dtype, model=model, cache_dir=cache_dir,
                            emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)

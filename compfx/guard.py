@@ -87,37 +87,56 @@ class Repair:
 
 
 class Guard:
-    """Watches a :class:`~compfx.planned_module.PlannedModule` during training; repairs its plan in place when it overflows.
+    """Watches a :class:`~compfx.PlannedModule` during training; repairs its plan in place when it overflows.
 
-    ``check_every`` checks the loss and gradients for non-finite values every
-    that many steps (1: every step; between checks a non-finite step reaches
-    the optimizer). ``shadow_every`` (None: never) compares with an FP32 shadow
-    run; ``loss_fn(output, batch)`` and ``step(..., batch=)`` make that a loss
-    comparison. ``scaler`` is the fp16 run's ``GradScaler``; ``log`` a
-    :class:`~compfx.search.SearchLog` (or its path) to note repairs in.
+    Used like ``GradScaler``: ``guard.step(optimizer, loss)`` after the
+    backward steps the optimizer, or, on a non-finite loss or gradient, skips
+    the step and moves the op(s) where the non-finite values start to FP32 in
+    the same module (same Parameters). The module docstring has the details.
 
-    >>> import torch, compfx
-    >>> from compfx.planned_module import PlannedModule
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    >>> a = compfx.analyze(model, torch.randn(3, 4), low_dtype=torch.float16)
-    >>> fast = PlannedModule(model, compfx.Plan.amp(a), analysis=a)
-    >>> opt, guard = torch.optim.SGD(model.parameters(), lr=0.1), compfx.Guard(fast)
-    >>> fast(torch.randn(3, 4)).sum().backward(); guard.step(opt, torch.tensor(1.0))  # all finite: it steps
-    True
-    >>> with torch.no_grad(): _ = model[1].weight.mul_(1e6)  # now the second linear overflows fp16
-    >>> loss = fast(torch.full((3, 4), 10.0)).sum(); opt.zero_grad(); loss.backward()
-    >>> guard.step(opt, loss), [(str(r.key), r.reason) for r in guard.repairs]
-    (False, [('1:linear#0', 'non-finite loss')])
-    >>> fast.plan[compfx.OpKey("1", "linear", 0)]
-    <Precision.FP32: 'fp32'>
+    Args:
+        planned: the module to watch: ``compfx.apply``'s, or ``compfx.optimize(...).module``.
+        scaler: the fp16 run's ``torch.amp.GradScaler``: non-finite gradients under a finite loss are its to
+            handle while its scale is at least ``min_scale``.
+        check_every: check the loss and gradients every that many steps (1: every step; between checks a
+            non-finite step reaches the optimizer).
+        shadow_every: compare with an FP32 shadow run every that many steps (None: never); past
+            ``drift_threshold`` the op that adds the most error moves to FP32.
+        drift_threshold: the relative difference from the FP32 shadow that counts as drift.
+        loss_fn: ``loss_fn(output, batch)``: with ``step(..., batch=)``, the shadow compares losses (else the
+            module's outputs).
+        log: a search log (:class:`~compfx.search.SearchLog`, or its path, added to) to note repairs in.
+        max_rounds: most repairs of one step while non-finite values remain.
+        min_scale: the GradScaler scale below which non-finite gradients count as the plan's.
+
+    Raises:
+        BadInputError: ``planned`` is not a PlannedModule, or a setting is out of range or of another type (a bool
+            is not a number, NaN is refused). ``step`` refuses, before anything changes, an optimizer that holds
+            none of the module's parameters, and a call without a backward since the last one.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> a = compfx.analyze(model, torch.randn(3, 4), low_dtype=torch.float16)
+        >>> fast = compfx.apply(model, compfx.Plan.amp(a), analysis=a)
+        >>> opt, guard = torch.optim.SGD(model.parameters(), lr=0.1), compfx.Guard(fast)
+        >>> fast(torch.randn(3, 4)).sum().backward(); guard.step(opt, torch.tensor(1.0))  # all finite: it steps
+        True
+        >>> with torch.no_grad(): _ = model[1].weight.mul_(1e6)  # now the second linear overflows fp16
+        >>> loss = fast(torch.full((3, 4), 10.0)).sum(); opt.zero_grad(); loss.backward()
+        >>> guard.step(opt, loss), [(str(r.key), r.reason) for r in guard.repairs]
+        (False, [('1:linear#0', 'non-finite loss')])
+        >>> fast.plan[compfx.OpKey("1", "linear", 0)]
+        <Precision.FP32: 'fp32'>
     """
 
     def __init__(self, planned: PlannedModule, *, scaler=None, check_every: int = 1, shadow_every: int | None = None,
                  drift_threshold: float = 0.05, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  log: SearchLog | str | os.PathLike | None = None, max_rounds: int = 8, min_scale: float = 1.0):
         if not isinstance(planned, PlannedModule):
-            raise BadInputError(f"Guard watches a compfx PlannedModule (optimize(...).module, or "
-                                f"compfx.PlannedModule(model, plan, analysis=...)); got {type(planned).__name__}. "
+            raise BadInputError(f"Guard watches a compfx PlannedModule (compfx.apply(model, plan, ...), or "
+                                f"optimize(...).module); got {type(planned).__name__}. "
                                 "It repairs the module's plan in place, so it needs the module that runs one.")
         _check_count(check_every, "check_every")
         if shadow_every is not None:

@@ -108,16 +108,34 @@ class Assignment(tuple):
 class Plan(Mapping[OpKey, Precision]):
     """Immutable mapping OpKey -> :class:`Precision` for one model (its fingerprint) and one low dtype.
 
-    ``fp8_recipe`` is how its ``fp8`` ops scale (default ``"tensorwise"``); it is
-    None in a plan without ``fp8`` ops.
+    Build one from an analysis (:meth:`fp32`, :meth:`amp`, :meth:`uniform`,
+    :meth:`from_bitstring`, :meth:`from_assignment`), from a file
+    (:meth:`load`), or take ``compfx.optimize(...).plan``; the constructor
+    itself is for plans read from elsewhere. Plans are equal when their
+    precisions, low dtype, fingerprint, FP8 recipe and padding are.
 
-    >>> import torch, compfx
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    >>> a = compfx.analyze(model, torch.randn(3, 4))
-    >>> compfx.Plan.amp(a).bitstring(a)
-    '0f0'
-    >>> compfx.Plan.from_bitstring(a, "101").bitstring(a)
-    '101'
+    Args:
+        entries: op key -> precision (``"low"``, ``"fp32"``, ``"follow"``, ``"fp8"`` or a :class:`Precision`).
+        low_dtype: what "low" means: ``torch.bfloat16`` or ``torch.float16``.
+        fingerprint: the fingerprint of the model's analysis (``analysis.fingerprint``).
+        fp8_recipe: how its ``fp8`` ops scale (default ``"tensorwise"``); None in a plan without ``fp8`` ops.
+        padded: the ops padded to the Tensor Core multiple (:meth:`with_padding`).
+        device_type: the device type it was made for (``"cpu"``, ``"cuda"``), or None.
+        parameter_shapes: the shapes of the parameters it was searched on (:meth:`with_parameter_shapes`).
+
+    Raises:
+        PlanMismatchError: a key that is not an OpKey, an unknown precision, low dtype or device type, or an
+            empty fingerprint.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> a = compfx.analyze(model, torch.randn(3, 4))
+        >>> compfx.Plan.amp(a).bitstring(a)
+        '0f0'
+        >>> compfx.Plan.from_bitstring(a, "101").bitstring(a)
+        '101'
     """
 
     __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe", "padded", "device_type", "parameter_shapes")
@@ -200,19 +218,38 @@ class Plan(Mapping[OpKey, Precision]):
     # -- constructors --------------------------------------------------------
     @classmethod
     def uniform(cls, analysis, precision: Precision | str, *, fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
-        """Every op at one precision."""
+        """Every op of ``analysis`` at one ``precision`` (``"low"``, ``"fp32"``, ``"follow"`` or ``"fp8"``, with
+        ``fp8_recipe``).
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.uniform(a, "low").bitstring(a)
+        '00'
+        """
         return cls({op.key: precision for op in analysis.ops}, low_dtype=analysis.low_dtype,
                    fingerprint=analysis.fingerprint, fp8_recipe=fp8_recipe, device_type=analysis.device.type)
 
     @classmethod
     def fp32(cls, analysis) -> "Plan":
-        """Every op in FP32: numerically the original model."""
+        """Every op of ``analysis`` in FP32: the original model, bit for bit.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.fp32(a).bitstring(a)
+        '11'
+        """
         return cls.uniform(analysis, Precision.FP32)
 
     @classmethod
     def amp(cls, analysis) -> "Plan":
         """What ``torch.autocast`` does: whitelist low, blacklist FP32, the rest follow; FP32 for the ops the
-        model pins in its own ``autocast(enabled=False)`` blocks (``OpInfo.pinned``), where autocast casts nothing."""
+        model pins in its own ``autocast(enabled=False)`` blocks (``OpInfo.pinned``), where autocast casts nothing.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.amp(a).bitstring(a)  # the linear low (autocast's whitelist), the relu follows its input
+        '0f'
+        """
         return cls({op.key: Precision.FP32 if getattr(op, "pinned", False) else AMP_PRECISION[op.category]
                     for op in analysis.ops}, low_dtype=analysis.low_dtype, fingerprint=analysis.fingerprint,
                    device_type=analysis.device.type)
@@ -220,7 +257,16 @@ class Plan(Mapping[OpKey, Precision]):
     @classmethod
     def from_assignment(cls, analysis, assignment: Iterable, *,
                         fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
-        """The plan that gives ``analysis.ops[i]`` the precision ``assignment[i]``."""
+        """The plan that gives ``analysis.ops[i]`` the precision ``assignment[i]``.
+
+        Raises:
+            PlanMismatchError: not one precision per op.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.from_assignment(a, ["low", "follow"]).bitstring(a)
+        '0f'
+        """
         assignment = Assignment(assignment)
         if len(assignment) != len(analysis.ops):
             raise PlanMismatchError(
@@ -232,7 +278,16 @@ class Plan(Mapping[OpKey, Precision]):
 
     @classmethod
     def from_bitstring(cls, analysis, bits: str, *, fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
-        """CoMP's string form: one character per ``analysis.ops`` entry ('0' low, '1' FP32, 'f' follow, '8' FP8)."""
+        """CoMP's string form: one character per ``analysis.ops`` entry ('0' low, '1' FP32, 'f' follow, '8' FP8).
+
+        Raises:
+            PlanMismatchError: not one character per op, or one that is none of these.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.from_bitstring(a, "1f")[compfx.OpKey("0", "linear", 0)]
+        <Precision.FP32: 'fp32'>
+        """
         if isinstance(bits, str) and len(bits) != len(analysis.ops):
             raise PlanMismatchError(
                 f"bitstring has length {len(bits)}, but the model has {len(analysis.ops)} ops; "
@@ -444,13 +499,26 @@ class Plan(Mapping[OpKey, Precision]):
 
     @classmethod
     def load(cls, path: str | os.PathLike) -> "Plan":
-        """Read a plan written by :meth:`save`.
+        """Read a plan written by :meth:`save`. It is checked against a model when applied.
 
-        A missing, oversized (over :data:`MAX_PLAN_BYTES`, checked before
-        reading), binary, corrupt or invalid file raises :class:`PlanFileError`,
-        as does a path that is not a regular file (a FIFO is refused, not waited
-        on); a path that is not one (None, a NUL character) is a
-        :class:`~compfx.errors.BadInputError`.
+        Args:
+            path: the plan file.
+
+        Returns:
+            Plan: the plan, with the metadata the file carries (fingerprint, low dtype, device type, torch
+            release, parameter shapes).
+
+        Raises:
+            PlanFileError: a missing, oversized (over :data:`MAX_PLAN_BYTES`, checked before reading), binary,
+                corrupt or invalid file, or a path that is not a regular file (a FIFO is refused, not waited on).
+            BadInputError: a path that is not one (None, a NUL character).
+
+        >>> import torch, compfx, tempfile, os
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
+        >>> compfx.Plan.amp(a).save(path)
+        >>> compfx.Plan.load(path) == compfx.Plan.amp(a)
+        True
         """
         data = read_json(checked_path(path, "plan file"), "plan file", max_bytes=MAX_PLAN_BYTES)
         return cls.from_dict(data, source=f"plan file {os.fspath(path)}")

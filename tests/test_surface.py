@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import importlib
 import inspect
+import re
 import sys
 import warnings
 from pathlib import Path
@@ -165,3 +166,39 @@ def test_the_old_path_check_can_fail():
     assert _old_paths_imported("from .analyze import analyze\n", top_module) == ["compfx/x.py:1 compfx.analyze"]
     assert _old_paths_imported("from ..backend import backend\n", a_pass) == ["passes/x.py:1 compfx.backend"]
     assert _old_paths_imported("from ..graph_capture import capture\nfrom .apply_x import y\n", search_module) == []
+
+
+#: The entry points a user's path goes through: each documents its arguments, what it returns and what it raises,
+#: torch's way, with a short example that the docstring tests run.
+ENTRY_POINTS = {
+    "optimize": compfx.optimize, "analyze": compfx.analyze, "capture": compfx.capture, "apply": compfx.apply,
+    "plan_blocks": compfx.plan_blocks, "compile_with_plan": compfx.compile_with_plan, "backend": compfx.backend,
+    "diagnose": compfx.diagnose, "Plan.load": compfx.Plan.load,
+}
+#: Classes: their constructor's arguments and errors (a class returns itself).
+ENTRY_CLASSES = {"PlannedModule": compfx.PlannedModule, "Guard": compfx.Guard, "Plan": compfx.Plan,
+                 "SearchConfig": compfx.SearchConfig, "DecisionRule": compfx.DecisionRule}
+#: Plan's constructors from an analysis: an example each (a line of prose says what they return).
+PLAN_CONSTRUCTORS = ["fp32", "amp", "uniform", "from_bitstring", "from_assignment"]
+
+
+@pytest.mark.parametrize("name", sorted(ENTRY_POINTS))
+def test_an_entry_point_says_its_args_returns_and_raises_with_an_example(name):
+    doc = inspect.getdoc(ENTRY_POINTS[name])
+    for section in ("Args:", "Returns:", "Raises:"):
+        assert f"\n{section}\n" in doc, f"{name}: no {section} section"
+    assert ">>> " in doc, f"{name}: no example"
+
+
+@pytest.mark.parametrize("name", sorted(ENTRY_CLASSES))
+def test_an_entry_class_says_its_args_and_raises_with_an_example(name):
+    doc = inspect.getdoc(ENTRY_CLASSES[name])
+    assert "\nArgs:\n" in doc and "\nRaises:\n" in doc and ">>> " in doc, name
+    documented = set(re.findall(r"^    (\w+):", doc.split("\nArgs:\n")[1].split("\n\n")[0], re.M))
+    taken = set(inspect.signature(ENTRY_CLASSES[name]).parameters) - {"self"}
+    assert documented == taken, f"{name}: Args documents {sorted(documented)}, the constructor takes {sorted(taken)}"
+
+
+@pytest.mark.parametrize("name", PLAN_CONSTRUCTORS)
+def test_every_plan_constructor_has_an_example(name):
+    assert ">>> " in inspect.getdoc(getattr(compfx.Plan, name))
