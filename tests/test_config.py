@@ -152,6 +152,8 @@ def test_the_rule_read_flat_or_replaced_flat_still_works_with_a_warning():
     config = SearchConfig(decision=DecisionRule(margin=0.05, rounds=9))
     with pytest.warns(DeprecationWarning, match=r"config\.decision\.margin"):
         assert config.margin == 0.05
+    with pytest.warns(DeprecationWarning, match=r"read config\.decision\."):
+        assert config.rule is config.decision
     with pytest.warns(DeprecationWarning, match="DecisionRule"):
         again = dataclasses.replace(config, confidence=0.9)  # replaces that field of the rule, keeps the others
     assert again.decision == DecisionRule(margin=0.05, confidence=0.9, rounds=9)

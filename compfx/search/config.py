@@ -254,6 +254,12 @@ class SearchConfig:
     confidence = property(lambda self: _deprecated_read(self, "confidence"))
     rounds = property(lambda self: _deprecated_read(self, "rounds"))
 
+    @property
+    def rule(self) -> DecisionRule:
+        """Deprecated: the decision rule is the field ``decision`` now."""
+        warnings.warn("SearchConfig.rule is deprecated: read config.decision.", DeprecationWarning, stacklevel=2)
+        return self.decision
+
     def scaler_on(self, low_dtype: torch.dtype) -> bool:
         return self.grad_scaler if self.grad_scaler is not None else low_dtype == torch.float16
 
