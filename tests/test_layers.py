@@ -24,7 +24,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # can it: classify, Tensor Core / FP8 / padding eligibility, the cast rules; and the plan (OpKey -> precision).
     # One layer: the plan reads only the shared words, while FP8's fallback at a shape the plan's FP8 op cannot run
     # is AMP's precision for the op, which the plan defines (plan.AMP_PRECISION)
-    ("compfx.oplists", "compfx.tensor_cores", "compfx.float8", "compfx.cast_policy", "compfx.analyze", "compfx.plan"),
+    ("compfx.oplists", "compfx.tensor_cores", "compfx.float8", "compfx.cast_policy", "compfx.analyze", "compfx.plan",
+     "compfx.plan_rules", "compfx.plan_export"),
     # graph rewrites
     ("compfx.passes",),
     # a model + a plan -> the planned model (whole, or block by block); what a planned step saves
