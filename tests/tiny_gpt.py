@@ -1,48 +1,14 @@
-"""A nanoGPT-style decoder whose GEMMs are ``nn.Linear`` s (torchao's float8 conversion swaps those), small enough for
-the CPU: the model the plan-rules, export and training-stack tests share."""
+"""The tiny GPT the plan-rules, export and training-stack tests share (:class:`compfx.examples.TinyGPT`: nanoGPT-style,
+its GEMMs ``nn.Linear`` s, which torchao's float8 conversion swaps), with its loss and batches."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn as nn
 import torch.nn.functional as F
 
+from compfx.examples import TinyGPT
+
 VOCAB = 64
-
-
-class Attention(nn.Module):
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.heads = heads
-        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
-
-    def forward(self, x):
-        b, t, c = x.shape
-        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in self.qkv(x).split(c, dim=2))
-        return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c))
-
-
-class Block(nn.Module):
-    def __init__(self, width: int, heads: int):
-        super().__init__()
-        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(width), Attention(width, heads), nn.LayerNorm(width)
-        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
-
-    def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
-        return x + self.mlp(self.ln_2(x))
-
-
-class TinyGPT(nn.Module):
-    def __init__(self, layers: int = 2, width: int = 32, heads: int = 2, length: int = 16):
-        super().__init__()
-        self.wte, self.wpe = nn.Embedding(VOCAB, width), nn.Embedding(length, width)
-        self.blocks = nn.Sequential(*(Block(width, heads) for _ in range(layers)))
-        self.ln_f, self.lm_head = nn.LayerNorm(width), nn.Linear(width, VOCAB, bias=False)
-
-    def forward(self, idx):
-        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
-        return self.lm_head(self.ln_f(self.blocks(x)))
 
 
 def lm_loss(logits, batch):
