@@ -293,7 +293,14 @@ class Plan(Mapping[OpKey, Precision]):
     def torchao_filter(self, *, strict: bool = True):
         """torchao's ``module_filter_fn(module, fqn)`` for ``convert_to_float8_training``: True for exactly the
         ``nn.Linear`` modules this plan runs in FP8 (:func:`compfx.plan_export.torchao_filter`, which says what
-        torchao's conversion cannot express)."""
+        torchao's conversion cannot express).
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+        >>> keep = compfx.Plan.from_bitstring(compfx.analyze(model, torch.randn(16, 32)), "8f1").torchao_filter()
+        >>> keep(model[0], "0"), keep(model[2], "2")
+        (True, False)
+        """
         from .plan_export import torchao_filter
 
         return torchao_filter(self, self.fp8_recipe, strict=strict)
