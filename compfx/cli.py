@@ -332,25 +332,41 @@ def _cmd_report(args) -> int:
     return 0
 
 
+def _plan_to_show(args):
+    """The plan file ``compfx plan show`` prints, and the model's analysis with ``--model`` (a file of rules alone
+    becomes that model's plan)."""
+    from .analyze import analyze
+    from .files import checked_path, read_json
+    from .plan import MAX_PLAN_BYTES, Plan
+
+    data = read_json(checked_path(args.plan, "plan file"), "plan file", max_bytes=MAX_PLAN_BYTES)
+    source = f"plan file {args.plan}"
+    if args.model is None:
+        return Plan.from_dict(data, source), None
+    if not args.input_shape and args.inputs is None:
+        raise BadInputError("--model needs --input-shape or --inputs (the model is captured on those inputs to "
+                            "check the plan against it), e.g. --input-shape 8,1,8,8.")
+    low = data.get("low_dtype") if isinstance(data, dict) else None  # the model is analysed for the plan's low dtype
+    low_dtype = {"float16": torch.float16, "bfloat16": torch.bfloat16}.get(low)
+    analysis = analyze(_build_model(args.model), _example_inputs(args), low_dtype=low_dtype)
+    plan = Plan.from_dict(data, source, analysis=analysis)
+    plan.validate(analysis)  # a PlanMismatchError says how the plan and the model differ
+    return plan, analysis
+
+
 def _cmd_plan_show(args) -> int:
     from tabulate import tabulate
 
-    from .analyze import analyze
-    from .plan import Plan
+    from .plan_rules import rules_table
 
-    plan = Plan.load(args.plan)
-    analysis = None
-    if args.model is not None:
-        if not args.input_shape and args.inputs is None:
-            raise BadInputError("--model needs --input-shape or --inputs (the model is captured on those inputs to "
-                                "check the plan against it), e.g. --input-shape 8,1,8,8.")
-        model = _build_model(args.model)
-        analysis = analyze(model, _example_inputs(args), low_dtype=plan.low_dtype)
-        plan.validate(analysis)  # a PlanMismatchError says how the plan and the model differ
+    plan, analysis = _plan_to_show(args)
     counts = ", ".join(f"{sum(p == precision for p in plan.values())} {precision}"
                        for precision in sorted({str(p) for p in plan.values()}))
     print(f"plan file      {args.plan}\nlow dtype      {dtype_name(plan.low_dtype)}\n"
           f"fingerprint    {plan.fingerprint}\nops            {len(plan)} ({counts})\n")
+    rules = plan.rules()
+    print(f"as {len(rules)} rule(s) (the highest level that selects an op decides it: global < kind < module < "
+          f"module+kind < module+kind+index < op key)\n{rules_table(tuple(plan), rules)}\n")
     if analysis is None:
         print(tabulate([[i, str(key), precision] for i, (key, precision) in enumerate(plan.items())],
                        headers=["#", "op key", "precision"]))

@@ -25,6 +25,13 @@ measured elsewhere, so a search on this setup may choose differently. (The
 compile backend's plan cache is stricter: it never runs a cached plan searched on
 another device type; see :mod:`compfx.backend`.)
 
+A plan can be written and read as rules over module paths and op kinds
+(:meth:`Plan.from_rules`, :meth:`Plan.rules`; :mod:`compfx.plan_rules`), and a
+plan file holds those rules next to its ops (version 2), or rules alone
+(:meth:`Plan.load` with the model's analysis). Its FP8 linears export to
+torchao's float8 conversion (:meth:`Plan.torchao_filter`;
+:mod:`compfx.plan_export`).
+
 A plan may also pad ops (``plan.padded``, set with :meth:`Plan.with_padding`):
 those ops run with their unfit dims zero-padded to the Tensor Core multiple
 (:mod:`compfx.passes.pad_shapes`). Only ops the analysis marks
@@ -43,20 +50,26 @@ import torch
 from .errors import PlanFileError, PlanMismatchError
 from .files import checked_path, read_json, write_json_atomic
 from .opkey import OpKey
+from .plan_rules import Rule, check_file_rules, resolve_rules, rules_from_list, rules_to_list, summarize
 from .vocabulary import LOW_DTYPES, Category, Float8Recipe, Precision, check_low_dtype, dtype_from_name, dtype_name
 
 __all__ = ["Plan", "Assignment", "AMP_PRECISION", "PLAN_VERSION", "MAX_PLAN_BYTES"]
 
 _FORMAT = "compfx-plan"
-#: The plan-file version this compfx writes; it reads no other (a newer file may mean something else).
-PLAN_VERSION = 1
 #: A plan file is about 40 bytes per op; anything larger than this is not a plan compfx wrote.
 MAX_PLAN_BYTES = 32 << 20
-#: Top-level keys of a plan file: those every file has, and those it may have (a cached plan says who searched it,
-#: which other search's plan it replaced, and the parameter shapes of its model: see :mod:`compfx.cache`). Any
-#: other key is refused.
+#: Top-level keys of a plan file: those every file has, and those each version may have (a cached plan says who
+#: searched it, which other search's plan it replaced, and the parameter shapes of its model: see
+#: :mod:`compfx.cache`; version 2 adds the plan's rules). Any other key is refused. compfx writes the lowest version
+#: that holds what a file has, so a compfx that reads only older versions still reads every file it can, and reads
+#: every version up to :data:`PLAN_VERSION` (a newer file may mean something else).
 _REQUIRED_KEYS = ("format", "version", "low_dtype", "fingerprint", "ops")
-_OPTIONAL_KEYS = ("torch_version", "device_type", "fp8_recipe", "padded", "searched", "replaced", "parameter_shapes")
+_OPTIONAL_KEYS_OF_VERSION = {
+    1: ("torch_version", "device_type", "fp8_recipe", "padded", "searched", "replaced", "parameter_shapes"),
+    2: ("torch_version", "device_type", "fp8_recipe", "padded", "searched", "replaced", "parameter_shapes", "rules"),
+}
+#: The newest plan-file version this compfx reads and writes.
+PLAN_VERSION = max(_OPTIONAL_KEYS_OF_VERSION)
 #: What ``searched`` and ``replaced`` hold: when, on which host, by which process (and how many ops differ).
 _SEARCH_FIELDS = {"at": str, "host": str, "pid": int, "differing_ops": int}
 
@@ -240,6 +253,58 @@ class Plan(Mapping[OpKey, Precision]):
             )
         return cls.from_assignment(analysis, Assignment.parse(bits), fp8_recipe=fp8_recipe)
 
+    @classmethod
+    def from_rules(cls, analysis, rules: Iterable[Rule], *, base: "Plan | None" = None) -> "Plan":
+        """The plan ``rules`` give ``analysis.ops``: the rule of the highest level that selects an op decides it
+        (global < kind < module pattern < exact op key: :mod:`compfx.plan_rules`); ops no rule selects keep
+        ``base``'s precision.
+
+        A rule that selects no op or two rules of one level that disagree on
+        an op are refused, as is an op without a precision (no rule selects
+        it, and there is no ``base``).
+
+        >>> import torch, compfx
+        >>> from compfx.plan_rules import Rule
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> a = compfx.analyze(model, torch.randn(3, 4))
+        >>> rules = [Rule("follow"), Rule("low", kind="linear"), Rule("fp32", module="2")]
+        >>> compfx.Plan.from_rules(a, rules).bitstring(a)
+        '0f1'
+        """
+        if base is not None and not isinstance(base, Plan):
+            raise PlanMismatchError(f"base is a {type(base).__name__}; expected a compfx.Plan, e.g. "
+                                    "Plan.amp(analysis).")
+        entries, recipe = resolve_rules(analysis.keys, rules, base=base, base_recipe=getattr(base, "fp8_recipe", None))
+        return cls(entries, low_dtype=analysis.low_dtype, fingerprint=analysis.fingerprint, fp8_recipe=recipe,
+                   device_type=analysis.device.type)
+
+    def rules(self) -> tuple[Rule, ...]:
+        """Few rules that reproduce this plan's precisions exactly (:func:`compfx.plan_rules.summarize`), so that
+        ``Plan.from_rules(analysis, plan.rules()) == plan`` for an unpadded plan (padding is not a precision).
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> a = compfx.analyze(model, torch.randn(3, 4))
+        >>> [str(rule) for rule in compfx.Plan.amp(a).rules()]
+        ['every op -> low', 'kind relu -> follow']
+        """
+        return summarize(self._entries, self.fp8_recipe)
+
+    def torchao_filter(self, *, strict: bool = True):
+        """torchao's ``module_filter_fn(module, fqn)`` for ``convert_to_float8_training``: True for exactly the
+        ``nn.Linear`` modules this plan runs in FP8 (:func:`compfx.plan_export.torchao_filter`, which says what
+        torchao's conversion cannot express).
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+        >>> keep = compfx.Plan.from_bitstring(compfx.analyze(model, torch.randn(16, 32)), "8f1").torchao_filter()
+        >>> keep(model[0], "0"), keep(model[2], "2")
+        (True, False)
+        """
+        from .plan_export import torchao_filter
+
+        return torchao_filter(self, self.fp8_recipe, strict=strict)
+
     def with_precisions(self, updates: Mapping[OpKey, Precision | str]) -> "Plan":
         """A copy with some ops changed; every updated key must already be in the plan."""
         unknown = [str(k) for k in updates if k not in self._entries]
@@ -354,10 +419,11 @@ class Plan(Mapping[OpKey, Precision]):
                                "eligible ops are marked") + ".")
 
     # -- files ---------------------------------------------------------------
-    def to_dict(self) -> dict:
+    def to_dict(self, *, rules: bool = False) -> dict:
+        """The plan as its file holds it; with ``rules``, also :meth:`rules` (for people reading the file)."""
         return {
             "format": _FORMAT,
-            "version": PLAN_VERSION,
+            "version": 2 if rules else 1,
             "low_dtype": dtype_name(self.low_dtype),
             "fingerprint": self.fingerprint,
             "torch_version": str(torch.__version__),  # a plain str: TorchVersion does not unpickle under weights_only
@@ -367,11 +433,17 @@ class Plan(Mapping[OpKey, Precision]):
             **({"padded": sorted(map(str, self.padded))} if self.padded else {}),
             **({"parameter_shapes": [list(shape) for shape in self.parameter_shapes]}
                if self.parameter_shapes is not None else {}),
+            **({"rules": rules_to_list(self.rules())} if rules else {}),
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping, source: str = "plan") -> "Plan":
+    def from_dict(cls, data: Mapping, source: str = "plan", *, analysis=None) -> "Plan":
         """The plan a :meth:`to_dict` mapping describes; anything else is a :class:`PlanFileError` naming ``source``.
+
+        A file may hold ``rules`` (:mod:`compfx.plan_rules`): next to ``ops``
+        they must reproduce them exactly; without ``ops`` (rules written by
+        hand) the plan is built from them for the model of ``analysis``
+        (:meth:`from_rules`), which must then be given.
 
         Checked before use: the format and ``version``, no top-level key compfx
         does not write, ``low_dtype`` among :data:`~compfx.vocabulary.LOW_DTYPES`'
@@ -384,15 +456,18 @@ class Plan(Mapping[OpKey, Precision]):
         """
         if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
             raise PlanFileError(f"{source} is not a compfx plan (no '\"format\": \"{_FORMAT}\"' entry).")
-        unknown = sorted(map(str, set(data) - set(_REQUIRED_KEYS) - set(_OPTIONAL_KEYS)))
-        if unknown:
-            raise PlanFileError(f"{source} has top-level key(s) {unknown} that compfx does not write (a plan file holds "
-                                f"{list(_REQUIRED_KEYS)} and may hold {list(_OPTIONAL_KEYS)}); it was edited, or "
-                                "written by another tool. Remove them, or search again.")
         version = data.get("version")
-        if type(version) is not int or version != PLAN_VERSION:
-            raise PlanFileError(f"{source} has version {version!r}; this compfx reads plan version {PLAN_VERSION}. "
-                                "Search again with this compfx (or use the compfx that wrote it).")
+        if type(version) is not int or version not in _OPTIONAL_KEYS_OF_VERSION:
+            raise PlanFileError(f"{source} has version {version!r}; this compfx reads plan version 1 to version "
+                                f"{PLAN_VERSION}. Search again with this compfx (or use the compfx that wrote it).")
+        optional = _OPTIONAL_KEYS_OF_VERSION[version]
+        unknown = sorted(map(str, set(data) - set(_REQUIRED_KEYS) - set(optional)))
+        if unknown:
+            raise PlanFileError(f"{source} has top-level key(s) {unknown} that compfx does not write in a version "
+                                f"{version} file (it holds {list(_REQUIRED_KEYS)} and may hold {list(optional)}); it "
+                                "was edited, or written by another tool. Remove them, or search again.")
+        if "rules" in data and "ops" not in data:
+            return _plan_of_rules_file(data, source, analysis)
         low = data.get("low_dtype")
         names = [dtype_name(d) for d in LOW_DTYPES]
         if not isinstance(low, str) or low not in names:
@@ -425,26 +500,33 @@ class Plan(Mapping[OpKey, Precision]):
             if recipe is not None and recipe not in {r.value for r in Float8Recipe}:
                 raise PlanFileError(f"{source} has fp8_recipe {recipe!r}; expected one of "
                                     f"{[r.value for r in Float8Recipe]}. Fix the file or search again.")
-            return cls(entries, low_dtype=dtype_from_name(low), fingerprint=fingerprint, fp8_recipe=recipe,
+            plan = cls(entries, low_dtype=dtype_from_name(low), fingerprint=fingerprint, fp8_recipe=recipe,
                        padded=_padded_from_file(data.get("padded", []), source), device_type=device_type,
                        parameter_shapes=shapes)
+            if "rules" in data:
+                check_file_rules(plan, plan.fp8_recipe, rules_from_list(data["rules"], source), source)
+            return plan
         except (KeyError, TypeError, AttributeError, ValueError) as error:
             if isinstance(error, PlanMismatchError):
                 raise PlanFileError(f"{source} holds an invalid plan: {error}") from error
             raise PlanFileError(f"{source} is a damaged compfx plan ({type(error).__name__}: {error}).") from error
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, *, rules: bool = True) -> None:
         """Write the plan as JSON, atomically; :class:`~compfx.errors.FileWriteError` when it cannot be written.
+
+        With ``rules`` (the default) the file also holds :meth:`rules`, the
+        plan as few rules a person reviewing it can read (``compfx plan show``
+        prints them); a file without them is read by older compfx releases too.
 
         It replaces an existing plan file, never another file: a path that
         holds something else (not a compfx plan), a symbolic link, a FIFO or a
         device is refused and left as it was.
         """
-        write_json_atomic(path, self.to_dict(), "plan file", replaces=is_plan_file)
+        write_json_atomic(path, self.to_dict(rules=rules), "plan file", replaces=is_plan_file)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
-        """Read a plan written by :meth:`save`.
+    def load(cls, path: str | os.PathLike, *, analysis=None) -> "Plan":
+        """Read a plan written by :meth:`save`, or a file of rules alone (then for the model of ``analysis``).
 
         A missing, oversized (over :data:`MAX_PLAN_BYTES`, checked before
         reading), binary, corrupt or invalid file raises :class:`PlanFileError`,
@@ -453,12 +535,29 @@ class Plan(Mapping[OpKey, Precision]):
         :class:`~compfx.errors.BadInputError`.
         """
         data = read_json(checked_path(path, "plan file"), "plan file", max_bytes=MAX_PLAN_BYTES)
-        return cls.from_dict(data, source=f"plan file {os.fspath(path)}")
+        return cls.from_dict(data, source=f"plan file {os.fspath(path)}", analysis=analysis)
 
 
 def is_plan_file(head: bytes) -> bool:
     """Whether the first bytes of a file are those of a compfx plan file (what :meth:`Plan.save` may replace)."""
     return f'"{_FORMAT}"'.encode() in head
+
+
+def _plan_of_rules_file(data: Mapping, source: str, analysis) -> Plan:
+    """The plan a file of rules alone (no ``ops``) gives the model of ``analysis``."""
+    rules = rules_from_list(data["rules"], source)
+    if analysis is None:
+        raise PlanFileError(f"{source} holds rules only, not one precision per op: they become a plan for one model. "
+                            "Load it with Plan.load(path, analysis=compfx.analyze(model, example_inputs)).")
+    low = data.get("low_dtype")
+    if low is not None and low != dtype_name(analysis.low_dtype):
+        raise PlanMismatchError(f"{source} runs 'low' ops in {low}, but the analysis was made for "
+                                f"{dtype_name(analysis.low_dtype)}; analyse the model with low_dtype=torch.{low}.")
+    for name in ("fingerprint", "padded", "searched", "replaced", "parameter_shapes", "fp8_recipe"):
+        if name in data:
+            raise PlanFileError(f"{source} holds rules without ops, and {name!r}, which only a plan of ops has; "
+                                "remove it (the rules' FP8 recipe goes in each 'fp8' rule).")
+    return Plan.from_rules(analysis, rules)
 
 
 def _is_device_type(name) -> bool:

@@ -27,7 +27,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # is AMP's precision for the op, which the plan defines (plan.AMP_PRECISION); the analysis of a model's blocks
     # alone (regions, for per_module) is an analysis too
     ("compfx.oplists", "compfx.tensor_cores", "compfx.float8", "compfx.cast_policy", "compfx.analyze", "compfx.plan",
-     "compfx.regions"),
+     "compfx.plan_rules", "compfx.plan_export", "compfx.regions"),
     # graph rewrites
     ("compfx.passes",),
     # a model + a plan -> the planned model (whole, or block by block); what a planned step saves
