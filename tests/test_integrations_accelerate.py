@@ -22,7 +22,8 @@ import compfx.integrations.planned_training as planned_training  # noqa: E402
 from accelerate.state import AcceleratorState  # noqa: E402
 from compfx.errors import BadInputError  # noqa: E402
 from compfx.integrations.accelerate import PLAN_FILE, CompfxAccelerate  # noqa: E402
-from compfx.per_module import PlannedBlock, analyze_regions  # noqa: E402
+from compfx.per_module import PlannedBlock  # noqa: E402
+from compfx.regions import analyze_regions  # noqa: E402
 from compfx.plan_rules import Rule  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
 from tiny_gpt import lm_loss, tiny_gpt, token_batches  # noqa: E402

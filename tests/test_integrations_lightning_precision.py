@@ -18,7 +18,8 @@ import compfx  # noqa: E402
 import compfx.integrations.planned_training as planned_training  # noqa: E402
 from compfx.errors import BadInputError  # noqa: E402
 from compfx.integrations.lightning import PLAN_FILE, CompfxCallback, CompfxPrecision  # noqa: E402
-from compfx.per_module import PlannedBlock, analyze_regions  # noqa: E402
+from compfx.per_module import PlannedBlock  # noqa: E402
+from compfx.regions import analyze_regions  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 FAST_SEARCH = compfx.SearchConfig(progress=False, repeats=1, warmup=0)
