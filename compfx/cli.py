@@ -297,7 +297,21 @@ def _check_output_paths(args) -> None:
 
     SearchLog.check_path(args.log)
     if args.plan is not None:
+        if args.log is not None and _same_file(args.plan, args.log):
+            raise BadInputError(f"--plan {args.plan} and --log {args.log} name the same file: the plan written at the "
+                                "end would replace the search's log. Pass two paths, e.g. --log search.jsonl "
+                                "--plan plan.json.")
         check_writable(args.plan, "plan file", replaces=is_plan_file, hint="Pass another --plan.")
+
+
+def _same_file(a: str, b: str) -> bool:
+    """Do two paths name one file (the same path spelled otherwise, or a link to it), existing or not?"""
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return os.path.realpath(a) == os.path.realpath(b)
 
 
 def _cmd_search(args) -> int:

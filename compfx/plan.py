@@ -34,6 +34,7 @@ those ops run with their unfit dims zero-padded to the Tensor Core multiple
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from types import MappingProxyType
 from typing import Iterable, Iterator, Mapping
@@ -457,8 +458,18 @@ class Plan(Mapping[OpKey, Precision]):
 
 
 def is_plan_file(head: bytes) -> bool:
-    """Whether the first bytes of a file are those of a compfx plan file (what :meth:`Plan.save` may replace)."""
-    return f'"{_FORMAT}"'.encode() in head
+    """Whether the first bytes of a file are those of a compfx plan file (what :meth:`Plan.save` may replace): a
+    JSON object whose first key is ``"format"``, naming compfx's plan format, as every plan file compfx writes
+    begins. A search log, which quotes plans further in, or a checkpoint is not one.
+
+    >>> is_plan_file(b'{ "format": "compfx-plan", "version": 1'), is_plan_file(b'{"stage": 1, "format": "compfx-plan"')
+    (True, False)
+    """
+    return _PLAN_FILE_START.match(head) is not None
+
+
+#: How every plan file compfx writes begins (``to_dict`` puts ``format`` first; a UTF-8 BOM is allowed).
+_PLAN_FILE_START = re.compile(rb'(?:\xef\xbb\xbf)?\s*\{\s*"format"\s*:\s*"%s"' % _FORMAT.encode())
 
 
 def _is_device_type(name) -> bool:

@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import warnings
 from typing import Iterable, Mapping
 
@@ -193,8 +194,9 @@ def capture(
     if method not in CAPTURE_METHODS:
         raise BadInputError(f"method={method!r}; expected one of {', '.join(map(repr, CAPTURE_METHODS))}.")
     args, kwargs = distinct_input_tensors(*normalize_example_inputs(example_inputs))  # one input, one placeholder
-    # rng_preserved: a forward that draws random numbers, or reseeds, leaves the caller's generators as they were
-    with _modes_restored(model), _fake_tensor_failures_quiet(), rng_preserved(*_devices_of(model)):
+    # rng_preserved: a forward that draws random numbers, or reseeds, leaves the caller's generators as they were;
+    # _ONE_AT_A_TIME: the tracers patch process-wide state, which two captures at once would leave patched
+    with _ONE_AT_A_TIME, _modes_restored(model), _fake_tensor_failures_quiet(), rng_preserved(*_devices_of(model)):
         if modes is not None:
             for name, module in model.named_modules():
                 module.training = modes.get(name, module.training)
@@ -206,6 +208,14 @@ def capture(
     mark_dtype_limits(gm)
     mark_pinned(gm)
     return gm
+
+
+#: Captures take turns, in every thread. torch.fx's symbolic tracer replaces ``nn.Module.__call__`` and
+#: ``__getattr__`` while it traces, and compfx's tracers swap ``torch.autograd.Function.apply`` and register global
+#: module hooks (each passes other threads' calls through untouched); two traces at once would each put back what
+#: the other had patched, leaving every later module call of the process going to a finished tracer. Reentrant: a
+#: capture inside a capture (a planned block captured while its model runs under a tracer) is one thread's.
+_ONE_AT_A_TIME = threading.RLock()
 
 
 def _devices_of(model: nn.Module) -> set[torch.device]:
