@@ -96,7 +96,7 @@ import torch.nn as nn
 from .errors import CacheKeyError, FileWriteError, PlanFileError
 from .files import TEMP_SUFFIX, read_json, write_json_atomic
 from .opkey import OpKey
-from .plan import MAX_PLAN_BYTES, Plan
+from .plan import FINGERPRINT_PATTERN, MAX_PLAN_BYTES, Plan
 from .vocabulary import LOW_DTYPES, dtype_name
 
 try:
@@ -112,8 +112,6 @@ __all__ = ["CACHE_DIR_ENV", "FINGERPRINT_PATTERN", "MAX_ENTRY_BYTES", "TEMP_MAX_
 
 #: Environment variable that moves the plan cache.
 CACHE_DIR_ENV = "COMPFX_CACHE_DIR"
-#: What a fingerprint is (:attr:`compfx.analyze.Analysis.fingerprint`): 16 lowercase hex digits of a sha256.
-FINGERPRINT_PATTERN = re.compile(r"[0-9a-f]{16}")
 #: A profile or cast-cost entry is a few hundred bytes; a larger file is not one compfx wrote.
 MAX_ENTRY_BYTES = 1 << 20
 #: A temp file this old is a leftover of a killed writer (a live one renames its file within seconds).

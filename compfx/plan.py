@@ -46,9 +46,12 @@ from .files import checked_path, read_json, write_json_atomic
 from .opkey import OpKey
 from .vocabulary import LOW_DTYPES, Category, Float8Recipe, Precision, check_low_dtype, dtype_from_name, dtype_name
 
-__all__ = ["Plan", "Assignment", "AMP_PRECISION", "PLAN_VERSION", "MAX_PLAN_BYTES"]
+__all__ = ["Plan", "Assignment", "AMP_PRECISION", "PLAN_VERSION", "MAX_PLAN_BYTES", "FINGERPRINT_PATTERN"]
 
 _FORMAT = "compfx-plan"
+#: What a model's fingerprint is (:attr:`compfx.analyze.Analysis.fingerprint`): 16 lowercase hex digits of a sha256.
+#: Anything else (``"../outside"``) names no model, and could name a path when the plan cache files it.
+FINGERPRINT_PATTERN = re.compile(r"[0-9a-f]{16}")
 #: The plan-file version this compfx writes; it reads no other (a newer file may mean something else).
 PLAN_VERSION = 1
 #: A plan file is about 40 bytes per op; anything larger than this is not a plan compfx wrote.
@@ -136,9 +139,9 @@ class Plan(Mapping[OpKey, Precision]):
                 raise PlanMismatchError(f"precision {precision!r} for {key} is unknown; expected one of "
                                         f"{[p.value for p in Precision]}") from None
         check_low_dtype(low_dtype, error=PlanMismatchError)
-        if not isinstance(fingerprint, str) or not fingerprint:
-            raise PlanMismatchError(f"plan fingerprint {fingerprint!r} is not a non-empty str; expected the "
-                                    "fingerprint of the model's analysis (analysis.fingerprint).")
+        if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
+            raise PlanMismatchError(f"plan fingerprint {fingerprint!r} is not one compfx makes (16 lowercase hex "
+                                    "digits); expected the fingerprint of the model's analysis (analysis.fingerprint).")
         object.__setattr__(self, "_entries", MappingProxyType(checked))
         object.__setattr__(self, "low_dtype", low_dtype)
         object.__setattr__(self, "fingerprint", fingerprint)
@@ -239,7 +242,9 @@ class Plan(Mapping[OpKey, Precision]):
                 f"bitstring has length {len(bits)}, but the model has {len(analysis.ops)} ops; "
                 "expected one character per op of analysis.ops."
             )
-        return cls.from_assignment(analysis, Assignment.parse(bits), fp8_recipe=fp8_recipe)
+        plan = cls.from_assignment(analysis, Assignment.parse(bits), fp8_recipe=fp8_recipe)
+        plan._check_fp8(analysis)  # an '8' where the analysis marked no op FP8-eligible: refused now, not at apply
+        return plan
 
     def with_precisions(self, updates: Mapping[OpKey, Precision | str]) -> "Plan":
         """A copy with some ops changed; every updated key must already be in the plan."""
@@ -400,9 +405,9 @@ class Plan(Mapping[OpKey, Precision]):
             raise PlanFileError(f"{source} has low_dtype {low!r}; expected one of {names}. Fix the file or search "
                                 "again.")
         fingerprint = data.get("fingerprint")
-        if not isinstance(fingerprint, str) or not fingerprint:
-            raise PlanFileError(f"{source} has fingerprint {fingerprint!r}; expected the model's fingerprint, a "
-                                "non-empty string (analysis.fingerprint). Fix the file or search again.")
+        if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
+            raise PlanFileError(f"{source} has fingerprint {fingerprint!r}; expected the model's fingerprint, 16 "
+                                "lowercase hex digits (analysis.fingerprint). Fix the file or search again.")
         ops = data.get("ops")
         if not isinstance(ops, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ops.items()):
             raise PlanFileError(f"{source} has no 'ops' mapping of op keys to precisions (strings); it is damaged. "

@@ -67,6 +67,7 @@ from ._sites import ValueBranchError, error_site, first_line
 from .autocast_blocks import PINNED_META, autocast_probe, holds_half_precision, is_pinned, mark_pinned
 from .dtype_limits import LIMIT_META, mark_dtype_limits
 from .dtype_reads import DTYPE_READ_META, changed_dtype_reads
+from .held_state import HeldState
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
 from .model_state import (buffers_restored, get_attribute, hooks_warning, named_tensors, stored_attributes_warning,
                           tracer_values_removed)
@@ -200,7 +201,13 @@ def capture(
         if modes is not None:
             for name, module in model.named_modules():
                 module.training = modes.get(name, module.training)
-        gm = _capture_with(model, args, kwargs, leaf_modules, method, verify)
+        held = HeldState(model)  # the eager runs (verification, the failure check) are forward calls too
+        try:
+            gm = _capture_with(model, args, kwargs, leaf_modules, method, verify)
+        except Exception as error:
+            _refuse_replaced_modules(held, error)
+            raise
+        _refuse_replaced_modules(held)
     hooks = hooks_warning(model, leaves={n.target for n in gm.graph.nodes if n.op == "call_module"})
     if hooks:
         warnings.warn(hooks, stacklevel=2)
@@ -265,11 +272,28 @@ def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.Graph
 
 
 def _trace(tracer: str, model, args, kwargs, leaf_modules, device_type: str | None) -> fx.GraphModule:
-    with tracer_values_removed(model) as stored:  # what forward assigned to the model while tracing is the tracer's
-        gm = _trace_with(tracer, model, args, kwargs, leaf_modules, device_type)
+    held = HeldState(model)
+    try:
+        with tracer_values_removed(model) as stored:  # what forward assigned to the model while tracing is the tracer's
+            gm = _trace_with(tracer, model, args, kwargs, leaf_modules, device_type)
+    except Exception as error:
+        _refuse_replaced_modules(held, error)  # what the tracer failed on, when that is it
+        raise
+    _refuse_replaced_modules(held)
     if stored:
         warnings.warn(stored_attributes_warning(stored), stacklevel=5)
     return gm
+
+
+def _refuse_replaced_modules(held: HeldState, cause: BaseException | None = None) -> None:
+    """A forward that replaced submodules while it was traced: they are put back (the new ones hold the tracer's
+    values), and the capture refused, saying so."""
+    replaced = () if held.unchanged() else held.change().modules
+    if replaced:
+        held.put_back_modules()
+        raise CaptureError(f"forward() replaces submodules of the model when it runs ({', '.join(replaced[:3])}); a "
+                           "graph cannot hold that, and the new layers would not be the ones the optimizer trains. "
+                           "Create submodules in __init__ and only call them in forward") from cause
 
 
 def _trace_with(tracer: str, model, args, kwargs, leaf_modules, device_type: str | None) -> fx.GraphModule:

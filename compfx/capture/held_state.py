@@ -140,6 +140,13 @@ class HeldState:
                 reshaped.append(path)
         return StateChange(tuple(swapped), tuple(reshaped), tuple(modules), _tensor_devices(self.root), self.devices)
 
+    def put_back_modules(self) -> None:
+        """Put every recorded submodule back in its place (what a forward that replaces layers replaced). Tensors
+        are left as they are: FSDP2 swaps its own between calls."""
+        for table, name, value in self._entries:
+            if isinstance(value, nn.Module) and table.get(name) is not value:
+                table[name] = value
+
 
 def _like(a, b) -> bool:
     """Tensors a graph built for ``a`` can read ``b`` in place of: same shape, dtype and device."""

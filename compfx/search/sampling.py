@@ -71,7 +71,7 @@ from ..measure import Timing, time_interleaved, time_repeats, timed
 from ..rng import cuda_devices, loader_generators  # cuda_devices re-exported: the search's callers read it here
 
 __all__ = ["split_batch", "move_batch", "copied_batch", "training_mode", "dense_values", "model_loss", "check_loss",
-           "check_first_batch", "cuda_devices", "seed_device", "call_quietly", "StateSnapshot", "snapshot_state",
+           "check_first_batch", "check_loss_trains", "cuda_devices", "seed_device", "call_quietly", "StateSnapshot", "snapshot_state",
            "restore_state", "FairSampler", "MAX_EPOCH_BATCHES",
            "loader_batches", "from_loader", "epoch_limit", "read_steps", "CALIBRATION_STEPS", "state_bytes"]
 
@@ -215,6 +215,39 @@ def check_loss(loss) -> torch.Tensor:
     return loss
 
 
+def check_loss_trains(model: nn.Module, loss: torch.Tensor) -> None:
+    """:class:`BadInputError` unless ``loss`` (computed with grad) reaches a parameter of ``model`` that requires
+    grad: otherwise the search trains nothing and compares plans on a loss they cannot change (a loss of another
+    model's output, a new leaf tensor made from a float, a forward returning a string that ``loss_fn`` ignores).
+    Read from autograd's graph; where the graph does not show it (a reentrant checkpoint recomputes its part in
+    backward), one backward tells (the caller puts the gradients back)."""
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    if not trained or _reaches(loss, trained):
+        return
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    if any(p.grad is not None for p in model.parameters()):
+        return
+    raise BadInputError(
+        "loss_fn's loss does not depend on the model's parameters (backward gives them no gradient), so the search "
+        "would train nothing and compare plans on a loss they cannot change. Compute the loss from the model's "
+        "output (not from another model, a detached copy, or a new tensor made from .item()).")
+
+
+def _reaches(loss: torch.Tensor, parameters: set[int]) -> bool:
+    """Does autograd's graph of ``loss`` accumulate a gradient into one of ``parameters`` (by id)?"""
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in parameters:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
 def seed_device(seed: int, device: torch.device) -> None:
     """Seed the generators work on ``device`` draws from: the CPU's, and ``device``'s own when it is a GPU.
 
@@ -277,11 +310,12 @@ def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: t
     batch = copied_batch(move_batch(batch, device))  # the model may write its inputs: never the loader's tensors
     args, kwargs = split_batch(batch)
     snapshot = snapshot_state(model)
-    try:
-        with torch.no_grad(), torch.random.fork_rng(devices=cuda_devices(device)):
+    try:  # with grad when there is a loss: it must reach the parameters the search trains
+        with torch.set_grad_enabled(with_loss), torch.random.fork_rng(devices=cuda_devices(device)):
             output = _user_call("the model", lambda: model(*args, **kwargs), batch, where)
             if with_loss:
-                check_loss(_user_call("loss_fn", lambda: (loss_fn or model_loss)(output, batch), batch, where))
+                check_loss_trains(model, check_loss(
+                    _user_call("loss_fn", lambda: (loss_fn or model_loss)(output, batch), batch, where)))
     finally:
         restore_state(snapshot)
     return split_batch(copied_batch(batch))  # not the inputs the check ran on, which the model may have written
