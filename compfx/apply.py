@@ -419,8 +419,8 @@ class PlannedModule(nn.Module):
         captures the model again with the same plan. Never computes with tensors the model no longer holds."""
         change = self._held.change()
         check_computable(change, "the planned module")
-        if change.same_layout:
-            for graph in self._graphs.values():
+        if change.same_layout:  # the planned graphs, and the captures a shadow or a rewrite reads, read the new ones
+            for graph in [*self._graphs.values(), *(a.graph_module for a in self.captures._by_signature.values())]:
                 _mirror_state(graph, self._model)
         else:
             log.warning("compfx: the model changed after it was planned (%s); the planned module captures it again "

@@ -126,6 +126,8 @@ def test_a_planned_modules_graph_reads_the_models_new_parameter_object():
     planned(x)
     assert planned.graph_module.get_parameter("2.fc.weight") is new
     assert planned.get_parameter("2.fc.weight") is new  # its own state_dict and parameters() follow too
+    shadow = planned.captures.get(planned.signature((x,), {}), (x,), {}, {})[0].graph_module
+    assert shadow.get_parameter("2.fc.weight") is new  # the FP32 graph diagnose and the guard compare with, too
 
 
 @pytest.mark.parametrize("planned_block", [False, True], ids=["PlannedModule", "PlannedBlock"])
