@@ -95,13 +95,21 @@ def test_a_quiet_machine_still_finds_a_clear_win():
 
 @pytest.mark.parametrize("incumbent, candidate, order, words", [
     ([1.0] * 7, [0.1, 0.9, 0.1, 0.1, 0.9, 0.1, 0.1], (), "spread from"),
-    ([1.0] * 14, [0.6, 0.95] * 7, (True, False) * 7, "0.600 when the incumbent runs first and 0.950"),
+    ([1.0] * 14, [0.6, 0.95] * 7, (True, False) * 7, "0.6 when the incumbent runs first and 0.95 when it runs second"),
 ], ids=["one side hit in most pairs", "order effect"])
 def test_pairs_that_are_not_fair_are_too_noisy_to_replace_the_incumbent(incumbent, candidate, order, words):
     comparison = Comparison.of(incumbent, candidate, order)
     verdict = DecisionRule(margin=0.03, rounds=7).verdict(comparison, saves_less=False)
     assert verdict.high < verdict.bar and not verdict.replaces  # a win on its face, refused
     assert words in verdict.noise and "too noisy to decide" in verdict.reason
+
+
+def test_a_win_larger_than_the_noise_could_explain_stands():
+    # ratios spread 3x (a loaded machine), all of them far below the bar: no noise of that size makes a tie of it
+    comparison = Comparison.of([1.0] * 7, [0.01, 0.03, 0.01, 0.02, 0.01, 0.03, 0.02])
+    factor, words = comparison.noise(0.95)
+    assert factor == 2.0 and "spread" in words
+    assert DecisionRule(margin=0.03, rounds=7).verdict(comparison, saves_less=False).replaces
 
 
 def test_an_incumbent_slowed_far_more_than_its_fastest_at_the_same_rounds_does_not_lose_its_duel():

@@ -45,10 +45,12 @@ plan ran first by more than that; and each plan's steps must not run further
 above their own fastest than the other plan's do, by more than that, where a
 plan's fastest at each round of a block is the least cost it had at that round
 in any block of this search (every block runs the same batches from the same
-state, so those are one computation timed twice). Where a pair set fails a
-check, the candidate cannot replace the incumbent; the duel takes more blocks,
-and if the last still fails, its verdict says the machine was too noisy to
-decide, and so does the report.
+state, so those are one computation timed twice). A check that fails measures
+how far the noise could have moved the ratio; a win by less than that (the
+interval's top times that factor not below the bar) cannot replace the
+incumbent: the duel takes more blocks, and if the last is still in doubt, its
+verdict says the machine was too noisy to decide, and so does the report. A
+win by more than the noise could explain stands.
 
 The report's speed-ups come from the same statistics (:func:`speedup_text`):
 one interleaved phase of FP32, AMP and the chosen plan after the search (or, when the chosen plan is
@@ -124,34 +126,36 @@ class Comparison:
                                 f"{len(candidate)} rounds")
         return cls(tuple(map(float, incumbent)), tuple(map(float, candidate)), tuple(incumbent_first))
 
-    def noise(self, confidence: float) -> str:
-        """Why these pairs cannot decide between the plans ("" when they can): the machine's noise hit the two
-        plans unlike each other (see the module docstring).
+    def noise(self, confidence: float) -> tuple[float, str]:
+        """How far the machine's noise hit the two plans unlike each other, as a factor on the cost ratio, and
+        in words: the largest of the checks in the module docstring that exceeds :data:`NOISE_FACTOR`, or
+        ``(1.0, "")`` when none does. A win by more than that factor stands whatever the noise did.
 
         >>> Comparison.of([1.0] * 7, [0.5, 0.52, 0.49, 0.5, 0.51, 0.5, 0.5]).noise(0.95)
-        ''
-        >>> Comparison.of([1.0] * 7, [0.1, 1.0, 0.1, 0.1, 1.0, 0.1, 1.0]).noise(0.95)
-        "the pairs' cost ratios spread from 0.100 to 1.000 around 0.100"
+        (1.0, '')
+        >>> Comparison.of([1.0] * 7, [0.1, 0.9, 0.1, 0.1, 0.9, 0.1, 0.9]).noise(0.95)
+        (9.0, "the pairs' cost ratios spread from 0.1 to 0.9 around 0.1")
         """
         ratios = [r for r in self.ratios if 0 < r < math.inf]
         if len(ratios) < len(self.ratios) or not ratios:
-            return ""  # a zero or infinite cost: nothing to judge the spread by
+            return 1.0, ""  # a zero or infinite cost: nothing to judge the spread by
+        found = [(1.0, "")]
         low, high, _ = median_interval(ratios, confidence)
         middle = statistics.median(ratios)
-        if max(high / middle, middle / low) > NOISE_FACTOR:
-            return f"the pairs' cost ratios spread from {low:.3f} to {high:.3f} around {middle:.3f}"
+        found.append((max(high / middle, middle / low),
+                      f"the pairs' cost ratios spread from {low:.3g} to {high:.3g} around {middle:.3g}"))
         first = [r for r, f in zip(ratios, self.incumbent_first) if f is True]
         second = [r for r, f in zip(ratios, self.incumbent_first) if f is False]
         if len(first) >= 2 and len(second) >= 2:
             a, b = statistics.median(first), statistics.median(second)
-            if max(a / b, b / a) > NOISE_FACTOR:
-                return f"the cost ratio is {a:.3f} when the incumbent runs first and {b:.3f} when it runs second"
-        if self.disturbance is not None:
+            found.append((max(a / b, b / a), f"the cost ratio is {a:.3g} when the incumbent runs first and {b:.3g} "
+                                             "when it runs second"))
+        if self.disturbance is not None and min(self.disturbance) > 0:
             mine, theirs = self.disturbance
-            if min(mine, theirs) > 0 and max(mine / theirs, theirs / mine) > NOISE_FACTOR:
-                return (f"the incumbent's steps ran {mine:.2f}x and the candidate's {theirs:.2f}x their fastest at "
-                        "the same rounds")
-        return ""
+            found.append((max(mine / theirs, theirs / mine), f"the incumbent's steps ran {mine:.2f}x and the "
+                                                             f"candidate's {theirs:.2f}x their fastest at the same rounds"))
+        factor, words = max(found, key=lambda item: item[0])
+        return (factor, words) if factor > NOISE_FACTOR else (1.0, "")
 
     @property
     def ratios(self) -> tuple[float, ...]:
@@ -233,7 +237,9 @@ class DecisionRule:
         """Does the candidate replace the incumbent, on these paired costs?"""
         low, high, coverage = comparison.interval(self.confidence)
         bar = self.ratio_bar(saves_less)
-        noise = comparison.noise(self.confidence) if high < bar else ""  # only a win needs the pairs believed
+        # only a win needs its pairs believed, and only one the noise could account for is in doubt
+        factor, noise = comparison.noise(self.confidence) if high < bar else (1.0, "")
+        noise = noise if high * factor >= bar else ""
         replaces = high < bar and not noise
         what = (f"not slower by more than {self.margin:.0%}, and saves less memory" if saves_less
                 else f"faster by more than {self.margin:.0%}")
