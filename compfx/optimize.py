@@ -20,6 +20,7 @@ from typing import Iterable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from . import cache
 from .analyze import analyze, model_device
@@ -112,6 +113,9 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         if first is _NO_BATCH:
             raise BadInputError("sample_loader yielded no batches; the search trains on it, so give it some "
                                 "(CoMP's Stage 1 uses one epoch of it).")
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves(first)):
+            raise BadInputError("sample_loader's first batch holds tensors on the meta device (shapes, no values), "
+                                "but the search trains on its batches; give batches of real tensors.")
         held = HeldState(model)
         inputs = check_first_batch(model, first, loss_fn, device)  # bad inputs fail here, before any work
         _check_forward_keeps_modules(held)

@@ -200,3 +200,15 @@ def test_planned_module_without_a_model_or_an_analysis_says_what_to_pass(model_a
     with pytest.raises(BadInputError, match=words):
         PlannedModule(args[model_arg] if model_arg else None, planned.plan,
                       analysis=args[analysis_arg] if analysis_arg else None)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device to move the model to")
+def test_a_model_moved_to_another_device_is_captured_again_there():
+    # the graphs were captured on the CPU (device constants, the CPU's autocast); on CUDA they are captured again
+    model, planned, x = planned_net()
+    model.to("cuda")
+    out = planned(x.cuda())
+    analysis = compfx.analyze(model, x.cuda(), low_dtype=planned.plan.low_dtype)
+    again = PlannedModule(model, planned.plan, analysis=analysis)
+    assert out.device.type == "cuda" and planned.captures.device.type == "cuda"
+    torch.testing.assert_close(out, again(x.cuda()), rtol=0, atol=0)

@@ -179,6 +179,17 @@ def mean_loss(output, batch):
     return output.float().mean()
 
 
+def meta_batches():
+    """``--data`` for the CLI tests: (inputs, target) batches on the meta device."""
+    return [(torch.zeros(4, 64, device="meta"), torch.zeros(4, dtype=torch.long, device="meta"))] * 2
+
+
+def test_cli_search_refuses_batches_on_meta_from_a_data_factory(capsys):
+    # before: a raw error from moving the batch ("Cannot copy out of meta tensor")
+    err = _cli_exit(["search", "compfx.examples:mlp", "--data", "tests.test_refusals:meta_batches"], capsys)
+    assert "meta device" in err and "real tensors" in err
+
+
 # -- the search's settings and arguments ------------------------------------------------------------
 
 @pytest.mark.parametrize("name", ["rounds", "repeats", "warmup"])
