@@ -21,6 +21,7 @@ torch.float32
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import warnings
@@ -375,7 +376,13 @@ class CompfxBackend:
 
     def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence, patches: Mapping[str, object] = {}):
         if callable(self.inner):
-            return self.inner(gm, example_inputs)
+            try:
+                compiled = self.inner(gm, example_inputs)
+            except Exception as error:  # noqa: BLE001 - the user's backend
+                return _failed_inner(self.inner, f"raised {type(error).__name__}: {' '.join(str(error).split())[:200]}")
+            if not callable(compiled):
+                return _failed_inner(self.inner, f"returned {type(compiled).__name__}, not a callable,")
+            return compiled
         if self.inner == "inductor":
             from torch._inductor.compile_fx import compile_fx
 
@@ -401,7 +408,7 @@ class _Choice:
     path: object = None
 
 
-def _refusing(refusal: PlanMismatchError) -> Callable:
+def _refusing(refusal: Exception) -> Callable:
     """A compiled graph that raises ``refusal`` whenever it is called: raised there, not while dynamo compiles,
     it reaches the caller as itself."""
     def refuse(*args, **kwargs):
@@ -504,15 +511,50 @@ def _check_plan_of(plan: Plan, model: nn.Module) -> None:
 def _check_inner(inner, inductor_options) -> None:
     """Refuse an inner backend that cannot work now, not at the first call."""
     if callable(inner):
-        pass
+        _check_backend_signature(inner)
     elif not isinstance(inner, str):
         raise BadInputError(f"inner={inner!r}; expected a backend name such as {INNER_BACKENDS} or a callable.")
     elif inner not in torch._dynamo.list_backends(exclude_tags=()):
         raise BadInputError(f"inner={inner!r} is not a registered torch.compile backend; expected one of "
                             f"{INNER_BACKENDS}, another name from torch._dynamo.list_backends(), or a callable.")
+    if inductor_options is None:
+        return
+    if not isinstance(inductor_options, Mapping) or not all(isinstance(k, str) for k in inductor_options):
+        raise BadInputError(f"inductor_options={inductor_options!r}; expected a mapping of Inductor config names to "
+                            "values, e.g. {'max_autotune': True}, or None.")
     if inductor_options and inner != "inductor":
         raise BadInputError(f"inductor_options {sorted(inductor_options)} are Inductor config patches, but "
                             f"inner={inner!r}; pass them only with inner='inductor'.")
+    if inductor_options:
+        from torch._inductor import config  # imported only when options are given: it is not small
+
+        unknown = sorted(set(inductor_options) - set(config.get_config_copy()))
+        if unknown:
+            raise BadInputError(f"inductor_options names {unknown[:3]}, which are not Inductor config options "
+                                f"(torch._inductor.config); expected names such as 'max_autotune' or "
+                                "'triton.cudagraphs'. Check the spelling against this torch release's config.")
+
+
+def _check_backend_signature(inner: Callable) -> None:
+    """A callable inner backend takes (graph module, example inputs), as torch.compile calls a backend."""
+    try:
+        inspect.signature(inner).bind(None, None)
+    except TypeError:
+        raise BadInputError(f"inner={getattr(inner, '__name__', inner)!r} cannot be called as inner(gm, "
+                            "example_inputs), as torch.compile calls a backend; expected a backend callable "
+                            "taking the graph module and its example inputs and returning a callable.") from None
+    except ValueError:  # no signature to read (a builtin): take it as one
+        pass
+
+
+def _failed_inner(inner, problem: str) -> Callable:
+    """What a graph compiles to when the inner backend failed on it: raises, when called, a
+    :class:`~compfx.errors.BadInputError` saying so (dynamo would wrap an error raised while it compiles)."""
+    name = inner if isinstance(inner, str) else getattr(inner, "__name__", type(inner).__name__)
+    return _refusing(BadInputError(
+        f"the inner backend {name!r} {problem} on a graph compfx had planned; expected a torch.compile backend that "
+        "takes (gm, example_inputs) and returns a callable (e.g. gm.forward). Fix it, or pass inner='inductor', "
+        "'aot_eager' or 'eager'."))
 
 
 _registered: CompfxBackend | None = None
@@ -565,6 +607,11 @@ def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str |
     >>> {str(k): d for k, d in compiled.compfx_backend.records[0].compute_dtypes.items()}
     {'0:linear#0': torch.bfloat16, '1:relu#0': torch.bfloat16}
     """
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise BadInputError(f"dynamic={dynamic!r}; expected None (torch.compile decides), True or False.")
+    if not isinstance(fullgraph, bool):
+        raise BadInputError(f"fullgraph={fullgraph!r}; expected True or False (a string such as 'no' would be "
+                            "taken as True).")
     compfx = CompfxBackend(plan, inner=inner, low_dtype=low_dtype, model=model, cache_dir=cache_dir,
                            emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)
     compiled = torch.compile(model, backend=compfx, dynamic=dynamic, fullgraph=fullgraph)

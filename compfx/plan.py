@@ -41,6 +41,7 @@ those ops run with their unfit dims zero-padded to the Tensor Core multiple
 from __future__ import annotations
 
 import os
+import re
 import warnings
 from types import MappingProxyType
 from typing import Iterable, Iterator, Mapping
@@ -53,9 +54,12 @@ from .opkey import OpKey
 from .plan_rules import Rule, check_file_rules, resolve_rules, rules_from_list, rules_to_list, summarize
 from .vocabulary import LOW_DTYPES, Category, Float8Recipe, Precision, check_low_dtype, dtype_from_name, dtype_name
 
-__all__ = ["Plan", "Assignment", "AMP_PRECISION", "PLAN_VERSION", "MAX_PLAN_BYTES"]
+__all__ = ["Plan", "Assignment", "AMP_PRECISION", "PLAN_VERSION", "MAX_PLAN_BYTES", "FINGERPRINT_PATTERN"]
 
 _FORMAT = "compfx-plan"
+#: What a model's fingerprint is (:attr:`compfx.analyze.Analysis.fingerprint`): 16 lowercase hex digits of a sha256.
+#: Anything else (``"../outside"``) names no model, and could name a path when the plan cache files it.
+FINGERPRINT_PATTERN = re.compile(r"[0-9a-f]{16}")
 #: A plan file is about 40 bytes per op; anything larger than this is not a plan compfx wrote.
 MAX_PLAN_BYTES = 32 << 20
 #: Top-level keys of a plan file: those every file has, and those each version may have (a cached plan says who
@@ -148,9 +152,9 @@ class Plan(Mapping[OpKey, Precision]):
                 raise PlanMismatchError(f"precision {precision!r} for {key} is unknown; expected one of "
                                         f"{[p.value for p in Precision]}") from None
         check_low_dtype(low_dtype, error=PlanMismatchError)
-        if not isinstance(fingerprint, str) or not fingerprint:
-            raise PlanMismatchError(f"plan fingerprint {fingerprint!r} is not a non-empty str; expected the "
-                                    "fingerprint of the model's analysis (analysis.fingerprint).")
+        if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
+            raise PlanMismatchError(f"plan fingerprint {fingerprint!r} is not one compfx makes (16 lowercase hex "
+                                    "digits); expected the fingerprint of the model's analysis (analysis.fingerprint).")
         object.__setattr__(self, "_entries", MappingProxyType(checked))
         object.__setattr__(self, "low_dtype", low_dtype)
         object.__setattr__(self, "fingerprint", fingerprint)
@@ -251,7 +255,9 @@ class Plan(Mapping[OpKey, Precision]):
                 f"bitstring has length {len(bits)}, but the model has {len(analysis.ops)} ops; "
                 "expected one character per op of analysis.ops."
             )
-        return cls.from_assignment(analysis, Assignment.parse(bits), fp8_recipe=fp8_recipe)
+        plan = cls.from_assignment(analysis, Assignment.parse(bits), fp8_recipe=fp8_recipe)
+        plan._check_fp8(analysis)  # an '8' where the analysis marked no op FP8-eligible: refused now, not at apply
+        return plan
 
     @classmethod
     def from_rules(cls, analysis, rules: Iterable[Rule], *, base: "Plan | None" = None) -> "Plan":
@@ -474,9 +480,9 @@ class Plan(Mapping[OpKey, Precision]):
             raise PlanFileError(f"{source} has low_dtype {low!r}; expected one of {names}. Fix the file or search "
                                 "again.")
         fingerprint = data.get("fingerprint")
-        if not isinstance(fingerprint, str) or not fingerprint:
-            raise PlanFileError(f"{source} has fingerprint {fingerprint!r}; expected the model's fingerprint, a "
-                                "non-empty string (analysis.fingerprint). Fix the file or search again.")
+        if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
+            raise PlanFileError(f"{source} has fingerprint {fingerprint!r}; expected the model's fingerprint, 16 "
+                                "lowercase hex digits (analysis.fingerprint). Fix the file or search again.")
         ops = data.get("ops")
         if not isinstance(ops, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ops.items()):
             raise PlanFileError(f"{source} has no 'ops' mapping of op keys to precisions (strings); it is damaged. "
@@ -539,8 +545,18 @@ class Plan(Mapping[OpKey, Precision]):
 
 
 def is_plan_file(head: bytes) -> bool:
-    """Whether the first bytes of a file are those of a compfx plan file (what :meth:`Plan.save` may replace)."""
-    return f'"{_FORMAT}"'.encode() in head
+    """Whether the first bytes of a file are those of a compfx plan file (what :meth:`Plan.save` may replace): a
+    JSON object whose first key is ``"format"``, naming compfx's plan format, as every plan file compfx writes
+    begins. A search log, which quotes plans further in, or a checkpoint is not one.
+
+    >>> is_plan_file(b'{ "format": "compfx-plan", "version": 1'), is_plan_file(b'{"stage": 1, "format": "compfx-plan"')
+    (True, False)
+    """
+    return _PLAN_FILE_START.match(head) is not None
+
+
+#: How every plan file compfx writes begins (``to_dict`` puts ``format`` first; a UTF-8 BOM is allowed).
+_PLAN_FILE_START = re.compile(rb'(?:\xef\xbb\xbf)?\s*\{\s*"format"\s*:\s*"%s"' % _FORMAT.encode())
 
 
 def _plan_of_rules_file(data: Mapping, source: str, analysis) -> Plan:

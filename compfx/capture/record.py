@@ -16,6 +16,7 @@ import contextlib
 import copy
 import inspect
 import operator
+import threading
 import warnings
 
 import torch
@@ -418,14 +419,16 @@ class _CallRecorder(TorchFunctionMode):
     # -- module paths (global hooks: the tracer cannot see module calls otherwise) --------
     @contextlib.contextmanager
     def tracking_modules(self, root: nn.Module):
+        thread = threading.get_ident()  # the hooks are global: another thread's module calls are not this run's
+
         def enter(module, args):
             path = self._module_names.get(id(module))
-            if path:  # the root's ops have an empty stack, as in the other tracers
+            if path and threading.get_ident() == thread:  # the root's ops have an empty stack, as in the other tracers
                 self.module_stack.append((path, type(module)))
 
         def leave(module, args, output):
             path = self._module_names.get(id(module))
-            if path and self.module_stack and self.module_stack[-1][0] == path:
+            if path and self.module_stack and self.module_stack[-1][0] == path and threading.get_ident() == thread:
                 self.module_stack.pop()
 
         handles = [nn.modules.module.register_module_forward_pre_hook(enter),

@@ -10,6 +10,7 @@ field here makes resume check it without more code.
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import numbers
@@ -30,6 +31,9 @@ CostFn = Callable[[Plan, float], float]
 
 #: Field metadata key: False on a field that cannot change which plan the search picks.
 DECIDES = "decides"
+#: The most ``warmup``, ``repeats`` and ``rounds`` may be: each counts steps every sample or duel takes, and the
+#: search takes dozens of those; a thousand is already a search of hours on a model whose step takes a second.
+MAX_STEPS = 1000
 #: The seeds ``torch.manual_seed`` accepts.
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
 
@@ -151,9 +155,10 @@ class SearchConfig:
 
     def __post_init__(self):
         self._real("threshold", low=1, example="1.01 (accept plans whose loss is within 1% of FP32's)")
-        for name, low in (("stage1_budget", 1), ("stage2_budget", 1), ("warmup", 0), ("repeats", 1),
-                          ("stage2_check_batches", 0), ("rounds", 0)):
+        for name, low in (("stage1_budget", 1), ("stage2_budget", 1), ("stage2_check_batches", 0)):
             self._int(name, low)
+        for name, low in (("warmup", 0), ("repeats", 1), ("rounds", 0)):  # steps of every sample, or of every duel
+            self._int(name, low, MAX_STEPS, "steps per sample; more only makes a search that does not end")
         self._real("margin", low=0, example="0.03 (a candidate must be more than 3% faster to replace the incumbent)")
         self._real("confidence", low=0, example="0.95 (the duel's interval covers the median ratio 95% of the time)")
         if not self.margin < 1:
@@ -219,8 +224,9 @@ class SearchConfig:
 def decision_settings(config: SearchConfig) -> dict:
     """The settings that can change the search's decision, as JSON values (for the log's first line).
 
-    ``cost_fn`` is recorded by its qualified name: a resumed search must use
-    the same function (a changed body under the same name cannot be told).
+    ``cost_fn`` is recorded by its qualified name and a digest of its code
+    (:func:`_code_digest`): a resumed search must use the same function, and two
+    lambdas, which share the name ``<lambda>``, are told apart by what they compute.
 
     >>> settings = decision_settings(SearchConfig(progress=False))
     >>> "progress" in settings, settings["threshold"], settings["cost_fn"]
@@ -232,7 +238,30 @@ def decision_settings(config: SearchConfig) -> dict:
 
 def _json_value(value):
     if callable(value):
-        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+        name = f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+        code = _code_digest(value)
+        return f"{name} (code {code})" if code else name
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)  # inf and nan are not JSON
     return json.loads(json.dumps(value))
+
+
+def _code_digest(function) -> str | None:
+    """A short digest of what a Python function computes: its bytecode, constants and names, and the values its
+    closure holds (numbers and strings; other objects by type); None for a callable without Python code (a
+    builtin, a callable object, whose name alone is recorded)."""
+    code = getattr(getattr(function, "__func__", function), "__code__", None)
+    if code is None:
+        return None
+    held = [getattr(cell, "cell_contents", None) for cell in (getattr(function, "__closure__", None) or ())]
+    held += list(getattr(function, "__defaults__", None) or ())
+    values = [v if isinstance(v, (int, float, str, bool, type(None))) else type(v).__qualname__ for v in held]
+    text = repr((code.co_code, _constants(code), code.co_names, values))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _constants(code) -> tuple:
+    """``code``'s constants, nested code objects (a lambda inside it) by their own constants and bytecode."""
+    return tuple((c.co_code, _constants(c), c.co_names) if hasattr(c, "co_code")
+                 else tuple(sorted(map(repr, c))) if isinstance(c, frozenset) else c  # a set's order varies by run
+                 for c in code.co_consts)

@@ -50,6 +50,7 @@ from typing import Any, Callable, ContextManager, Generator, Hashable, Iterator,
 import torch
 import torch.nn as nn
 
+from ..capture.held_state import HeldState
 from ..errors import BadInputError, CaptureError, PlanFailedError, SearchError, SearchReplayError
 from ..measure import PhaseClock, interleaved_order
 from ..plan import Assignment, Plan
@@ -365,6 +366,7 @@ class LocalEvaluator:
         self._runners: dict[Plan, nn.Module] = {}
         self._saved_bytes: dict[Assignment, int] = {}
         self._captures = None  # the model's captures per input signature, shared by every plan's runner
+        self._held = HeldState(model)  # the model the search began with: every sample must train that one
 
     # -- plans and the modules that run them -------------------------------------------
     def plan(self, plan: Assignment) -> Plan:
@@ -393,6 +395,7 @@ class LocalEvaluator:
 
     def runner_of(self, plan: Plan) -> nn.Module:
         """:meth:`runner` for a :class:`Plan` (a padded one: what the padding decision times and the search returns)."""
+        self._check_same_model()
         if plan not in self._runners:
             from ..apply import PlannedModule, SignatureCaptures
 
@@ -403,6 +406,22 @@ class LocalEvaluator:
                 self._runners[plan] = PlannedModule(self.model, plan, analysis=self.analysis,
                                                     captures=self._captures, graph=graph)
         return self._runners[plan]
+
+    def _check_same_model(self) -> None:
+        """Refuse (:class:`~compfx.errors.BadInputError`) a model whose submodules were replaced since the search
+        began (a forward that swaps a layer when it is captured again): later samples would train another model,
+        one whose new layers the optimizer does not hold. Tensors swapped in place by their likes (FSDP2) are not a
+        change."""
+        if self._held.unchanged():
+            return
+        change = self._held.change()
+        if change.modules:
+            raise BadInputError(
+                f"the model's submodules were replaced during the search ({', '.join(change.modules[:3])}): its "
+                "forward (run again to capture new input shapes), a hook or another thread replaced them, so the "
+                "samples would no longer train the model the search began with, nor layers the optimizer holds. "
+                "Create submodules in __init__ and only call them in forward.")
+        self._held = HeldState(self.model)
 
     def specializations(self) -> tuple[int, list]:
         """(input signatures captured, every :class:`~compfx.apply.Specialization` of every plan's runner)."""

@@ -186,7 +186,20 @@ def _duels(log: SearchLog, stage: Stage) -> str:
     if not duels:
         return ""
     won = sum(bool(d["replaces"]) for d in duels)
-    return f"; {len(duels)} duel{'s' if len(duels) != 1 else ''} with the incumbent, {won} won"
+    noisy = sum(bool(d.get("too_noisy")) for d in duels)
+    return (f"; {len(duels)} duel{'s' if len(duels) != 1 else ''} with the incumbent, {won} won"
+            + (f", {noisy} too noisy to decide (incumbent kept)" if noisy else ""))
+
+
+def _noise_lines(log: SearchLog) -> list[str]:
+    """What the report says when duels were too noisy to decide: the plans' speeds were not measured."""
+    noisy = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra and r.extra[DUEL].get("too_noisy")]
+    if not noisy:
+        return []
+    return [f"noise          {len(noisy)} duel(s) found the machine too noisy to decide ({noisy[0]['too_noisy']}): "
+            "a candidate looked faster, but the pairs were not fair, so the incumbent was kept. Other work on the "
+            "machine slowed one plan's steps far more than the other's; search again on a quieter machine (or "
+            "with fewer threads than cores) to measure them."]
 
 
 def _fixed_cost(summary) -> list[str]:
@@ -232,6 +245,7 @@ def render_report(summary, tablefmt: str = "simple") -> str:
         f"search time    {summary.search_seconds:.2f} s = {share:.1f} FP32 epochs of the sample loader "
         f"({summary.samples_run} samples: {summary.samples_pruned} pruned, {summary.samples_skipped} skipped "
         "on prediction)",
+        *_noise_lines(log),
         *_fixed_cost(summary),
         *_cost_breakdown(summary),
         *_step_lines(summary),
