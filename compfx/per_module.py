@@ -191,7 +191,7 @@ class PlannedBlock(BlockStandIn):
             return
         now = {model_key(self.path, key) for key in analysis.keys}
         before = [{model_key(self.path, key) for key in old.keys} for old in self._outdated if old is not None]
-        before = before or [{key for key in self.plan if _in_region(key, [self.path])}]
+        before = before or [{key for key in self.plan if in_region(key, [self.path])}]
         if now in before:
             self._outdated.clear()
             return

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn as nn
 
+from ..batches import model_devices
 from ..errors import BadInputError
 
 __all__ = ["HeldState", "StateChange", "check_computable"]
@@ -94,10 +95,6 @@ def _devices(devices) -> str:
     return ", ".join(sorted(map(str, devices))) or "no device"
 
 
-def _tensor_devices(root: nn.Module) -> frozenset:
-    return frozenset(t.device for t in (*root.parameters(), *root.buffers()))
-
-
 class HeldState:
     """The parameters, buffers and submodules of ``root`` now, by identity (see the module docstring)."""
 
@@ -113,7 +110,7 @@ class HeldState:
         self._paths = tuple(paths)
         first = next((value for _, _, value in entries if isinstance(value, torch.Tensor)), None)
         self._probe = None if first is None else (first, first.device)
-        self.devices = _tensor_devices(root)
+        self.devices = frozenset(model_devices(root))
 
     def unchanged(self) -> bool:
         """Does the model hold every recorded tensor and submodule in its place, the first tensor on its device?
@@ -138,7 +135,7 @@ class HeldState:
                 swapped.append(path)
             else:
                 reshaped.append(path)
-        return StateChange(tuple(swapped), tuple(reshaped), tuple(modules), _tensor_devices(self.root), self.devices)
+        return StateChange(tuple(swapped), tuple(reshaped), tuple(modules), frozenset(model_devices(self.root)), self.devices)
 
     def put_back_modules(self) -> None:
         """Put every recorded submodule back in its place (what a forward that replaces layers replaced). Tensors
