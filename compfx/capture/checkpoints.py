@@ -297,11 +297,11 @@ def inline_checkpoint_bodies(gm: fx.GraphModule) -> int:
     >>> found = []
     >>> def backend(gm, example_inputs):
     ...     found.append((inline_checkpoint_bodies(gm), len(checkpointed_nodes(gm.graph))))
-    ...     outline_checkpoint_regions(gm)
-    ...     return gm.forward
+    ...     return outline_checkpoint_regions(gm).forward
     >>> _ = torch.compile(lambda x: checkpoint(block, x, use_reentrant=False), backend=backend)(torch.randn(2, 4))
-    >>> found
+    >>> found  # one region written into the graph and marked, then called through the higher-order op again
     [(1, 1)]
+    >>> torch._dynamo.reset()  # forget the compiled lambda while its globals live
     """
     regions = 0
     for node in list(gm.graph.nodes):
