@@ -327,7 +327,7 @@ def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int =
     if search.nothing_can_win(untimed, every, "Stage 2"):
         for segment in segments:
             if not fits(segment, budget - 1):
-                _not_enumerated(report, space, segment, budget, tried=0, why=_PRICED_GREEDY.format(budget - 1))
+                _not_enumerated(report, space, segment, budget, tried=0, why=_priced_greedy(segment, budget - 1))
         return Stage2Result(untimed, untimed, [], segments)
     winner = search.sample(base, "Stage-1 winner")
     improved: list[tuple[Segment, Outcome]] = []
@@ -355,7 +355,7 @@ def _search_segment(space: SearchSpace, search: _Stage2, base: Assignment, winne
         return winner
     if search.nothing_can_win(winner, segment_candidates(base, segment, left), what):
         if not fits(segment, left):
-            _not_enumerated(report, space, segment, budget, tried=0, why=_PRICED_GREEDY.format(left))
+            _not_enumerated(report, space, segment, budget, tried=0, why=_priced_greedy(segment, left))
         return winner
     if fits(segment, left):
         return search.chain(winner, [search.sample(plan, what) for plan in algorithm2_candidates(base, segment)])
@@ -364,7 +364,9 @@ def _search_segment(space: SearchSpace, search: _Stage2, base: Assignment, winne
     return best
 
 
-_PRICED_GREEDY = "the profiles show that none of the first {} plans of the greedy order can win"
+def _priced_greedy(segment: Segment, left: int) -> str:
+    priced = min(2 * len(segment.inner), left)
+    return f"the profiles show that none of the greedy order's first {priced} plans can win"
 
 
 def _not_enumerated(report: Reporter | None, space: SearchSpace, segment: Segment, budget: int, *, tried: int,
