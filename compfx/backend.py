@@ -36,7 +36,8 @@ import torch.nn as nn
 
 from . import cache
 from .analyze import analyze_graph, fingerprint_of, parameter_shapes
-from .capture import is_numerical_op, key_dynamo_graph, op_nodes
+from .capture import (inline_checkpoint_bodies, is_numerical_op, key_dynamo_graph, named_tensors, op_nodes,
+                      outline_checkpoint_regions)
 from .capture.dynamo import CallIndexOffsets
 from .cast_policy import compute_dtype
 from .errors import BadInputError, PlanMismatchError
@@ -154,6 +155,7 @@ class CompfxBackend:
 
     # -- dynamo calls this once per graph -------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence):
+        inline_checkpoint_bodies(gm)  # checkpointed regions' ops are keyed and planned as a capture's are
         try:
             choice = self._plan_for(gm, example_inputs, _frame_id(gm))
         except PlanMismatchError as refusal:
@@ -190,21 +192,22 @@ class CompfxBackend:
             plan_path=str(choice.path) if choice.path is not None else None, padded=padded,
             fp8_fallbacks=tuple((key, why) for key, (_, why) in fallbacks.items()),
         ))
+        outline_checkpoint_regions(gm)  # each region, its casts included, recomputed in backward as before
         # The plan padded these ops: Inductor must not pad them (or any other op of this graph) again.
         return self._compile_inner(gm, example_inputs, {"shape_padding": False} if padded else {})
 
     def _say_unplanned_regions(self, gm: fx.GraphModule) -> None:
-        """Dynamo hands torch.utils.checkpoint's region (and other higher-order ops' bodies) over as a subgraph the
-        graph calls; the passes plan the graph's own ops, so the region's run as the model wrote them: say so."""
+        """Dynamo hands higher-order ops' bodies over as subgraphs the graph calls. Checkpointed regions are
+        written into the graph and planned (:func:`~compfx.capture.inline_checkpoint_bodies`); the bodies of other
+        higher-order ops run as the model wrote them: say so."""
         bodies = {name: sum(node.op.startswith("call") and is_numerical_op(node) for node in body.graph.nodes)
                   for name, body in gm.named_children() if isinstance(body, fx.GraphModule)}
         bodies = {name: count for name, count in bodies.items() if count}
         if bodies:
-            self._log_once("regions", "compfx backend: graph %s runs %d op(s) inside %d region(s) that dynamo passes "
-                           "as subgraphs (%s: torch.utils.checkpoint's, or another higher-order op's); the backend "
-                           "plans a graph's own ops, so these run as the model wrote them (FP32 where it computes in "
-                           "FP32). compfx.apply and compfx.optimize plan inside checkpointed regions.",
-                           gm.meta.get("dynamo_compile_id", "?"), sum(bodies.values()), len(bodies),
+            self._log_once("regions", "compfx backend: graph %s runs %d op(s) inside %d subgraph(s) of higher-order "
+                           "ops other than torch.utils.checkpoint's (%s); the backend plans a graph's own ops and its "
+                           "checkpointed regions, so these run as the model wrote them (FP32 where it computes in "
+                           "FP32).", gm.meta.get("dynamo_compile_id", "?"), sum(bodies.values()), len(bodies),
                            ", ".join(sorted(bodies)[:3]), level=logging.WARNING)
 
     def _plan_for(self, gm: fx.GraphModule, example_inputs, frame) -> "_Choice":

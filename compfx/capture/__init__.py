@@ -86,7 +86,7 @@ from .nodes import (
     renorms_weight,
     writes_input,
 )
-from .checkpoints import keep_checkpoints
+from .checkpoints import inline_checkpoint_bodies, keep_checkpoints, outline_checkpoint_regions
 from .record import is_kv_cache, record_capture, with_kv_caches_copied
 from .signature import (
     ExampleInputs,
@@ -106,6 +106,8 @@ from .verify import VERIFICATION_META, CaptureVerification, verify_capture
 __all__ = [
     "capture",
     "keep_checkpoints",
+    "inline_checkpoint_bodies",
+    "outline_checkpoint_regions",
     "CaptureVerification",
     "VERIFICATION_META",
     "CAPTURE_METHODS",

@@ -18,7 +18,7 @@ from ..costmodel.predictor import EVIDENCE_SCALE as _EVIDENCE, PREDICTION_SCALE 
 from ..costmodel.predictor import STALE_CONDITIONS as _STALE_N, STALE_CONDITIONS_REASON as _STALE_WHY
 from ..vocabulary import Precision, SampleStatus, Stage, dtype_name
 from .evidence import op_evidence
-from .log import DUEL, HEADER, INCUMBENT_AGAIN, NOTHING_CAN_WIN, RESULT, STOPPED_EARLY, SearchLog
+from .log import DUEL, HEADER, INCUMBENT_AGAIN, NOTHING_CAN_WIN, RESULT, SEGMENT_NOT_ENUMERATED, STOPPED_EARLY, SearchLog
 
 __all__ = ["render_report", "op_table", "prediction_table", "prediction_error", "predicted_records"]
 
@@ -181,6 +181,16 @@ def _stopped(log: SearchLog, stage: Stage) -> str:
     return f"; stopped early: the profiles showed none of the {left} plans left could beat the incumbent by the margin"
 
 
+def _not_enumerated(log: SearchLog) -> str:
+    """``; not enumerated fully: ...`` naming the Stage-2 segments whose ``2**n`` plans did not fit the budget."""
+    found = [r.extra[SEGMENT_NOT_ENUMERATED] for r in log.notes() if SEGMENT_NOT_ENUMERATED in r.extra]
+    if not found:
+        return ""
+    parts = ", ".join(f"({s['segment'][0]}, {s['segment'][1]}) {s['tried']} of 2^{s['ops']} plans" for s in found)
+    return (f"; {len(found)} segment{'s' if len(found) != 1 else ''} not enumerated fully (stage2_budget): {parts} "
+            "tried")
+
+
 def _duels(log: SearchLog, stage: Stage) -> str:
     duels = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra and r.stage == stage]
     if not duels:
@@ -241,7 +251,7 @@ def render_report(summary, tablefmt: str = "simple") -> str:
            else ""),
         f"stage 2        {len(by_stage[Stage.STAGE2])} candidates timed{_duels(log, Stage.STAGE2)}"
         + (f"; loss check {by_stage[Stage.CHECK][-1].status}" if by_stage[Stage.CHECK] else "")
-        + _stopped(log, Stage.STAGE2),
+        + _stopped(log, Stage.STAGE2) + _not_enumerated(log),
         f"search time    {summary.search_seconds:.2f} s = {share:.1f} FP32 epochs of the sample loader "
         f"({summary.samples_run} samples: {summary.samples_pruned} pruned, {summary.samples_skipped} skipped "
         "on prediction)",
