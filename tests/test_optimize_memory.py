@@ -1,4 +1,4 @@
-"""What optimize() leaves behind: no tensor beyond what training needs.
+"""What optimize() leaves behind: the user's gradients as they were, and no tensor beyond what training needs.
 
 Storages are counted through the garbage collector: every real tensor it can
 reach (FakeTensors and meta tensors hold no data and are left out), keyed by
@@ -93,6 +93,29 @@ def new_storages(before: dict[int, str], needed: set[int] = frozenset()) -> list
 
 def leaked(storages: list[str]) -> str:
     return f"{len(storages)} storages left referenced:\n" + "\n".join(storages)
+
+
+# -- the user's gradients --------------------------------------------------------------------------
+
+def _user_grads(model: nn.Module, kind: str) -> None:
+    for index, param in enumerate(model.parameters()):
+        if kind == "tensors" or (kind == "mixed" and index % 2):
+            param.grad = torch.full_like(param, 0.25 + index)  # values no training step makes
+        else:
+            param.grad = None
+
+
+@pytest.mark.parametrize("kind, keep", [("none", True), ("tensors", True), ("mixed", True), ("mixed", False)])
+def test_optimize_leaves_the_users_gradients_as_they_were(kind, keep):
+    model, opt, loader = setup()
+    _user_grads(model, kind)
+    before = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
+    optimize(model, loader, loss_fn=ce, optimizer=opt, config=SearchConfig(keep_search_training=keep, **FAST))
+    for name, param in model.named_parameters():
+        if before[name] is None:
+            assert param.grad is None, f"{name}.grad was None before optimize() and is a tensor after it"
+        else:
+            torch.testing.assert_close(param.grad, before[name], rtol=0, atol=0, msg=f"{name}.grad changed")
 
 
 # -- memory left referenced --------------------------------------------------------------------------
