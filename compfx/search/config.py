@@ -75,7 +75,8 @@ class SearchConfig:
       seconds grow.
     * ``keep_search_training``: True leaves the model and optimizer in the state
       the chosen plan's Stage-1 epoch trained them to (that epoch is not wasted);
-      False puts back the state they had before ``optimize``. A learning-rate
+      False puts back the state they had before ``optimize``. Either way the
+      gradients are the ones you had before (None stays None). A learning-rate
       scheduler is never stepped by the search: with True, the optimizer has
       taken an epoch of steps that your scheduler has not counted.
     * ``stage2_check_batches``: batches on which the Stage-2 winner's loss is

@@ -54,7 +54,7 @@ from ..capture.held_state import HeldState
 from ..errors import BadInputError, CaptureError, PlanFailedError, SearchError, SearchReplayError
 from ..measure import PhaseClock, interleaved_order
 from ..plan import Assignment, Plan
-from ..state import restore_state, state_bytes
+from ..state import restore_grads, restore_state, state_bytes
 from ..vocabulary import SampleStatus, Stage
 from .log import BATCHES, DUEL, REPLAYED_STAGES, SampleRecord
 from .sampling import FairSampler, from_loader
@@ -548,7 +548,10 @@ class LocalEvaluator:
     def leave_state(self, winner, *, keep_training: bool) -> None:
         """Leave the model as the Stage-1 epoch of ``winner`` (an Outcome) trained it, or as it started.
 
-        A winner served from a resumed log has no state of its own: its epoch is trained again.
+        A winner served from a resumed log has no state of its own: its epoch is trained again. Either way the
+        gradients are the user's from before the search (None where there were none), not the epoch's last step's:
+        a training loop's next step replaces them, and kept they would hold a gradient-sized block of memory the
+        user had freed (``optimizer.zero_grad()``).
         """
         artifact = winner.artifact if keep_training else None
         if isinstance(artifact, ReplayedState):
@@ -557,6 +560,7 @@ class LocalEvaluator:
             self.sampler.restore()
         else:
             restore_state(artifact)
+            restore_grads(self.sampler.initial)
 
     def _retrained(self, plan: Assignment):
         """Train the Stage-1 epoch of ``plan`` again (same seed, same start) and return its final state."""
