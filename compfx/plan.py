@@ -303,7 +303,8 @@ class Plan(Mapping[OpKey, Precision]):
 
         >>> import torch, compfx
         >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
-        >>> keep = compfx.Plan.from_bitstring(compfx.analyze(model, torch.randn(16, 32)), "8f1").torchao_filter()
+        >>> analysis = compfx.analyze(model, torch.randn(16, 32), fp8=True)
+        >>> keep = compfx.Plan.from_bitstring(analysis, "8f1").torchao_filter()
         >>> keep(model[0], "0"), keep(model[2], "2")
         (True, False)
         """
