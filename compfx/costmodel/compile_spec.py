@@ -90,7 +90,8 @@ class CompileSpec:
                                     f"object with the fields {_FIELDS} (at least 'inner').")
         if "inner" in found and callable(found["inner"]):
             inner = found["inner"]
-            found["inner"] = f"{getattr(inner, '__module__', '?')}.{getattr(inner, '__qualname__', type(inner).__name__)}"
+            name = getattr(inner, "__qualname__", type(inner).__name__)
+            found["inner"] = f"{getattr(inner, '__module__', '?')}.{name}"
         if found.get("inductor_options") is None:
             found.pop("inductor_options", None)
         return cls(**found)

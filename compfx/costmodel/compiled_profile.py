@@ -72,7 +72,8 @@ def profile_compiled_ops(
     (:mod:`compfx.cast_policy`), and, where the analysis found it FP8-eligible, through the float8 pass's
     :class:`~compfx.passes.Float8Matmul` per recipe of ``fp8_recipes`` (default: the default recipe when any op
     is eligible); emulated where the device has no float8 GEMMs. Ops that are not extern are fused into the
-    kernels of their neighbours and have no profile here. The other arguments are :func:`~compfx.costmodel.profile_ops`'.
+    kernels of their neighbours and have no profile here. The other arguments are
+    :func:`~compfx.costmodel.profile_ops`'.
 
     >>> import torch, compfx
     >>> from compfx.costmodel import profile_compiled_ops

@@ -87,9 +87,10 @@ class Roofline:
     """Seconds of ops on :class:`DevicePeaks` (``device``: a name of :data:`DEVICES`, or the peaks).
 
     >>> roofline = Roofline("h100")
-    >>> roofline.linear_seconds(4096, 4096, 4096, Precision.FP8) < roofline.linear_seconds(4096, 4096, 4096, Precision.LOW)
+    >>> seconds = roofline.linear_seconds  # m, n, k
+    >>> seconds(4096, 4096, 4096, Precision.FP8) < seconds(4096, 4096, 4096, Precision.LOW)
     True
-    >>> roofline.linear_seconds(64, 64, 64, Precision.FP8) > roofline.linear_seconds(64, 64, 64, Precision.LOW)
+    >>> seconds(64, 64, 64, Precision.FP8) > seconds(64, 64, 64, Precision.LOW)
     True
     """
 
@@ -221,7 +222,9 @@ def roofline_profiles(analysis, device: str | DevicePeaks = "h100", *, tf32: boo
             continue
         shapes, grads = _tensor_inputs(node)
         out = sum(math.prod(s) for s in op.output_shapes)
-        at = lambda precision, recipe=None: roofline.op_seconds(op.kind, shapes, out, grads, precision, recipe)  # noqa: E731
+        def at(precision, recipe=None):
+            return roofline.op_seconds(op.kind, shapes, out, grads, precision, recipe)
+
         fp8 = tuple((r.value, at(Precision.FP8, r)) for r in recipes) if op.fp8_eligible else ()
         profiles[op.key] = OpProfile(op.key, at(Precision.FP32), at(Precision.LOW), fp8_s=fp8)
     return OpProfiles(profiles, analysis.low_dtype, torch.device(analysis.device),
@@ -263,11 +266,18 @@ class RooflineCost:
                 raise BadInputError(f"roofline_cost was built for the analysis of fingerprint "
                                     f"{self.analysis.fingerprint}, and was asked to price a plan of "
                                     f"{plan.fingerprint}; build it from the analysis the search runs on.")
-            self._priced[plan] = self.predictor.breakdown(plan)
+            self._priced[plan] = self.predictor.breakdown(_anywhere(plan) if isinstance(plan, Plan) else plan)
         return self._priced[plan]
 
     def __repr__(self) -> str:
         return f"RooflineCost(device={self.roofline.peaks.name!r}, tf32={self.roofline.tf32})"
+
+
+def _anywhere(plan: Plan) -> Plan:
+    """``plan``, made for no device in particular: the roofline prices a plan searched on one device (the CPU
+    that trains it) for another (the GPU it simulates), from an analysis of either."""
+    return Plan(dict(plan), low_dtype=plan.low_dtype, fingerprint=plan.fingerprint, fp8_recipe=plan.fp8_recipe,
+                padded=plan.padded, parameter_shapes=plan.parameter_shapes)
 
 
 def roofline_cost(analysis, *, device: str | DevicePeaks = "h100", tf32: bool = False,
