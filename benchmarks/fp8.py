@@ -180,10 +180,12 @@ def run(*, smoke: bool = False, device: str | None = None) -> dict:
             "rows": rows}
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict, *, title: str = "FP8") -> str:
+    """The result as a table: each contender's median step with its spread, its speed against compiled bf16 AMP,
+    its mean loss and its plan."""
     rows = result["rows"]
     reference = rows.get("bf16 AMP (compiled)", {}).get("step_ms")
-    lines = [f"# FP8 on {result['device']} ({result['model']['name']}, {result['model']['layers']} layers, "
+    lines = [f"# {title} on {result['device']} ({result['model']['name']}, {result['model']['layers']} layers, "
              f"dim {result['model']['dim']})", "", f"**{result['note']}.**", "",
              f"Same start, same batches; {result.get('rounds')} interleaved rounds of {result.get('steps_per_round')} "
              "steps each after warm-up; step: the median round (fastest - slowest).", "",

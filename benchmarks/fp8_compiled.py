@@ -198,7 +198,7 @@ def markdown(result: dict) -> str:
     """The result as a table (:func:`benchmarks.fp8.markdown`'s), then each row's FP8 linears and the rows that
     could not run."""
     measured = {name: row for name, row in result["rows"].items() if "step_ms" in row}
-    lines = [fp8.markdown({**result, "rows": measured}).rstrip("\n"), "",
+    lines = [fp8.markdown({**result, "rows": measured}, title="FP8, compiled,").rstrip("\n"), "",
              f"torchao's auto filter ({result['fp8_recipe']}) converts {len(result['auto_filter_fp8_linears'])} of "
              f"{len(result['linears'])} linears; compfx's searches ranked plans by {result['searched_by']}.", "",
              "| contender | FP8 linears | vs torchao's auto filter |", "|---|---|---|"]
