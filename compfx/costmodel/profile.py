@@ -105,7 +105,8 @@ class OpProfiles(Mapping[OpKey, OpProfile]):
     stale: int = 0
     conditions: Conditions | None = None
     stale_reason: str = ""
-    #: what the ops were compiled with (:meth:`~compfx.costmodel.compile_spec.CompileSpec.key`); None: run eagerly
+    #: what the ops ran compiled with (:meth:`~compfx.costmodel.compile_spec.CompileSpec.key`), or the device model
+    #: they were priced on (:func:`~compfx.costmodel.roofline_profiles`); None: run eagerly
     compiled: Mapping | None = None
 
     def __getitem__(self, key: OpKey) -> OpProfile:
