@@ -13,6 +13,12 @@ Three forms of one plan:
 A plan with ``fp8`` ops also carries how they scale (``plan.fp8_recipe``, a
 :class:`~compfx.vocabulary.Float8Recipe`); its file says so too. A plan built
 from an analysis knows the device type it was made for (``plan.device_type``).
+A plan a compiled search chose records the ``torch.compile`` settings its
+program was measured under (``plan.compile_options``, a
+:class:`~compfx.compile_options.CompileOptions`; None: measured eagerly, or
+not searched), and its file holds them (``"compile"``, absent in files of
+eager searches and of older compfx); :func:`compfx.compile_with_plan` runs
+it under them.
 
 **Plan files have one reading** (:meth:`Plan.from_dict`): a key named twice in
 one object, an op key that is not written the one way compfx writes it
@@ -40,6 +46,7 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
+from .compile_options import CompileOptions
 from .errors import PlanFileError, PlanMismatchError
 from .files import checked_path, read_json, write_json_atomic
 from .opkey import OpKey
@@ -56,7 +63,8 @@ MAX_PLAN_BYTES = 32 << 20
 #: which other search's plan it replaced, and the parameter shapes of its model: see :mod:`compfx.cache`). Any
 #: other key is refused.
 _REQUIRED_KEYS = ("format", "version", "low_dtype", "fingerprint", "ops")
-_OPTIONAL_KEYS = ("torch_version", "device_type", "fp8_recipe", "padded", "searched", "replaced", "parameter_shapes")
+_OPTIONAL_KEYS = ("torch_version", "device_type", "fp8_recipe", "padded", "searched", "replaced", "parameter_shapes",
+                  "compile")
 #: What ``searched`` and ``replaced`` hold: when, on which host, by which process (and how many ops differ).
 _SEARCH_FIELDS = {"at": str, "host": str, "pid": int, "differing_ops": int}
 
@@ -120,11 +128,13 @@ class Plan(Mapping[OpKey, Precision]):
     '101'
     """
 
-    __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe", "padded", "device_type", "parameter_shapes")
+    __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe", "padded", "device_type", "parameter_shapes",
+                 "compile_options")
 
     def __init__(self, entries: Mapping[OpKey, Precision | str], *, low_dtype: torch.dtype, fingerprint: str,
                  fp8_recipe: Float8Recipe | str | None = None, padded: Iterable[OpKey] = (),
-                 device_type: str | None = None, parameter_shapes: Iterable[Iterable[int]] | None = None):
+                 device_type: str | None = None, parameter_shapes: Iterable[Iterable[int]] | None = None,
+                 compile_options: CompileOptions | None = None):
         checked = {}
         for key, precision in entries.items():
             if not isinstance(key, OpKey):
@@ -154,6 +164,10 @@ class Plan(Mapping[OpKey, Precision]):
         # what it was searched for: the shapes of the model's parameters (compfx.analyze.parameter_shapes); op keys
         # name layers, not widths, so this tells the model a plan file was searched on from the same layers resized
         object.__setattr__(self, "parameter_shapes", _checked_shapes(parameter_shapes))
+        # how the search that chose it measured its program (metadata too: None, eagerly)
+        if compile_options is not None and not isinstance(compile_options, CompileOptions):
+            raise PlanMismatchError(f"compile_options={compile_options!r}; expected a compfx.CompileOptions or None.")
+        object.__setattr__(self, "compile_options", compile_options)
 
     def __setattr__(self, name, value):
         raise AttributeError("Plan is immutable; use plan.with_precisions(...)")
@@ -168,7 +182,7 @@ class Plan(Mapping[OpKey, Precision]):
 
     def __reduce__(self):  # pickling (spawned workers): the entries as a plain dict
         return (_rebuilt_plan, (dict(self._entries), self.low_dtype, self.fingerprint, self.fp8_recipe, self.padded,
-                                self.device_type, self.parameter_shapes))
+                                self.device_type, self.parameter_shapes, self.compile_options))
 
     # -- Mapping -------------------------------------------------------------
     def __getitem__(self, key: OpKey) -> Precision:
@@ -247,7 +261,7 @@ class Plan(Mapping[OpKey, Precision]):
             raise PlanMismatchError(f"with_precisions() got keys not in this plan: {unknown[:5]}")
         return Plan({**self._entries, **updates}, low_dtype=self.low_dtype, fingerprint=self.fingerprint,
                     fp8_recipe=self.fp8_recipe, padded=self.padded, device_type=self.device_type,
-                    parameter_shapes=self.parameter_shapes)
+                    parameter_shapes=self.parameter_shapes, compile_options=self.compile_options)
 
     def with_parameter_shapes(self, shapes: Iterable[Iterable[int]] | None) -> "Plan":
         """A copy that records the shapes of the parameters of the model it was searched on
@@ -261,7 +275,21 @@ class Plan(Mapping[OpKey, Precision]):
         ((8,), (8, 4))
         """
         return Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint, fp8_recipe=self.fp8_recipe,
-                    padded=self.padded, device_type=self.device_type, parameter_shapes=shapes)
+                    padded=self.padded, device_type=self.device_type, parameter_shapes=shapes,
+                    compile_options=self.compile_options)
+
+    def with_compile_options(self, options: CompileOptions | None) -> "Plan":
+        """A copy that records the ``torch.compile`` settings its program was measured under (None: eagerly); what a
+        compiled search's plans carry, and what :func:`compfx.compile_with_plan` then compiles the plan with.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Linear(4, 8), torch.randn(2, 4))
+        >>> compfx.Plan.amp(a).with_compile_options(compfx.CompileOptions(inner="aot_eager")).compile_options.inner
+        'aot_eager'
+        """
+        return Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint, fp8_recipe=self.fp8_recipe,
+                    padded=self.padded, device_type=self.device_type, parameter_shapes=self.parameter_shapes,
+                    compile_options=options)
 
     def with_padding(self, keys: Iterable[OpKey], *, analysis=None) -> "Plan":
         """A copy that pads exactly the ops ``keys`` (``with_padding(())``: none); precisions are unchanged.
@@ -283,7 +311,7 @@ class Plan(Mapping[OpKey, Precision]):
         """
         plan = Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint,
                     fp8_recipe=self.fp8_recipe, padded=keys, device_type=self.device_type,
-                    parameter_shapes=self.parameter_shapes)
+                    parameter_shapes=self.parameter_shapes, compile_options=self.compile_options)
         if analysis is not None:
             plan._check_padding(analysis)
         return plan
@@ -367,6 +395,7 @@ class Plan(Mapping[OpKey, Precision]):
             **({"padded": sorted(map(str, self.padded))} if self.padded else {}),
             **({"parameter_shapes": [list(shape) for shape in self.parameter_shapes]}
                if self.parameter_shapes is not None else {}),
+            **({"compile": self.compile_options.to_dict()} if self.compile_options is not None else {}),
         }
 
     @classmethod
@@ -380,7 +409,8 @@ class Plan(Mapping[OpKey, Precision]):
         ``torch_version`` and ``device_type`` strings (another torch release
         than this one's is warned about: the plan applies, its measurements were
         taken there), ``searched`` and ``replaced`` what the plan cache writes,
-        ``padded`` a list of op keys written the same way.
+        ``padded`` a list of op keys written the same way, ``compile`` what
+        :meth:`~compfx.compile_options.CompileOptions.to_dict` writes.
         """
         if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
             raise PlanFileError(f"{source} is not a compfx plan (no '\"format\": \"{_FORMAT}\"' entry).")
@@ -425,9 +455,11 @@ class Plan(Mapping[OpKey, Precision]):
             if recipe is not None and recipe not in {r.value for r in Float8Recipe}:
                 raise PlanFileError(f"{source} has fp8_recipe {recipe!r}; expected one of "
                                     f"{[r.value for r in Float8Recipe]}. Fix the file or search again.")
+            compiled = data.get("compile")
             return cls(entries, low_dtype=dtype_from_name(low), fingerprint=fingerprint, fp8_recipe=recipe,
                        padded=_padded_from_file(data.get("padded", []), source), device_type=device_type,
-                       parameter_shapes=shapes)
+                       parameter_shapes=shapes,
+                       compile_options=None if compiled is None else CompileOptions.from_dict(compiled, source))
         except (KeyError, TypeError, AttributeError, ValueError) as error:
             if isinstance(error, PlanMismatchError):
                 raise PlanFileError(f"{source} holds an invalid plan: {error}") from error
@@ -552,10 +584,10 @@ def _padded_from_file(value, source: str) -> frozenset:
 
 
 def _rebuilt_plan(entries, low_dtype, fingerprint, fp8_recipe, padded=(), device_type=None,
-                  parameter_shapes=None) -> Plan:
+                  parameter_shapes=None, compile_options=None) -> Plan:
     """A pickled :class:`Plan` again (see ``Plan.__reduce__``)."""
     return Plan(entries, low_dtype=low_dtype, fingerprint=fingerprint, fp8_recipe=fp8_recipe, padded=padded,
-                device_type=device_type, parameter_shapes=parameter_shapes)
+                device_type=device_type, parameter_shapes=parameter_shapes, compile_options=compile_options)
 
 
 def _checked_shapes(shapes) -> tuple[tuple[int, ...], ...] | None:
