@@ -404,6 +404,14 @@ class LocalEvaluator:
                                                     captures=self._captures, graph=graph)
         return self._runners[plan]
 
+    def result_module(self, plan: Plan) -> nn.Module:
+        """What the search returns for its chosen ``plan`` (``result.module``): the module its samples trained."""
+        return self.runner_of(plan)
+
+    def measuring(self) -> ContextManager:
+        """What must hold while the search measures with this evaluator (here, nothing)."""
+        return nullcontext()
+
     def specializations(self) -> tuple[int, list]:
         """(input signatures captured, every :class:`~compfx.apply.Specialization` of every plan's runner)."""
         captured = len(self._captures) if self._captures is not None else 1
