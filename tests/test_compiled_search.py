@@ -278,3 +278,16 @@ def test_plan_files_without_compile_options_load_and_bad_ones_are_refused():
     for bad in ({"inner": 3}, {"backend": "inductor"}, {"mode": "fastest"}, ["inductor"]):
         with pytest.raises(PlanFileError, match="compile"):
             compfx.Plan.from_dict({**data, "compile": bad})
+
+
+def test_the_benchmark_times_the_chosen_plan_and_fp32s_compiled_programs_taking_turns(counting):
+    from benchmarks.compiled_search import independent_speedup
+
+    model, loader = mlp(), batches(2, (16, 8))
+    analysis = compfx.analyze(model, loader[0][0])
+    plans = {"fp32": compfx.Plan.fp32(analysis), "chosen": compfx.Plan.amp(analysis)}
+    timed = independent_speedup(model, plans, loader, ce, lambda m: torch.optim.SGD(m.parameters(), lr=0.1),
+                                COUNTED, rounds=3, warmup=1)
+    assert [len(timed["seconds"][name]) for name in plans] == [3, 3]
+    assert timed["speedup_low"] <= timed["speedup"] <= timed["speedup_high"]
+    assert sorted(window[0] for window in counting.windows) == sorted([tag_of("111"), tag_of("0f0")] * 3)
