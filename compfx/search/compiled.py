@@ -32,11 +32,17 @@ What keeps the measurements those of the program that trains:
 * **Nothing falls back to eager unseen.** While the search runs
   (:meth:`CompiledEvaluator.measuring`), dynamo's cap on the compiled entries
   of one function across programs (``accumulated_recompile_limit``) is raised,
-  as a search compiles many programs of one model, and a program that hits its
+  as a search compiles many programs of one model; a program that hits its
   own ``recompile_limit`` raises instead of running eagerly
   (``fail_on_recompile_limit_hit``): the search stops with a
-  :class:`~compfx.errors.SearchError` saying what to change. The process's
-  settings are back as they were afterwards.
+  :class:`~compfx.errors.SearchError` saying what to change; and a program
+  that fails to compile fails its plan rather than running eagerly
+  (``suppress_errors`` off). The process's settings are back as they were
+  afterwards.
+* **CUDA graphs are recorded untimed.** Where the options capture CUDA graphs
+  (``mode="reduce-overhead"`` or ``"max-autotune"``, or Inductor's
+  ``triton.cudagraphs``), the compile step runs :data:`CUDA_GRAPH_WARM_RUNS`
+  times, so that the graphs are recorded before any timed step replays them.
 
 Extending it: a regional compilation compiles ``compile_plan``'s program per
 block (its own ``compile_plan``, or a :class:`CompiledEvaluator` subclass that
@@ -73,17 +79,21 @@ CompilePlan = Callable[[nn.Module, Plan], nn.Module]
 #: dynamo's cap on one function's compiled entries across all programs, while a search runs: each plan's program
 #: adds its own, and past the cap dynamo would run the function eagerly.
 SEARCH_ACCUMULATED_LIMIT = 1 << 20
+#: Untimed runs of the compile step where the program captures CUDA graphs: Inductor's CUDA graph trees run a
+#: function eagerly once (warm-up), record it on the next call, and replay it from then on.
+CUDA_GRAPH_WARM_RUNS = 3
 
 
 class ShapeHistory:
     """The sizes dynamo has seen per function, which decide when it compiles dynamic shapes: one per program.
 
-    Dynamo keeps one such record per process (``torch._dynamo.pgo``), shared
-    by every program of a function: a second size seen by one program makes the
-    next program's first compile dynamic. A search gives each program its own,
-    starting from the process's record when the search began, and swaps it in
-    around that program's compiles (:meth:`in_use`); the process's own record
-    is never changed. Where this torch keeps no such record, nothing is swapped.
+    Dynamo keeps one such record per process (``torch._dynamo.pgo._CODE_STATE``,
+    a private global), shared by every program of a function: a second size
+    seen by one program makes the next program's first compile dynamic. A
+    search gives each program its own, a copy of the process's record (which
+    the search never changes: so, the record as the search began), and swaps it
+    in around that program's compiles (:meth:`in_use`). Where this torch keeps
+    no such record, nothing is swapped.
     """
 
     def __init__(self, start=None):
@@ -207,7 +217,8 @@ class CompiledEvaluator(LocalEvaluator):
         """While the search runs: room for one compiled entry per program and signature, and a program that hits its
         recompile limit raises rather than running eagerly; the process's dynamo settings back afterwards."""
         config = torch._dynamo.config
-        patches = {"fail_on_recompile_limit_hit": True,
+        # suppress_errors would run a program that fails to compile eagerly: here the failure is the plan's
+        patches = {"suppress_errors": False, "fail_on_recompile_limit_hit": True,
                    "accumulated_recompile_limit": max(config.accumulated_recompile_limit, SEARCH_ACCUMULATED_LIMIT)}
         return config.patch(**{name: value for name, value in patches.items() if hasattr(config, name)})
 
@@ -221,13 +232,14 @@ class CompiledEvaluator(LocalEvaluator):
         with self.clock.phase("compile"), plan_failures(), runner.history.in_use(), _recompile_limit_explained(), \
                 torch_rng_preserved(self.analysis.device), buffers_restored(self.model):
             try:
-                for p, _ in grads:
-                    p.grad = None
                 compiled_before = len(runner.program.compfx_backend.records)
-                outputs = [t for t in pytree.tree_leaves(runner.program(*args, **kwargs))
-                           if isinstance(t, torch.Tensor) and t.requires_grad]
-                if outputs:  # the backward graph compiles at the first backward
-                    torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
+                for _ in range(CUDA_GRAPH_WARM_RUNS if _captures_cuda_graphs(self.compile_options) else 1):
+                    for p, _ in grads:
+                        p.grad = None
+                    outputs = [t for t in pytree.tree_leaves(runner.program(*args, **kwargs))
+                               if isinstance(t, torch.Tensor) and t.requires_grad]
+                    if outputs:  # the backward graph compiles at the first backward
+                        torch.autograd.backward(outputs, [torch.ones_like(t) for t in outputs])
             finally:
                 for p, grad in grads:
                     p.grad = grad
@@ -237,6 +249,11 @@ class CompiledEvaluator(LocalEvaluator):
                               "(dynamo ran its forward eagerly: an nn.LSTM without torch._dynamo.config.allow_rnn, "
                               "or a graph break at its start), so a compiled search would time the eager model. Set "
                               "what dynamo needs to trace it, or search with SearchConfig(compile=None).")
+
+
+def _captures_cuda_graphs(options: CompileOptions) -> bool:
+    """Do these options make Inductor capture CUDA graphs (a mode that does, or its own setting)?"""
+    return options.mode in ("reduce-overhead", "max-autotune") or bool(options.inductor_patches.get("triton.cudagraphs"))
 
 
 @contextlib.contextmanager

@@ -256,8 +256,8 @@ class SearchSession:
         programs = self.local.programs
         self.log.note(Stage.SEARCH, f"compiled search: every plan was measured as compfx.compile_with_plan(model, "
                       f"plan) trains it, compiled with {options.describe()}; {programs} program(s) compiled for "
-                      f"{self.local.compiles} input signature(s) in {seconds:.2f} s, in untimed warm-up (no step was "
-                      "timed while compiling)" + ("; the cost model prices the eager programs (it only decides "
+                      f"{self.local.compiles} input signature(s) in {seconds:.2f} s, each in an untimed step before any "
+                      "timed step of it" + ("; the cost model prices the eager programs (it only decides "
                                                   "what to measure)" if self.config.predictor == "on" else ""),
                       compile=options.to_dict(), programs=programs, compiles=self.local.compiles,
                       compile_seconds=seconds)
