@@ -29,7 +29,6 @@ import warnings
 import weakref
 from collections import Counter
 from dataclasses import dataclass, field
-from types import MappingProxyType
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -195,7 +194,7 @@ class CompfxBackend:
             origin=choice.origin, plan_fingerprint=plan.fingerprint,
             plan_path=str(choice.path) if choice.path is not None else None, padded=padded,
             fp8_fallbacks=tuple((key, why) for key, (_, why) in fallbacks.items()),
-            compiled_with=MappingProxyType({**settings, "inner": name_of(settings["inner"])}),
+            compiled_with={**settings, "inner": name_of(settings["inner"])},
         ))
         # The plan padded these ops: Inductor must not pad them (or any other op of this graph) again.
         return self._compile_inner(gm, example_inputs, settings, {"shape_padding": False} if padded else {})
