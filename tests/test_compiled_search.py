@@ -191,7 +191,12 @@ def test_the_compiled_search_picks_the_compiled_winner_where_the_eager_ranking_d
 # -- the plan records it, and runs under it -----------------------------------------------------------------------
 
 def test_the_plan_file_and_the_plan_cache_record_how_the_plan_was_searched(counting, tmp_path):
-    result = search(mlp(), batches(3, (16, 8)), compile=COUNTED, cache_plan=True, cache_dir=tmp_path)
+    model = mlp()
+    result = search(model, batches(3, (16, 8)), compile=COUNTED, cache_plan=True, cache_dir=tmp_path)
+    again = compile_with_plan(model)  # no plan given: the one this process searched for the model, as searched
+    again(torch.randn(16, 8))
+    assert again.compfx_backend.records[-1].origin == "searched"
+    assert again.compfx_backend.records[-1].compiled_with["inner"] == "compfx_counting"
     written = json.loads(result.plan_path.read_text())
     assert written["compile"] == COUNTED.to_dict()
     found = cache.find_cached(result.plan.fingerprint, low_dtype=result.plan.low_dtype, cache_dir=tmp_path)
