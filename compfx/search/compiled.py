@@ -256,14 +256,18 @@ def _captures_cuda_graphs(options: CompileOptions) -> bool:
     return options.mode in ("reduce-overhead", "max-autotune") or bool(options.inductor_patches.get("triton.cudagraphs"))
 
 
+def _recompile_limit_hit() -> tuple[type, ...]:
+    """What dynamo raises past ``recompile_limit`` under ``fail_on_recompile_limit_hit`` (older torch: its old name)."""
+    exc = torch._dynamo.exc
+    return tuple(getattr(exc, name) for name in ("FailOnRecompileLimitHit", "FailOnCacheLimitHit") if hasattr(exc, name))
+
+
 @contextlib.contextmanager
 def _recompile_limit_explained():
     """A program that hit dynamo's recompile limit stops the search with what to change (it would train eagerly)."""
     try:
         yield
-    except Exception as error:
-        if type(error).__name__ != "FailOnRecompileLimitHit" and "recompile_limit" not in str(error):
-            raise
+    except _recompile_limit_hit() as error:
         raise SearchError(f"a plan's compiled program recompiled past torch._dynamo.config.recompile_limit "
                           f"({torch._dynamo.config.recompile_limit}) on the sample loader's batches, so it would "
                           "train eagerly past it. Raise the limit, give the loader fewer input shapes, or compile "
