@@ -16,6 +16,7 @@ from .analyze import Analysis, OpInfo, analyze
 from .apply import PlannedModule, apply
 from .backend import backend, compile_with_plan
 from .capture import capture, key_dynamo_graph, op_nodes
+from .compile_options import CompileOptions
 from .costmodel import Predictor, fit_cast_cost, profile_ops
 from .diagnose import Diagnosis, diagnose
 from .errors import *  # noqa: F401,F403
@@ -36,7 +37,7 @@ __all__ = [
     # pipeline
     "capture", "op_nodes", "OpKey", "key_dynamo_graph", "analyze", "Analysis", "OpInfo", "Category", "Plan",
     "Precision", "Assignment", "insert_casts", "apply", "PlannedModule", "optimize", "SearchConfig", "SearchResult",
-    "SearchLog", "backend", "compile_with_plan",
+    "SearchLog", "backend", "compile_with_plan", "CompileOptions",
     # during training
     "diagnose", "Diagnosis", "Guard",
     # measurement and reports

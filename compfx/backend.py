@@ -7,7 +7,9 @@ For every graph dynamo hands over, the backend keys its ops as
 :func:`compfx.capture` does (:func:`~compfx.capture.key_dynamo_graph`), picks
 the plan (given, searched for this model in this process, cached, or
 ``Plan.amp`` of the graph), inserts the plan's casts before AOT autograd, and
-hands the graph to ``inner``. ``docs/compile.md`` says which plan runs when,
+hands the graph to ``inner``, under the ``torch.compile`` settings the plan
+records (``plan.compile_options``: a compiled search measured it under them)
+unless others are given. ``docs/compile.md`` says which plan runs when,
 and how graph breaks, shape padding and Inductor's casts are handled;
 :class:`GraphRecord` says what happened to each graph.
 
@@ -21,13 +23,12 @@ torch.float32
 
 from __future__ import annotations
 
-import inspect
 import logging
 import os
 import warnings
 import weakref
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -40,6 +41,7 @@ from .capture import (inline_checkpoint_bodies, is_numerical_op, key_dynamo_grap
                       outline_checkpoint_regions)
 from .capture.dynamo import CallIndexOffsets
 from .cast_policy import compute_dtype
+from .compile_options import INNER_BACKENDS, CompileOptions, dynamic_now, given_settings, name_of, own_recompiles
 from .errors import BadInputError, PlanMismatchError
 from .float8 import fp8_fallbacks
 from .opkey import KEY_META, OpKey
@@ -53,9 +55,6 @@ __all__ = ["backend", "compfx_backend", "registered_backend", "compile_with_plan
            "INNER_BACKENDS", "no_graph_message"]
 
 log = logging.getLogger("compfx")
-
-#: Inner backends this module knows by name; any other registered dynamo backend name works too.
-INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 
 PlanSource = Plan | str | os.PathLike | None
 
@@ -76,6 +75,9 @@ class GraphRecord:
     ``fp8_fallbacks``: the plan's FP8 ops that cannot run FP8 at this graph's
     shapes (not multiples of 16, or dynamic), with why; they run at AMP's
     precision in this graph (:func:`compfx.float8.fp8_fallbacks`).
+    ``compiled_with``: the settings the graph was compiled under (``inner``,
+    ``mode``, ``inductor_options``, ``emulate_precision_casts``, and
+    ``dynamic`` as dynamo ran it): the plan's recorded ones unless given.
     """
 
     compile_id: str | None
@@ -88,6 +90,7 @@ class GraphRecord:
     plan_path: str | None = None
     padded: tuple[OpKey, ...] = ()
     fp8_fallbacks: tuple[tuple[OpKey, str], ...] = ()
+    compiled_with: Mapping[str, object] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------
@@ -121,13 +124,16 @@ class CompfxBackend:
     """A ``torch.compile`` backend that applies one precision plan; build it with :func:`backend`.
 
     ``records`` lists a :class:`GraphRecord` per graph compiled, in order.
+    The compile settings given here (``inner``, ``mode``, ``inductor_options``,
+    ``emulate_precision_casts``; None: not given) replace the ones the plan of
+    each graph records; a plan that records others is warned about.
     """
 
-    def __init__(self, plan: PlanSource = None, *, inner: str | Callable = "inductor",
+    def __init__(self, plan: PlanSource = None, *, inner: str | Callable | None = None,
                  low_dtype: torch.dtype | None = None, model: nn.Module | None = None,
-                 cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool = True,
-                 inductor_options: Mapping[str, object] | None = None):
-        _check_inner(inner, inductor_options)
+                 cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool | None = None,
+                 inductor_options: Mapping[str, object] | None = None, mode: str | None = None):
+        self.given = given_settings(inner, mode, inductor_options, emulate_precision_casts)
         if low_dtype is not None:
             check_low_dtype(low_dtype)
         self.plan = _load_plan(plan)
@@ -139,9 +145,7 @@ class CompfxBackend:
         self.plan_source = "" if self.plan is None else f"given plan {self.plan.fingerprint}"
         if self.plan is not None and model is not None:
             _check_plan_of(self.plan, model)
-        self.inner, self.low_dtype, self.model, self.cache_dir = inner, low_dtype, model, cache_dir
-        # emulate_precision_casts first: an explicit entry in inductor_options wins
-        self.inductor_patches = {"emulate_precision_casts": emulate_precision_casts, **(inductor_options or {})}
+        self.inner, self.low_dtype, self.model, self.cache_dir = self.given.get("inner"), low_dtype, model, cache_dir
         self.records: list[GraphRecord] = []
         self._offsets = CallIndexOffsets()
         self._searched_offsets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its offsets
@@ -150,7 +154,7 @@ class CompfxBackend:
         self._matched = False  # has any compiled graph had an op the given plan names?
 
     def __repr__(self) -> str:
-        inner = self.inner if isinstance(self.inner, str) else getattr(self.inner, "__name__", "callable")
+        inner = name_of(self.inner) if self.inner is not None else "the plan's"
         return f"CompfxBackend(plan={self.plan!r}, inner={inner!r}, graphs={len(self.records)})"
 
     # -- dynamo calls this once per graph -------------------------------------
@@ -184,6 +188,7 @@ class CompfxBackend:
         gm = apply_precisions(gm, precisions, low_dtype=plan.low_dtype, fp8_recipe=plan.fp8_recipe,
                               padded=plan.padded)
         padded = tuple(gm.meta.get(PADDED_META, ()))
+        settings = self._settings_for(plan)
         self.records.append(GraphRecord(
             compile_id=str(gm.meta.get("dynamo_compile_id")) if "dynamo_compile_id" in gm.meta else None,
             plan_source=source, precisions=precisions, unplanned=unplanned,
@@ -191,10 +196,33 @@ class CompfxBackend:
             origin=choice.origin, plan_fingerprint=plan.fingerprint,
             plan_path=str(choice.path) if choice.path is not None else None, padded=padded,
             fp8_fallbacks=tuple((key, why) for key, (_, why) in fallbacks.items()),
+            compiled_with={**settings, "inner": name_of(settings["inner"])},
         ))
         outline_checkpoint_regions(gm)  # each region, its casts included, recomputed in backward as before
         # The plan padded these ops: Inductor must not pad them (or any other op of this graph) again.
-        return self._compile_inner(gm, example_inputs, {"shape_padding": False} if padded else {})
+        return self._compile_inner(gm, example_inputs, settings, {"shape_padding": False} if padded else {})
+
+    def _settings_for(self, plan: Plan) -> dict:
+        """The compile settings a graph of ``plan`` gets: those given to this backend, else those the plan records
+        (a compiled search measured it under them), else the defaults; a plan recorded under others is warned about
+        (once), as is one measured under another ``dynamic`` than dynamo compiles with now."""
+        recorded = plan.compile_options
+        settings = {**(recorded or CompileOptions()).to_dict(), **self.given, "dynamic": dynamic_now()}
+        del settings["fullgraph"]  # torch.compile's alone: it refuses graph breaks, and changes no graph it compiles
+        if settings["inner"] != "inductor":  # the recorded Inductor settings do not apply to another inner backend
+            settings.update(mode=None, inductor_options={})
+        if recorded is not None:
+            differences = [f"{name}: {name_of(value)!r} -> {name_of(settings[name])!r}"
+                           for name, value in recorded.to_dict().items() if name in settings and value != settings[name]]
+            if differences and f"options:{plan.fingerprint}:{differences}" not in self._logged:
+                self._logged.add(f"options:{plan.fingerprint}:{differences}")
+                warnings.warn(
+                    f"compfx: plan {plan.fingerprint} was chosen by a search that measured it compiled with "
+                    f"{recorded.describe()}; this graph compiles it with other settings ({'; '.join(differences)}). "
+                    "It runs, but its precisions were chosen by measuring the other program: compile it with the "
+                    "settings it records (compfx.compile_with_plan(model, plan) does, unless you pass others), or "
+                    "search again with SearchConfig(compile=...) set to these.", UserWarning, stacklevel=2)
+        return settings
 
     def _say_unplanned_regions(self, gm: fx.GraphModule) -> None:
         """Dynamo hands higher-order ops' bodies over as subgraphs the graph calls. Checkpointed regions are
@@ -377,22 +405,29 @@ class CompfxBackend:
             "no graph compiled yet (after a call, that means dynamo ran the model eagerly: an nn.LSTM/GRU/RNN "
             "without torch._dynamo.config.allow_rnn = True, or a graph break at the start of forward)")
 
-    def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence, patches: Mapping[str, object] = {}):
-        if callable(self.inner):
+    def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence, settings: Mapping[str, object],
+                       patches: Mapping[str, object] = {}):
+        inner = settings["inner"]
+        if callable(inner):
             try:
-                compiled = self.inner(gm, example_inputs)
+                compiled = inner(gm, example_inputs)
             except Exception as error:  # noqa: BLE001 - the user's backend
-                return _failed_inner(self.inner, f"raised {type(error).__name__}: {' '.join(str(error).split())[:200]}")
+                return _failed_inner(inner, f"raised {type(error).__name__}: {' '.join(str(error).split())[:200]}")
             if not callable(compiled):
-                return _failed_inner(self.inner, f"returned {type(compiled).__name__}, not a callable,")
+                return _failed_inner(inner, f"returned {type(compiled).__name__}, not a callable,")
             return compiled
-        if self.inner == "inductor":
+        if inner == "inductor":
+            from torch._inductor import list_mode_options
             from torch._inductor.compile_fx import compile_fx
 
+            # the mode's patches, then emulate_precision_casts, then the explicit inductor options (they win)
+            inductor = {**(list_mode_options(settings["mode"]) if settings["mode"] else {}),
+                        "emulate_precision_casts": settings["emulate_precision_casts"],
+                        **settings["inductor_options"]}
             # config_patches (not config.patch here): compile_fx also applies them to the
             # backward graph, which AOT autograd compiles later, at the first .backward().
-            return compile_fx(gm, example_inputs, config_patches={**self.inductor_patches, **patches})
-        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+            return compile_fx(gm, example_inputs, config_patches={**inductor, **patches})
+        return torch._dynamo.lookup_backend(inner)(gm, example_inputs)
 
     def _log_once(self, topic: str, message: str, *args, level: int = logging.INFO) -> None:
         if topic not in self._logged:
@@ -474,9 +509,10 @@ def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, mode
 # public entry points
 
 
-def backend(plan: PlanSource = None, *, inner: str | Callable = "inductor", low_dtype: torch.dtype | None = None,
+def backend(plan: PlanSource = None, *, inner: str | Callable | None = None, low_dtype: torch.dtype | None = None,
             model: nn.Module | None = None, cache_dir: str | os.PathLike | None = None,
-            emulate_precision_casts: bool = True, inductor_options: Mapping[str, object] | None = None) -> CompfxBackend:
+            emulate_precision_casts: bool | None = None, inductor_options: Mapping[str, object] | None = None,
+            mode: str | None = None) -> CompfxBackend:
     """A ``torch.compile`` backend that runs ``model`` with ``plan``'s precisions.
 
     ``plan``: a :class:`~compfx.plan.Plan`, the path of a plan file, or None
@@ -486,7 +522,12 @@ def backend(plan: PlanSource = None, *, inner: str | Callable = "inductor", low_
     backend callable), ``low_dtype`` (when no plan is given), ``model`` (names
     for graphs that start inside a submodule), ``cache_dir`` and
     ``emulate_precision_casts``. ``inductor_options`` are Inductor config
-    patches, passed to Inductor only (``inner="inductor"``).
+    patches, passed to Inductor only (``inner="inductor"``), as is ``mode``
+    (``torch.compile``'s, as Inductor patches). A setting left None is the
+    one the plan records (``plan.compile_options``: the search that chose it
+    measured it compiled so), else the default (``inner="inductor"``,
+    ``emulate_precision_casts=True``); a setting given that differs from the
+    plan's recorded one is warned about.
 
     >>> import torch, compfx
     >>> model = torch.nn.Linear(4, 4)
@@ -496,7 +537,8 @@ def backend(plan: PlanSource = None, *, inner: str | Callable = "inductor", low_
     torch.Size([2, 4])
     """
     return CompfxBackend(plan, inner=inner, low_dtype=low_dtype, model=model, cache_dir=cache_dir,
-                         emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)
+                         emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options,
+                         mode=mode)
 
 
 def _check_plan_of(plan: Plan, model: nn.Module) -> None:
@@ -511,53 +553,13 @@ def _check_plan_of(plan: Plan, model: nn.Module) -> None:
             "plan=None to use the plan cache.")
 
 
-def _check_inner(inner, inductor_options) -> None:
-    """Refuse an inner backend that cannot work now, not at the first call."""
-    if callable(inner):
-        _check_backend_signature(inner)
-    elif not isinstance(inner, str):
-        raise BadInputError(f"inner={inner!r}; expected a backend name such as {INNER_BACKENDS} or a callable.")
-    elif inner not in torch._dynamo.list_backends(exclude_tags=()):
-        raise BadInputError(f"inner={inner!r} is not a registered torch.compile backend; expected one of "
-                            f"{INNER_BACKENDS}, another name from torch._dynamo.list_backends(), or a callable.")
-    if inductor_options is None:
-        return
-    if not isinstance(inductor_options, Mapping) or not all(isinstance(k, str) for k in inductor_options):
-        raise BadInputError(f"inductor_options={inductor_options!r}; expected a mapping of Inductor config names to "
-                            "values, e.g. {'max_autotune': True}, or None.")
-    if inductor_options and inner != "inductor":
-        raise BadInputError(f"inductor_options {sorted(inductor_options)} are Inductor config patches, but "
-                            f"inner={inner!r}; pass them only with inner='inductor'.")
-    if inductor_options:
-        from torch._inductor import config  # imported only when options are given: it is not small
-
-        unknown = sorted(set(inductor_options) - set(config.get_config_copy()))
-        if unknown:
-            raise BadInputError(f"inductor_options names {unknown[:3]}, which are not Inductor config options "
-                                f"(torch._inductor.config); expected names such as 'max_autotune' or "
-                                "'triton.cudagraphs'. Check the spelling against this torch release's config.")
-
-
-def _check_backend_signature(inner: Callable) -> None:
-    """A callable inner backend takes (graph module, example inputs), as torch.compile calls a backend."""
-    try:
-        inspect.signature(inner).bind(None, None)
-    except TypeError:
-        raise BadInputError(f"inner={getattr(inner, '__name__', inner)!r} cannot be called as inner(gm, "
-                            "example_inputs), as torch.compile calls a backend; expected a backend callable "
-                            "taking the graph module and its example inputs and returning a callable.") from None
-    except ValueError:  # no signature to read (a builtin): take it as one
-        pass
-
-
 def _failed_inner(inner, problem: str) -> Callable:
     """What a graph compiles to when the inner backend failed on it: raises, when called, a
     :class:`~compfx.errors.BadInputError` saying so (dynamo would wrap an error raised while it compiles)."""
-    name = inner if isinstance(inner, str) else getattr(inner, "__name__", type(inner).__name__)
     return _refusing(BadInputError(
-        f"the inner backend {name!r} {problem} on a graph compfx had planned; expected a torch.compile backend that "
-        "takes (gm, example_inputs) and returns a callable (e.g. gm.forward). Fix it, or pass inner='inductor', "
-        "'aot_eager' or 'eager'."))
+        f"the inner backend {name_of(inner)!r} {problem} on a graph compfx had planned; expected a torch.compile "
+        "backend that takes (gm, example_inputs) and returns a callable (e.g. gm.forward). Fix it, or pass "
+        "inner='inductor', 'aot_eager' or 'eager'."))
 
 
 _registered: CompfxBackend | None = None
@@ -585,17 +587,30 @@ def compfx_backend(gm: fx.GraphModule, example_inputs: Sequence):
     return registered_backend()(gm, example_inputs)
 
 
-def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str | Callable = "inductor",
-                      low_dtype: torch.dtype | None = None, dynamic: bool | None = None, fullgraph: bool = False,
-                      cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool = True,
-                      inductor_options: Mapping[str, object] | None = None) -> nn.Module:
+def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str | Callable | None = None,
+                      low_dtype: torch.dtype | None = None, dynamic: bool | None = None, fullgraph: bool | None = None,
+                      cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool | None = None,
+                      inductor_options: Mapping[str, object] | None = None, mode: str | None = None,
+                      options: CompileOptions | None = None) -> nn.Module:
     """``torch.compile(model)`` under a compfx backend made for this model; the backend is ``.compfx_backend``.
 
     One backend per model, built with ``model=`` so that graph breaks inside
-    submodules still find their plan entries; ``dynamic`` and ``fullgraph`` go
-    to ``torch.compile``, the rest to :func:`backend`. When the first call
-    hands the backend no graph (dynamo ran the model eagerly: an ``nn.LSTM``
-    without ``torch._dynamo.config.allow_rnn``), a warning says so
+    submodules still find their plan entries. The compile settings (``inner``,
+    ``mode``, ``dynamic``, ``fullgraph``, ``emulate_precision_casts``,
+    ``inductor_options``; or all of them at once as ``options``, a
+    :class:`~compfx.compile_options.CompileOptions`) default to those the plan
+    records (``plan.compile_options``: a compiled search measured the plan
+    as this program), else to ``CompileOptions()``'s (Inductor); a setting
+    given that differs from the plan's recorded one is warned about when the
+    plan runs. With ``plan=None``, the plan this process searched for
+    ``model`` decides them, else a cached plan's are read graph by graph
+    (``dynamic`` and ``fullgraph`` then stay as given). Each call compiles
+    a program of its own: its recompiles count against
+    ``torch._dynamo.config.recompile_limit`` alone, not against other
+    programs of the same model (``torch.compile(isolate_recompiles=True)``,
+    where this torch has it). When the first call hands the backend no graph
+    (dynamo ran the model eagerly: an ``nn.LSTM`` without
+    ``torch._dynamo.config.allow_rnn``), a warning says so
     (:func:`no_graph_message`): no plan applied. ``torch.compile(model,
     backend="compfx")`` cannot tell, as dynamo never calls it; its
     ``registered_backend().records`` stay empty.
@@ -612,13 +627,29 @@ def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str |
     """
     if dynamic is not None and not isinstance(dynamic, bool):
         raise BadInputError(f"dynamic={dynamic!r}; expected None (torch.compile decides), True or False.")
-    if not isinstance(fullgraph, bool):
+    if fullgraph is not None and not isinstance(fullgraph, bool):
         raise BadInputError(f"fullgraph={fullgraph!r}; expected True or False (a string such as 'no' would be "
                             "taken as True).")
-    compfx = CompfxBackend(plan, inner=inner, low_dtype=low_dtype, model=model, cache_dir=cache_dir,
-                           emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)
-    compiled = torch.compile(model, backend=compfx, dynamic=dynamic, fullgraph=fullgraph)
-    compiled.compfx_backend = compfx
+    plan = _load_plan(plan)
+    given = {name: value for name, value in (("inner", inner), ("mode", mode), ("dynamic", dynamic),
+                                             ("fullgraph", fullgraph), ("inductor_options", inductor_options),
+                                             ("emulate_precision_casts", emulate_precision_casts))
+             if value is not None}
+    if options is not None:
+        if given:
+            raise BadInputError(f"compile_with_plan got options= and {sorted(given)}; pass the settings either as "
+                                "options=CompileOptions(...) or one by one, not both.")
+        if not isinstance(options, CompileOptions):
+            raise BadInputError(f"options={options!r}; expected a compfx.CompileOptions or None.")
+        given = options.to_dict()
+    recorded = plan.compile_options if plan is not None else _searched_options(model)
+    dynamic = given.pop("dynamic", recorded.dynamic if recorded is not None else None)
+    fullgraph = given.pop("fullgraph", recorded.fullgraph if recorded is not None else False)
+    compfx = CompfxBackend(plan, low_dtype=low_dtype, model=model, cache_dir=cache_dir, **given)
+    compiled = torch.compile(model, backend=compfx, dynamic=dynamic, fullgraph=fullgraph, **own_recompiles())
+    # on the wrapper itself: OptimizedModule's __setattr__ would set it on the user's model, and a second program
+    # of the same model would then hand its backend to the first
+    object.__setattr__(compiled, "compfx_backend", compfx)
     handle = None
 
     def warn_once_without_graph(module, args, output):
@@ -629,6 +660,12 @@ def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str |
 
     handle = compiled.register_forward_hook(warn_once_without_graph)
     return compiled
+
+
+def _searched_options(model) -> CompileOptions | None:
+    """The compile settings of the plan this process searched for ``model`` (None: none, or searched eagerly)."""
+    searched = cache.searched_plan_of(model.parameters()) if isinstance(model, nn.Module) else None
+    return searched.plan.compile_options if searched is not None else None
 
 
 def no_graph_message(model: nn.Module) -> str:

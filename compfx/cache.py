@@ -363,6 +363,8 @@ class CachedPlan:
                      + (f" by process {searched['pid']} on {searched.get('host', '?')}" if "pid" in searched else ""))
         parts.append(f"on {self.plan.device_type or 'an unrecorded device'}")
         parts.append(f"under torch {self.torch_version or 'unrecorded'}")
+        if self.plan.compile_options is not None:  # the program it was measured as, which it compiles as
+            parts.append(f"measured compiled ({self.plan.compile_options.describe()})")
         return ", ".join(parts)
 
 

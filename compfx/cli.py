@@ -315,7 +315,7 @@ def _sample_loader(args):
 def _check_output_paths(args) -> None:
     """Refuse, before the search (which may take minutes), a --log or --plan it could not write at the end."""
     from .files import check_writable
-    from .plan import is_plan_file
+    from .plan_file import is_plan_file
     from .search.log import SearchLog
 
     SearchLog.check_path(args.log)

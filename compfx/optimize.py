@@ -24,6 +24,7 @@ from torch.utils import _pytree as pytree
 
 from . import cache
 from .analyze import analyze
+from .backend import compile_with_plan
 from .batches import check_first_batch, model_device
 from .capture.held_state import HeldState
 from .errors import BadInputError
@@ -100,7 +101,7 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
     torch.Size([2, 3])
     """
     started = time.perf_counter()
-    _check_arguments(model, sample_loader, optimizer, config, loss_fn, resume)
+    _check_arguments(model, sample_loader, optimizer, config, loss_fn, resume, per_module)
     SearchLog.check_path(log, resume=resume)  # a log it cannot write fails now, not after the search
     _check_cache_folder(config)
     device = model_device(model)
@@ -129,7 +130,8 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,
                               grad_scaler=config.scaler_on(analysis.low_dtype))
         search_log = SearchLog.open(log, _log_header(analysis, config), resume=resume)
-        return SearchSession(model, optimizer, analysis, sampler, config, search_log, inputs, clock).run(started)
+        return SearchSession(model, optimizer, analysis, sampler, config, search_log, inputs, clock,
+                             compile_plan=compile_with_plan).run(started)
 
 
 _NO_BATCH = object()  # what an empty loader yields first (None is a batch, and a bad one)
@@ -137,7 +139,7 @@ _NO_BATCH = object()  # what an empty loader yields first (None is a batch, and 
 log = logging.getLogger("compfx")
 
 
-def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
+def _check_arguments(model, loader, optimizer, config, loss_fn, resume, per_module) -> None:
     if not isinstance(model, nn.Module):
         raise BadInputError(f"optimize() takes an nn.Module; got {type(model).__name__}.")
     if loss_fn is not None and not callable(loss_fn):
@@ -173,6 +175,10 @@ def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
                             "SearchConfig(threshold=1.01).")
     if config.fp8:
         require_torchao()  # before any work: FP8 needs compfx[fp8]
+    if config.compile is not None and per_module:
+        raise BadInputError("SearchConfig(compile=...) with per_module: a compiled search measures the whole model as "
+                            "compfx.compile_with_plan compiles it, and does not compile block by block yet. Search "
+                            "per block eagerly (compile=None), or the whole model compiled (without per_module).")
 
 
 def _check_forward_keeps_modules(held: HeldState) -> None:

@@ -20,6 +20,7 @@ from typing import Callable
 
 import torch
 
+from ..compile_options import CompileOptions
 from ..errors import BadInputError
 from ..plan import Plan
 from ..vocabulary import Float8Recipe
@@ -117,6 +118,21 @@ class SearchConfig:
       blocks are pinned to FP32 (``OpInfo.pinned``), as autocast keeps them; the
       search never lowers them unless this is True, which searches them as the
       op kinds they are.
+    * ``compile``: measure every plan (FP32's, AMP's, the candidates, the duels,
+      the step comparison and the loss check) as the program
+      :func:`compfx.compile_with_plan` trains, under these
+      :class:`~compfx.compile_options.CompileOptions`; ``True`` is
+      ``CompileOptions()`` (Inductor), ``None`` or ``False`` measures the eager
+      planned modules. Each plan is compiled in untimed warm-up (the report's
+      ``compile`` part); the chosen plan records the options
+      (``plan.compile_options``), and ``result.module`` is its compiled program.
+      Off (None) by default, on every device: each plan measured costs a
+      compile, seconds to a minute with Inductor (on a CPU, gcc builds every
+      kernel), which outweighs the samples of a small model, and a model that
+      trains eagerly is measured best eagerly. Turn it on when you train under
+      ``torch.compile``: fusion removes most of the casts an eager plan pays for,
+      so the compiled ranking of plans can differ from the eager one (on a GPU
+      most of all). A ``cost_fn`` sees the plan's ``compile_options`` too.
 
     Every field's type is checked strictly: a bool is ``True`` or ``False`` (not
     ``"no"``), a number is a real int or float (not a bool), finite and in range.
@@ -153,6 +169,7 @@ class SearchConfig:
     fp8_recipe: str = "tensorwise"
     verify_capture: bool = field(default=True, metadata={DECIDES: False})
     search_pinned: bool = False
+    compile: CompileOptions | bool | None = None
 
     def __post_init__(self):
         self._real("threshold", low=1, example="1.01 (accept plans whose loss is within 1% of FP32's)")
@@ -192,6 +209,12 @@ class SearchConfig:
         object.__setattr__(self, "fp8_recipe", Float8Recipe.parse(self.fp8_recipe, "SearchConfig(fp8_recipe)"))
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             _refuse("cache_dir", self.cache_dir, "a folder path (str or os.PathLike) or None")
+        if not (self.compile is None or isinstance(self.compile, (bool, CompileOptions))):
+            _refuse("compile", self.compile, "None or False (eager), True (torch.compile with Inductor) or a "
+                    "compfx.CompileOptions(...)")
+        object.__setattr__(self, "compile", CompileOptions.of(self.compile))
+        if self.compile is not None:
+            self.compile.check_available()  # an inner backend this process cannot run fails now, not mid-search
 
     def _int(self, name: str, low: int, high: int | None = None, what: str = "") -> None:
         """An integral field (not a bool) in [low, high], stored as a plain int."""
@@ -238,6 +261,8 @@ def decision_settings(config: SearchConfig) -> dict:
 
 
 def _json_value(value):
+    if isinstance(value, CompileOptions):
+        return value.to_dict()
     if callable(value):
         name = f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
         code = _code_digest(value)

@@ -423,6 +423,14 @@ class LocalEvaluator:
                 "Create submodules in __init__ and only call them in forward.")
         self._held = HeldState(self.model)
 
+    def result_module(self, plan: Plan) -> nn.Module:
+        """What the search returns for its chosen ``plan`` (``result.module``): the module its samples trained."""
+        return self.runner_of(plan)
+
+    def measuring(self) -> ContextManager:
+        """What must hold while the search measures with this evaluator (here, nothing)."""
+        return nullcontext()
+
     def specializations(self) -> tuple[int, list]:
         """(input signatures captured, every :class:`~compfx.apply.Specialization` of every plan's runner)."""
         captured = len(self._captures) if self._captures is not None else 1
