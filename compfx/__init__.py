@@ -20,9 +20,10 @@ torch.float32
 from . import deprecations as _deprecations
 from .analysis import Analysis, OpInfo, analyze
 from .compile_backend import backend, compile_with_plan
+from .compile_options import CompileOptions
 from .diagnosis import Diagnosis, diagnose
 from .errors import (BadInputError, CacheKeyError, CaptureError, CompfxError, FileWriteError, LogIntegrityError,
-                     PassError, PlanFileError, PlanMismatchError, SearchError)
+                     PassError, PlanExportError, PlanFileError, PlanMismatchError, SearchError)
 from .graph_capture import capture
 from .guard import Guard
 from .opkey import OpKey
@@ -36,8 +37,8 @@ from .vocabulary import Precision
 __version__ = "0.1.0"
 
 #: The errors a user catches (every one a CompfxError); the search's own control flow stays in compfx.errors.
-_ERRORS = ["CompfxError", "CaptureError", "BadInputError", "PlanMismatchError", "PlanFileError", "FileWriteError",
-           "LogIntegrityError", "CacheKeyError", "SearchError", "PassError"]
+_ERRORS = ["CompfxError", "CaptureError", "BadInputError", "PlanMismatchError", "PlanFileError", "PlanExportError",
+           "FileWriteError", "LogIntegrityError", "CacheKeyError", "SearchError", "PassError"]
 
 __all__ = [
     # the pipeline: capture, analyse, plan, apply
@@ -45,7 +46,7 @@ __all__ = [
     # search
     "optimize", "SearchConfig", "DecisionRule", "SearchResult",
     # torch.compile
-    "compile_with_plan", "backend",
+    "compile_with_plan", "backend", "CompileOptions",
     # during training, and what a plan casts
     "diagnose", "Diagnosis", "Guard", "cast_report",
     *_ERRORS,

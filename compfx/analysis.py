@@ -224,6 +224,20 @@ def check_capability(capability) -> tuple[int, int] | None:
     return (capability[0], capability[1])
 
 
+def _check_visible(device: torch.device, capability) -> None:
+    """A CUDA device this process cannot see is planned for only with its ``capability`` given (what the Tensor
+    Core and FP8 rules read from the device); without it, :class:`BadInputError` (a mistyped index, say)."""
+    if device.type != "cuda" or capability is not None:
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.index is None and count or device.index is not None and device.index < count:
+        return
+    seen = f"it sees {count} CUDA device(s)" if count else "it has no CUDA"
+    raise BadInputError(f"device={str(device)!r} is not a device this process can see ({seen}). Analyse for a "
+                        "device it has, or, to plan for a GPU it cannot see, give that GPU's compute capability, "
+                        "e.g. analyze(..., device='cuda', capability=(8, 0)).")
+
+
 def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
@@ -351,6 +365,7 @@ def analyze(
     device = check_device(device) if device is not None else model_device(model)
     low_dtype = check_low_dtype(low_dtype if low_dtype is not None else default_low_dtype(device))
     capability = check_capability(capability)
+    _check_visible(device, capability)
     leaf_modules = tuple(leaf_modules)
     gm = capture(model, example_inputs, leaf_modules=leaf_modules, method=method, verify=verify)
     analysis = analyze_graph(gm, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability,

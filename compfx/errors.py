@@ -14,6 +14,7 @@ __all__ = [
     "BadInputError",
     "PlanMismatchError",
     "PlanFileError",
+    "PlanExportError",
     "FileWriteError",
     "LogIntegrityError",
     "CacheKeyError",
@@ -50,6 +51,12 @@ class PlanMismatchError(CompfxError, ValueError):
 
 class PlanFileError(CompfxError):
     """A plan, log or cache file is missing, corrupt, truncated, too large, or not one compfx wrote."""
+
+
+class PlanExportError(CompfxError, ValueError):
+    """A plan asks for something the runtime it is exported to cannot express (torchao's float8 conversion swaps
+    whole ``nn.Linear`` modules, so an FP8 matmul of another kind, or one call of a module run FP8 and another
+    not, has no place in it)."""
 
 
 class FileWriteError(PlanFileError):

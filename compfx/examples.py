@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 
-__all__ = ["mlp", "cnn", "drifting"]
+__all__ = ["mlp", "cnn", "drifting", "gpt"]
 
 
 def mlp(in_features: int = 64, hidden: int = 128, classes: int = 10) -> nn.Module:
@@ -52,3 +53,50 @@ class Drifting(nn.Module):
 
 def drifting() -> nn.Module:
     return Drifting()
+
+
+class _Attention(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.heads = heads
+        self.qkv, self.proj = nn.Linear(width, 3 * width), nn.Linear(width, width)
+
+    def forward(self, x):
+        b, t, c = x.shape
+        q, k, v = (y.view(b, t, self.heads, c // self.heads).transpose(1, 2) for y in self.qkv(x).split(c, dim=2))
+        return self.proj(F.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).reshape(b, t, c))
+
+
+class _Block(nn.Module):
+    def __init__(self, width: int, heads: int):
+        super().__init__()
+        self.ln_1, self.attn, self.ln_2 = nn.LayerNorm(width), _Attention(width, heads), nn.LayerNorm(width)
+        self.mlp = nn.Sequential(nn.Linear(width, 4 * width), nn.GELU(), nn.Linear(4 * width, width))
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class TinyGPT(nn.Module):
+    """A nanoGPT-style decoder whose GEMMs are ``nn.Linear`` s (what torchao's float8 conversion swaps): token ids
+    ``(batch, length)`` in, logits over ``vocab`` tokens out."""
+
+    def __init__(self, layers: int = 2, width: int = 32, heads: int = 2, length: int = 16, vocab: int = 64):
+        super().__init__()
+        self.wte, self.wpe = nn.Embedding(vocab, width), nn.Embedding(length, width)
+        self.blocks = nn.Sequential(*(_Block(width, heads) for _ in range(layers)))
+        self.ln_f, self.lm_head = nn.LayerNorm(width), nn.Linear(width, vocab, bias=False)
+
+    def forward(self, idx):
+        x = self.wte(idx) + self.wpe(torch.arange(idx.shape[1], device=idx.device))
+        return self.lm_head(self.ln_f(self.blocks(x)))
+
+
+def gpt(layers: int = 2, **sizes) -> nn.Module:
+    """A tiny GPT (:class:`TinyGPT`): every dim a multiple of 16, so its linears can run FP8.
+
+    >>> gpt(layers=2)(torch.randint(0, 64, (2, 16))).shape
+    torch.Size([2, 16, 64])
+    """
+    return TinyGPT(layers, **sizes)

@@ -54,8 +54,9 @@ from torch.utils import _pytree as pytree
 
 from .planned_module import PlannedModule
 from .diagnosis import Diagnosis, diagnose_inputs, rng_state, shadow_graph_of, untouched_state
-from .errors import BadInputError, PlanFileError
+from .errors import BadInputError, PlanFileError, PlanMismatchError
 from .opkey import OpKey
+from .optimization import needs_closure
 from .plan import Plan
 from .search.log import SearchLog
 from .state import dense_values
@@ -148,8 +149,12 @@ class Guard:
         if not _is_real(min_scale) or not 0 <= min_scale < math.inf:
             raise BadInputError(f"min_scale={min_scale!r}; expected a finite number >= 0 (not a bool): the GradScaler "
                                 "scale below which non-finite gradients count as the plan's, e.g. 1.0.")
-        if scaler is not None and not all(hasattr(scaler, m) for m in ("unscale_", "step", "update", "get_scale")):
-            raise BadInputError(f"scaler={type(scaler).__name__}; expected a torch.amp.GradScaler (or None).")
+        if scaler is not None and (isinstance(scaler, type) or not all(
+                hasattr(scaler, m) for m in ("unscale_", "step", "update", "get_scale"))):
+            what = f"the class {scaler.__name__}" if isinstance(scaler, type) else type(scaler).__name__
+            raise BadInputError(f"scaler={what}; expected the GradScaler object the training loop uses (e.g. "
+                                "scaler = torch.amp.GradScaler('cuda'); compfx.Guard(fast, scaler=scaler)), or None.")
+        _check_not_guarded(planned)
         if loss_fn is not None and not callable(loss_fn):
             raise BadInputError(f"loss_fn={loss_fn!r}; expected a callable (output, batch) -> scalar tensor, or None.")
         self.planned, self.scaler, self.loss_fn = planned, scaler, loss_fn
@@ -187,6 +192,7 @@ class Guard:
                 guard._backward_seen = True
 
         self._hooks += [p.register_post_accumulate_grad_hook(seen) for p in trained]
+        _GUARDED[planned] = this
 
     @property
     def plan(self) -> Plan:
@@ -194,10 +200,12 @@ class Guard:
         return self.planned.plan
 
     def remove(self) -> None:
-        """Stop watching: remove the guard's hooks from the module."""
+        """Stop watching: remove the guard's hooks from the module (another guard may then watch it)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if _GUARDED.get(self.planned) is not None and _GUARDED[self.planned]() is self:
+            del _GUARDED[self.planned]
 
     # -- what the training step's forward and backward leave behind ------------------
     def _before_forward(self, module, args, kwargs):
@@ -234,10 +242,15 @@ class Guard:
         self._check_step(optimizer, loss)
         self._backward_seen = False
         self.steps += 1
+        refused = False
         try:
             return self._step(optimizer, loss, batch)
+        except BadInputError:  # refused before the optimizer stepped (a batch loss_fn cannot take): as it was
+            refused, self._backward_seen, self.steps = True, True, self.steps - 1
+            raise
         finally:
-            self._forwards = []  # the next step's forwards start now
+            if not refused:
+                self._forwards = []  # the next step's forwards start now
 
     def _step(self, optimizer, loss, batch) -> bool:
         if self.scaler is not None:
@@ -266,12 +279,16 @@ class Guard:
             raise BadInputError(f"guard.step() takes the optimizer first; got {type(optimizer).__name__}.")
         if not isinstance(loss, torch.Tensor):
             raise BadInputError(f"guard.step() takes this step's loss tensor; got {type(loss).__name__}.")
+        if needs_closure(optimizer):
+            raise BadInputError(f"guard.step() got a {type(optimizer).__name__}, whose step() needs a closure that "
+                                "re-evaluates the loss; the guard steps the optimizer as a training loop does "
+                                "(optimizer.step() after backward). Train with an optimizer that steps without one "
+                                "(SGD, AdamW), or step that one yourself without the guard.")
         held = [p for group in optimizer.param_groups for p in group["params"]]
-        foreign = sum(id(p) not in self._parameters for p in held)
-        if not held or foreign:
-            what = "no parameters" if not held else f"{foreign} parameter(s) that are not the guarded module's"
+        if not any(id(p) in self._parameters for p in held):  # a head outside the planned module may share it
+            what = "no parameters" if not held else "only parameters that are not the guarded module's"
             raise BadInputError(f"guard.step() got an optimizer holding {what}; the guard skips or takes the step of "
-                                "the module it watches, so pass the optimizer built on that model's parameters.")
+                                "the module it watches, so pass the optimizer that trains that model's parameters.")
         if self._needs_backward and not self._backward_seen:
             raise BadInputError("guard.step() was called without a backward since the last step (no gradient reached "
                                 "the module's parameters): it would step again on the same gradients. Call "
@@ -352,8 +369,8 @@ class Guard:
             shadow = shadow_graph_of(self.planned, args, kwargs).forward(*args, **kwargs)
         if self.loss_fn is not None and batch is not None:
             with torch.no_grad():
-                reference = float(self.loss_fn(shadow, batch))
-            self.drift = abs(float(loss) - reference) / max(abs(reference), 1e-12)
+                reference = float(_loss_on(self.loss_fn, shadow, batch))
+            self.drift = abs(float(loss.detach()) - reference) / max(abs(reference), 1e-12)
         else:
             self.drift = _relative_error(_float_leaves(self._output), _float_leaves(shadow))
         if self.drift > self.drift_threshold:
@@ -391,6 +408,11 @@ class Guard:
             repairs = [Repair.from_dict(r) for r in state["repairs"]]
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise PlanFileError(f"the guard's state has a damaged repair record ({error}).") from error
+        unknown = [str(r.key) for r in repairs if r.key not in self.planned.analysis.keys]
+        if unknown:
+            raise PlanMismatchError(f"the guard's state records repairs of op(s) {unknown[:3]}, which this module's "
+                                    "model does not have; it is the state of another model's guard. Load the "
+                                    "checkpoint of this model.")
         self.planned.replan(plan)  # validates the plan before it replaces anything: all or nothing
         self.repairs = repairs
         self.steps, self.skipped, self.scaler_skips = counters["steps"], counters["skipped"], counters["scaler_skips"]
@@ -398,6 +420,28 @@ class Guard:
     def __repr__(self) -> str:
         return (f"Guard(steps={self.steps}, repairs={[str(r.key) for r in self.repairs]}, skipped={self.skipped}, "
                 f"scaler_skips={self.scaler_skips})")
+
+
+#: The guard watching each planned module: two guards on one module would each repair its plan and step its
+#: optimizer. Weak both ways: a module or a guard dropped by the user is not kept alive here.
+_GUARDED: "weakref.WeakKeyDictionary[PlannedModule, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _check_not_guarded(planned: PlannedModule) -> None:
+    other = _GUARDED.get(planned)
+    if other is not None and other() is not None and other()._hooks:
+        raise BadInputError("this module already has a compfx.Guard watching it; two guards would each repair its "
+                            "plan and step its optimizer. Keep the first one, or call its .remove() first.")
+
+
+def _loss_on(loss_fn, output, batch) -> torch.Tensor:
+    """``loss_fn(output, batch)`` for the FP32 shadow; a failure says it is the batch given to ``guard.step``."""
+    try:
+        return loss_fn(output, batch)
+    except Exception as error:  # noqa: BLE001 - the user's loss on the user's batch
+        raise BadInputError(f"guard.step(..., batch=...) gave a batch loss_fn cannot take "
+                            f"({type(error).__name__}: {' '.join(str(error).split())[:200]}); expected this step's "
+                            "batch, as loss_fn(output, batch) takes it in training. The step was not taken.") from error
 
 
 def _is_real(value) -> bool:

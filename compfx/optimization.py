@@ -20,12 +20,15 @@ from typing import Iterable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from . import cache
 from .analysis import analyze
 from .batches import check_first_batch, model_device
+from .compile_backend import compile_with_plan
 from .errors import BadInputError
 from .float8 import require_torchao
+from .graph_capture.held_state import HeldState
 from .measure import PhaseClock, long_lived_objects_frozen, settle_host_allocator
 from .per_module import plan_blocks_fp32
 from .search import SearchConfig, SearchLog, SearchResult, decision_settings
@@ -103,7 +106,7 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         torch.Size([2, 3])
     """
     started = time.perf_counter()
-    _check_arguments(model, sample_loader, optimizer, config, loss_fn, resume)
+    _check_arguments(model, sample_loader, optimizer, config, loss_fn, resume, per_module)
     SearchLog.check_path(log, resume=resume)  # a log it cannot write fails now, not after the search
     _check_cache_folder(config)
     device = model_device(model)
@@ -117,7 +120,12 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         if first is _NO_BATCH:
             raise BadInputError("sample_loader yielded no batches; the search trains on it, so give it some "
                                 "(CoMP's Stage 1 uses one epoch of it).")
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves(first)):
+            raise BadInputError("sample_loader's first batch holds tensors on the meta device (shapes, no values), "
+                                "but the search trains on its batches; give batches of real tensors.")
+        held = HeldState(model)
         inputs = check_first_batch(model, first, loss_fn, device)  # bad inputs fail here, before any work
+        _check_forward_keeps_modules(held)
         args, kwargs = inputs
         with clock.phase("capture"):
             analysis = (plan_blocks_fp32(model, kwargs if kwargs else args, per_module, device=device,
@@ -127,7 +135,8 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,
                               grad_scaler=config.scaler_on(analysis.low_dtype))
         search_log = SearchLog.open(log, _log_header(analysis, config), resume=resume)
-        return SearchSession(model, optimizer, analysis, sampler, config, search_log, inputs, clock).run(started)
+        return SearchSession(model, optimizer, analysis, sampler, config, search_log, inputs, clock,
+                             compile_plan=compile_with_plan).run(started)
 
 
 _NO_BATCH = object()  # what an empty loader yields first (None is a batch, and a bad one)
@@ -135,7 +144,7 @@ _NO_BATCH = object()  # what an empty loader yields first (None is a batch, and 
 log = logging.getLogger("compfx")
 
 
-def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
+def _check_arguments(model, loader, optimizer, config, loss_fn, resume, per_module) -> None:
     if not isinstance(model, nn.Module):
         raise BadInputError(f"optimize() takes an nn.Module; got {type(model).__name__}.")
     if loss_fn is not None and not callable(loss_fn):
@@ -159,7 +168,7 @@ def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
         raise BadInputError("the optimizer holds no parameters, so the search would train nothing and compare plans "
                             "on an untrained loss; build it on model.parameters() (or the parameters you train).")
     _warn_low_precision_parameters(model, held)
-    if _needs_closure(optimizer):
+    if needs_closure(optimizer):
         raise BadInputError(f"{type(optimizer).__name__}.step() needs a closure that re-evaluates the loss, but the "
                             "search steps the optimizer as a training loop does, optimizer.step() after backward(); "
                             "search with an optimizer that steps without one (SGD, AdamW), then train with yours.")
@@ -171,6 +180,24 @@ def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
                             "SearchConfig(threshold=1.01).")
     if config.fp8:
         require_torchao()  # before any work: FP8 needs compfx[fp8]
+    if config.compile is not None and per_module:
+        raise BadInputError("SearchConfig(compile=...) with per_module: a compiled search measures the whole model as "
+                            "compfx.compile_with_plan compiles it, and does not compile block by block yet. Search "
+                            "per block eagerly (compile=None), or the whole model compiled (without per_module).")
+
+
+def _check_forward_keeps_modules(held: HeldState) -> None:
+    """A forward that replaces the model's submodules (``self.fc = nn.Linear(...)``) trains layers the optimizer
+    does not hold, and each capture would see another model: refused, with the submodules put back."""
+    if held.unchanged():
+        return
+    change = held.change()
+    if change.modules:
+        held.put_back_modules()
+        raise BadInputError(
+            f"forward() replaced submodules of the model while it ran on the first batch ({', '.join(change.modules[:3])}"
+            "; they are put back): the optimizer would not train the new ones, and every capture of the model would "
+            "see another model. Create submodules in __init__ and only call them in forward.")
 
 
 def _warn_low_precision_parameters(model: nn.Module, trained: list) -> None:
@@ -187,7 +214,7 @@ def _warn_low_precision_parameters(model: nn.Module, trained: list) -> None:
                       "let the plan make the low-precision copies.", stacklevel=3)
 
 
-def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Does ``optimizer.step`` require a closure (``torch.optim.LBFGS``)? Read from its signature, which a
     scheduler's wrapper of ``step`` keeps."""
     try:

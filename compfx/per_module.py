@@ -45,8 +45,10 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from .analysis import Analysis, analyze_graph
 from .batches import model_device
 from .cast_policy import check_weights_dtype, run_as_planned, weights_dtype
-from .graph_capture import capture, describe_inputs, input_signature, keep_checkpoints, modes_of
-from .errors import BadInputError, CaptureError
+from .errors import BadInputError, CaptureError, PlanMismatchError
+from .graph_capture import (capture, describe_inputs, input_signature, keep_checkpoints, modes_of,
+                            normalize_example_inputs)
+from .graph_capture.held_state import HeldState, check_computable
 from .float8 import fp8_fallbacks
 from .opkey import OpKey
 from .passes import apply_precisions
@@ -112,6 +114,8 @@ class PlannedBlock(BlockStandIn):
         object.__setattr__(self, "_captures", {})  # input signature -> the block's Analysis (block-relative keys)
         object.__setattr__(self, "_graphs", {})  # (plan id, input signature) -> planned GraphModule
         object.__setattr__(self, "_plans", {})  # plan id -> plan, so that an id is never reused while cached
+        object.__setattr__(self, "_outdated", [])  # captures a change of the block outdated, until one fits again
+        object.__setattr__(self, "_held", HeldState(self))  # what the graphs were captured from (checked each call)
         self.path, self.block_type, self.method = path, type(block), method
         self.restore_output_dtypes = restore_output_dtypes
         self.training = block.training
@@ -130,6 +134,8 @@ class PlannedBlock(BlockStandIn):
 
     def forward(self, *args, **kwargs):
         check_weights_dtype(self._weights_dtype)
+        if not self._held.unchanged():
+            self._follow_block()
         graph = self.graph_for(*args, **kwargs)
         # run_as_planned calls graph.forward, not graph(...): no second set of hooks
         return run_as_planned(graph, args, kwargs, graph.meta["compfx_device_type"])
@@ -150,8 +156,50 @@ class PlannedBlock(BlockStandIn):
         signature = input_signature(args, kwargs, modes_of(self))
         found = self._captures.get(signature)
         if found is None:
-            found = self._captures[signature] = self._capture(args, kwargs)
+            found = self._capture(args, kwargs)
+            self._check_same_ops(found)
+            self._captures[signature] = found
         return found
+
+    def _follow_block(self) -> None:
+        """The block holds other tensors or submodules than its graphs were captured from, or moved (the graphs read
+        its state at call time, so tensors replaced by their likes are read as they are: FSDP2 swaps them each
+        call): a replaced submodule, another shape or another device drops the captures and graphs, and the next
+        call captures the block again, as it is now; the meta device, or several, is refused."""
+        change = self._held.change()
+        check_computable(change, f"the planned block {self.path!r}")
+        if not change.same_layout:
+            log.warning("compfx: block %r changed after it was planned (%s); it is captured again at its next inputs "
+                        "and runs the same plan there", self.path, change.describe())
+            block = self._block  # what the capture traces: give it this module's children and tensors as they are
+            for name in ("_modules", "_parameters", "_buffers"):
+                table = getattr(block, name)
+                table.clear()
+                table.update(getattr(self, name))
+            block._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
+            self._outdated.extend(self._captures.values() or [None])  # None: compare with the plan's ops here
+            self._captures.clear()
+            self._graphs.clear()
+        object.__setattr__(self, "_held", HeldState(self))
+        object.__setattr__(self, "_weights_dtype", weights_dtype(self))
+
+    def _check_same_ops(self, analysis: Analysis) -> None:
+        """After the block changed, its first capture must have the ops it had before (those of an outdated capture,
+        or the plan's ops in this block when it had none), or the plan no longer says what to run here
+        (:class:`~compfx.errors.PlanMismatchError`)."""
+        if not self._outdated:
+            return
+        now = {model_key(self.path, key) for key in analysis.keys}
+        before = [{model_key(self.path, key) for key in old.keys} for old in self._outdated if old is not None]
+        before = before or [{key for key in self.plan if in_region(key, [self.path])}]
+        if now in before:
+            self._outdated.clear()
+            return
+        raise PlanMismatchError(
+            f"block {self.path!r} was changed after it was planned, and it now runs other ops than the plan was made "
+            f"for (new: {', '.join(map(str, sorted(now - before[0])[:2])) or '-'}; gone: "
+            f"{', '.join(map(str, sorted(before[0] - now)[:2])) or '-'}). Plan the model as it is now: search it "
+            "again, or apply a plan made for it.")
 
     def keep_capture(self, signature: Hashable, analysis: Analysis) -> None:
         """Take ``analysis`` (block-relative keys), captured elsewhere at ``signature``, as this block's own capture

@@ -13,6 +13,12 @@ Three forms of one plan:
 A plan with ``fp8`` ops also carries how they scale (``plan.fp8_recipe``, a
 :class:`~compfx.vocabulary.Float8Recipe`); its file says so too. A plan built
 from an analysis knows the device type it was made for (``plan.device_type``).
+A plan a compiled search chose records the ``torch.compile`` settings its
+program was measured under (``plan.compile_options``, a
+:class:`~compfx.compile_options.CompileOptions`; None: measured eagerly, or
+not searched), and its file holds them (``"compile"``, absent in files of
+eager searches and of older compfx); :func:`compfx.compile_with_plan` runs
+it under them.
 
 **Plan files have one reading** (:meth:`Plan.from_dict`): a key named twice in
 one object, an op key that is not written the one way compfx writes it
@@ -24,6 +30,13 @@ and casts do not depend on either) and a warning says that its precisions were
 measured elsewhere, so a search on this setup may choose differently. (The
 compile backend's plan cache is stricter: it never runs a cached plan searched on
 another device type; see :mod:`compfx.compile_backend`.)
+
+A plan can be written and read as rules over module paths and op kinds
+(:meth:`Plan.from_rules`, :meth:`Plan.rules`; :mod:`compfx.plan_rules`), and a
+plan file holds those rules next to its ops (version 2), or rules alone
+(:meth:`Plan.load` with the model's analysis). Its FP8 linears export to
+torchao's float8 conversion (:meth:`Plan.torchao_filter`;
+:mod:`compfx.plan_export`).
 
 A plan may also pad ops (``plan.padded``, set with :meth:`Plan.with_padding`):
 those ops run with their unfit dims zero-padded to the Tensor Core multiple
@@ -40,25 +53,17 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
+from .compile_options import CompileOptions
 from .errors import PlanFileError, PlanMismatchError
 from .files import checked_path, read_json, write_json_atomic
 from .opkey import OpKey
+from .plan_file import (FINGERPRINT_PATTERN, FORMAT, MAX_PLAN_BYTES, OPTIONAL_KEYS_OF_VERSION, PLAN_VERSION,
+                        REQUIRED_KEYS, check_op_keys, check_search_record, check_torch_version, is_device_type,
+                        is_plan_file, padded_from_file)
+from .plan_rules import Rule, check_file_rules, resolve_rules, rules_from_list, rules_to_list, summarize
 from .vocabulary import LOW_DTYPES, Category, Float8Recipe, Precision, check_low_dtype, dtype_from_name, dtype_name
 
-__all__ = ["Plan", "Assignment", "AMP_PRECISION", "PLAN_VERSION", "MAX_PLAN_BYTES"]
-
-_FORMAT = "compfx-plan"
-#: The plan-file version this compfx writes; it reads no other (a newer file may mean something else).
-PLAN_VERSION = 1
-#: A plan file is about 40 bytes per op; anything larger than this is not a plan compfx wrote.
-MAX_PLAN_BYTES = 32 << 20
-#: Top-level keys of a plan file: those every file has, and those it may have (a cached plan says who searched it,
-#: which other search's plan it replaced, and the parameter shapes of its model: see :mod:`compfx.cache`). Any
-#: other key is refused.
-_REQUIRED_KEYS = ("format", "version", "low_dtype", "fingerprint", "ops")
-_OPTIONAL_KEYS = ("torch_version", "device_type", "fp8_recipe", "padded", "searched", "replaced", "parameter_shapes")
-#: What ``searched`` and ``replaced`` hold: when, on which host, by which process (and how many ops differ).
-_SEARCH_FIELDS = {"at": str, "host": str, "pid": int, "differing_ops": int}
+__all__ = ["Plan", "Assignment", "AMP_PRECISION", "PLAN_VERSION", "MAX_PLAN_BYTES", "FINGERPRINT_PATTERN"]
 
 #: What ``torch.autocast`` does with each category: its lists run low or FP32, the rest follow.
 AMP_PRECISION = MappingProxyType({Category.WHITELIST: Precision.LOW, Category.BLACKLIST: Precision.FP32,
@@ -109,7 +114,7 @@ class Plan(Mapping[OpKey, Precision]):
     """Immutable mapping OpKey -> :class:`Precision` for one model (its fingerprint) and one low dtype.
 
     Build one from an analysis (:meth:`fp32`, :meth:`amp`, :meth:`uniform`,
-    :meth:`from_bitstring`, :meth:`from_assignment`), from a file
+    :meth:`from_bitstring`, :meth:`from_assignment`, :meth:`from_rules`), from a file
     (:meth:`load`), or take ``compfx.optimize(...).plan``; the constructor
     itself is for plans read from elsewhere. Plans are equal when their
     precisions, low dtype, fingerprint, FP8 recipe and padding are.
@@ -122,10 +127,12 @@ class Plan(Mapping[OpKey, Precision]):
         padded: the ops padded to the Tensor Core multiple (:meth:`with_padding`).
         device_type: the device type it was made for (``"cpu"``, ``"cuda"``), or None.
         parameter_shapes: the shapes of the parameters it was searched on (:meth:`with_parameter_shapes`).
+        compile_options: the ``torch.compile`` settings a compiled search measured it under
+            (:class:`~compfx.compile_options.CompileOptions`), or None: searched eagerly.
 
     Raises:
-        PlanMismatchError: a key that is not an OpKey, an unknown precision, low dtype or device type, or an
-            empty fingerprint.
+        PlanMismatchError: a key that is not an OpKey, an unknown precision, low dtype or device type, or a
+            fingerprint that is not one compfx makes.
 
     Example::
 
@@ -138,11 +145,13 @@ class Plan(Mapping[OpKey, Precision]):
         '101'
     """
 
-    __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe", "padded", "device_type", "parameter_shapes")
+    __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe", "padded", "device_type", "parameter_shapes",
+                 "compile_options")
 
     def __init__(self, entries: Mapping[OpKey, Precision | str], *, low_dtype: torch.dtype, fingerprint: str,
                  fp8_recipe: Float8Recipe | str | None = None, padded: Iterable[OpKey] = (),
-                 device_type: str | None = None, parameter_shapes: Iterable[Iterable[int]] | None = None):
+                 device_type: str | None = None, parameter_shapes: Iterable[Iterable[int]] | None = None,
+                 compile_options: CompileOptions | None = None):
         checked = {}
         for key, precision in entries.items():
             if not isinstance(key, OpKey):
@@ -153,9 +162,9 @@ class Plan(Mapping[OpKey, Precision]):
                 raise PlanMismatchError(f"precision {precision!r} for {key} is unknown; expected one of "
                                         f"{[p.value for p in Precision]}") from None
         check_low_dtype(low_dtype, error=PlanMismatchError)
-        if not isinstance(fingerprint, str) or not fingerprint:
-            raise PlanMismatchError(f"plan fingerprint {fingerprint!r} is not a non-empty str; expected the "
-                                    "fingerprint of the model's analysis (analysis.fingerprint).")
+        if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
+            raise PlanMismatchError(f"plan fingerprint {fingerprint!r} is not one compfx makes (16 lowercase hex "
+                                    "digits); expected the fingerprint of the model's analysis (analysis.fingerprint).")
         object.__setattr__(self, "_entries", MappingProxyType(checked))
         object.__setattr__(self, "low_dtype", low_dtype)
         object.__setattr__(self, "fingerprint", fingerprint)
@@ -164,7 +173,7 @@ class Plan(Mapping[OpKey, Precision]):
             recipe = Float8Recipe.parse(fp8_recipe or Float8Recipe.TENSORWISE, "fp8_recipe")
         object.__setattr__(self, "fp8_recipe", recipe)
         object.__setattr__(self, "padded", _checked_padding(padded, checked))
-        if device_type is not None and not _is_device_type(device_type):
+        if device_type is not None and not is_device_type(device_type):
             raise PlanMismatchError(f"device_type={device_type!r}; expected a torch device type such as 'cpu' or "
                                     "'cuda', or None.")
         # where it was made for (metadata: plans equal in their precisions are equal, wherever they were made)
@@ -172,6 +181,10 @@ class Plan(Mapping[OpKey, Precision]):
         # what it was searched for: the shapes of the model's parameters (compfx.analysis.parameter_shapes); op keys
         # name layers, not widths, so this tells the model a plan file was searched on from the same layers resized
         object.__setattr__(self, "parameter_shapes", _checked_shapes(parameter_shapes))
+        # how the search that chose it measured its program (metadata too: None, eagerly)
+        if compile_options is not None and not isinstance(compile_options, CompileOptions):
+            raise PlanMismatchError(f"compile_options={compile_options!r}; expected a compfx.CompileOptions or None.")
+        object.__setattr__(self, "compile_options", compile_options)
 
     def __setattr__(self, name, value):
         raise AttributeError("Plan is immutable; use plan.with_precisions(...)")
@@ -186,7 +199,7 @@ class Plan(Mapping[OpKey, Precision]):
 
     def __reduce__(self):  # pickling (spawned workers): the entries as a plain dict
         return (_rebuilt_plan, (dict(self._entries), self.low_dtype, self.fingerprint, self.fp8_recipe, self.padded,
-                                self.device_type, self.parameter_shapes))
+                                self.device_type, self.parameter_shapes, self.compile_options))
 
     # -- Mapping -------------------------------------------------------------
     def __getitem__(self, key: OpKey) -> Precision:
@@ -293,7 +306,62 @@ class Plan(Mapping[OpKey, Precision]):
                 f"bitstring has length {len(bits)}, but the model has {len(analysis.ops)} ops; "
                 "expected one character per op of analysis.ops."
             )
-        return cls.from_assignment(analysis, Assignment.parse(bits), fp8_recipe=fp8_recipe)
+        plan = cls.from_assignment(analysis, Assignment.parse(bits), fp8_recipe=fp8_recipe)
+        plan._check_fp8(analysis)  # an '8' where the analysis marked no op FP8-eligible: refused now, not at apply
+        return plan
+
+    @classmethod
+    def from_rules(cls, analysis, rules: Iterable[Rule], *, base: "Plan | None" = None) -> "Plan":
+        """The plan ``rules`` give ``analysis.ops``: the rule of the highest level that selects an op decides it
+        (global < kind < module pattern < exact op key: :mod:`compfx.plan_rules`); ops no rule selects keep
+        ``base``'s precision.
+
+        A rule that selects no op or two rules of one level that disagree on
+        an op are refused, as is an op without a precision (no rule selects
+        it, and there is no ``base``).
+
+        >>> import torch, compfx
+        >>> from compfx.plan_rules import Rule
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> a = compfx.analyze(model, torch.randn(3, 4))
+        >>> rules = [Rule("follow"), Rule("low", kind="linear"), Rule("fp32", module="2")]
+        >>> compfx.Plan.from_rules(a, rules).bitstring(a)
+        '0f1'
+        """
+        if base is not None and not isinstance(base, Plan):
+            raise PlanMismatchError(f"base is a {type(base).__name__}; expected a compfx.Plan, e.g. "
+                                    "Plan.amp(analysis).")
+        entries, recipe = resolve_rules(analysis.keys, rules, base=base, base_recipe=getattr(base, "fp8_recipe", None))
+        return cls(entries, low_dtype=analysis.low_dtype, fingerprint=analysis.fingerprint, fp8_recipe=recipe,
+                   device_type=analysis.device.type)
+
+    def rules(self) -> tuple[Rule, ...]:
+        """Few rules that reproduce this plan's precisions exactly (:func:`compfx.plan_rules.summarize`), so that
+        ``Plan.from_rules(analysis, plan.rules()) == plan`` for an unpadded plan (padding is not a precision).
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> a = compfx.analyze(model, torch.randn(3, 4))
+        >>> [str(rule) for rule in compfx.Plan.amp(a).rules()]
+        ['every op -> low', 'kind relu -> follow']
+        """
+        return summarize(self._entries, self.fp8_recipe)
+
+    def torchao_filter(self, *, strict: bool = True):
+        """torchao's ``module_filter_fn(module, fqn)`` for ``convert_to_float8_training``: True for exactly the
+        ``nn.Linear`` modules this plan runs in FP8 (:func:`compfx.plan_export.torchao_filter`, which says what
+        torchao's conversion cannot express).
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
+        >>> analysis = compfx.analyze(model, torch.randn(16, 32), fp8=True)
+        >>> keep = compfx.Plan.from_bitstring(analysis, "8f1").torchao_filter()
+        >>> keep(model[0], "0"), keep(model[2], "2")
+        (True, False)
+        """
+        from .plan_export import torchao_filter
+
+        return torchao_filter(self, self.fp8_recipe, strict=strict)
 
     def with_precisions(self, updates: Mapping[OpKey, Precision | str]) -> "Plan":
         """A copy with some ops changed; every updated key must already be in the plan."""
@@ -302,7 +370,7 @@ class Plan(Mapping[OpKey, Precision]):
             raise PlanMismatchError(f"with_precisions() got keys not in this plan: {unknown[:5]}")
         return Plan({**self._entries, **updates}, low_dtype=self.low_dtype, fingerprint=self.fingerprint,
                     fp8_recipe=self.fp8_recipe, padded=self.padded, device_type=self.device_type,
-                    parameter_shapes=self.parameter_shapes)
+                    parameter_shapes=self.parameter_shapes, compile_options=self.compile_options)
 
     def with_parameter_shapes(self, shapes: Iterable[Iterable[int]] | None) -> "Plan":
         """A copy that records the shapes of the parameters of the model it was searched on
@@ -316,7 +384,21 @@ class Plan(Mapping[OpKey, Precision]):
         ((8,), (8, 4))
         """
         return Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint, fp8_recipe=self.fp8_recipe,
-                    padded=self.padded, device_type=self.device_type, parameter_shapes=shapes)
+                    padded=self.padded, device_type=self.device_type, parameter_shapes=shapes,
+                    compile_options=self.compile_options)
+
+    def with_compile_options(self, options: CompileOptions | None) -> "Plan":
+        """A copy that records the ``torch.compile`` settings its program was measured under (None: eagerly); what a
+        compiled search's plans carry, and what :func:`compfx.compile_with_plan` then compiles the plan with.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Linear(4, 8), torch.randn(2, 4))
+        >>> compfx.Plan.amp(a).with_compile_options(compfx.CompileOptions(inner="aot_eager")).compile_options.inner
+        'aot_eager'
+        """
+        return Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint, fp8_recipe=self.fp8_recipe,
+                    padded=self.padded, device_type=self.device_type, parameter_shapes=self.parameter_shapes,
+                    compile_options=options)
 
     def with_padding(self, keys: Iterable[OpKey], *, analysis=None) -> "Plan":
         """A copy that pads exactly the ops ``keys`` (``with_padding(())``: none); precisions are unchanged.
@@ -338,7 +420,7 @@ class Plan(Mapping[OpKey, Precision]):
         """
         plan = Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint,
                     fp8_recipe=self.fp8_recipe, padded=keys, device_type=self.device_type,
-                    parameter_shapes=self.parameter_shapes)
+                    parameter_shapes=self.parameter_shapes, compile_options=self.compile_options)
         if analysis is not None:
             plan._check_padding(analysis)
         return plan
@@ -409,10 +491,11 @@ class Plan(Mapping[OpKey, Precision]):
                                "eligible ops are marked") + ".")
 
     # -- files ---------------------------------------------------------------
-    def to_dict(self) -> dict:
+    def to_dict(self, *, rules: bool = False) -> dict:
+        """The plan as its file holds it; with ``rules``, also :meth:`rules` (for people reading the file)."""
         return {
-            "format": _FORMAT,
-            "version": PLAN_VERSION,
+            "format": FORMAT,
+            "version": 3 if self.compile_options is not None else 2 if rules else 1,  # the lowest that holds it
             "low_dtype": dtype_name(self.low_dtype),
             "fingerprint": self.fingerprint,
             "torch_version": str(torch.__version__),  # a plain str: TorchVersion does not unpickle under weights_only
@@ -422,11 +505,18 @@ class Plan(Mapping[OpKey, Precision]):
             **({"padded": sorted(map(str, self.padded))} if self.padded else {}),
             **({"parameter_shapes": [list(shape) for shape in self.parameter_shapes]}
                if self.parameter_shapes is not None else {}),
+            **({"rules": rules_to_list(self.rules())} if rules else {}),
+            **({"compile": self.compile_options.to_dict()} if self.compile_options is not None else {}),
         }
 
     @classmethod
-    def from_dict(cls, data: Mapping, source: str = "plan") -> "Plan":
+    def from_dict(cls, data: Mapping, source: str = "plan", *, analysis=None) -> "Plan":
         """The plan a :meth:`to_dict` mapping describes; anything else is a :class:`PlanFileError` naming ``source``.
+
+        A file may hold ``rules`` (:mod:`compfx.plan_rules`): next to ``ops``
+        they must reproduce them exactly; without ``ops`` (rules written by
+        hand) the plan is built from them for the model of ``analysis``
+        (:meth:`from_rules`), which must then be given.
 
         Checked before use: the format and ``version``, no top-level key compfx
         does not write, ``low_dtype`` among :data:`~compfx.vocabulary.LOW_DTYPES`'
@@ -435,82 +525,99 @@ class Plan(Mapping[OpKey, Precision]):
         ``torch_version`` and ``device_type`` strings (another torch release
         than this one's is warned about: the plan applies, its measurements were
         taken there), ``searched`` and ``replaced`` what the plan cache writes,
-        ``padded`` a list of op keys written the same way.
+        ``padded`` a list of op keys written the same way, ``compile`` what
+        :meth:`~compfx.compile_options.CompileOptions.to_dict` writes.
         """
-        if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
-            raise PlanFileError(f"{source} is not a compfx plan (no '\"format\": \"{_FORMAT}\"' entry).")
-        unknown = sorted(map(str, set(data) - set(_REQUIRED_KEYS) - set(_OPTIONAL_KEYS)))
-        if unknown:
-            raise PlanFileError(f"{source} has top-level key(s) {unknown} that compfx does not write (a plan file holds "
-                                f"{list(_REQUIRED_KEYS)} and may hold {list(_OPTIONAL_KEYS)}); it was edited, or "
-                                "written by another tool. Remove them, or search again.")
+        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+            raise PlanFileError(f"{source} is not a compfx plan (no '\"format\": \"{FORMAT}\"' entry).")
         version = data.get("version")
-        if type(version) is not int or version != PLAN_VERSION:
-            raise PlanFileError(f"{source} has version {version!r}; this compfx reads plan version {PLAN_VERSION}. "
-                                "Search again with this compfx (or use the compfx that wrote it).")
+        if type(version) is not int or version not in OPTIONAL_KEYS_OF_VERSION:
+            raise PlanFileError(f"{source} has version {version!r}; this compfx reads plan version 1 to version "
+                                f"{PLAN_VERSION}. Search again with this compfx (or use the compfx that wrote it).")
+        optional = OPTIONAL_KEYS_OF_VERSION[version]
+        unknown = sorted(map(str, set(data) - set(REQUIRED_KEYS) - set(optional)))
+        if unknown:
+            raise PlanFileError(f"{source} has top-level key(s) {unknown} that compfx does not write in a version "
+                                f"{version} file (it holds {list(REQUIRED_KEYS)} and may hold {list(optional)}); it "
+                                "was edited, or written by another tool. Remove them, or search again.")
+        if "rules" in data and "ops" not in data:
+            return _plan_of_rules_file(data, source, analysis)
         low = data.get("low_dtype")
         names = [dtype_name(d) for d in LOW_DTYPES]
         if not isinstance(low, str) or low not in names:
             raise PlanFileError(f"{source} has low_dtype {low!r}; expected one of {names}. Fix the file or search "
                                 "again.")
         fingerprint = data.get("fingerprint")
-        if not isinstance(fingerprint, str) or not fingerprint:
-            raise PlanFileError(f"{source} has fingerprint {fingerprint!r}; expected the model's fingerprint, a "
-                                "non-empty string (analysis.fingerprint). Fix the file or search again.")
+        if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
+            raise PlanFileError(f"{source} has fingerprint {fingerprint!r}; expected the model's fingerprint, 16 "
+                                "lowercase hex digits (analysis.fingerprint). Fix the file or search again.")
         ops = data.get("ops")
         if not isinstance(ops, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ops.items()):
             raise PlanFileError(f"{source} has no 'ops' mapping of op keys to precisions (strings); it is damaged. "
                                 "Search again.")
-        _check_op_keys(ops, source)
+        check_op_keys(ops, source)
         device_type = data.get("device_type")
-        if device_type is not None and not _is_device_type(device_type):
+        if device_type is not None and not is_device_type(device_type):
             raise PlanFileError(f"{source} has device_type {device_type!r}; expected a torch device type such as "
                                 "'cpu' or 'cuda'. Fix the file or search again.")
         for name in ("searched", "replaced"):
-            _check_search_record(data.get(name), name, source)
+            check_search_record(data.get(name), name, source)
         shapes = data.get("parameter_shapes")
         if shapes is not None and not (isinstance(shapes, list) and all(
                 isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in shapes)):
             raise PlanFileError(f"{source} has parameter_shapes {str(shapes)[:80]}; expected a list of shapes (lists "
                                 "of sizes), as the plan cache writes it. Fix the file or search again.")
-        _check_torch_version(data.get("torch_version"), source)
+        check_torch_version(data.get("torch_version"), source)
         try:
             entries = {OpKey.parse(k): v for k, v in ops.items()}
             recipe = data.get("fp8_recipe")
             if recipe is not None and recipe not in {r.value for r in Float8Recipe}:
                 raise PlanFileError(f"{source} has fp8_recipe {recipe!r}; expected one of "
                                     f"{[r.value for r in Float8Recipe]}. Fix the file or search again.")
-            return cls(entries, low_dtype=dtype_from_name(low), fingerprint=fingerprint, fp8_recipe=recipe,
-                       padded=_padded_from_file(data.get("padded", []), source), device_type=device_type,
-                       parameter_shapes=shapes)
+            compiled = data.get("compile")
+            plan = cls(entries, low_dtype=dtype_from_name(low), fingerprint=fingerprint, fp8_recipe=recipe,
+                       padded=padded_from_file(data.get("padded", []), source), device_type=device_type,
+                       parameter_shapes=shapes,
+                       compile_options=None if compiled is None else CompileOptions.from_dict(compiled, source))
+            if "rules" in data:
+                check_file_rules(plan, plan.fp8_recipe, rules_from_list(data["rules"], source), source)
+            return plan
         except (KeyError, TypeError, AttributeError, ValueError) as error:
             if isinstance(error, PlanMismatchError):
                 raise PlanFileError(f"{source} holds an invalid plan: {error}") from error
             raise PlanFileError(f"{source} is a damaged compfx plan ({type(error).__name__}: {error}).") from error
 
-    def save(self, path: str | os.PathLike) -> None:
+    def save(self, path: str | os.PathLike, *, rules: bool = True) -> None:
         """Write the plan as JSON, atomically; :class:`~compfx.errors.FileWriteError` when it cannot be written.
+
+        With ``rules`` (the default) the file also holds :meth:`rules`, the
+        plan as few rules a person reviewing it can read (``compfx plan show``
+        prints them); a file without them is read by older compfx releases too.
 
         It replaces an existing plan file, never another file: a path that
         holds something else (not a compfx plan), a symbolic link, a FIFO or a
         device is refused and left as it was.
         """
-        write_json_atomic(path, self.to_dict(), "plan file", replaces=is_plan_file)
+        write_json_atomic(path, self.to_dict(rules=rules), "plan file", replaces=is_plan_file)
 
     @classmethod
-    def load(cls, path: str | os.PathLike) -> "Plan":
-        """Read a plan written by :meth:`save`. It is checked against a model when applied.
+    def load(cls, path: str | os.PathLike, *, analysis=None) -> "Plan":
+        """Read a plan written by :meth:`save`, or a file of rules alone (then for the model of ``analysis``). A
+        plan of ops is checked against a model when applied.
 
         Args:
             path: the plan file.
+            analysis: the model's :class:`~compfx.analysis.Analysis`, needed only for a file of rules alone.
 
         Returns:
             Plan: the plan, with the metadata the file carries (fingerprint, low dtype, device type, torch
-            release, parameter shapes).
+            release, parameter shapes, compile options).
 
         Raises:
             PlanFileError: a missing, oversized (over :data:`MAX_PLAN_BYTES`, checked before reading), binary,
-                corrupt or invalid file, or a path that is not a regular file (a FIFO is refused, not waited on).
+                corrupt or invalid file, or a path that is not a regular file (a FIFO is refused, not waited on);
+                a file of rules alone without ``analysis``.
+            PlanMismatchError: a file of rules alone for another low dtype than ``analysis``'s.
             BadInputError: a path that is not one (None, a NUL character).
 
         >>> import torch, compfx, tempfile, os
@@ -521,73 +628,24 @@ class Plan(Mapping[OpKey, Precision]):
         True
         """
         data = read_json(checked_path(path, "plan file"), "plan file", max_bytes=MAX_PLAN_BYTES)
-        return cls.from_dict(data, source=f"plan file {os.fspath(path)}")
+        return cls.from_dict(data, source=f"plan file {os.fspath(path)}", analysis=analysis)
 
 
-def is_plan_file(head: bytes) -> bool:
-    """Whether the first bytes of a file are those of a compfx plan file (what :meth:`Plan.save` may replace)."""
-    return f'"{_FORMAT}"'.encode() in head
-
-
-def _is_device_type(name) -> bool:
-    """A torch device type without an index ('cpu', 'cuda', 'mps', ...)."""
-    if not isinstance(name, str) or not name.isidentifier():
-        return False
-    try:
-        return torch.device(name).type == name
-    except (RuntimeError, ValueError):
-        return False
-
-
-def _check_op_keys(ops: Mapping, source: str) -> None:
-    """Every op key written the one way compfx writes it, so that no two spellings name one op."""
-    bad = []
-    for text in ops:
-        try:
-            canonical = str(OpKey.parse(text))
-        except ValueError:
-            canonical = None
-        if canonical != text or not text.isascii():
-            bad.append(text)
-    if bad:
-        raise PlanFileError(f"{source} has op key(s) {bad[:3]} not written as compfx writes them ('module:kind#index', "
-                            "the index in ASCII digits without leading zeros, e.g. '0:linear#0'); two spellings "
-                            "could name one op. Fix the key(s), or search again.")
-
-
-def _check_search_record(record, name: str, source: str) -> None:
-    """``searched`` / ``replaced``: absent, or a mapping of the fields the plan cache writes, of their types."""
-    if record is None:
-        return
-    wrong = not isinstance(record, Mapping) or any(
-        key not in _SEARCH_FIELDS or type(value) is not _SEARCH_FIELDS[key] for key, value in record.items())
-    if wrong:
-        raise PlanFileError(f"{source} has {name} {record!r}; expected what the plan cache writes there (a mapping of "
-                            f"{', '.join(f'{k}: {t.__name__}' for k, t in _SEARCH_FIELDS.items())}). Fix the file "
-                            "or search again.")
-
-
-_warned_versions: set[str] = set()
-
-
-def _check_torch_version(version, source: str) -> None:
-    """A str; when it is another torch release than this one, warn once per file (the plan applies, its
-    measurements were taken under that release)."""
-    if version is None:
-        return
-    if not isinstance(version, str) or not version:
-        raise PlanFileError(f"{source} has torch_version {version!r}; expected the torch version string it was "
-                            "written under. Fix the file or search again.")
-    if _release(version) != _release(str(torch.__version__)) and source not in _warned_versions:
-        _warned_versions.add(source)
-        warnings.warn(f"{source} was written under torch {version}; this is torch {torch.__version__}. Its "
-                      "precisions apply as they are, but they were measured under that release: search again to "
-                      "choose by measurements under this one.", UserWarning, stacklevel=4)
-
-
-def _release(version: str) -> str:
-    """'2.13.0+cu130' -> '2.13.0': builds of one release run the same kernels' code."""
-    return version.split("+", 1)[0].strip()
+def _plan_of_rules_file(data: Mapping, source: str, analysis) -> Plan:
+    """The plan a file of rules alone (no ``ops``) gives the model of ``analysis``."""
+    rules = rules_from_list(data["rules"], source)
+    if analysis is None:
+        raise PlanFileError(f"{source} holds rules only, not one precision per op: they become a plan for one model. "
+                            "Load it with Plan.load(path, analysis=compfx.analyze(model, example_inputs)).")
+    low = data.get("low_dtype")
+    if low is not None and low != dtype_name(analysis.low_dtype):
+        raise PlanMismatchError(f"{source} runs 'low' ops in {low}, but the analysis was made for "
+                                f"{dtype_name(analysis.low_dtype)}; analyse the model with low_dtype=torch.{low}.")
+    for name in ("fingerprint", "padded", "searched", "replaced", "parameter_shapes", "fp8_recipe"):
+        if name in data:
+            raise PlanFileError(f"{source} holds rules without ops, and {name!r}, which only a plan of ops has; "
+                                "remove it (the rules' FP8 recipe goes in each 'fp8' rule).")
+    return Plan.from_rules(analysis, rules)
 
 
 def _checked_padding(keys: Iterable[OpKey], entries: Mapping[OpKey, Precision]) -> frozenset:
@@ -608,22 +666,11 @@ def _checked_padding(keys: Iterable[OpKey], entries: Mapping[OpKey, Precision]) 
     return padded
 
 
-def _padded_from_file(value, source: str) -> frozenset:
-    """The ``padded`` list of a plan file as OpKeys (a file without one pads nothing)."""
-    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
-        raise PlanFileError(f"{source} has padded {value!r}; expected a list of op keys. Fix the file or search "
-                            "again.")
-    _check_op_keys(value, source)
-    if len(set(value)) != len(value):
-        raise PlanFileError(f"{source} names an op in 'padded' more than once; fix the file or search again.")
-    return frozenset(OpKey.parse(k) for k in value)
-
-
 def _rebuilt_plan(entries, low_dtype, fingerprint, fp8_recipe, padded=(), device_type=None,
-                  parameter_shapes=None) -> Plan:
+                  parameter_shapes=None, compile_options=None) -> Plan:
     """A pickled :class:`Plan` again (see ``Plan.__reduce__``)."""
     return Plan(entries, low_dtype=low_dtype, fingerprint=fingerprint, fp8_recipe=fp8_recipe, padded=padded,
-                device_type=device_type, parameter_shapes=parameter_shapes)
+                device_type=device_type, parameter_shapes=parameter_shapes, compile_options=compile_options)
 
 
 def _checked_shapes(shapes) -> tuple[tuple[int, ...], ...] | None:

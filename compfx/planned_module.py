@@ -23,7 +23,6 @@ import itertools
 import logging
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping
 
 import torch
@@ -31,22 +30,22 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .analysis import Analysis, analyze, analyze_graph, parameter_shapes
+from .analysis import Analysis, analyze, parameter_shapes
 from .cast_policy import check_weights_dtype, run_as_planned, weights_dtype
-from .graph_capture import (capture, changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints,
-                            module_modes)
+from .graph_capture import changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints, module_modes
+from .graph_capture.held_state import HeldState, check_computable
 from .graph_capture.verify import COMPILED_PATH_BOUND
-from .errors import BadInputError, CaptureError, PlanMismatchError
+from .errors import BadInputError, PlanMismatchError
 from .float8 import fp8_fallbacks
 from .opkey import OpKey
 from .passes import apply_precisions
 from .plan import Plan
 from .per_module import apply_per_module
 from .regions import analyze_regions
+from .signature_captures import SignatureCaptures, Specialization
 from .vocabulary import Category, Precision, dtype_name
 
-__all__ = ["apply", "plan_blocks", "PlannedModule", "planned_graph", "priced_regions_graph", "Specialization",
-           "SignatureCaptures"]
+__all__ = ["apply", "plan_blocks", "PlannedModule", "planned_graph", "priced_regions_graph"]
 
 log = logging.getLogger("compfx")
 
@@ -310,75 +309,6 @@ def _plan_at(plan: Plan, analysis: Analysis, categories: Mapping[OpKey, Category
     return here, tuple((key, why) for key, (_, why) in fallbacks.items())
 
 
-@dataclass(frozen=True)
-class Specialization:
-    """One input signature a :class:`PlannedModule` met after its first: what it cost, and how the plan fit.
-
-    ``inputs`` describes the shapes; ``capture_seconds`` is 0 when another
-    module of the same :class:`SignatureCaptures` had captured this signature
-    already; ``unplanned`` are ops of this graph that the plan does not name
-    (they follow), ``missing`` plan entries whose op this graph lacks,
-    ``fp8_fallbacks`` the plan's FP8 ops that cannot run FP8 at these shapes,
-    with why (they run low here: :func:`compfx.float8.fp8_fallbacks`).
-    """
-
-    inputs: str
-    training: bool
-    capture_seconds: float
-    rewrite_seconds: float
-    unplanned: tuple[OpKey, ...] = ()
-    missing: int = 0
-    fp8_fallbacks: tuple[tuple[OpKey, str], ...] = ()
-
-
-class SignatureCaptures:
-    """Captures of one model per input signature, shared by every :class:`PlannedModule` of that model.
-
-    A search runs many plans over the same batches; each signature is captured
-    and analysed once, and each plan only rewrites it. ``analysis`` is the
-    first capture; its settings (method, leaf modules, modes, device, low
-    dtype, categories) are reused for every other signature, so the op keys
-    mean the same thing in each.
-    """
-
-    def __init__(self, model: nn.Module, analysis: Analysis):
-        self.model, self.analysis = model, analysis
-        self.categories = {op.key: op.category for op in analysis.ops}
-        self._by_signature: dict[Hashable, Analysis] = {}
-        if analysis.example_signature is not None:
-            self._by_signature[analysis.example_signature] = analysis
-
-    def __len__(self) -> int:
-        return len(self._by_signature)
-
-    def get(self, signature: Hashable, args: tuple, kwargs: dict, modes: dict[str, bool]) -> tuple[Analysis, float]:
-        """The analysis at ``signature`` (captured now, in ``modes``, each module's train/eval mode, if need be), and
-        the seconds that capture took (0 if cached)."""
-        found = self._by_signature.get(signature)
-        if found is not None:
-            return found, 0.0
-        start = time.perf_counter()
-        base = self.analysis
-        training = modes.get("", True)
-        try:
-            gm = capture(self.model, (args, kwargs), method=base.capture_method, leaf_modules=base.leaf_modules,
-                         modes=modes)
-        except CaptureError as error:
-            raise CaptureError(
-                f"inputs {describe_inputs(args, kwargs)} ({'train' if training else 'eval'} mode) are a new input "
-                f"signature, and capturing {type(self.model).__name__} again for them ({base.capture_method}, the "
-                f"tracer of the first capture) failed: {error}. Use batches of shapes it captures at (e.g. "
-                "DataLoader(..., drop_last=True) for a ragged last batch), or make forward capturable at these "
-                "shapes.") from error
-        analysis = analyze_graph(gm, device=base.device, low_dtype=base.low_dtype, fp8=base.fp8)
-        self._by_signature[signature] = analysis
-        return analysis, time.perf_counter() - start
-
-    def categories_of(self, analysis: Analysis) -> dict[OpKey, Category]:
-        """The first analysis's category for each op it has (overrides included), the default classification else."""
-        return {op.key: self.categories.get(op.key, op.category) for op in analysis.ops}
-
-
 #: What a GraphModule has and a PlannedModule does not: its graph's (``compfx.apply`` returned a GraphModule before).
 _GRAPH_MODULE_ONLY = frozenset({"graph", "code", "meta", "recompile", "print_readable", "to_folder"})
 
@@ -411,7 +341,8 @@ class PlannedModule(nn.Module):
         graph: the planned graph of the analysis's own inputs, if built already.
 
     Raises:
-        BadInputError: ``plan`` is not a ``Plan``, or ``analysis`` was made from another model object.
+        BadInputError: ``model`` is not an ``nn.Module``, ``plan`` not a ``Plan`` or ``analysis`` not an
+            ``Analysis``, or ``analysis`` was made from another model object.
         PlanMismatchError: the plan does not describe the analysed model.
         CaptureError: at a call, when the model cannot be captured again at a new input signature.
 
@@ -430,8 +361,14 @@ class PlannedModule(nn.Module):
     def __init__(self, model: nn.Module, plan: Plan, *, analysis: Analysis, restore_output_dtypes: bool = True,
                  captures: SignatureCaptures | None = None, graph: fx.GraphModule | None = None):
         super().__init__()
+        if not isinstance(model, nn.Module):
+            raise BadInputError(f"PlannedModule takes the model (an nn.Module) first; got {type(model).__name__}. "
+                                "Build it as compfx.PlannedModule(model, plan, analysis=compfx.analyze(model, inputs)).")
         if not isinstance(plan, Plan):
             raise BadInputError(f"PlannedModule takes a compfx.Plan; got {type(plan).__name__}.")
+        if not isinstance(analysis, Analysis):
+            raise BadInputError(f"PlannedModule takes analysis=<the model's compfx.Analysis>; got "
+                                f"{type(analysis).__name__}. Pass analysis=compfx.analyze(model, example_inputs).")
         plan.validate(analysis)
         _check_same_parameters(analysis.graph_module, model)
         _warn_if_searched_at_other_widths(plan, analysis)
@@ -439,8 +376,8 @@ class PlannedModule(nn.Module):
         # Plain attributes, not submodules: the tensors are registered above under the model's names.
         object.__setattr__(self, "_model", model)
         object.__setattr__(self, "_graphs", {})
-        object.__setattr__(self, "_modules_in_order", [module for _, module in model.named_modules()])
-        object.__setattr__(self, "_weights_dtype", weights_dtype(model))
+        object.__setattr__(self, "_outdated", [])  # the captures a change of the model outdated, until one fits again
+        self._note_model_state()
         self.plan, self.analysis, self.restore_output_dtypes = plan, analysis, restore_output_dtypes
         self.captures = captures if captures is not None else SignatureCaptures(model, analysis)
         self.specializations: list[Specialization] = []
@@ -474,18 +411,23 @@ class PlannedModule(nn.Module):
 
     def forward(self, *args, **kwargs):
         check_weights_dtype(self._weights_dtype)
+        if not self._held.unchanged():
+            self._follow_model()
         graph = self._graphs.get(self.signature(args, kwargs))
         if graph is None:
             graph = self.specialize(args, kwargs)
-        return run_as_planned(graph, args, kwargs, self.analysis.device.type)
+        return run_as_planned(graph, args, kwargs, self.captures.device.type)
 
     def specialize(self, args: tuple, kwargs: dict) -> fx.GraphModule:
         """The planned graph for these inputs in the model's current modes, built now if this signature is new."""
+        if not self._held.unchanged():
+            self._follow_model()
         signature = self.signature(args, kwargs)
         graph = self._graphs.get(signature)
         if graph is not None:
             return graph
         analysis, capture_seconds = self.captures.get(signature, args, kwargs, module_modes(self._model))
+        _check_same_ops(self._outdated, analysis)
         start = time.perf_counter()
         categories = self.captures.categories_of(analysis)
         plan, fallbacks = _plan_at(self.plan, analysis, categories)
@@ -504,6 +446,41 @@ class PlannedModule(nn.Module):
                         inputs, len(fallbacks), "; ".join(f"{key}: {why}" for key, why in fallbacks[:3]))
         self._graphs[signature] = graph
         return graph
+
+    def _note_model_state(self) -> None:
+        """Record the model's state as the graphs are built from it (what each call checks it still holds)."""
+        model = self._model
+        object.__setattr__(self, "_held", HeldState(model))
+        object.__setattr__(self, "_modules_in_order", [module for _, module in model.named_modules()])
+        object.__setattr__(self, "_weights_dtype", weights_dtype(model))
+
+    def _follow_model(self) -> None:
+        """The model holds other tensors or submodules than the graphs were built from, or moved: follow it where
+        that is exact, else refuse (:class:`~compfx.errors.BadInputError`). Tensors replaced by their likes (same
+        shape, dtype and device: ``load_state_dict(..., assign=True)``) are read in their place; any other change
+        (a replaced submodule, another shape, another device) drops every graph and capture, and the next call
+        captures the model again with the same plan. Never computes with tensors the model no longer holds."""
+        change = self._held.change()
+        check_computable(change, "the planned module")
+        if change.same_layout:  # the planned graphs, and the captures a shadow or a rewrite reads, read the new ones
+            for graph in [*self._graphs.values(), *(a.graph_module for a in self.captures._by_signature.values())]:
+                _mirror_state(graph, self._model)
+        else:
+            log.warning("compfx: the model changed after it was planned (%s); the planned module captures it again "
+                        "at its next inputs and runs the same plan there", change.describe())
+            self._outdated.extend(self.captures._by_signature.values())
+            self.captures = self.captures.again(change.device)
+            self._graphs.clear()
+        self._mirror_model_state()
+        self._note_model_state()
+
+    def _mirror_model_state(self) -> None:
+        """This module's own registrations of the model's tensors, made again from the model as it is now."""
+        self._modules.clear()
+        self._parameters.clear()
+        self._buffers.clear()
+        self._non_persistent_buffers_set.clear()
+        _mirror_state(self, self._model)
 
     def replan(self, plan: Plan) -> None:
         """Run ``plan`` from the next call on, in place: every input signature's graph is rewritten from it.
@@ -570,7 +547,20 @@ class PlannedModule(nn.Module):
                     f"weights, so converting them to {dtype_name(converted)} (.to(dtype), .double(), .half()) is "
                     "refused and nothing was converted. Move it to another device with .to(device); to train in "
                     "another dtype, convert the model itself and plan it again.")
-        return super()._apply(fn, recurse)
+        # the model's tensors are the ones the graphs read: move the model itself (its buffers too, which .to()
+        # replaces), then register its tensors here again; the next call follows the move (_follow_model)
+        self._model._apply(fn, recurse)
+        self._mirror_model_state()
+        return self
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        """Load into the model (the keys are the model's), as ``model.load_state_dict`` does; with ``assign=True``
+        the next call reads the checkpoint's tensors in place of the model's old ones. A checkpoint that does not
+        fit the model (other keys or shapes) is a :class:`~compfx.errors.BadInputError`, and nothing is loaded."""
+        _check_loadable(self._model, state_dict, strict=strict)
+        result = self._model.load_state_dict(state_dict, strict=strict, assign=assign)
+        self._mirror_model_state()
+        return result
 
     def __reduce_ex__(self, protocol):
         # torch.fx unpickles a graph by tracing its code again, which compfx's own nodes (input checks, checkpoint
@@ -604,6 +594,49 @@ def _plan_fit(unplanned: tuple[OpKey, ...], missing: int) -> str:
     if missing:
         parts.append(f"the model lacks {missing} op(s) the plan names")
     return " and ".join(parts)
+
+
+def _check_same_ops(outdated: list[Analysis], analysis: Analysis) -> None:
+    """After the model changed, its first capture must have the ops one of the outdated captures had, or the plan
+    no longer says what to run: :class:`~compfx.errors.PlanMismatchError` (and ``outdated`` is kept for the next
+    try); once one fits, ``outdated`` is emptied and later signatures are planned as usual."""
+    if not outdated:
+        return
+    keys = set(analysis.keys)
+    if any(set(old.keys) == keys for old in outdated):
+        outdated.clear()
+        return
+    before = set(outdated[0].keys)
+    gone, new = sorted(before - keys), sorted(keys - before)
+    raise PlanMismatchError(
+        f"the model was changed after it was planned, and it now runs other ops than the plan was made for ("
+        f"{len(new)} new, e.g. {', '.join(map(str, new[:2])) or '-'}; {len(gone)} gone, e.g. "
+        f"{', '.join(map(str, gone[:2])) or '-'}). Plan the model as it is now: compfx.optimize(...) again, or "
+        "compfx.PlannedModule(model, plan, analysis=compfx.analyze(model, inputs)) with a plan made for it.")
+
+
+def _check_loadable(model: nn.Module, state_dict, *, strict: bool) -> None:
+    """What torch would refuse after loading part of the checkpoint, refused before anything is loaded, in one
+    :class:`~compfx.errors.BadInputError`: keys the model lacks or misses (``strict``), tensors of other shapes
+    than the model's (with ``assign=True`` too)."""
+    if not isinstance(state_dict, Mapping):
+        raise BadInputError(f"load_state_dict() takes a mapping of names to tensors; got {type(state_dict).__name__}.")
+    own = model.state_dict(keep_vars=True)
+    if strict and set(state_dict) != set(own):
+        missing, unexpected = sorted(set(own) - set(state_dict)), sorted(set(state_dict) - set(own))
+        raise BadInputError(
+            f"the state dict does not fit the model: {len(missing)} key(s) missing (e.g. {missing[:2]}), "
+            f"{len(unexpected)} the model lacks (e.g. {unexpected[:2]}); nothing was loaded. Load a checkpoint of "
+            "this model, or pass strict=False to load the keys it shares.")
+    other = [f"{name} {tuple(value.shape)} (the model's is {tuple(own[name].shape)})"
+             for name, value in state_dict.items()
+             if isinstance(value, torch.Tensor) and name in own
+             and isinstance(own[name], torch.Tensor) and value.shape != own[name].shape]
+    if other:
+        raise BadInputError(
+            f"the state dict's tensors have other shapes than the model's: {'; '.join(other[:3])}; nothing was "
+            "loaded. Load a checkpoint of this model; for another width, give the model layers of that width "
+            "first (the planned module captures it again at them).")
 
 
 def _check_same_parameters(source: fx.GraphModule, model: nn.Module) -> None:

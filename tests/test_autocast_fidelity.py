@@ -379,3 +379,30 @@ def test_amp_plan_differs_from_autocast_only_within_the_documented_bound_and_say
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
 def test_a_bitwise_model_has_no_fidelity_notes(name):
     assert _amp_against_autocast(name)[2].meta["compfx_fidelity_notes"] == []
+
+
+@pytest.mark.parametrize("use_cache_in", ["config", "batch"])
+def test_llama_in_its_training_configuration_is_autocast_bitwise(use_cache_in):
+    """Pretraining's configuration: no KV cache, no attention mask, labels in the batch. Eager calls SDPA with
+    ``is_causal=True`` once it has read ``position_ids`` (an ``arange``) and seen no packed sequences; the recorded
+    graph computes those values as eager does and takes the same path: the same kernel, the same bits."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    batch = {"input_ids": ids, "labels": ids}
+    if use_cache_in == "config":
+        config.use_cache = False
+    else:
+        batch["use_cache"] = False
+    model = transformers.LlamaForCausalLM(config).train()
+    analysis = compfx.analyze(model, batch)
+    assert analysis.verification.exact and not analysis.verification.notes
+    [attention] = {(n.kwargs.get("attn_mask"), n.kwargs.get("is_causal")) for n in analysis.graph_module.graph.nodes
+                   if n.target is F.scaled_dot_product_attention}
+    assert attention == (None, True)  # eager's call, not a 4-D mask built on FakeTensors
+    expected = seeded_grads(model, batch, autocast_dtype=torch.bfloat16)
+    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    assert_bitwise(expected, seeded_grads(gm, batch))
+    assert gm.meta["compfx_fidelity_notes"] == []

@@ -18,8 +18,10 @@ ROOT = Path(__file__).resolve().parents[1]
 #: A name is a module or a package (then every module in it, unless a longer name says otherwise).
 LAYERS: tuple[tuple[str, ...], ...] = (
     # the shared words, errors and file handling every stage uses; what a batch is, and the state a run of the
-    # user's model may change (RNG, buffers, training state), saved and put back
-    ("compfx.vocabulary", "compfx.errors", "compfx.opkey", "compfx.files", "compfx.state", "compfx.batches"),
+    # user's model may change (RNG, buffers, training state), saved and put back; the torch.compile settings of a
+    # planned program (a plan records them, the search and the backend compile with them)
+    ("compfx.vocabulary", "compfx.errors", "compfx.opkey", "compfx.files", "compfx.state", "compfx.batches",
+     "compfx.compile_options"),
     # model -> FX graph
     ("compfx.graph_capture",),
     # can it: classify, Tensor Core / FP8 / padding eligibility, the cast rules; and the plan (OpKey -> precision).
@@ -27,11 +29,12 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # is AMP's precision for the op, which the plan defines (plan.AMP_PRECISION); the analysis of a model's blocks
     # alone (regions, for per_module) is an analysis too
     ("compfx.oplists", "compfx.tensor_cores", "compfx.float8", "compfx.cast_policy", "compfx.analysis", "compfx.plan",
-     "compfx.regions"),
+     "compfx.plan_file", "compfx.plan_rules", "compfx.plan_export", "compfx.regions"),
     # graph rewrites
     ("compfx.passes",),
-    # a model + a plan -> the planned model (whole, or block by block); what a planned step saves
-    ("compfx.planned_module", "compfx.per_module", "compfx.memory"),
+    # a model + a plan -> the planned model (whole, or block by block); the captures it shares per input signature;
+    # what a planned step saves
+    ("compfx.planned_module", "compfx.signature_captures", "compfx.per_module", "compfx.memory"),
     # should it: timing, the cache, the cost model
     ("compfx.measure", "compfx.cache", "compfx.costmodel"),
     # decides: the stages, the evaluators, the orchestration of one search, its result and report

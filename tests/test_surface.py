@@ -22,10 +22,10 @@ ROOT = Path(__file__).resolve().parents[1]
 #: compfx.__all__ without the errors: what a user's path needs.
 PUBLIC = ["capture", "analyze", "Analysis", "OpInfo", "OpKey", "Precision", "Plan", "apply", "PlannedModule",
           "plan_blocks", "optimize", "SearchConfig", "DecisionRule", "SearchResult", "compile_with_plan", "backend",
-          "diagnose", "Diagnosis", "Guard", "cast_report"]
+          "CompileOptions", "diagnose", "Diagnosis", "Guard", "cast_report"]
 #: The errors in compfx.__all__: the ones a user catches.
-ERRORS = ["CompfxError", "CaptureError", "BadInputError", "PlanMismatchError", "PlanFileError", "FileWriteError",
-          "LogIntegrityError", "CacheKeyError", "SearchError", "PassError"]
+ERRORS = ["CompfxError", "CaptureError", "BadInputError", "PlanMismatchError", "PlanFileError", "PlanExportError",
+          "FileWriteError", "LogIntegrityError", "CacheKeyError", "SearchError", "PassError"]
 
 #: Every name of the old compfx.__all__ -> the module it is imported from now ("compfx": still at the top level).
 OLD_ALL = {

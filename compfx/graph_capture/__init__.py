@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import warnings
 from typing import Iterable, Mapping
 
@@ -68,6 +69,7 @@ from .autocast_blocks import (PINNED_META, AutocastRefusedError, autocast_probe,
                               mark_pinned)
 from .dtype_limits import LIMIT_META, mark_dtype_limits
 from .dtype_reads import DTYPE_READ_META, changed_dtype_reads
+from .held_state import HeldState
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
 from .model_state import (get_attribute, hooks_warning, named_tensors, stored_attributes_warning,
                           tracer_values_removed)
@@ -84,7 +86,7 @@ from .nodes import (
     renorms_weight,
     writes_input,
 )
-from .checkpoints import keep_checkpoints
+from .checkpoints import inline_checkpoint_bodies, keep_checkpoints, outline_checkpoint_regions
 from .record import is_kv_cache, record_capture, with_kv_caches_copied
 from .signature import (
     ExampleInputs,
@@ -104,6 +106,8 @@ from .verify import VERIFICATION_META, CaptureVerification, verify_capture
 __all__ = [
     "capture",
     "keep_checkpoints",
+    "inline_checkpoint_bodies",
+    "outline_checkpoint_regions",
     "CaptureVerification",
     "VERIFICATION_META",
     "CAPTURE_METHODS",
@@ -207,12 +211,19 @@ def capture(
     if method not in CAPTURE_METHODS:
         raise BadInputError(f"method={method!r}; expected one of {', '.join(map(repr, CAPTURE_METHODS))}.")
     args, kwargs = distinct_input_tensors(*normalize_example_inputs(example_inputs))  # one input, one placeholder
-    # rng_preserved: a forward that draws random numbers, or reseeds, leaves the caller's generators as they were
-    with _modes_restored(model), _fake_tensor_failures_quiet(), rng_preserved(*model_devices(model)):
+    # rng_preserved: a forward that draws random numbers, or reseeds, leaves the caller's generators as they were;
+    # _ONE_AT_A_TIME: the tracers patch process-wide state, which two captures at once would leave patched
+    with _ONE_AT_A_TIME, _modes_restored(model), _fake_tensor_failures_quiet(), rng_preserved(*model_devices(model)):
         if modes is not None:
             for name, module in model.named_modules():
                 module.training = modes.get(name, module.training)
-        gm = _capture_with(model, args, kwargs, leaf_modules, method, verify)
+        held = HeldState(model)  # the eager runs (verification, the failure check) are forward calls too
+        try:
+            gm = _capture_with(model, args, kwargs, leaf_modules, method, verify)
+        except Exception as error:
+            _refuse_replaced_modules(held, error)
+            raise
+        _refuse_replaced_modules(held)
     hooks = hooks_warning(model, leaves={n.target for n in gm.graph.nodes if n.op == "call_module"})
     if hooks:
         warnings.warn(hooks, stacklevel=2)
@@ -220,6 +231,14 @@ def capture(
     mark_dtype_limits(gm)
     mark_pinned(gm)
     return gm
+
+
+#: Captures take turns, in every thread. torch.fx's symbolic tracer replaces ``nn.Module.__call__`` and
+#: ``__getattr__`` while it traces, and compfx's tracers swap ``torch.autograd.Function.apply`` and register global
+#: module hooks (each passes other threads' calls through untouched); two traces at once would each put back what
+#: the other had patched, leaving every later module call of the process going to a finished tracer. Reentrant: a
+#: capture inside a capture (a planned block captured while its model runs under a tracer) is one thread's.
+_ONE_AT_A_TIME = threading.RLock()
 
 
 #: The tracers ``method="auto"`` tries, in order.
@@ -265,11 +284,28 @@ def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.Graph
 
 
 def _trace(tracer: str, model, args, kwargs, leaf_modules, device_type: str | None) -> fx.GraphModule:
-    with tracer_values_removed(model) as stored:  # what forward assigned to the model while tracing is the tracer's
-        gm = _trace_with(tracer, model, args, kwargs, leaf_modules, device_type)
+    held = HeldState(model)
+    try:
+        with tracer_values_removed(model) as stored:  # what forward assigned to the model while tracing is the tracer's
+            gm = _trace_with(tracer, model, args, kwargs, leaf_modules, device_type)
+    except Exception as error:
+        _refuse_replaced_modules(held, error)  # what the tracer failed on, when that is it
+        raise
+    _refuse_replaced_modules(held)
     if stored:
         warnings.warn(stored_attributes_warning(stored), stacklevel=5)
     return gm
+
+
+def _refuse_replaced_modules(held: HeldState, cause: BaseException | None = None) -> None:
+    """A forward that replaced submodules while it was traced: they are put back (the new ones hold the tracer's
+    values), and the capture refused, saying so."""
+    replaced = () if held.unchanged() else held.change().modules
+    if replaced:
+        held.put_back_modules()
+        raise CaptureError(f"forward() replaces submodules of the model when it runs ({', '.join(replaced[:3])}); a "
+                           "graph cannot hold that, and the new layers would not be the ones the optimizer trains. "
+                           "Create submodules in __init__ and only call them in forward") from cause
 
 
 def _trace_with(tracer: str, model, args, kwargs, leaf_modules, device_type: str | None) -> fx.GraphModule:

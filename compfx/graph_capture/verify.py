@@ -413,7 +413,7 @@ class _Replay:
         def pack(tensor):
             counted[0] += 1
             counted[1] += tensor.requires_grad
-            return tensor
+            return tensor.detach()  # not the tensor: an output saved by its own grad_fn would leak the graph
 
         outside = outside_torch_states() if fn is self.model else None
         try:

@@ -6,7 +6,10 @@
   (they are the search's: :mod:`compfx.search.distributed`).
 * :mod:`compfx.integrations.transformers` / :mod:`compfx.integrations.lightning`:
   ``CompfxCallback`` for Hugging Face's and Lightning's ``Trainer`` (optional
-  extras); :mod:`compfx.integrations.planned_training` is what they share.
+  extras), and Lightning's ``CompfxPrecision`` plugin;
+  :mod:`compfx.integrations.accelerate`: ``CompfxAccelerate``, a plan applied
+  before ``accelerator.prepare``; :mod:`compfx.integrations.planned_training`
+  is what they share.
 
 The ``torch.compile`` integration is the backend, :mod:`compfx.compile_backend`.
 """

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import hashlib
 import json
 import math
 import numbers
@@ -25,6 +26,7 @@ from typing import Callable
 
 import torch
 
+from ..compile_options import CompileOptions
 from ..errors import BadInputError
 from ..plan import Plan
 from ..vocabulary import Float8Recipe
@@ -38,6 +40,10 @@ CostFn = Callable[[Plan, float], float]
 DECIDES = "decides"
 #: Field metadata key: the function that gives a field's value as the log's first line writes it.
 LOGGED_AS = "logged_as"
+#: The most ``warmup``, ``repeats`` and the decision rule's ``rounds`` may be: each counts steps every sample or
+#: duel takes, and the search takes dozens of those; a thousand is already a search of hours on a model whose step
+#: takes a second.
+MAX_STEPS = 1000
 #: The seeds ``torch.manual_seed`` accepts.
 _SEED_MIN, _SEED_MAX = -(1 << 63), (1 << 64) - 1
 
@@ -153,6 +159,17 @@ class SearchConfig:
         search_pinned: ops inside the model's own ``torch.autocast(enabled=False)`` blocks are pinned to FP32
             (``OpInfo.pinned``), as autocast keeps them; the search never lowers them unless this is True,
             which searches them as the op kinds they are.
+        compile: measure every plan (FP32's, AMP's, the candidates, the duels, the step comparison and the loss
+            check) as the program :func:`compfx.compile_with_plan` trains, under these
+            :class:`~compfx.compile_options.CompileOptions`; ``True`` is ``CompileOptions()`` (Inductor), ``None``
+            or ``False`` measures the eager planned modules. Each plan is compiled in untimed warm-up (the
+            report's ``compile`` part); the chosen plan records the options (``plan.compile_options``), and
+            ``result.module`` is its compiled program. Off (None) by default, on every device: each plan measured
+            costs a compile, seconds to a minute with Inductor (on a CPU, gcc builds every kernel), which
+            outweighs the samples of a small model, and a model that trains eagerly is measured best eagerly.
+            Turn it on when you train under ``torch.compile``: fusion removes most of the casts an eager plan
+            pays for, so the compiled ranking of plans can differ from the eager one (on a GPU most of all). A
+            ``cost_fn`` sees the plan's ``compile_options`` too.
 
     Raises:
         BadInputError: a value of the wrong type or out of range, named with what was expected.
@@ -197,14 +214,19 @@ class SearchConfig:
     fp8_recipe: str = "tensorwise"
     verify_capture: bool = field(default=True, metadata={DECIDES: False})
     search_pinned: bool = False
+    compile: CompileOptions | bool | None = None
 
     def __post_init__(self):
         self._real("threshold", low=1, example="1.01 (accept plans whose loss is within 1% of FP32's)")
-        for name, low in (("stage1_budget", 1), ("stage2_budget", 1), ("warmup", 0), ("repeats", 1),
-                          ("stage2_check_batches", 0)):
+        for name, low in (("stage1_budget", 1), ("stage2_budget", 1), ("stage2_check_batches", 0)):
             self._int(name, low)
+        for name, low in (("warmup", 0), ("repeats", 1)):  # steps of every sample
+            self._int(name, low, MAX_STEPS, "steps per sample; more only makes a search that does not end")
         if not isinstance(self.decision, DecisionRule):
             _refuse("decision", self.decision, "a compfx.DecisionRule(margin=..., confidence=..., rounds=...)")
+        if self.decision.rounds > MAX_STEPS:
+            raise BadInputError(f"SearchConfig: DecisionRule(rounds={self.decision.rounds}); expected at most "
+                                f"{MAX_STEPS} pairs of steps per duel; more only makes a search that does not end.")
         try:
             self.decision.check_rounds()
         except BadInputError as error:
@@ -228,6 +250,12 @@ class SearchConfig:
         object.__setattr__(self, "fp8_recipe", Float8Recipe.parse(self.fp8_recipe, "SearchConfig(fp8_recipe)"))
         if self.cache_dir is not None and not isinstance(self.cache_dir, (str, os.PathLike)):
             _refuse("cache_dir", self.cache_dir, "a folder path (str or os.PathLike) or None")
+        if not (self.compile is None or isinstance(self.compile, (bool, CompileOptions))):
+            _refuse("compile", self.compile, "None or False (eager), True (torch.compile with Inductor) or a "
+                    "compfx.CompileOptions(...)")
+        object.__setattr__(self, "compile", CompileOptions.of(self.compile))
+        if self.compile is not None:
+            self.compile.check_available()  # an inner backend this process cannot run fails now, not mid-search
 
     def _int(self, name: str, low: int, high: int | None = None, what: str = "") -> None:
         """An integral field (not a bool) in [low, high], stored as a plain int."""
@@ -270,8 +298,9 @@ def decision_settings(config: SearchConfig) -> dict:
     Derived from the fields: each field that decides, as its JSON value (or its
     ``LOGGED_AS`` form); a nested config (the decision rule) as its own fields,
     under their own names, as logs wrote them before it was nested. ``cost_fn``
-    is recorded by its qualified name: a resumed search must use the same
-    function (a changed body under the same name cannot be told).
+    is recorded by its qualified name and a digest of its code
+    (:func:`_code_digest`): a resumed search must use the same function, and two
+    lambdas, which share the name ``<lambda>``, are told apart by what they compute.
 
     >>> settings = decision_settings(SearchConfig(progress=False))
     >>> "progress" in settings, settings["threshold"], settings["margin"], settings["predictor"], settings["cost_fn"]
@@ -294,8 +323,33 @@ def _same(value):
 
 
 def _json_value(value):
+    if isinstance(value, CompileOptions):
+        return value.to_dict()
     if callable(value):
-        return f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+        name = f"{getattr(value, '__module__', '?')}.{getattr(value, '__qualname__', type(value).__name__)}"
+        code = _code_digest(value)
+        return f"{name} (code {code})" if code else name
     if isinstance(value, float) and not math.isfinite(value):
         return repr(value)  # inf and nan are not JSON
     return json.loads(json.dumps(value))
+
+
+def _code_digest(function) -> str | None:
+    """A short digest of what a Python function computes: its bytecode, constants and names, and the values its
+    closure holds (numbers and strings; other objects by type); None for a callable without Python code (a
+    builtin, a callable object, whose name alone is recorded)."""
+    code = getattr(getattr(function, "__func__", function), "__code__", None)
+    if code is None:
+        return None
+    held = [getattr(cell, "cell_contents", None) for cell in (getattr(function, "__closure__", None) or ())]
+    held += list(getattr(function, "__defaults__", None) or ())
+    values = [v if isinstance(v, (int, float, str, bool, type(None))) else type(v).__qualname__ for v in held]
+    text = repr((code.co_code, _constants(code), code.co_names, values))
+    return hashlib.sha256(text.encode()).hexdigest()[:12]
+
+
+def _constants(code) -> tuple:
+    """``code``'s constants, nested code objects (a lambda inside it) by their own constants and bytecode."""
+    return tuple((c.co_code, _constants(c), c.co_names) if hasattr(c, "co_code")
+                 else tuple(sorted(map(repr, c))) if isinstance(c, frozenset) else c  # a set's order varies by run
+                 for c in code.co_consts)
