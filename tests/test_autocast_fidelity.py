@@ -403,6 +403,6 @@ def test_llama_in_its_training_configuration_is_autocast_bitwise(use_cache_in):
                    if n.target is F.scaled_dot_product_attention}
     assert attention == (None, True)  # eager's call, not a 4-D mask built on FakeTensors
     expected = seeded_grads(model, batch, autocast_dtype=torch.bfloat16)
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False).graph_module
     assert_bitwise(expected, seeded_grads(gm, batch))
     assert gm.meta["compfx_fidelity_notes"] == []

@@ -311,7 +311,7 @@ def decision_settings(config: SearchConfig) -> dict:
         if not f.metadata.get(DECIDES, True):
             continue
         value = getattr(config, f.name)
-        if dataclasses.is_dataclass(value):
+        if isinstance(value, DecisionRule):  # logged flat, under its fields' own names, as before it was nested
             settings.update(decision_settings(value))
         else:
             settings[f.name] = _json_value(f.metadata.get(LOGGED_AS, _same)(value))
