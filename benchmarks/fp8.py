@@ -41,7 +41,7 @@ import torch
 import torch.nn.functional as F
 
 import compfx
-from compfx.backend import compile_with_plan
+from compfx.compile_backend import compile_with_plan
 from compfx.float8 import fp8_runs_natively, require_torchao
 from compfx.measure import timed
 from compfx.vocabulary import dtype_name

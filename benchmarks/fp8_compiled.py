@@ -45,7 +45,7 @@ import torch
 import torch.nn as nn
 
 import compfx
-from compfx.backend import compile_with_plan
+from compfx.compile_backend import compile_with_plan
 from compfx.costmodel import roofline_cost
 from compfx.errors import CompfxError
 from compfx.float8 import fp8_runs_natively, require_torchao

@@ -242,7 +242,7 @@ def save_plan(plan: Plan, *, cache_dir: str | os.PathLike | None = None) -> Path
 
     The file records this search (``searched``: when, host, process) and, where
     the plan records them (:meth:`Plan.with_parameter_shapes`), the shapes of the parameters
-    the model's forward reads (:func:`compfx.analyze.parameter_shapes`): the compile backend runs the plan
+    the model's forward reads (:func:`compfx.analysis.parameter_shapes`): the compile backend runs the plan
     only for a graph that reads parameters of those shapes, not for another
     model whose ops are named alike (the same layers at other widths). Saves
     to one folder take turns; replacing a *different* plan that another process
@@ -425,7 +425,7 @@ def find_plan_covering(keys: Iterable[OpKey], *, low_dtype: torch.dtype | None =
     A lookup by op names alone: any cached model whose ops include these names
     matches, another model's too (a smaller model, the same layers at other
     widths, a piece of another model). The compile backend never uses it (see
-    :mod:`compfx.backend`); call it only where you know the keys are a piece
+    :mod:`compfx.compile_backend`); call it only where you know the keys are a piece
     of a model you searched, and pass the plan to ``compfx.backend`` yourself.
     """
     wanted = set(keys)

@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .capture import normalize_example_inputs
+from .graph_capture import normalize_example_inputs
 from .errors import BadInputError, CompfxError
 from .state import torch_rng_preserved
 from .vocabulary import dtype_name
@@ -264,7 +264,7 @@ def _seed(text: str) -> int:
 
 
 def _cmd_analyze(args) -> int:
-    from .analyze import analyze
+    from .analysis import analyze
 
     model = _build_model(args.model)
     inputs = _example_inputs(args)
@@ -338,7 +338,7 @@ def _same_file(a: str, b: str) -> bool:
 
 
 def _cmd_search(args) -> int:
-    from .optimize import optimize
+    from .optimization import optimize
     from .search.config import SearchConfig
 
     _check_search_data(args)
@@ -371,7 +371,7 @@ def _cmd_report(args) -> int:
 def _plan_to_show(args):
     """The plan file ``compfx plan show`` prints, and the model's analysis with ``--model`` (a file of rules alone
     becomes that model's plan)."""
-    from .analyze import analyze
+    from .analysis import analyze
     from .files import checked_path, read_json
     from .plan import MAX_PLAN_BYTES, Plan
 
@@ -453,7 +453,7 @@ def _add_search_parsers(sub) -> None:
 
 
 def _cmd_diagnose(args) -> int:
-    from .diagnose import diagnose
+    from .diagnosis import diagnose
     from .plan import Plan
 
     model = _build_model(args.model)

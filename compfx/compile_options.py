@@ -36,8 +36,8 @@ import torch
 
 from .errors import BadInputError, PlanFileError
 
-__all__ = ["CompileOptions", "MODES", "INNER_BACKENDS", "check_inner", "given_settings", "name_of", "dynamic_now",
-           "own_recompiles"]
+__all__ = ["CompileOptions", "MODES", "INNER_BACKENDS", "check_inner", "given_settings", "program_settings", "name_of",
+           "dynamic_now", "own_recompiles"]
 
 #: ``torch.compile``'s modes (:func:`torch._inductor.list_mode_options`); each is a set of Inductor config patches.
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -226,6 +226,31 @@ def given_settings(inner, mode, inductor_options, emulate_precision_casts) -> di
     if "emulate_precision_casts" in given and not isinstance(emulate_precision_casts, bool):
         raise BadInputError(f"emulate_precision_casts={emulate_precision_casts!r}; expected True, False or None.")
     return given
+
+
+def program_settings(options: "CompileOptions | None", **settings) -> dict:
+    """The compile settings given to :func:`~compfx.compile_backend.compile_with_plan`: those given one by one
+    (not None), or all of ``options``' (not both). ``dynamic`` and ``fullgraph`` are checked here, as
+    ``torch.compile`` would take a string for True; the backend checks the rest.
+
+    >>> program_settings(None, inner="aot_eager", mode=None, dynamic=False)
+    {'inner': 'aot_eager', 'dynamic': False}
+    """
+    dynamic, fullgraph = settings.get("dynamic"), settings.get("fullgraph")
+    if dynamic is not None and not isinstance(dynamic, bool):
+        raise BadInputError(f"dynamic={dynamic!r}; expected None (torch.compile decides), True or False.")
+    if fullgraph is not None and not isinstance(fullgraph, bool):
+        raise BadInputError(f"fullgraph={fullgraph!r}; expected True or False (a string such as 'no' would be "
+                            "taken as True).")
+    given = {name: value for name, value in settings.items() if value is not None}
+    if options is None:
+        return given
+    if given:
+        raise BadInputError(f"compile_with_plan got options= and {sorted(given)}; pass the settings either as "
+                            "options=CompileOptions(...) or one by one, not both.")
+    if not isinstance(options, CompileOptions):
+        raise BadInputError(f"options={options!r}; expected a compfx.CompileOptions or None.")
+    return options.to_dict()
 
 
 def name_of(inner):

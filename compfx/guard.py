@@ -8,10 +8,10 @@ that was safe at step 100 may overflow at step 50,000. Used like ``GradScaler``:
     guard.step(optimizer, loss)                # steps, or skips the step and repairs the plan
 
 On a non-finite loss or gradient the guard skips the optimizer step, finds the
-op(s) where the non-finite values start (:func:`compfx.diagnose.diagnose_inputs`
+op(s) where the non-finite values start (:func:`compfx.diagnosis.diagnose_inputs`
 on the same batch, backward from the gradient that reached the module's
 output in this step) and moves them, or when they already run in FP32 their
-producers, to FP32 with :meth:`~compfx.apply.PlannedModule.replan`: the same
+producers, to FP32 with :meth:`~compfx.planned_module.PlannedModule.replan`: the same
 module object, the same Parameters, so the optimizer keeps working. It checks
 the repaired plan on the same batch and repairs again while non-finite values
 remain (at most ``max_rounds`` times). With gradient accumulation (several
@@ -52,11 +52,11 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.utils import _pytree as pytree
 
-from .apply import PlannedModule
-from .diagnose import Diagnosis, diagnose_inputs, rng_state, shadow_graph_of, untouched_state
+from .planned_module import PlannedModule
+from .diagnosis import Diagnosis, diagnose_inputs, rng_state, shadow_graph_of, untouched_state
 from .errors import BadInputError, PlanFileError, PlanMismatchError
 from .opkey import OpKey
-from .optimize import needs_closure
+from .optimization import needs_closure
 from .plan import Plan
 from .search.log import SearchLog
 from .state import dense_values
@@ -88,37 +88,56 @@ class Repair:
 
 
 class Guard:
-    """Watches a :class:`~compfx.apply.PlannedModule` during training; repairs its plan in place when it overflows.
+    """Watches a :class:`~compfx.PlannedModule` during training; repairs its plan in place when it overflows.
 
-    ``check_every`` checks the loss and gradients for non-finite values every
-    that many steps (1: every step; between checks a non-finite step reaches
-    the optimizer). ``shadow_every`` (None: never) compares with an FP32 shadow
-    run; ``loss_fn(output, batch)`` and ``step(..., batch=)`` make that a loss
-    comparison. ``scaler`` is the fp16 run's ``GradScaler``; ``log`` a
-    :class:`~compfx.SearchLog` (or its path) to note repairs in.
+    Used like ``GradScaler``: ``guard.step(optimizer, loss)`` after the
+    backward steps the optimizer, or, on a non-finite loss or gradient, skips
+    the step and moves the op(s) where the non-finite values start to FP32 in
+    the same module (same Parameters). The module docstring has the details.
 
-    >>> import torch, compfx
-    >>> from compfx.apply import PlannedModule
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    >>> a = compfx.analyze(model, torch.randn(3, 4), low_dtype=torch.float16)
-    >>> fast = PlannedModule(model, compfx.Plan.amp(a), analysis=a)
-    >>> opt, guard = torch.optim.SGD(model.parameters(), lr=0.1), compfx.Guard(fast)
-    >>> fast(torch.randn(3, 4)).sum().backward(); guard.step(opt, torch.tensor(1.0))  # all finite: it steps
-    True
-    >>> with torch.no_grad(): _ = model[1].weight.mul_(1e6)  # now the second linear overflows fp16
-    >>> loss = fast(torch.full((3, 4), 10.0)).sum(); opt.zero_grad(); loss.backward()
-    >>> guard.step(opt, loss), [(str(r.key), r.reason) for r in guard.repairs]
-    (False, [('1:linear#0', 'non-finite loss')])
-    >>> fast.plan[compfx.OpKey("1", "linear", 0)]
-    <Precision.FP32: 'fp32'>
+    Args:
+        planned: the module to watch: ``compfx.apply``'s, or ``compfx.optimize(...).module``.
+        scaler: the fp16 run's ``torch.amp.GradScaler``: non-finite gradients under a finite loss are its to
+            handle while its scale is at least ``min_scale``.
+        check_every: check the loss and gradients every that many steps (1: every step; between checks a
+            non-finite step reaches the optimizer).
+        shadow_every: compare with an FP32 shadow run every that many steps (None: never); past
+            ``drift_threshold`` the op that adds the most error moves to FP32.
+        drift_threshold: the relative difference from the FP32 shadow that counts as drift.
+        loss_fn: ``loss_fn(output, batch)``: with ``step(..., batch=)``, the shadow compares losses (else the
+            module's outputs).
+        log: a search log (:class:`~compfx.search.SearchLog`, or its path, added to) to note repairs in.
+        max_rounds: most repairs of one step while non-finite values remain.
+        min_scale: the GradScaler scale below which non-finite gradients count as the plan's.
+
+    Raises:
+        BadInputError: ``planned`` is not a PlannedModule, or a setting is out of range or of another type (a bool
+            is not a number, NaN is refused). ``step`` refuses, before anything changes, an optimizer that holds
+            none of the module's parameters, and a call without a backward since the last one.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> a = compfx.analyze(model, torch.randn(3, 4), low_dtype=torch.float16)
+        >>> fast = compfx.apply(model, compfx.Plan.amp(a), analysis=a)
+        >>> opt, guard = torch.optim.SGD(model.parameters(), lr=0.1), compfx.Guard(fast)
+        >>> fast(torch.randn(3, 4)).sum().backward(); guard.step(opt, torch.tensor(1.0))  # all finite: it steps
+        True
+        >>> with torch.no_grad(): _ = model[1].weight.mul_(1e6)  # now the second linear overflows fp16
+        >>> loss = fast(torch.full((3, 4), 10.0)).sum(); opt.zero_grad(); loss.backward()
+        >>> guard.step(opt, loss), [(str(r.key), r.reason) for r in guard.repairs]
+        (False, [('1:linear#0', 'non-finite loss')])
+        >>> fast.plan[compfx.OpKey("1", "linear", 0)]
+        <Precision.FP32: 'fp32'>
     """
 
     def __init__(self, planned: PlannedModule, *, scaler=None, check_every: int = 1, shadow_every: int | None = None,
                  drift_threshold: float = 0.05, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  log: SearchLog | str | os.PathLike | None = None, max_rounds: int = 8, min_scale: float = 1.0):
         if not isinstance(planned, PlannedModule):
-            raise BadInputError(f"Guard watches a compfx PlannedModule (optimize(...).module, or "
-                                f"compfx.PlannedModule(model, plan, analysis=...)); got {type(planned).__name__}. "
+            raise BadInputError(f"Guard watches a compfx PlannedModule (compfx.apply(model, plan, ...), or "
+                                f"optimize(...).module); got {type(planned).__name__}. "
                                 "It repairs the module's plan in place, so it needs the module that runs one.")
         _check_count(check_every, "check_every")
         if shadow_every is not None:
@@ -142,7 +161,7 @@ class Guard:
         self.check_every, self.shadow_every, self.drift_threshold = check_every, shadow_every, float(drift_threshold)
         self.max_rounds, self.min_scale = max_rounds, float(min_scale)
         if log is not None and not isinstance(log, (str, os.PathLike, SearchLog)):
-            raise BadInputError(f"log={log!r}; expected a search log's path, a compfx.SearchLog, or None.")
+            raise BadInputError(f"log={log!r}; expected a search log's path, a compfx.search.SearchLog, or None.")
         # a path is added to (the search's own log, say), never truncated
         self.log = SearchLog.append_to(log) if isinstance(log, (str, os.PathLike)) else log
         self.repairs: list[Repair] = []

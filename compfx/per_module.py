@@ -1,8 +1,7 @@
-"""Plans applied per block: ``compfx.apply(model, plan, analysis=..., per_module=(Block, ...))``.
+"""Plans applied per block: ``compfx.plan_blocks(model, plan, blocks=(Block, ...))``.
 
-:func:`compfx.apply` without ``per_module`` turns the whole model into one
-GraphModule whose parameters are ``get_attr`` nodes: the blocks' own forwards
-never run, so whatever is attached to a block (FSDP2's per-block all-gather
+:func:`compfx.apply` turns the whole model into planned GraphModules whose
+parameters are ``get_attr`` nodes: the blocks' own forwards never run, so whatever is attached to a block (FSDP2's per-block all-gather
 hooks, activation checkpointing, user hooks) never fires. Here the model stays
 the user's object: each submodule of the given types (the outermost ones) is
 replaced, in its parent, by a :class:`PlannedBlock` that
@@ -43,12 +42,13 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .analyze import Analysis, analyze_graph
+from .analysis import Analysis, analyze_graph
 from .batches import model_device
 from .cast_policy import check_weights_dtype, run_as_planned, weights_dtype
-from .capture import capture, describe_inputs, input_signature, keep_checkpoints, modes_of, normalize_example_inputs
-from .capture.held_state import HeldState, check_computable
 from .errors import BadInputError, CaptureError, PlanMismatchError
+from .graph_capture import (capture, describe_inputs, input_signature, keep_checkpoints, modes_of,
+                            normalize_example_inputs)
+from .graph_capture.held_state import HeldState, check_computable
 from .float8 import fp8_fallbacks
 from .opkey import OpKey
 from .passes import apply_precisions
@@ -311,13 +311,13 @@ def _read_state_through(gm: fx.GraphModule, owner: nn.Module) -> None:
 def apply_per_module(model: nn.Module, plan: Plan, analysis: Analysis, per_module, *,
                      restore_output_dtypes: bool = True) -> nn.Module:
     """Replace each block of the ``per_module`` types in ``model`` by a :class:`PlannedBlock` running ``plan``
-    (blocks planned already switch plans); returns ``model`` itself. ``compfx.apply(..., per_module=...)``
+    (blocks planned already switch plans); returns ``model`` itself. ``compfx.plan_blocks``
     calls this after it validated the plan against ``analysis``.
 
     >>> import torch, compfx
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> a = compfx.analyze(model, torch.randn(3, 4))
-    >>> same = compfx.apply(model, compfx.Plan.amp(a), analysis=a, per_module=torch.nn.Linear)
+    >>> same = apply_per_module(model, compfx.Plan.amp(a), a, torch.nn.Linear)
     >>> same is model, type(model[0]).__name__, list(model.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     (True, 'PlannedBlock', True)
     """
@@ -351,7 +351,7 @@ def plan_blocks_fp32(model: nn.Module, example_inputs, per_module, *, device=Non
     this: every sample then trains the user's model as it is wrapped (FSDP2,
     activation checkpointing), with its plan switched into the same blocks
     (:meth:`PlannedBlock.use_plan`). Blocks planned already
-    (``compfx.apply(..., per_module=...)`` before ``fully_shard``) are kept as
+    (``compfx.plan_blocks`` before ``fully_shard``) are kept as
     they are. The blocks' captures made here are the ones each block would make.
 
     >>> import torch
@@ -380,7 +380,7 @@ def restore_blocks(model: nn.Module) -> nn.Module:
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> first = model[0]
     >>> a = compfx.analyze(model, torch.randn(3, 4))
-    >>> _ = compfx.apply(model, compfx.Plan.amp(a), analysis=a, per_module=torch.nn.Linear)
+    >>> _ = compfx.plan_blocks(model, compfx.Plan.amp(a), analysis=a, blocks=torch.nn.Linear)
     >>> restore_blocks(model)[0] is first, type(model[2]).__name__
     (True, 'Linear')
     """

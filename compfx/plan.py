@@ -29,7 +29,7 @@ device type than the model it is applied to, the plan still applies (op keys
 and casts do not depend on either) and a warning says that its precisions were
 measured elsewhere, so a search on this setup may choose differently. (The
 compile backend's plan cache is stricter: it never runs a cached plan searched on
-another device type; see :mod:`compfx.backend`.)
+another device type; see :mod:`compfx.compile_backend`.)
 
 A plan can be written and read as rules over module paths and op kinds
 (:meth:`Plan.from_rules`, :meth:`Plan.rules`; :mod:`compfx.plan_rules`), and a
@@ -113,16 +113,36 @@ class Assignment(tuple):
 class Plan(Mapping[OpKey, Precision]):
     """Immutable mapping OpKey -> :class:`Precision` for one model (its fingerprint) and one low dtype.
 
-    ``fp8_recipe`` is how its ``fp8`` ops scale (default ``"tensorwise"``); it is
-    None in a plan without ``fp8`` ops.
+    Build one from an analysis (:meth:`fp32`, :meth:`amp`, :meth:`uniform`,
+    :meth:`from_bitstring`, :meth:`from_assignment`, :meth:`from_rules`), from a file
+    (:meth:`load`), or take ``compfx.optimize(...).plan``; the constructor
+    itself is for plans read from elsewhere. Plans are equal when their
+    precisions, low dtype, fingerprint, FP8 recipe and padding are.
 
-    >>> import torch, compfx
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    >>> a = compfx.analyze(model, torch.randn(3, 4))
-    >>> compfx.Plan.amp(a).bitstring(a)
-    '0f0'
-    >>> compfx.Plan.from_bitstring(a, "101").bitstring(a)
-    '101'
+    Args:
+        entries: op key -> precision (``"low"``, ``"fp32"``, ``"follow"``, ``"fp8"`` or a :class:`Precision`).
+        low_dtype: what "low" means: ``torch.bfloat16`` or ``torch.float16``.
+        fingerprint: the fingerprint of the model's analysis (``analysis.fingerprint``).
+        fp8_recipe: how its ``fp8`` ops scale (default ``"tensorwise"``); None in a plan without ``fp8`` ops.
+        padded: the ops padded to the Tensor Core multiple (:meth:`with_padding`).
+        device_type: the device type it was made for (``"cpu"``, ``"cuda"``), or None.
+        parameter_shapes: the shapes of the parameters it was searched on (:meth:`with_parameter_shapes`).
+        compile_options: the ``torch.compile`` settings a compiled search measured it under
+            (:class:`~compfx.compile_options.CompileOptions`), or None: searched eagerly.
+
+    Raises:
+        PlanMismatchError: a key that is not an OpKey, an unknown precision, low dtype or device type, or a
+            fingerprint that is not one compfx makes.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> a = compfx.analyze(model, torch.randn(3, 4))
+        >>> compfx.Plan.amp(a).bitstring(a)
+        '0f0'
+        >>> compfx.Plan.from_bitstring(a, "101").bitstring(a)
+        '101'
     """
 
     __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe", "padded", "device_type", "parameter_shapes",
@@ -158,7 +178,7 @@ class Plan(Mapping[OpKey, Precision]):
                                     "'cuda', or None.")
         # where it was made for (metadata: plans equal in their precisions are equal, wherever they were made)
         object.__setattr__(self, "device_type", device_type)
-        # what it was searched for: the shapes of the model's parameters (compfx.analyze.parameter_shapes); op keys
+        # what it was searched for: the shapes of the model's parameters (compfx.analysis.parameter_shapes); op keys
         # name layers, not widths, so this tells the model a plan file was searched on from the same layers resized
         object.__setattr__(self, "parameter_shapes", _checked_shapes(parameter_shapes))
         # how the search that chose it measured its program (metadata too: None, eagerly)
@@ -211,19 +231,38 @@ class Plan(Mapping[OpKey, Precision]):
     # -- constructors --------------------------------------------------------
     @classmethod
     def uniform(cls, analysis, precision: Precision | str, *, fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
-        """Every op at one precision."""
+        """Every op of ``analysis`` at one ``precision`` (``"low"``, ``"fp32"``, ``"follow"`` or ``"fp8"``, with
+        ``fp8_recipe``).
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.uniform(a, "low").bitstring(a)
+        '00'
+        """
         return cls({op.key: precision for op in analysis.ops}, low_dtype=analysis.low_dtype,
                    fingerprint=analysis.fingerprint, fp8_recipe=fp8_recipe, device_type=analysis.device.type)
 
     @classmethod
     def fp32(cls, analysis) -> "Plan":
-        """Every op in FP32: numerically the original model."""
+        """Every op of ``analysis`` in FP32: the original model, bit for bit.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.fp32(a).bitstring(a)
+        '11'
+        """
         return cls.uniform(analysis, Precision.FP32)
 
     @classmethod
     def amp(cls, analysis) -> "Plan":
         """What ``torch.autocast`` does: whitelist low, blacklist FP32, the rest follow; FP32 for the ops the
-        model pins in its own ``autocast(enabled=False)`` blocks (``OpInfo.pinned``), where autocast casts nothing."""
+        model pins in its own ``autocast(enabled=False)`` blocks (``OpInfo.pinned``), where autocast casts nothing.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.amp(a).bitstring(a)  # the linear low (autocast's whitelist), the relu follows its input
+        '0f'
+        """
         return cls({op.key: Precision.FP32 if getattr(op, "pinned", False) else AMP_PRECISION[op.category]
                     for op in analysis.ops}, low_dtype=analysis.low_dtype, fingerprint=analysis.fingerprint,
                    device_type=analysis.device.type)
@@ -231,7 +270,16 @@ class Plan(Mapping[OpKey, Precision]):
     @classmethod
     def from_assignment(cls, analysis, assignment: Iterable, *,
                         fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
-        """The plan that gives ``analysis.ops[i]`` the precision ``assignment[i]``."""
+        """The plan that gives ``analysis.ops[i]`` the precision ``assignment[i]``.
+
+        Raises:
+            PlanMismatchError: not one precision per op.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.from_assignment(a, ["low", "follow"]).bitstring(a)
+        '0f'
+        """
         assignment = Assignment(assignment)
         if len(assignment) != len(analysis.ops):
             raise PlanMismatchError(
@@ -243,7 +291,16 @@ class Plan(Mapping[OpKey, Precision]):
 
     @classmethod
     def from_bitstring(cls, analysis, bits: str, *, fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
-        """CoMP's string form: one character per ``analysis.ops`` entry ('0' low, '1' FP32, 'f' follow, '8' FP8)."""
+        """CoMP's string form: one character per ``analysis.ops`` entry ('0' low, '1' FP32, 'f' follow, '8' FP8).
+
+        Raises:
+            PlanMismatchError: not one character per op, or one that is none of these.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.from_bitstring(a, "1f")[compfx.OpKey("0", "linear", 0)]
+        <Precision.FP32: 'fp32'>
+        """
         if isinstance(bits, str) and len(bits) != len(analysis.ops):
             raise PlanMismatchError(
                 f"bitstring has length {len(bits)}, but the model has {len(analysis.ops)} ops; "
@@ -317,11 +374,11 @@ class Plan(Mapping[OpKey, Precision]):
 
     def with_parameter_shapes(self, shapes: Iterable[Iterable[int]] | None) -> "Plan":
         """A copy that records the shapes of the parameters of the model it was searched on
-        (:func:`compfx.analyze.parameter_shapes`; a search's chosen plan records them), so that
+        (:func:`compfx.analysis.parameter_shapes`; a search's chosen plan records them), so that
         :func:`compfx.apply` can say when a plan file meets the same layers at other widths.
 
         >>> import torch, compfx
-        >>> from compfx.analyze import parameter_shapes
+        >>> from compfx.analysis import parameter_shapes
         >>> a = compfx.analyze(torch.nn.Linear(4, 8), torch.randn(2, 4))
         >>> compfx.Plan.amp(a).with_parameter_shapes(parameter_shapes(a.graph_module)).parameter_shapes
         ((8,), (8, 4))
@@ -349,7 +406,7 @@ class Plan(Mapping[OpKey, Precision]):
         Every key must be in the plan and not at ``fp8`` (the float8 path has
         its own shape rule). Given the ``analysis``, each op must be
         ``pad_eligible`` there too; :meth:`validate` (which :func:`compfx.apply`
-        and :class:`~compfx.apply.PlannedModule` call) checks that in any case.
+        and :class:`~compfx.planned_module.PlannedModule` call) checks that in any case.
         A refused key is a :class:`~compfx.errors.PlanMismatchError`.
 
         >>> import torch, compfx
@@ -545,13 +602,30 @@ class Plan(Mapping[OpKey, Precision]):
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, analysis=None) -> "Plan":
-        """Read a plan written by :meth:`save`, or a file of rules alone (then for the model of ``analysis``).
+        """Read a plan written by :meth:`save`, or a file of rules alone (then for the model of ``analysis``). A
+        plan of ops is checked against a model when applied.
 
-        A missing, oversized (over :data:`MAX_PLAN_BYTES`, checked before
-        reading), binary, corrupt or invalid file raises :class:`PlanFileError`,
-        as does a path that is not a regular file (a FIFO is refused, not waited
-        on); a path that is not one (None, a NUL character) is a
-        :class:`~compfx.errors.BadInputError`.
+        Args:
+            path: the plan file.
+            analysis: the model's :class:`~compfx.analysis.Analysis`, needed only for a file of rules alone.
+
+        Returns:
+            Plan: the plan, with the metadata the file carries (fingerprint, low dtype, device type, torch
+            release, parameter shapes, compile options).
+
+        Raises:
+            PlanFileError: a missing, oversized (over :data:`MAX_PLAN_BYTES`, checked before reading), binary,
+                corrupt or invalid file, or a path that is not a regular file (a FIFO is refused, not waited on);
+                a file of rules alone without ``analysis``.
+            PlanMismatchError: a file of rules alone for another low dtype than ``analysis``'s.
+            BadInputError: a path that is not one (None, a NUL character).
+
+        >>> import torch, compfx, tempfile, os
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
+        >>> compfx.Plan.amp(a).save(path)
+        >>> compfx.Plan.load(path) == compfx.Plan.amp(a)
+        True
         """
         data = read_json(checked_path(path, "plan file"), "plan file", max_bytes=MAX_PLAN_BYTES)
         return cls.from_dict(data, source=f"plan file {os.fspath(path)}", analysis=analysis)
@@ -609,5 +683,5 @@ def _checked_shapes(shapes) -> tuple[tuple[int, ...], ...] | None:
         checked = None
     if checked is None or not all(type(d) is int and d >= 0 for shape in checked for d in shape):
         raise PlanMismatchError(f"parameter_shapes={str(shapes)[:80]}; expected shapes (sequences of sizes), as "
-                                "compfx.analyze.parameter_shapes gives them, or None.")
+                                "compfx.analysis.parameter_shapes gives them, or None.")
     return checked

@@ -92,7 +92,7 @@ def float8_matmuls(gm: fx.GraphModule, precisions, *, recipe: Float8Recipe | str
     >>> import torch, compfx
     >>> from compfx.passes import float8_matmuls
     >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(32, 16)), torch.randn(16, 32))
-    >>> gm = float8_matmuls(gm, {n.meta["compfx_key"]: "fp8" for n in compfx.op_nodes(gm)})
+    >>> gm = float8_matmuls(gm, {n.meta["compfx_key"]: "fp8" for n in compfx.graph_capture.op_nodes(gm)})
     >>> gm.get_submodule("0_fp8"), gm(torch.randn(16, 32)).dtype
     (Float8Matmul(recipe=tensorwise, emulate=True), torch.float32)
     """

@@ -17,8 +17,8 @@ import torch.nn as nn
 
 import compfx
 from compfx import cache
-from compfx.apply import apply
-from compfx.backend import backend, compfx_backend, compile_with_plan, registered_backend
+from compfx.planned_module import apply
+from compfx.compile_backend import backend, compfx_backend, compile_with_plan, registered_backend
 from compfx.errors import BadInputError, PlanFileError
 from compfx.opkey import OpKey
 from compfx.passes import count_casts

@@ -134,7 +134,7 @@ def test_all_low_saves_fewer_activation_bytes_than_fp32(name):
 
     fp32 = saved_activation_bytes(model)
     assert saved_activation_bytes(model, _bf16_autocast()) < fp32
-    apply_module = pytest.importorskip("compfx.apply")
+    apply_module = pytest.importorskip("compfx.planned_module")
     import compfx
 
     analysis = compfx.analyze(model, batch[:-1], low_dtype=torch.bfloat16)

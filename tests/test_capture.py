@@ -11,7 +11,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compfx.capture import capture, key_dynamo_graph, op_nodes
+from compfx.graph_capture import capture, key_dynamo_graph, op_nodes
 from compfx.errors import CaptureError
 from zoo import ZOO, make
 
@@ -141,7 +141,7 @@ def test_a_graph_split_off_inside_a_submodule_needs_the_model_for_its_names():
 
 
 def test_the_old_backend_keying_name_warns_and_keys_as_key_dynamo_graph():
-    from compfx.backend import key_backend_graph
+    from compfx.compile_backend import key_backend_graph
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
     seen = []
@@ -452,7 +452,7 @@ def test_div_method_calls_are_captured_as_division(method):
 # -- small cases found while splitting capture into a package ----------------------------------
 
 def test_a_leaf_module_whose_name_ends_in_an_underscore_writes_nothing():
-    from compfx.capture import writes_input
+    from compfx.graph_capture import writes_input
     from compfx.cast_policy import mutated_positions
 
     class Net(torch.nn.Module):
@@ -492,7 +492,7 @@ def test_a_leaf_module_returning_a_namedtuple_is_captured():
 
 
 def test_an_input_signature_with_a_nan_float_matches_itself():
-    from compfx.capture import input_signature
+    from compfx.graph_capture import input_signature
 
     x = torch.randn(2, 3)
     assert input_signature((x, float("nan")), {}, True) == input_signature((x, float("nan")), {}, True)

@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.apply import apply
+from compfx.planned_module import planned_graph
 from compfx.cache import profile_folder
 from compfx.costmodel import (CastCost, CompiledPredictor, CompileSpec, KernelCost, OpProfile, OpProfiles, Predictor,
                               Roofline, SearchPredictor, fuse, profile_compiled_ops, roofline_cost, roofline_profiles)
@@ -73,7 +73,7 @@ def test_compiled_pricing_charges_no_cast_between_two_fused_elementwise_ops_wher
     a = compfx.analyze(model, torch.randn(8, 16), low_dtype=LOW)
     relu, gelu = a.ops[1].key, a.ops[2].key
     plan = compfx.Plan.fp32(a).with_precisions({relu: Precision.FP32, gelu: Precision.LOW})
-    graph = apply(model, plan, analysis=a)
+    graph = planned_graph(model, plan, a)
     between = [n.name for n in graph.graph.nodes if n.op == "call_method" and n.args and n.args[0].name == "relu"]
     assert len(between) == 1  # relu's output cast to bf16 for gelu: the cast under test
 
@@ -98,7 +98,7 @@ def test_the_fusion_rule_on_small_graphs(case, low, charged, fused, kernels):
     a = compfx.analyze(model, x, low_dtype=LOW)
     lowered = {op.key: Precision.LOW for op in a.ops
                if op.kind in ("linear", "matmul") and (low == "all" or op.key.module in low.split())}
-    graph = apply(model, compfx.Plan.fp32(a).with_precisions(lowered), analysis=a)
+    graph = planned_graph(model, compfx.Plan.fp32(a).with_precisions(lowered), a)
     fusion = fuse(graph)
     sources = {node.name: node.args[0].name for node in graph.graph.nodes if node.op == "call_method"}
     activations = [c for c in fusion.charged_casts if not c.parameter]

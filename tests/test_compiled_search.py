@@ -22,7 +22,7 @@ from torch._dynamo.backends.common import aot_autograd
 import compfx
 from compfx import CompileOptions, SearchConfig
 from compfx import cache, measure
-from compfx.backend import compile_with_plan, registered_backend
+from compfx.compile_backend import compile_with_plan, registered_backend
 from compfx.errors import BadInputError, PlanFileError, SearchError
 from compfx.search import sampling
 from compfx.search.compiled import CompiledRunner

@@ -1,6 +1,7 @@
 """`python examples/train_gpt.py --tiny`: the nanoGPT-style example searches a plan and trains FP32, AMP and compfx."""
 
 import math
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +11,10 @@ EXAMPLE = Path(__file__).resolve().parent.parent / "examples" / "train_gpt.py"
 
 def test_train_gpt_tiny_runs_and_reports_three_runs(tmp_path):
     log = tmp_path / "search.jsonl"
+    root = str(EXAMPLE.parent.parent)  # this checkout's compfx, installed or not
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [root, os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, str(EXAMPLE), "--tiny", "--log", str(log)], capture_output=True,
-                          text=True, timeout=300, cwd=tmp_path)
+                          text=True, timeout=300, cwd=tmp_path, env=env)
     assert done.returncode == 0, done.stderr[-3000:]
     lines = done.stdout.splitlines()
     assert any(line.startswith("compfx plan ") for line in lines)

@@ -26,8 +26,8 @@ import torch.nn.functional as F
 
 import compfx
 from compfx import cache
-from compfx.apply import apply
-from compfx.backend import backend, compile_with_plan, registered_backend
+from compfx.planned_module import apply
+from compfx.compile_backend import backend, compile_with_plan, registered_backend
 from compfx.cli import main
 from compfx.costmodel import SearchPredictor, fit_cast_cost, profile_ops
 from compfx.errors import (BadInputError, CacheKeyError, CompfxError, FileWriteError, LogIntegrityError,
@@ -36,16 +36,16 @@ from compfx.measure import Conditions
 from compfx.plan import Plan
 from compfx.search import FunctionEvaluator, SearchConfig, SearchSpace, run_stage1
 from compfx.search.log import DIGEST, SearchLog
-from compfx.apply import PlannedModule
+from compfx.planned_module import PlannedModule
 from compfx.state import restore_state, snapshot_state
 from test_reliability import Tiny
 from tests.helpers import nll
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
-backend_module = importlib.import_module("compfx.backend")  # compfx.backend is also the name of a function
+backend_module = importlib.import_module("compfx.compile_backend")
 
-QUICK = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor="off")
+QUICK = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor=False)
 
 
 class Other(nn.Module):

@@ -16,7 +16,7 @@ import torch
 import torch.nn as nn
 
 import compfx
-from compfx.apply import PlannedModule
+from compfx.planned_module import PlannedModule
 from compfx.errors import BadInputError, PlanMismatchError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.analyze import Analysis, OpInfo
+from compfx.analysis import Analysis, OpInfo
 from compfx.cli import main
 from compfx.errors import BadInputError, PlanFileError, PlanMismatchError
 from compfx.opkey import OpKey

@@ -12,8 +12,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
-from compfx.apply import PlannedModule
-from compfx.backend import compile_with_plan
+from compfx.planned_module import PlannedModule
+from compfx.compile_backend import compile_with_plan
 from compfx.cli import main
 from compfx.errors import BadInputError, CompfxError, PlanFileError, PlanMismatchError
 
@@ -192,11 +192,16 @@ def test_cli_search_refuses_batches_on_meta_from_a_data_factory(capsys):
 
 # -- the search's settings and arguments ------------------------------------------------------------
 
-@pytest.mark.parametrize("name", ["rounds", "repeats", "warmup"])
+@pytest.mark.parametrize("name", ["repeats", "warmup"])
 def test_search_config_refuses_step_counts_that_would_not_end(name):
     # before: SearchConfig(rounds=10**9) was accepted, and the search ran for ever
     with pytest.raises(BadInputError, match=f"{name}=1000000000.*\\[.*, 1000\\]"):
         compfx.SearchConfig(**{name: 10 ** 9})
+
+
+def test_search_config_refuses_duels_that_would_not_end():
+    with pytest.raises(BadInputError, match="rounds=1000000000.*at most 1000"):
+        compfx.SearchConfig(decision=compfx.DecisionRule(rounds=10 ** 9))
 
 
 class ReturnsText(nn.Module):

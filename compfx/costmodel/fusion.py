@@ -13,16 +13,17 @@ and writing its outputs once. So a compiled plan costs, per step:
   ops read it), or a cast between extern ops or from a graph input. Per-use casts of one tensor to one dtype are
   one kernel (the compiler's common-subexpression elimination merges them).
 
-:func:`fuse` applies this rule to a graph with fresh ``meta["val"]`` (as :func:`compfx.apply` makes it); the
+:func:`fuse` applies this rule to a graph with fresh ``meta["val"]`` (as
+:func:`compfx.planned_module.planned_graph` makes it); the
 pricing is :mod:`compfx.costmodel.compiled_pricing`'s.
 
 >>> import torch, compfx
->>> from compfx.apply import apply
+>>> from compfx.planned_module import planned_graph
 >>> model = torch.nn.Sequential(torch.nn.Linear(16, 16), torch.nn.ReLU(), torch.nn.GELU(), torch.nn.Linear(16, 16))
 >>> a = compfx.analyze(model, torch.randn(8, 16))
 >>> relu, gelu = a.ops[1].key, a.ops[2].key
 >>> plan = compfx.Plan.fp32(a).with_precisions({gelu: "low"})  # relu in FP32, gelu low: a cast between them
->>> fusion = fuse(apply(model, plan, analysis=a))
+>>> fusion = fuse(planned_graph(model, plan, a))
 >>> [str(k) for k in fusion.extern], [[str(k) for k in kernel.ops] for kernel in fusion.kernels]
 (['0:linear#0', '3:linear#0'], [['1:relu#0', '2:gelu#0']])
 >>> len(fusion.fused_casts), len(fusion.charged_casts)
@@ -38,7 +39,7 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..capture import meta_value
+from ..graph_capture import meta_value
 from ..cast_policy import COMPOSITE_KINDS
 from ..opkey import KEY_META, OpKey
 from ..passes import CastInfo, casts_in

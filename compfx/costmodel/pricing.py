@@ -27,8 +27,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..apply import apply
-from ..capture import meta_value
+from ..planned_module import planned_graph
+from ..graph_capture import meta_value
 from ..cast_policy import compute_dtype
 from ..errors import BadInputError, SearchError
 from ..opkey import KEY_META, OpKey
@@ -72,7 +72,7 @@ class Predictor:
     ``predict`` takes a rewritten ``GraphModule`` (with fresh ``meta["val"]``),
     a :class:`~compfx.plan.Plan`, an :class:`~compfx.plan.Assignment` or a CoMP
     bitstring; the last three need ``analysis`` and are turned into a graph by
-    ``rewrite(plan) -> GraphModule`` (default: :func:`compfx.apply` on
+    ``rewrite(plan) -> GraphModule`` (default: :func:`compfx.planned_module.planned_graph` on
     ``analysis.graph_module``, which leaves it unchanged). :meth:`calibrate`
     sets ``overhead`` from one measured FP32 step, so the FP32 plan is
     predicted exactly.
@@ -196,8 +196,9 @@ def _as_plan(analysis, plan) -> Plan:
 
 
 def _applied(analysis, plan: Plan) -> fx.GraphModule:
-    """What :func:`compfx.apply` makes of ``plan`` (on a copy of the analysis graph, which stays unchanged)."""
-    return apply(analysis.graph_module, plan, analysis=analysis)
+    """The graph :func:`compfx.apply` runs for ``plan`` at the analysis's inputs (on a copy of the analysis graph,
+    which stays unchanged)."""
+    return planned_graph(analysis.graph_module, plan, analysis)
 
 
 def _cast_pairs(gm: fx.GraphModule, low_dtype: torch.dtype) -> list[tuple[torch.dtype, torch.dtype]]:

@@ -32,8 +32,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..cache import discard_entry, entry_path, profile_folder, read_entry, write_entry
-from ..capture import LIMIT_META, get_attribute, writes_input
-from ..capture.dtype_limits import limit_value
+from ..graph_capture import LIMIT_META, get_attribute, writes_input
+from ..graph_capture.dtype_limits import limit_value
 from ..cast_policy import AutocastRegion, castable, low_runs_under_autocast, mutated_positions
 from ..errors import BadInputError, SearchError
 from ..measure import Conditions, check_clock, environment_key, measure_conditions, time_fastest

@@ -41,7 +41,7 @@ from typing import Callable, Iterable, Sequence
 import torch
 import torch.fx as fx
 
-from ..capture import meta_value
+from ..graph_capture import meta_value
 from ..errors import BadInputError
 from ..opkey import KEY_META
 from ..plan import Plan

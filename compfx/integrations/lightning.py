@@ -42,12 +42,12 @@ except ImportError as error:  # pragma: no cover - the test extra installs it
 
 import torch
 
-from ..analyze import analyze
-from ..apply import PlannedModule
+from ..analysis import analyze
+from ..planned_module import PlannedModule
 from ..batches import check_first_batch, model_device
 from ..errors import BadInputError, PlanFileError
 from ..guard import Guard
-from ..optimize import optimize
+from ..optimization import optimize
 from ..plan import Plan
 from ..search.config import SearchConfig
 from .planned_training import LOG_FILE, PLAN_FILE, PlannedRun, first_batches, plan_model
@@ -216,7 +216,7 @@ class CompfxPrecision(Precision):
     their own plugin, and ``ModelParallelStrategy``: it shards the model in
     ``configure_model``, before Lightning calls ``convert_module``, and compfx
     captures a block before ``fully_shard`` wraps it (see docs/distributed.md:
-    plan with ``compfx.apply(..., per_module=...)`` in ``configure_model``, then
+    plan with ``compfx.plan_blocks(...)`` in ``configure_model``, then
     shard); also a ``CompfxCallback`` on the same trainer (two planners) and
     more than one optimizer.
 
@@ -321,12 +321,12 @@ class CompfxPrecision(Precision):
             raise BadInputError(
                 f"{type(strategy).__name__} runs a precision plugin of its own making, so CompfxPrecision cannot "
                 "serve it. Train with DDP (or one device) and CompfxPrecision, or plan the blocks with "
-                "compfx.apply(..., per_module=...) before sharding them (docs/distributed.md).")
+                "compfx.plan_blocks(...) before sharding them (docs/distributed.md).")
         if isinstance(strategy, ModelParallelStrategy):
             raise BadInputError(
                 "ModelParallelStrategy shards the model in configure_model, before Lightning hands it to "
                 "CompfxPrecision, and compfx captures each block before fully_shard wraps it. In configure_model, "
-                "plan the blocks with compfx.apply(model, plan, analysis=..., per_module=(Block,)) first, then "
+                "plan the blocks with compfx.plan_blocks(model, plan, analysis=..., blocks=(Block,)) first, then "
                 "fully_shard them (docs/distributed.md), and train without CompfxPrecision.")
         if any(type(c).__name__ == "CompfxCallback" for c in trainer.callbacks):
             raise BadInputError("the Trainer has a CompfxCallback and CompfxPrecision: two planners for one model. "

@@ -68,6 +68,7 @@ False
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
 import weakref
 from dataclasses import dataclass, replace
@@ -78,8 +79,8 @@ from ..measure import interleaved_order, median_interval
 from .log import DUEL
 from .outcome import checked_cost, note
 
-__all__ = ["DecisionRule", "Comparison", "Verdict", "median_interval", "paired_costs", "speedup_text",
-           "speedup_measured", "duel", "log_duel", "NOISE_FACTOR",
+__all__ = ["DecisionRule", "COMP_RULE", "Comparison", "Verdict", "median_interval", "paired_costs",
+           "speedup_text", "speedup_measured", "duel", "log_duel", "NOISE_FACTOR",
            "StepComparison", "MAX_DUEL_BLOCKS", "AFTER_THE_SEARCH", "IN_THE_FIRST_DUEL",
            "IN_THE_FIRST_EPOCHS"]
 
@@ -207,20 +208,58 @@ class Verdict:
 
 @dataclass(frozen=True)
 class DecisionRule:
-    """``margin``: the least fraction a candidate must be faster by; ``confidence``: how sure the duel must be;
-    ``rounds``: pairs per duel block (0: the screen alone decides). See the module docstring."""
+    """When a candidate plan replaces the incumbent: ``SearchConfig(decision=DecisionRule(...))``.
 
-    margin: float = 0.0
+    A candidate replaces the incumbent (first AMP's plan, then FP32's, then the
+    candidates in a fixed order) only when it is faster by more than ``margin``,
+    at ``confidence``, on ``rounds`` pairs of interleaved steps of the two plans
+    on the same batches (up to :data:`MAX_DUEL_BLOCKS` blocks of them while
+    undecided); or, saving fewer activation bytes, when it is not slower by more
+    than ``margin``. Ties keep the incumbent. The report's step comparison of
+    FP32, AMP and the chosen plan takes ``rounds`` rounds too. Frozen, and
+    checked when built; the module docstring has the statistics.
+
+    Args:
+        margin: the least fraction a candidate must be faster by, in [0, 1): 0.03 is 3%.
+        confidence: how sure a duel must be, in (0, 1): its interval covers the median ratio this often.
+        rounds: pairs of steps per duel block. 0 decides on the stages' own timings alone (the screen); with
+            ``margin=0`` too, that is CoMP's rule, the cheaper plan wins (:data:`COMP_RULE`).
+
+    Raises:
+        BadInputError: a value out of range, or not a number (a bool is not one; ``rounds`` is an int).
+
+    Example::
+
+        >>> import compfx
+        >>> config = compfx.SearchConfig(decision=compfx.DecisionRule(margin=0.05, rounds=9))
+        >>> config.decision
+        DecisionRule(margin=0.05, confidence=0.95, rounds=9)
+        >>> compfx.DecisionRule(margin=1.5)
+        Traceback (most recent call last):
+        ...
+        compfx.errors.BadInputError: DecisionRule(margin=1.5); expected a fraction in [0, 1), e.g. 0.03 (a candidate must be more than 3% faster to replace the incumbent).
+    """
+
+    margin: float = 0.03
     confidence: float = 0.95
-    rounds: int = 0
+    rounds: int = 7
 
     def __post_init__(self):
+        for name in ("margin", "confidence"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise BadInputError(f"DecisionRule({name}={value!r}); expected a number, not a {type(value).__name__}.")
+            object.__setattr__(self, name, float(value))
         if not (0 <= self.margin < 1):
-            raise BadInputError(f"margin={self.margin!r}; expected a fraction in [0, 1), e.g. 0.03")
+            raise BadInputError(f"DecisionRule(margin={self.margin!r}); expected a fraction in [0, 1), e.g. 0.03 (a "
+                                "candidate must be more than 3% faster to replace the incumbent).")
         if not (0 < self.confidence < 1):
-            raise BadInputError(f"confidence={self.confidence!r}; expected a probability in (0, 1), e.g. 0.95")
-        if self.rounds < 0:
-            raise BadInputError(f"rounds={self.rounds!r}; expected 0 (no duel) or more pairs per duel")
+            raise BadInputError(f"DecisionRule(confidence={self.confidence!r}); expected a probability in (0, 1), e.g. "
+                                "0.95 (the duel's interval covers the median ratio 95% of the time).")
+        if not isinstance(self.rounds, numbers.Integral) or isinstance(self.rounds, bool) or self.rounds < 0:
+            raise BadInputError(f"DecisionRule(rounds={self.rounds!r}); expected an int >= 0: 0 (no duel) or more "
+                                "pairs per duel.")
+        object.__setattr__(self, "rounds", int(self.rounds))
 
     def ratio_bar(self, saves_less: bool) -> float:
         """The cost ratio candidate / incumbent a candidate must stay below."""
@@ -262,6 +301,10 @@ class DecisionRule:
                                 f"widest interval of {self.rounds} covers {1 - 2 / 2 ** self.rounds:.1%}); expected "
                                 f"at least {needed} rounds, or a lower confidence")
 
+
+
+#: CoMP's own rule: the cheaper plan wins on the stages' timings, no margin, no duel (the stages' default).
+COMP_RULE = DecisionRule(margin=0.0, rounds=0)
 
 def speedup_measured(low: float, high: float) -> bool:
     """Is a speed-up with this interval measured, i.e. does the interval exclude 1? The report states it only then.

@@ -64,7 +64,7 @@ import torch
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from ..capture import input_signature
+from ..graph_capture import input_signature
 from ..compile_options import CompileOptions
 from ..errors import SearchError
 from ..plan import Assignment, Plan

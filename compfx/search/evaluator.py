@@ -12,7 +12,7 @@ An :class:`Evaluator` answers four questions about a plan (an
   per round, the plans taking turns on the same batches, warm (the duels of
   :mod:`compfx.search.compare`, and the report's step comparison).
 * ``saved_bytes(plan)``: activation bytes one forward under ``plan`` saves
-  for backward (:func:`compfx.saved_activation_bytes`), or None when the
+  for backward (:func:`compfx.memory.saved_activation_bytes`), or None when the
   evaluator cannot tell (memory then plays no part in the decision).
 * ``check_loss(plan, batches)``: mean training loss over the first ``batches``
   batches, from the initial state (the loss check).
@@ -50,7 +50,7 @@ from typing import Any, Callable, ContextManager, Generator, Hashable, Iterator,
 import torch
 import torch.nn as nn
 
-from ..capture.held_state import HeldState
+from ..graph_capture.held_state import HeldState
 from ..errors import BadInputError, CaptureError, PlanFailedError, SearchError, SearchReplayError
 from ..measure import PhaseClock, interleaved_order
 from ..plan import Assignment, Plan
@@ -382,14 +382,14 @@ class LocalEvaluator:
     def module_of(self, plan: Plan) -> nn.Module:
         """:meth:`module` for a :class:`Plan` (the cost model prices plans; the padding decision pads them)."""
         if plan not in self._modules:
-            from ..apply import apply  # the apply stage imports the passes: load it when first needed
+            from ..planned_module import planned_graph  # the apply stage imports the passes: load it when first needed
 
             with self.clock.phase("rewrites"):
-                self._modules[plan] = apply(self.model, plan, analysis=self.analysis)
+                self._modules[plan] = planned_graph(self.model, plan, self.analysis)
         return self._modules[plan]
 
     def runner(self, plan: Assignment) -> nn.Module:
-        """What the samples train: a :class:`~compfx.apply.PlannedModule` of ``plan``, which runs it at every input
+        """What the samples train: a :class:`~compfx.planned_module.PlannedModule` of ``plan``, which runs it at every input
         signature the loader has (a ragged last batch, varying sequence lengths); its first graph is :meth:`module`'s."""
         return self.runner_of(self.plan(plan))
 
@@ -397,7 +397,7 @@ class LocalEvaluator:
         """:meth:`runner` for a :class:`Plan` (a padded one: what the padding decision times and the search returns)."""
         self._check_same_model()
         if plan not in self._runners:
-            from ..apply import PlannedModule, SignatureCaptures
+            from ..planned_module import PlannedModule, SignatureCaptures
 
             graph = self.module_of(plan)
             with self.clock.phase("rewrites"):
@@ -432,7 +432,7 @@ class LocalEvaluator:
         return nullcontext()
 
     def specializations(self) -> tuple[int, list]:
-        """(input signatures captured, every :class:`~compfx.apply.Specialization` of every plan's runner)."""
+        """(input signatures captured, every :class:`~compfx.planned_module.Specialization` of every plan's runner)."""
         captured = len(self._captures) if self._captures is not None else 1
         return captured, [s for runner in self._runners.values() for s in runner.specializations]
 

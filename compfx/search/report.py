@@ -12,7 +12,7 @@ import statistics
 
 from tabulate import tabulate
 
-from ..analyze import category_label
+from ..analysis import category_label
 from ..costmodel.predictor import MEASURED_STEP as _MEASURED, PREDICTED_STEP as _PREDICTED, STALE_PROFILES as _STALE
 from ..costmodel.predictor import EVIDENCE_SCALE as _EVIDENCE, PREDICTION_SCALE as _SCALE
 from ..costmodel.predictor import STALE_CONDITIONS as _STALE_N, STALE_CONDITIONS_REASON as _STALE_WHY

@@ -33,7 +33,7 @@ class LoggedOp:
 
 @dataclass(frozen=True)
 class LoggedAnalysis:
-    """The part of an :class:`~compfx.analyze.Analysis` a report needs, read back from a log (no graph, no model)."""
+    """The part of an :class:`~compfx.analysis.Analysis` a report needs, read back from a log (no graph, no model)."""
 
     ops: tuple[LoggedOp, ...]
     low_dtype: torch.dtype
@@ -54,7 +54,7 @@ class SearchResult:
       a compiled search (``SearchConfig(compile=...)``) it is the plan's compiled
       program, ``compfx.compile_with_plan(model, plan)``, compiled already.
     * ``plan``: the chosen :class:`~compfx.plan.Plan`; ``stage1_plan``: the Stage-1 winner.
-    * ``analysis``: the :class:`~compfx.analyze.Analysis` the plans are over.
+    * ``analysis``: the :class:`~compfx.analysis.Analysis` the plans are over.
     * ``log``: every sample and note (:class:`~compfx.search.log.SearchLog`).
     * ``stage1_mode``, ``loss0`` (the FP32 epoch's loss), ``fp32_epoch_seconds``,
       ``search_seconds`` (wall time of the whole ``optimize`` call: what the

@@ -172,7 +172,7 @@ def _is_dtensor(value) -> bool:
 class FairSampler:
     """Runs training samples of any module that shares ``model``'s Parameters, all from one start.
 
-    ``module`` is the plan-applied module (the search's: a :class:`compfx.apply.PlannedModule`); it shares
+    ``module`` is the plan-applied module (the search's: a :class:`compfx.planned_module.PlannedModule`); it shares
     the model's Parameter and buffer objects, so ``optimizer`` (built on ``model.parameters()``) trains it.
 
     >>> import torch
@@ -400,7 +400,7 @@ class FairSampler:
         """The batch on the device, with ``module`` specialised to its input signature: what a timed step excludes.
 
         A module with a ``specialize(args, kwargs)`` method
-        (:class:`compfx.apply.PlannedModule`) builds its graph for a new
+        (:class:`compfx.planned_module.PlannedModule`) builds its graph for a new
         signature (a ragged last batch, another sequence length) here, not
         inside the step being timed (a compiled program,
         :class:`compfx.search.compiled.CompiledRunner`, compiles there); every

@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .. import cache
-from ..analyze import parameter_shapes
+from ..analysis import parameter_shapes
 from ..errors import CompfxError
 from ..measure import PhaseClock, describe_fp32_math, fp32_math
 from ..memory import saved_activation_bytes
@@ -100,7 +100,7 @@ class SearchSession:
 
     def _predictor(self):
         """The cost model, or None when it is off or cannot be built (then the search is exact)."""
-        if self.config.predictor == "off":
+        if not self.config.predictor:
             return None
         compiled, fp8 = self.config.compile, any(self.space.fp8_eligible)
         if fp8 and not compiled:
@@ -123,7 +123,7 @@ class SearchSession:
             # compiled: the programs the samples run are priced as Inductor (or the inner backend) runs them, casts
             # that fuse into their neighbours free; rewrite still gives the planned graph, before compilation
             return SearchPredictor.build(self.analysis, rewrite=rewrite, cache_dir=self.config.cache_dir,
-                                         annotate_all=not regions, confidence=self.config.confidence,
+                                         annotate_all=not regions, confidence=self.config.decision.confidence,
                                          compiled=compiled or None,
                                          **({"fp8_recipes": (self.config.fp8_recipe,)} if compiled and fp8 else {}))
         except Exception as error:  # the predictor only orders and skips: never fail the search for it
@@ -133,7 +133,8 @@ class SearchSession:
 
     def _regions_graph_of(self, plan):
         """The blocks' graphs side by side, rewritten for ``plan``: what the cost model prices per block."""
-        from ..apply import priced_regions_graph  # the apply stage imports the passes: load it when first needed
+        # the apply stage imports the passes: load it when first needed
+        from ..planned_module import priced_regions_graph
 
         with self.clock.phase("rewrites"):
             return priced_regions_graph(self.analysis, plan)
@@ -215,22 +216,23 @@ class SearchSession:
         report: one interleaved phase, warm, same batches.
 
         It is not part of the decision, and it is the only timing the report
-        quotes: ``config.rounds`` rounds (at least three), each giving every plan one step on the same
-        batch (:func:`compfx.search.driver.compare_steps`), after a warm-up round, and in a single process another
+        quotes: ``config.decision.rounds`` rounds (at least three), each giving every plan one step on the
+        same batch (:func:`compfx.search.driver.compare_steps`), after a warm-up round, and in a single process another
         block of them while the chosen plan's speed-up is unclear (ranks of ``torch.distributed`` take the same
         steps). Timings the search took earlier, in other phases, are not mixed in.
         """
         samples_before = self.clock.seconds.get("samples", 0.0)
-        rounds = max(self.config.rounds, COMPARE_ROUNDS)
+        rounds = max(self.config.decision.rounds, COMPARE_ROUNDS)
         plans = {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan, "chosen": decision.plan}
         # Warm, even for plans that trained in the search: FP32's plan last ran in the search's first epochs, and
         # after the later samples its first step here ran 1.5-1.8x its others on the README example, which
         # widened the interval of every run and, in one, hid a 1.14x speed-up behind "no measurable difference".
         warmup = max(1, self.config.warmup)
         with self.clock.phase("step comparison"):
+            rule = self.config.decision
             comparison = compare_steps(functools.partial(self.local.time_steps, warmup=warmup), self.local.saved_bytes,
-                                       plans, self.log, rounds=rounds, confidence=self.config.confidence,
-                                       margin=self.config.margin if self.strategy is SINGLE_PROCESS else None)
+                                       plans, self.log, rounds=rounds, confidence=rule.confidence,
+                                       margin=rule.margin if self.strategy is SINGLE_PROCESS else None)
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
                         target="step comparison")
         return comparison
@@ -243,13 +245,13 @@ class SearchSession:
         fp32, amp, chosen = self.space.fp32_plan, self.space.amp_plan, decision.plan
         if padding.kept or chosen not in (fp32, amp) or self.strategy is not SINGLE_PROCESS:
             return None
-        rounds = max(self.config.rounds, COMPARE_ROUNDS)
+        rounds = max(self.config.decision.rounds, COMPARE_ROUNDS)
         for incumbent, challenger, verdict in decision.stage1.duels:
             if {incumbent, challenger} == {fp32, amp} and min(map(len, verdict.seconds), default=0) >= rounds:
                 with self.clock.phase("step comparison"):
                     return comparison_of(dict(zip((incumbent, challenger), verdict.seconds)), self.local.saved_bytes,
                                          {"fp32": fp32, "amp": amp, "chosen": chosen}, self.log,
-                                         confidence=self.config.confidence,
+                                         confidence=self.config.decision.confidence,
                                          phase=IN_THE_FIRST_EPOCHS if decision.stage1.first_epochs_in_turns
                                          else IN_THE_FIRST_DUEL)
         return None

@@ -25,7 +25,7 @@ from typing import Callable, Iterable, Iterator, Sequence
 from ..errors import PlanFailedError, SearchError
 from ..plan import Assignment
 from ..vocabulary import Precision, SampleStatus, Stage
-from .compare import DecisionRule, duel, log_duel
+from .compare import COMP_RULE, DecisionRule, duel, log_duel
 from .log import NOTHING_CAN_WIN, SAVED_BYTES, SEGMENT_NOT_ENUMERATED
 from .outcome import Outcome, PriceVersion, ProgramIndex, Reporter, checked_cost, failure_reason, note
 from .space import SearchSpace
@@ -123,7 +123,7 @@ class Stage2Result:
 
 
 class _Stage2:
-    def __init__(self, evaluator, report: Reporter | None, rule: DecisionRule = DecisionRule(),
+    def __init__(self, evaluator, report: Reporter | None, rule: DecisionRule = COMP_RULE,
                  memory_budget: int | None = None, bound: Callable[[Assignment], float] | None = None,
                  predict: Callable[[Assignment], float] | None = None,
                  bound_against: Callable[[Assignment, Assignment], float] | None = None,
@@ -275,7 +275,7 @@ class _Stage2:
 
 
 def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int = 32,
-               report: Reporter | None = None, rule: DecisionRule = DecisionRule(), memory_budget: int | None = None,
+               report: Reporter | None = None, rule: DecisionRule = COMP_RULE, memory_budget: int | None = None,
                bound: Callable[[Assignment], float] | None = None,
                predict: Callable[[Assignment], float] | None = None,
                bound_against: Callable[[Assignment, Assignment], float] | None = None,

@@ -1,18 +1,19 @@
 """Final stage: turn a model and a :class:`~compfx.plan.Plan` into a mixed-precision module.
 
-:func:`apply` returns an ordinary ``torch.fx.GraphModule`` for the inputs the
-model was captured with. It shares the model's ``nn.Parameter`` and buffer
-objects (they stay FP32: master weights), so an optimizer built on
-``model.parameters()`` keeps working, and its ``state_dict()`` has the same
-keys and dtypes as the model's, so checkpoints load into either.
+:func:`apply` returns a :class:`PlannedModule`: the model running the plan at
+*any* input signature (batch size, sequence length, dtype, train/eval mode).
+The first call with a new signature captures the model again at those inputs
+and rewrites that graph from the same OpKey-keyed plan; later calls with that
+signature reuse it (a graph that was recorded or exported is specialised to
+one signature, and a loader's last batch, or the next batch's sequence length,
+is another). It shares the model's ``nn.Parameter`` and buffer objects (they
+stay FP32: master weights), so an optimizer built on ``model.parameters()``
+keeps working, and its ``state_dict()`` has the same keys and dtypes as the
+model's, so checkpoints load into either. Its graph of the example inputs is
+``.graph_module``. It is what ``compfx.optimize(...).module`` is.
 
-:class:`PlannedModule` runs the same plan at *any* input signature (batch size,
-sequence length, dtype, train/eval mode): the first call with a new signature
-captures the model again at those inputs and rewrites that graph from the same
-OpKey-keyed plan; later calls with that signature reuse it. It is what
-``compfx.optimize(...).module`` is, because a loader's last batch, or the next
-batch's sequence length, is another signature, and a graph that was recorded or
-exported is specialised to one.
+:func:`plan_blocks` plans a model block by block instead, in place
+(:mod:`compfx.per_module`), for FSDP2 and anything else attached to the blocks.
 """
 
 from __future__ import annotations
@@ -22,7 +23,6 @@ import itertools
 import logging
 import time
 import warnings
-from dataclasses import dataclass
 from typing import Hashable, Iterable, Mapping
 
 import torch
@@ -30,20 +30,22 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .analyze import Analysis, analyze, analyze_graph, parameter_shapes
+from .analysis import Analysis, analyze, parameter_shapes
 from .cast_policy import check_weights_dtype, run_as_planned, weights_dtype
-from .capture import capture, changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints, module_modes
-from .capture.held_state import HeldState, check_computable
-from .capture.verify import COMPILED_PATH_BOUND
-from .errors import BadInputError, CaptureError, PlanMismatchError
+from .graph_capture import changed_dtype_reads, describe_inputs, input_signature, keep_checkpoints, module_modes
+from .graph_capture.held_state import HeldState, check_computable
+from .graph_capture.verify import COMPILED_PATH_BOUND
+from .errors import BadInputError, PlanMismatchError
 from .float8 import fp8_fallbacks
 from .opkey import OpKey
 from .passes import apply_precisions
 from .plan import Plan
+from .per_module import apply_per_module
 from .regions import analyze_regions
+from .signature_captures import SignatureCaptures, Specialization
 from .vocabulary import Category, Precision, dtype_name
 
-__all__ = ["apply", "priced_regions_graph", "PlannedModule", "Specialization", "SignatureCaptures"]
+__all__ = ["apply", "plan_blocks", "PlannedModule", "planned_graph", "priced_regions_graph"]
 
 log = logging.getLogger("compfx")
 
@@ -56,50 +58,158 @@ def apply(
     analysis: Analysis | None = None,
     restore_output_dtypes: bool = True,
     leaf_modules: Iterable[type | str] = (),
-    per_module: type | Iterable[type] = (),
     verify: bool = True,
-) -> fx.GraphModule | nn.Module:
-    """Return ``model`` rewritten to run each op at the precision ``plan`` gives it.
+    per_module: type | Iterable[type] = (),
+) -> PlannedModule:
+    """Run ``model`` with each op at the precision ``plan`` gives it, as a :class:`PlannedModule`.
 
-    Give either ``example_inputs`` (the model is captured and analysed) or the
-    ``analysis`` the plan was made from (its graph is copied, never changed).
-    The plan is validated first, so a plan for another model (other keys, another
-    fingerprint or another low dtype than the analysis) raises
-    :class:`~compfx.errors.PlanMismatchError` and nothing is applied. Outputs
-    come back in the dtypes the model returns unless ``restore_output_dtypes``
-    is False. Like the capture, the graph is specialised to the model's
-    train/eval mode at capture time.
+    The model itself is not changed: the planned module shares its Parameters
+    and buffers (FP32 master weights), so an optimizer built on
+    ``model.parameters()`` trains it, and its ``state_dict()`` keys are the
+    model's. Graphs are specialised to the model's train/eval mode, as captures are.
 
-    ``per_module=(Block, ...)`` applies the plan block by block instead: each
-    (outermost) submodule of those types is replaced in ``model`` by a
-    :class:`compfx.per_module.PlannedBlock` holding the same Parameters, and
-    ``model`` itself is returned (FSDP2, activation checkpointing and hooks keep
-    working on its blocks; code outside them runs eagerly, as it was). Without
-    ``analysis``, only the blocks are captured (each on its own). A capture made
-    here is verified against the model (see :func:`compfx.analyze`) unless
-    ``verify`` is False.
+    Args:
+        model: the ``nn.Module`` the plan was made for.
+        plan: a :class:`~compfx.plan.Plan`: ``Plan.amp(analysis)``, ``Plan.from_bitstring``, ``Plan.load(path)``
+            or ``compfx.optimize(...).plan``.
+        example_inputs: inputs the model is captured and analysed with when ``analysis`` is not given: a
+            tensor, a tuple of positional arguments, or ``(args, kwargs)``.
+        analysis: the :class:`~compfx.analysis.Analysis` the plan was made from (its graph is copied, never
+            changed); it spares a second capture.
+        restore_output_dtypes: return outputs in the dtypes the model returns (else as the plan leaves them).
+        leaf_modules: module types or names that symbolic tracing keeps as one op each.
+        verify: check a capture made here against the model (see :func:`compfx.analyze`).
+        per_module: deprecated; use :func:`plan_blocks` (``blocks=``), which plans the model in place.
 
-    >>> import torch, compfx
-    >>> from compfx.apply import apply
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    >>> a = compfx.analyze(model, torch.randn(3, 4))
-    >>> gm = apply(model, compfx.Plan.from_bitstring(a, "0f1"), analysis=a)
-    >>> gm(torch.randn(3, 4)).dtype, gm.get_parameter("0.weight") is model[0].weight
-    (torch.float32, True)
+    Returns:
+        PlannedModule: the plan at the example inputs' signature (built now; ``.graph_module`` is its
+        ``torch.fx.GraphModule``) and at any other (captured on first use).
+
+    Raises:
+        BadInputError: ``model`` is not an ``nn.Module`` or ``plan`` not a ``Plan``; neither
+            ``example_inputs`` nor ``analysis`` is given; or the analysis was made from another model object.
+        PlanMismatchError: the plan is for another model (other op keys, another fingerprint) or another low
+            dtype than the analysis. It is checked first, so nothing is applied.
+        CaptureError: the model cannot be captured at ``example_inputs``, or not faithfully.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> a = compfx.analyze(model, torch.randn(3, 4))
+        >>> planned = compfx.apply(model, compfx.Plan.from_bitstring(a, "0f1"), analysis=a)
+        >>> planned(torch.randn(3, 4)).dtype, planned.get_parameter("0.weight") is model[0].weight
+        (torch.float32, True)
+        >>> planned(torch.randn(5, 4)).shape, type(planned.graph_module).__name__
+        (torch.Size([5, 2]), 'SequentialMixed')
     """
-    if not isinstance(model, nn.Module):
-        raise BadInputError(f"apply() takes an nn.Module; got {type(model).__name__}.")
-    if not isinstance(plan, Plan):
-        raise BadInputError(f"apply() takes a compfx.Plan; got {type(plan).__name__}. Build one with "
-                            "Plan.amp(analysis), Plan.from_bitstring(...) or Plan.load(path).")
-    if analysis is None and per_module and example_inputs is not None:  # each block alone: the rest need not capture
-        analysis = analyze_regions(model, example_inputs, per_module, low_dtype=plan.low_dtype, verify=verify)
+    if per_module:
+        warnings.warn("compfx.apply(..., per_module=...) is deprecated: it plans the model in place, block by block; "
+                      "call compfx.plan_blocks(model, plan, example_inputs, blocks=...), which does the same.",
+                      DeprecationWarning, stacklevel=2)
+        return plan_blocks(model, plan, example_inputs, blocks=per_module, analysis=analysis,
+                           restore_output_dtypes=restore_output_dtypes, verify=verify)
+    _check_arguments("apply", model, plan)
     if analysis is None:
         if example_inputs is None:
             raise BadInputError("apply() needs example_inputs to capture the model, or analysis=<the Analysis "
                                 "the plan was made from>.")
         analysis = analyze(model, example_inputs, low_dtype=plan.low_dtype, leaf_modules=leaf_modules,
                            fp8=plan.fp8_recipe is not None, verify=verify)
+    _check_plan(plan, analysis)
+    return PlannedModule(model, plan, analysis=analysis, restore_output_dtypes=restore_output_dtypes)
+
+
+def plan_blocks(
+    model: nn.Module,
+    plan: Plan,
+    example_inputs=None,
+    *,
+    blocks: type | Iterable[type],
+    analysis: Analysis | None = None,
+    restore_output_dtypes: bool = True,
+    verify: bool = True,
+) -> nn.Module:
+    """Plan ``model`` block by block, in place: each block becomes a :class:`~compfx.per_module.PlannedBlock`.
+
+    Each (outermost) submodule of the ``blocks`` types is replaced, in its
+    parent, by a :class:`~compfx.per_module.PlannedBlock` holding the same
+    children, Parameters, buffers and hooks, which runs its part of the plan.
+    So FSDP2, activation checkpointing and hooks keep working on the blocks;
+    code outside them runs eagerly, as it was. Blocks planned already switch to
+    ``plan``. :func:`compfx.per_module.restore_blocks` puts the blocks back.
+
+    Args:
+        model: the ``nn.Module`` the plan was made for; changed in place.
+        plan: a :class:`~compfx.plan.Plan` of the model (its op keys are model paths, ``blocks.0.fc:linear#0``).
+        example_inputs: the model's inputs, to capture each block alone (verified against the block unless
+            ``verify`` is False), when ``analysis`` is not given.
+        blocks: the block types (a type or several), e.g. ``(GPT2Block,)``.
+        analysis: the analysis the plan was made from (of the whole model or of its blocks,
+            :func:`compfx.regions.analyze_regions`).
+        restore_output_dtypes: blocks return outputs in the dtypes they returned.
+        verify: check each block's capture against the block.
+
+    Returns:
+        nn.Module: ``model`` itself, its blocks planned (its ``state_dict`` keys unchanged).
+
+    Raises:
+        BadInputError: as :func:`apply`; or no submodule of ``model`` is of the ``blocks`` types.
+        PlanMismatchError: the plan does not describe the model (or its blocks), or has another low dtype.
+        CaptureError: a block cannot be captured at the inputs it receives.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> a = compfx.analyze(model, torch.randn(3, 4))
+        >>> same = compfx.plan_blocks(model, compfx.Plan.amp(a), analysis=a, blocks=torch.nn.Linear)
+        >>> same is model, type(model[0]).__name__, model(torch.randn(3, 4)).dtype
+        (True, 'PlannedBlock', torch.float32)
+    """
+    _check_arguments("plan_blocks", model, plan)
+    if analysis is None:
+        if example_inputs is None:
+            raise BadInputError("plan_blocks() needs example_inputs to capture the blocks, or analysis=<the Analysis "
+                                "the plan was made from>.")
+        analysis = analyze_regions(model, example_inputs, blocks, low_dtype=plan.low_dtype, verify=verify)
+    _check_plan(plan, analysis)
+    return apply_per_module(model, plan, analysis, blocks, restore_output_dtypes=restore_output_dtypes)
+
+
+def planned_graph(model: nn.Module, plan: Plan, analysis: Analysis, *,
+                  restore_output_dtypes: bool = True) -> fx.GraphModule:
+    """The planned ``torch.fx.GraphModule`` of ``analysis``'s own example inputs: what a :class:`PlannedModule`
+    runs at that signature, without the module around it. For the search and the cost model, which rewrite many
+    plans of one analysis; users call :func:`apply`.
+
+    >>> import torch, compfx
+    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    >>> a = compfx.analyze(model, torch.randn(3, 4))
+    >>> gm = planned_graph(model, compfx.Plan.amp(a), a)
+    >>> gm(torch.randn(3, 4)).dtype, gm.get_parameter("0.weight") is model[0].weight
+    (torch.float32, True)
+    """
+    _check_arguments("planned_graph", model, plan)
+    _check_plan(plan, analysis)
+    _check_same_parameters(analysis.graph_module, model)
+    _warn_if_searched_at_other_widths(plan, analysis)
+    gm = _planned_graph(model, analysis, plan, {op.key: op.category for op in analysis.ops},
+                        restore_output_dtypes=restore_output_dtypes)
+    gm.train(model.training)
+    return gm
+
+
+def _check_arguments(what: str, model, plan) -> None:
+    if not isinstance(model, nn.Module):
+        raise BadInputError(f"{what}() takes an nn.Module; got {type(model).__name__}.")
+    if not isinstance(plan, Plan):
+        raise BadInputError(f"{what}() takes a compfx.Plan; got {type(plan).__name__}. Build one with "
+                            "Plan.amp(analysis), Plan.from_bitstring(...) or Plan.load(path).")
+
+
+def _check_plan(plan: Plan, analysis: Analysis) -> None:
+    """The plan describes the analysed model (its keys, its fingerprint) in the analysis's low dtype."""
     plan.validate(analysis)
     if plan.low_dtype != analysis.low_dtype:
         raise PlanMismatchError(
@@ -107,16 +217,6 @@ def apply(
             f"{dtype_name(analysis.low_dtype)} (its Tensor Core eligibility depends on it); expected the same low "
             f"dtype. Analyse the model with low_dtype=torch.{dtype_name(plan.low_dtype)}, or search again for "
             f"{dtype_name(analysis.low_dtype)}.")
-    if per_module:
-        from .per_module import apply_per_module
-
-        return apply_per_module(model, plan, analysis, per_module, restore_output_dtypes=restore_output_dtypes)
-    _check_same_parameters(analysis.graph_module, model)
-    _warn_if_searched_at_other_widths(plan, analysis)
-    gm = _planned_graph(model, analysis, plan, {op.key: op.category for op in analysis.ops},
-                        restore_output_dtypes=restore_output_dtypes)
-    gm.train(model.training)
-    return gm
 
 
 def priced_regions_graph(analysis: Analysis, plan: Plan) -> fx.GraphModule:
@@ -130,7 +230,7 @@ def priced_regions_graph(analysis: Analysis, plan: Plan) -> fx.GraphModule:
     use, that is most of a rewrite).
     """
     with torch.no_grad():
-        return apply(analysis.graph_module, plan, analysis=analysis)
+        return planned_graph(analysis.graph_module, plan, analysis)
 
 
 def _planned_graph(model: nn.Module, analysis: Analysis, plan: Plan, categories: Mapping[OpKey, Category],
@@ -157,7 +257,7 @@ _SAID: set[str] = set()  # notes already logged in this process: a search rewrit
 
 def _say_fidelity_notes(gm: fx.GraphModule, analysis: Analysis, plan: Plan) -> list[str]:
     """Where this planned graph may compute otherwise than the model under ``torch.autocast`` (docs/fidelity.md):
-    dtypes the model's Python read from activations the plan changes (:func:`compfx.capture.changed_dtype_reads`),
+    dtypes the model's Python read from activations the plan changes (:func:`compfx.graph_capture.changed_dtype_reads`),
     a dynamo capture's compile-only code paths, and a recorded graph of the model's FakeTensor code path. Logged once
     per note, and returned."""
     notes = changed_dtype_reads(gm)
@@ -209,109 +309,53 @@ def _plan_at(plan: Plan, analysis: Analysis, categories: Mapping[OpKey, Category
     return here, tuple((key, why) for key, (_, why) in fallbacks.items())
 
 
-@dataclass(frozen=True)
-class Specialization:
-    """One input signature a :class:`PlannedModule` met after its first: what it cost, and how the plan fit.
-
-    ``inputs`` describes the shapes; ``capture_seconds`` is 0 when another
-    module of the same :class:`SignatureCaptures` had captured this signature
-    already; ``unplanned`` are ops of this graph that the plan does not name
-    (they follow), ``missing`` plan entries whose op this graph lacks,
-    ``fp8_fallbacks`` the plan's FP8 ops that cannot run FP8 at these shapes,
-    with why (they run low here: :func:`compfx.float8.fp8_fallbacks`).
-    """
-
-    inputs: str
-    training: bool
-    capture_seconds: float
-    rewrite_seconds: float
-    unplanned: tuple[OpKey, ...] = ()
-    missing: int = 0
-    fp8_fallbacks: tuple[tuple[OpKey, str], ...] = ()
-
-
-class SignatureCaptures:
-    """Captures of one model per input signature, shared by every :class:`PlannedModule` of that model.
-
-    A search runs many plans over the same batches; each signature is captured
-    and analysed once, and each plan only rewrites it. ``analysis`` is the
-    first capture; its settings (method, leaf modules, modes, device, low
-    dtype, categories) are reused for every other signature, so the op keys
-    mean the same thing in each.
-    """
-
-    def __init__(self, model: nn.Module, analysis: Analysis, *, device: torch.device | None = None):
-        self.model, self.analysis = model, analysis
-        self.device = device if device is not None else analysis.device  # where the captures are made
-        self.categories = {op.key: op.category for op in analysis.ops}
-        self._by_signature: dict[Hashable, Analysis] = {}
-        if device is None and analysis.example_signature is not None:
-            self._by_signature[analysis.example_signature] = analysis
-
-    def again(self, device: torch.device) -> "SignatureCaptures":
-        """Captures made anew (none kept), with the same settings, of the model as it is now on ``device``."""
-        return SignatureCaptures(self.model, self.analysis, device=device)
-
-    def __len__(self) -> int:
-        return len(self._by_signature)
-
-    def get(self, signature: Hashable, args: tuple, kwargs: dict, modes: dict[str, bool]) -> tuple[Analysis, float]:
-        """The analysis at ``signature`` (captured now, in ``modes``, each module's train/eval mode, if need be), and
-        the seconds that capture took (0 if cached)."""
-        found = self._by_signature.get(signature)
-        if found is not None:
-            return found, 0.0
-        start = time.perf_counter()
-        base = self.analysis
-        training = modes.get("", True)
-        try:
-            gm = capture(self.model, (args, kwargs), method=base.capture_method, leaf_modules=base.leaf_modules,
-                         modes=modes)
-        except CaptureError as error:
-            raise CaptureError(
-                f"inputs {describe_inputs(args, kwargs)} ({'train' if training else 'eval'} mode) are a new input "
-                f"signature, and capturing {type(self.model).__name__} again for them ({base.capture_method}, the "
-                f"tracer of the first capture) failed: {error}. Use batches of shapes it captures at (e.g. "
-                "DataLoader(..., drop_last=True) for a ragged last batch), or make forward capturable at these "
-                "shapes.") from error
-        analysis = analyze_graph(gm, device=self.device, low_dtype=base.low_dtype, fp8=base.fp8)
-        self._by_signature[signature] = analysis
-        return analysis, time.perf_counter() - start
-
-    def categories_of(self, analysis: Analysis) -> dict[OpKey, Category]:
-        """The first analysis's category for each op it has (overrides included), the default classification else."""
-        return {op.key: self.categories.get(op.key, op.category) for op in analysis.ops}
+#: What a GraphModule has and a PlannedModule does not: its graph's (``compfx.apply`` returned a GraphModule before).
+_GRAPH_MODULE_ONLY = frozenset({"graph", "code", "meta", "recompile", "print_readable", "to_folder"})
 
 
 class PlannedModule(nn.Module):
     """``model`` running ``plan`` at any input signature; one planned graph per signature, built on first use.
 
+    What :func:`compfx.apply` returns, and ``compfx.optimize(...).module`` is.
     A graph that :func:`compfx.capture` recorded (or dynamo exported) holds the
     example inputs' sizes as constants, and every graph is specialised to the
     train/eval mode and the branches its inputs took. So the first call with a
-    new signature (:func:`~compfx.capture.input_signature`: shapes, dtypes,
+    new signature (:func:`~compfx.graph_capture.input_signature`: shapes, dtypes,
     devices, argument structure, and every module's train/eval mode, read from
-    the model at each call) captures the model again
-    with those inputs and rewrites that graph with the same OpKey-keyed plan;
-    the graph is kept for later calls. :attr:`specializations` lists each one
-    and what it cost; a call with a known signature costs one dictionary
-    lookup (microseconds) on top of the graph.
+    the model at each call) captures the model again with those inputs and
+    rewrites that graph with the same OpKey-keyed plan; the graph is kept for
+    later calls. :attr:`specializations` lists each one and what it cost; a
+    call with a known signature costs one dictionary lookup (microseconds) on
+    top of the graph. :attr:`graph_module` is the graph of the example inputs,
+    :attr:`graphs` every one; :meth:`replan` switches plans in place.
 
-    The module shares the model's Parameters and buffers under their own names
-    (``state_dict()`` keys are the model's), so an optimizer built on
-    ``model.parameters()`` trains it. ``captures`` shares the per-signature
-    captures between modules of the same model (the search's plans);
-    ``graph`` is the planned graph of the analysis's own inputs, if already built.
+    Args:
+        model: the model the plan was made for. Its Parameters and buffers are shared under their own names
+            (``state_dict()`` keys are the model's), so an optimizer built on ``model.parameters()`` trains
+            this module; they stay FP32 (master weights), and converting them (``.half()``) is refused.
+        plan: the :class:`~compfx.plan.Plan` to run.
+        analysis: the :class:`~compfx.analysis.Analysis` of ``model`` the plan was made from; the graph of its
+            example inputs is built now.
+        restore_output_dtypes: return outputs in the dtypes the model returns.
+        captures: the per-signature captures, shared between modules of the same model (the search's plans).
+        graph: the planned graph of the analysis's own inputs, if built already.
 
-    >>> import torch, compfx
-    >>> from compfx.apply import PlannedModule
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    >>> a = compfx.analyze(model, torch.randn(3, 4))
-    >>> planned = PlannedModule(model, compfx.Plan.amp(a), analysis=a)
-    >>> planned(torch.randn(3, 4)).shape, planned(torch.randn(5, 4)).shape
-    (torch.Size([3, 2]), torch.Size([5, 2]))
-    >>> len(planned.specializations), planned.get_parameter("0.weight") is model[0].weight
-    (1, True)
+    Raises:
+        BadInputError: ``model`` is not an ``nn.Module``, ``plan`` not a ``Plan`` or ``analysis`` not an
+            ``Analysis``, or ``analysis`` was made from another model object.
+        PlanMismatchError: the plan does not describe the analysed model.
+        CaptureError: at a call, when the model cannot be captured again at a new input signature.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> a = compfx.analyze(model, torch.randn(3, 4))
+        >>> planned = compfx.PlannedModule(model, compfx.Plan.amp(a), analysis=a)
+        >>> planned(torch.randn(3, 4)).shape, planned(torch.randn(5, 4)).shape
+        (torch.Size([3, 2]), torch.Size([5, 2]))
+        >>> len(planned.specializations), planned.get_parameter("0.weight") is model[0].weight
+        (1, True)
     """
 
     def __init__(self, model: nn.Module, plan: Plan, *, analysis: Analysis, restore_output_dtypes: bool = True,
@@ -360,7 +404,7 @@ class PlannedModule(nn.Module):
         return self
 
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
-        """What a graph for these inputs is specialised to: the inputs (:func:`~compfx.capture.input_signature`)
+        """What a graph for these inputs is specialised to: the inputs (:func:`~compfx.graph_capture.input_signature`)
         and every module's train/eval mode, in the model's order (as :func:`compfx.analyze` keys its example)."""
         # modes_of(model), from a list kept at construction: a training step pays this every call
         return input_signature(args, kwargs, tuple(module.training for module in self._modules_in_order))
@@ -460,9 +504,20 @@ class PlannedModule(nn.Module):
             graph.train(old.training)
             self._graphs[signature] = graph
 
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)  # its Parameters, buffers and submodules
+        except AttributeError:
+            if name not in _GRAPH_MODULE_ONLY:
+                raise
+        # compfx.apply returned a GraphModule before it returned this module; say where its graph went
+        raise AttributeError(f"'PlannedModule' object has no attribute {name!r}: it runs the plan at any input "
+                             "signature, one GraphModule each; the one of the example inputs is .graph_module, so "
+                             f"read .graph_module.{name}.")
+
     @property
     def graph_module(self) -> fx.GraphModule:
-        """The planned graph of the analysis's own example inputs (what :func:`apply` returns for them)."""
+        """The planned ``torch.fx.GraphModule`` of the analysis's own example inputs."""
         graph = self._graphs.get(self.analysis.example_signature)
         if graph is None and self._graphs:
             graph = next(iter(self._graphs.values()))

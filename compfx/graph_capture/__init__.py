@@ -161,37 +161,50 @@ def capture(
 ) -> fx.GraphModule:
     """Trace ``model`` to a functional FX graph; every numerical op gets an OpKey.
 
-    ``method`` is ``"auto"`` (symbolic, then record, then dynamo),
-    ``"symbolic"``, ``"record"`` or ``"dynamo"``. *Symbolic* tracing follows
-    the code with proxies; its graphs compute shapes at run time. *Record* runs
-    forward on FakeTensors and writes down every torch call (Hugging Face models
-    land here: their Python runs as is, in a fraction of dynamo's time);
-    *dynamo* is ``torch._dynamo.export``. Recorded and dynamo graphs are
-    specialised to the example inputs' shapes and check them when called
-    (:func:`check_input_shapes`); :class:`compfx.apply.PlannedModule` re-captures
-    per input signature. ``leaf_modules`` names module types or qualified names
-    that stay as one ``call_module`` op (symbolic capture only). The graph is
-    specialised to the model's current train/eval mode and to the branches the
-    example inputs take. A Hugging Face KV cache in the output comes back as
-    ``None`` (:func:`is_kv_cache`); the dynamo fallback passes ``use_cache=False``
-    where ``forward`` takes it and the inputs do not set it (:data:`CAPTURE_DEFAULTS`).
-    ``modes`` (module path -> training) captures with those train/eval modes
-    instead of the current ones (:func:`module_modes`); the model's own modes
-    are put back afterwards, whatever happens.
+    The graph is specialised to the model's train/eval mode and to the branches
+    the example inputs take. Recorded and dynamo graphs are specialised to the
+    example inputs' shapes too and check them when called
+    (:func:`check_input_shapes`); a :class:`compfx.PlannedModule` captures again
+    per input signature. A Hugging Face KV cache in the output comes back as
+    ``None`` (:func:`is_kv_cache`); the dynamo fallback passes
+    ``use_cache=False`` where ``forward`` takes it and the inputs do not set it
+    (:data:`CAPTURE_DEFAULTS`). The model's own modes are put back afterwards,
+    whatever happens. :func:`compfx.analyze` (and so ``optimize``, ``apply`` and
+    the callbacks) captures and verifies; call this for the graph alone.
 
-    ``verify=True`` checks each tracer's graph against the model before taking
-    it (:func:`~compfx.capture.verify.verify_capture`: one forward and backward
-    of each on the example inputs, outputs, every gradient and the tensors
-    saved for backward compared bitwise); a graph that would train differently
-    is passed over for the next tracer, and :class:`~compfx.errors.CaptureError`
-    names the first difference when no tracer is faithful. The result is in
-    ``gm.meta["compfx_capture_verification"]``. :func:`compfx.analyze` (and so
-    ``optimize``, ``apply`` and the callbacks) verifies by default.
+    Args:
+        model: the ``nn.Module`` to trace.
+        example_inputs: a tensor, a tuple of positional arguments, a dict of keyword arguments, or
+            ``(args, kwargs)``.
+        leaf_modules: module types or qualified names kept as one ``call_module`` op (symbolic tracing only).
+        method: ``"auto"`` (symbolic, then record, then dynamo), ``"symbolic"`` (``torch.fx`` proxies with
+            FakeTensor values; its graphs compute shapes at run time), ``"record"`` (forward run on FakeTensors,
+            every torch call written down: Hugging Face models land here) or ``"dynamo"``
+            (``torch._dynamo.export``).
+        modes: module path -> training: capture in those train/eval modes instead of the current ones
+            (:func:`module_modes`).
+        verify: check each tracer's graph against the model before taking it
+            (:func:`~compfx.graph_capture.verify.verify_capture`: outputs, every gradient and the tensors saved
+            for backward, compared bitwise); an unfaithful graph is passed over for the next tracer. The result is
+            in ``gm.meta["compfx_capture_verification"]``.
 
-    >>> import torch, compfx
-    >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(2, 4))
-    >>> [str(n.meta["compfx_key"]) for n in compfx.op_nodes(gm)]
-    ['0:linear#0', '1:relu#0']
+    Returns:
+        torch.fx.GraphModule: the graph, sharing the model's Parameters and buffers, with ``meta["val"]`` on
+        every node, an :class:`~compfx.opkey.OpKey` in ``meta["compfx_key"]`` on every numerical op
+        (:func:`op_nodes` lists them) and the tracer in ``gm.meta["compfx_capture_method"]``.
+
+    Raises:
+        BadInputError: the example inputs do not fit the model (it fails on them in eager too), or an unknown
+            ``method``.
+        CaptureError: no tracer captures the model (or, with ``verify``, none faithfully); the message names the
+            line of the model's code, or the first output or parameter that differs.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(2, 4))
+        >>> [str(n.meta["compfx_key"]) for n in compfx.graph_capture.op_nodes(gm)]
+        ['0:linear#0', '1:relu#0']
     """
     if not isinstance(model, nn.Module):
         raise BadInputError(f"capture() takes an nn.Module; got {type(model).__name__}.")
@@ -234,7 +247,7 @@ _TRACERS = ("symbolic", "record", "dynamo")
 
 def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.GraphModule:
     """The method choice: each tracer ``method`` allows, in order, until one gives a graph (that, with ``verify``,
-    trains exactly as the model does: :func:`~compfx.capture.verify.verify_capture`)."""
+    trains exactly as the model does: :func:`~compfx.graph_capture.verify.verify_capture`)."""
     attempts = _Attempts(model)
     device_type = _probed_device_type(model, args, kwargs)  # the model's own autocast blocks open under a probe
     for tracer in _TRACERS if method == "auto" else (method,):

@@ -1,6 +1,6 @@
 """The recording tracer: run ``forward`` on FakeTensors and write every torch call into a graph.
 
-:func:`compfx.capture.capture` tries it when symbolic tracing fails. The
+:func:`compfx.graph_capture.capture` tries it when symbolic tracing fails. The
 model's own Python runs as in eager (``isinstance`` checks, shape arithmetic,
 decorators, Hugging Face's mask helpers), in a fraction of dynamo's time;
 shapes are concrete, so the graph is specialised to the example inputs. A

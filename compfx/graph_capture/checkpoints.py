@@ -147,7 +147,7 @@ def _top_pack_hook():
 
 
 def is_reentrant_checkpoint(call) -> bool:
-    """Is this custom-Function call (:class:`~compfx.capture.functions.FunctionCall`) ``checkpoint(...,
+    """Is this custom-Function call (:class:`~compfx.graph_capture.functions.FunctionCall`) ``checkpoint(...,
     use_reentrant=True)``'s own Function?"""
     return call.function is torch_checkpoint.CheckpointFunction
 

@@ -1,6 +1,6 @@
 """The symbolic tracer: ``torch.fx`` proxies that carry FakeTensor values, traced through ``torch.nn``.
 
-:func:`compfx.capture.capture` tries it first. ``nn.Linear`` becomes
+:func:`compfx.graph_capture.capture` tries it first. ``nn.Linear`` becomes
 ``F.linear`` reading its parameters with ``get_attr``; each proxy carries the
 FakeTensor value its op gives on the example inputs, so the Python checks
 inside ``torch.nn`` (``if input.dim() != 4``) and shape-driven branches in user

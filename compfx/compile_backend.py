@@ -4,7 +4,7 @@
 ``torch_dynamo_backends`` entry point) or, with explicit settings,
 ``torch.compile(model, backend=compfx.backend(plan, inner="inductor"))``.
 For every graph dynamo hands over, the backend keys its ops as
-:func:`compfx.capture` does (:func:`~compfx.capture.key_dynamo_graph`), picks
+:func:`compfx.capture` does (:func:`~compfx.graph_capture.key_dynamo_graph`), picks
 the plan (given, searched for this model in this process, cached, or
 ``Plan.amp`` of the graph), inserts the plan's casts before AOT autograd, and
 hands the graph to ``inner``, under the ``torch.compile`` settings the plan
@@ -36,12 +36,13 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import cache
-from .analyze import analyze_graph, fingerprint_of, parameter_shapes
-from .capture import (inline_checkpoint_bodies, is_numerical_op, key_dynamo_graph, named_tensors, op_nodes,
-                      outline_checkpoint_regions)
-from .capture.dynamo import CallIndexOffsets
+from .analysis import analyze_graph, fingerprint_of, parameter_shapes
+from .graph_capture import (inline_checkpoint_bodies, is_numerical_op, key_dynamo_graph, named_tensors, op_nodes,
+                            outline_checkpoint_regions)
+from .graph_capture.dynamo import CallIndexOffsets
 from .cast_policy import compute_dtype
-from .compile_options import INNER_BACKENDS, CompileOptions, dynamic_now, given_settings, name_of, own_recompiles
+from .compile_options import (INNER_BACKENDS, CompileOptions, dynamic_now, given_settings, name_of, own_recompiles,
+                              program_settings)
 from .errors import BadInputError, PlanMismatchError
 from .float8 import fp8_fallbacks
 from .opkey import KEY_META, OpKey
@@ -226,7 +227,7 @@ class CompfxBackend:
 
     def _say_unplanned_regions(self, gm: fx.GraphModule) -> None:
         """Dynamo hands higher-order ops' bodies over as subgraphs the graph calls. Checkpointed regions are
-        written into the graph and planned (:func:`~compfx.capture.inline_checkpoint_bodies`); the bodies of other
+        written into the graph and planned (:func:`~compfx.graph_capture.inline_checkpoint_bodies`); the bodies of other
         higher-order ops run as the model wrote them: say so."""
         bodies = {name: sum(node.op.startswith("call") and is_numerical_op(node) for node in body.graph.nodes)
                   for name, body in gm.named_children() if isinstance(body, fx.GraphModule)}
@@ -489,7 +490,7 @@ def _keyed_nodes(gm: fx.GraphModule) -> dict[OpKey, fx.Node]:
 
 def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, model: nn.Module | None = None,
                       index_offsets: Mapping[tuple[str, str], int] | None = None) -> dict[OpKey, fx.Node]:
-    """Deprecated: use :func:`compfx.capture.key_dynamo_graph` (``counts``, ``example_inputs=``, ``model=``).
+    """Deprecated: use :func:`compfx.graph_capture.key_dynamo_graph` (``counts``, ``example_inputs=``, ``model=``).
 
     >>> import warnings
     >>> with warnings.catch_warnings(record=True) as caught:
@@ -498,7 +499,7 @@ def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, mode
     >>> caught[0].category.__name__
     'DeprecationWarning'
     """
-    warnings.warn("compfx.backend.key_backend_graph is deprecated; use compfx.capture.key_dynamo_graph(gm, counts, "
+    warnings.warn("compfx.compile_backend.key_backend_graph is deprecated; use compfx.graph_capture.key_dynamo_graph(gm, counts, "
                   "example_inputs=..., model=...), the one function that keys dynamo's graphs",
                   DeprecationWarning, stacklevel=2)
     key_dynamo_graph(gm, Counter(index_offsets or {}), example_inputs=example_inputs, model=model)
@@ -513,28 +514,49 @@ def backend(plan: PlanSource = None, *, inner: str | Callable | None = None, low
             model: nn.Module | None = None, cache_dir: str | os.PathLike | None = None,
             emulate_precision_casts: bool | None = None, inductor_options: Mapping[str, object] | None = None,
             mode: str | None = None) -> CompfxBackend:
-    """A ``torch.compile`` backend that runs ``model`` with ``plan``'s precisions.
+    """A ``torch.compile`` backend that runs the compiled model with ``plan``'s precisions, then ``inner``.
 
-    ``plan``: a :class:`~compfx.plan.Plan`, the path of a plan file, or None
-    (the plan ``compfx.optimize()`` cached for this model, else the default
-    AMP-equivalent plan). The backend's own options: ``inner`` (``"inductor"``,
-    ``"aot_eager"``, ``"eager"``, another registered backend name, or a
-    backend callable), ``low_dtype`` (when no plan is given), ``model`` (names
-    for graphs that start inside a submodule), ``cache_dir`` and
-    ``emulate_precision_casts``. ``inductor_options`` are Inductor config
-    patches, passed to Inductor only (``inner="inductor"``), as is ``mode``
-    (``torch.compile``'s, as Inductor patches). A setting left None is the
-    one the plan records (``plan.compile_options``: the search that chose it
-    measured it compiled so), else the default (``inner="inductor"``,
-    ``emulate_precision_casts=True``); a setting given that differs from the
-    plan's recorded one is warned about.
+    For every graph dynamo hands over, it keys the ops as :func:`compfx.capture`
+    does, inserts the plan's casts before AOT autograd (so training works), and
+    hands the graph to ``inner``; ``.records`` lists a
+    :class:`GraphRecord` per graph compiled. ``docs/compile.md`` says which plan
+    runs when, and how graph breaks and padding are handled. A setting left
+    None is the one the plan records (``plan.compile_options``: the search
+    that chose the plan measured it compiled so), else the default; a setting
+    given that differs from the plan's recorded one is warned about.
 
-    >>> import torch, compfx
-    >>> model = torch.nn.Linear(4, 4)
-    >>> plan = compfx.Plan.fp32(compfx.analyze(model, torch.randn(2, 4)))
-    >>> compiled = torch.compile(model, backend=compfx.backend(plan, inner="aot_eager"))
-    >>> compiled(torch.randn(2, 4)).shape
-    torch.Size([2, 4])
+    Args:
+        plan: a :class:`~compfx.plan.Plan`, the path of a plan file, or None: the plan ``compfx.optimize()``
+            searched for this model (in this process, else from the plan cache), else AMP's plan of each graph.
+        inner: the backend that compiles the planned graphs: ``"inductor"`` (the default), ``"aot_eager"``,
+            ``"eager"``, another registered backend name, or a backend callable.
+        low_dtype: the precision of "low" ops when no plan is given (a plan names its own).
+        model: the model being compiled, so that graphs starting inside a submodule (after a graph break) name
+            their ops as the plan does.
+        cache_dir: the plan cache folder (None: ``$COMPFX_CACHE_DIR``, else ``~/.cache/compfx/plans``).
+        emulate_precision_casts: Inductor keeps a downcast followed by an upcast inside a fused kernel (its
+            ``emulate_precision_casts``; default True), so a plan's "low" is not silently run in FP32.
+        inductor_options: Inductor config patches, passed to Inductor only (``inner="inductor"``).
+        mode: ``torch.compile``'s ``mode``, passed to Inductor only (as its config patches).
+
+    Returns:
+        CompfxBackend: a callable to pass as ``torch.compile(model, backend=...)``.
+
+    Raises:
+        BadInputError: an unknown ``inner``, options for another inner backend than Inductor, a ``plan`` of
+            another type, or a ``low_dtype`` other than the plan's.
+        PlanFileError: ``plan`` is a path to a missing or damaged plan file.
+        PlanMismatchError: the plan names no op of ``model`` (or, at compile time, of the graph): it was made
+            for another model.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Linear(4, 4)
+        >>> plan = compfx.Plan.fp32(compfx.analyze(model, torch.randn(2, 4)))
+        >>> compiled = torch.compile(model, backend=compfx.backend(plan, inner="aot_eager"))
+        >>> compiled(torch.randn(2, 4)).shape
+        torch.Size([2, 4])
     """
     return CompfxBackend(plan, inner=inner, low_dtype=low_dtype, model=model, cache_dir=cache_dir,
                          emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options,
@@ -592,56 +614,48 @@ def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str |
                       cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool | None = None,
                       inductor_options: Mapping[str, object] | None = None, mode: str | None = None,
                       options: CompileOptions | None = None) -> nn.Module:
-    """``torch.compile(model)`` under a compfx backend made for this model; the backend is ``.compfx_backend``.
+    """``torch.compile(model)`` under a compfx backend made for this model: the plan's casts, then ``inner``.
 
     One backend per model, built with ``model=`` so that graph breaks inside
-    submodules still find their plan entries. The compile settings (``inner``,
-    ``mode``, ``dynamic``, ``fullgraph``, ``emulate_precision_casts``,
-    ``inductor_options``; or all of them at once as ``options``, a
-    :class:`~compfx.compile_options.CompileOptions`) default to those the plan
-    records (``plan.compile_options``: a compiled search measured the plan
-    as this program), else to ``CompileOptions()``'s (Inductor); a setting
-    given that differs from the plan's recorded one is warned about when the
-    plan runs. With ``plan=None``, the plan this process searched for
-    ``model`` decides them, else a cached plan's are read graph by graph
-    (``dynamic`` and ``fullgraph`` then stay as given). Each call compiles
-    a program of its own: its recompiles count against
-    ``torch._dynamo.config.recompile_limit`` alone, not against other
-    programs of the same model (``torch.compile(isolate_recompiles=True)``,
-    where this torch has it). When the first call hands the backend no graph
-    (dynamo ran the model eagerly: an ``nn.LSTM`` without
+    submodules still find their plan entries. The settings default to those
+    the plan records, as for :func:`backend`; with ``plan=None``, the plan
+    this process searched for ``model`` decides them, else a cached plan's are
+    read graph by graph (``dynamic`` and ``fullgraph`` then stay as given).
+    Each call compiles a program of its own, whose recompiles count against
+    ``torch._dynamo.config.recompile_limit`` alone. When the first call hands
+    the backend no graph (dynamo ran the model eagerly: an ``nn.LSTM`` without
     ``torch._dynamo.config.allow_rnn``), a warning says so
     (:func:`no_graph_message`): no plan applied. ``torch.compile(model,
-    backend="compfx")`` cannot tell, as dynamo never calls it; its
-    ``registered_backend().records`` stay empty.
+    backend="compfx")`` cannot tell, as dynamo never calls it.
 
-    >>> import torch, compfx
-    >>> from compfx.backend import compile_with_plan
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
-    >>> plan = compfx.Plan.amp(compfx.analyze(model, torch.randn(2, 4)))
-    >>> compiled = compile_with_plan(model, plan, inner="aot_eager")
-    >>> compiled(torch.randn(2, 4)).dtype
-    torch.float32
-    >>> {str(k): d for k, d in compiled.compfx_backend.records[0].compute_dtypes.items()}
-    {'0:linear#0': torch.bfloat16, '1:relu#0': torch.bfloat16}
+    Args:
+        model: the ``nn.Module`` to compile (not changed; the compiled module shares its Parameters).
+        plan, inner, low_dtype, cache_dir, emulate_precision_casts, inductor_options, mode: as for :func:`backend`.
+        dynamic, fullgraph: passed to ``torch.compile``.
+        options: all the compile settings at once, a :class:`~compfx.compile_options.CompileOptions` (then give
+            none of them one by one).
+
+    Returns:
+        nn.Module: the compiled model (``torch.compile``'s); its backend is ``.compfx_backend``, whose
+        ``.records`` say what happened to each graph.
+
+    Raises:
+        BadInputError, PlanFileError, PlanMismatchError: as for :func:`backend`, before anything is compiled.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+        >>> plan = compfx.Plan.amp(compfx.analyze(model, torch.randn(2, 4)))
+        >>> compiled = compfx.compile_with_plan(model, plan, inner="aot_eager")
+        >>> compiled(torch.randn(2, 4)).dtype
+        torch.float32
+        >>> {str(k): d for k, d in compiled.compfx_backend.records[0].compute_dtypes.items()}
+        {'0:linear#0': torch.bfloat16, '1:relu#0': torch.bfloat16}
     """
-    if dynamic is not None and not isinstance(dynamic, bool):
-        raise BadInputError(f"dynamic={dynamic!r}; expected None (torch.compile decides), True or False.")
-    if fullgraph is not None and not isinstance(fullgraph, bool):
-        raise BadInputError(f"fullgraph={fullgraph!r}; expected True or False (a string such as 'no' would be "
-                            "taken as True).")
+    given = program_settings(options, inner=inner, mode=mode, dynamic=dynamic, fullgraph=fullgraph,
+                             inductor_options=inductor_options, emulate_precision_casts=emulate_precision_casts)
     plan = _load_plan(plan)
-    given = {name: value for name, value in (("inner", inner), ("mode", mode), ("dynamic", dynamic),
-                                             ("fullgraph", fullgraph), ("inductor_options", inductor_options),
-                                             ("emulate_precision_casts", emulate_precision_casts))
-             if value is not None}
-    if options is not None:
-        if given:
-            raise BadInputError(f"compile_with_plan got options= and {sorted(given)}; pass the settings either as "
-                                "options=CompileOptions(...) or one by one, not both.")
-        if not isinstance(options, CompileOptions):
-            raise BadInputError(f"options={options!r}; expected a compfx.CompileOptions or None.")
-        given = options.to_dict()
     recorded = plan.compile_options if plan is not None else _searched_options(model)
     dynamic = given.pop("dynamic", recorded.dynamic if recorded is not None else None)
     fullgraph = given.pop("fullgraph", recorded.fullgraph if recorded is not None else False)
