@@ -63,10 +63,11 @@ SIZES = {
     "smoke": (dict(vocab=64, seq_len=16, dim=32, heads=2, layers=1), 16, 2, 2, 1),
 }
 _WARMUP_STEPS = {"smoke": 1}  # else benchmarks.fp8's
-#: The searches: as benchmarks.fp8's on a GPU; in smoke mode the least that runs both stages
-_SEARCH = dict(stage1_budget=16, stage2_budget=4, warmup=1, repeats=2)
-_SMOKE_SEARCH = dict(stage1_budget=2, stage2_budget=1, warmup=0, repeats=1, rounds=0, stage2_check_batches=0,
-                     predictor="off", verify_capture=False)
+#: The searches on a GPU: a compiled search compiles every plan it measures, so its budget is kept to what one
+#: time-boxed suite part can hold; in smoke mode the least that runs both stages
+_SEARCH = dict(stage1_budget=8, stage2_budget=2, warmup=1, repeats=2)
+_SMOKE_SEARCH = dict(stage1_budget=2, stage2_budget=1, warmup=0, repeats=1, decision=compfx.DecisionRule(rounds=0),
+                     stage2_check_batches=0, predictor=False, verify_capture=False)
 RECIPE = "tensorwise"
 
 
@@ -171,11 +172,14 @@ def run(*, smoke: bool = False, size: str = "gpt2", device: str | None = None) -
         if config_ is None:
             unavailable[name] = missing
             continue
+        print(f"{name}: searching ...", flush=True)  # a run cut off by its time box shows how far it came
         model, result = _search(base, batches, config_, cost_fn)
+        print(f"{name}: searched in {result.search_seconds:.1f} s", flush=True)
         contenders.append(fp8.Contender(name, f"{how}, compile_with_plan", compile_with_plan(model, result.plan,
                                         inner=backend), model, False, batches))
         extra[name] = _plan_row(result, auto_fqns, linears)
 
+    print(f"taking turns: {len(contenders)} contenders, {rounds} rounds", flush=True)
     fp8.take_turns(contenders, rounds=rounds, steps=steps, device=device,
                    warmup_steps=_WARMUP_STEPS.get(size, fp8.WARMUP_STEPS))
     rows = {f"{c.name} (compiled)": {**c.row(), **extra.get(c.name, {})} for c in contenders}
