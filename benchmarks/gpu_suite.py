@@ -18,7 +18,7 @@ slow compile cannot eat the rest:
 3. ``fp8-compiled``: the program people train, compiled: bf16 AMP, torchao float8 on every linear and with its
    auto filter, and compfx's plans searched eagerly and searched compiled (``SearchConfig(compile=...)``), all
    under ``torch.compile`` and taking turns on the same batches (:mod:`benchmarks.fp8_compiled`, a decoder of
-   width 4096 on a GPU), in what is left of the budget (at most 7 minutes). It runs before the bench rows, which
+   width 4096, one block, on a GPU), in what is left of the budget (at most 7 minutes). It runs before the bench rows, which
    a later run can resume; like ``fp8`` it needs torchao and is skipped without it.
 4. ``bench``: VGG16-CIFAR, AlexNet-CIFAR, a ResNet-18, BERT-base and a GPT-2-small-shaped decoder in FP32, AMP
    fp16 + GradScaler, AMP bf16 and compfx (searched), eager and under ``torch.compile``: steps/s, peak memory,
@@ -89,7 +89,7 @@ _FP8_TIMEOUT_S = {False: 300, True: 180}
 _FP8_COMPILED_TIMEOUT_S = {False: 420, True: 180}
 #: The FP8 parts: state key -> (benchmark module, its JSON file name, its arguments off smoke, time limits)
 _FP8_PARTS = {"fp8": ("benchmarks.fp8", "fp8.json", (), _FP8_TIMEOUT_S),
-              "fp8-compiled": ("benchmarks.fp8_compiled", "fp8_compiled.json", ("--size", "wide"),
+              "fp8-compiled": ("benchmarks.fp8_compiled", "fp8_compiled.json", ("--size", "wide1"),
                                _FP8_COMPILED_TIMEOUT_S)}
 
 
