@@ -2,7 +2,7 @@
 
 ::
 
-    python -m benchmarks.fp8_compiled [--smoke] [--size gpt2|wide] [--out ROOT]
+    python -m benchmarks.fp8_compiled [--smoke] [--size gpt2|wide|wide1] [--out ROOT]
 
 One GPT-style decoder, trained every way under ``torch.compile``, from the same weights, each with its own AdamW,
 the k-th step of each on the same batch:
