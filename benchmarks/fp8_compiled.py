@@ -2,7 +2,7 @@
 
 ::
 
-    python -m benchmarks.fp8_compiled [--smoke] [--size gpt2|wide] [--out ROOT]
+    python -m benchmarks.fp8_compiled [--smoke] [--size gpt2|wide|wide1] [--out ROOT]
 
 One GPT-style decoder, trained every way under ``torch.compile``, from the same weights, each with its own AdamW,
 the k-th step of each on the same batch:
@@ -28,7 +28,9 @@ Float8 GEMMs need a GPU of compute capability 8.9+ (H100). Anywhere else torchao
 (``Float8LinearConfig(emulate=True)``): the script still runs, on tiny shapes with ``aot_eager``, to show that every
 path trains, and says that its times mean nothing; there compfx's searches rank plans by
 :func:`compfx.costmodel.roofline_cost` (an H100's roofline), since the emulated seconds say nothing about FP8.
-``--size wide`` (GPU) trains a decoder of width 4096, where the GEMMs are large enough for FP8 to pay. Results:
+``--size wide`` (GPU) trains a decoder of width 4096, where the GEMMs are large enough for FP8 to pay; ``wide1``
+is one block of it (what the GPU suite's time box holds: every contender and every plan a search measures
+compiles). Results:
 ``ROOT/<device>/fp8_compiled.json`` and ``fp8_compiled.md``.
 """
 
@@ -60,13 +62,15 @@ __all__ = ["run", "main", "markdown", "compile_setting", "SIZES"]
 SIZES = {
     "gpt2": (dict(vocab=50304, seq_len=1024, dim=768, heads=12, layers=12), 8, 8, 5, 8),
     "wide": (dict(vocab=8192, seq_len=1024, dim=4096, heads=32, layers=2), 2, 8, 5, 4),
+    "wide1": (dict(vocab=8192, seq_len=1024, dim=4096, heads=32, layers=1), 2, 8, 5, 4),  # the GPU suite's
     "smoke": (dict(vocab=64, seq_len=16, dim=32, heads=2, layers=1), 16, 2, 2, 1),
 }
 _WARMUP_STEPS = {"smoke": 1}  # else benchmarks.fp8's
-#: The searches: as benchmarks.fp8's on a GPU; in smoke mode the least that runs both stages
-_SEARCH = dict(stage1_budget=16, stage2_budget=4, warmup=1, repeats=2)
-_SMOKE_SEARCH = dict(stage1_budget=2, stage2_budget=1, warmup=0, repeats=1, rounds=0, stage2_check_batches=0,
-                     predictor="off", verify_capture=False)
+#: The searches on a GPU: a compiled search compiles every plan it measures, so its budget is kept to what one
+#: time-boxed suite part can hold; in smoke mode the least that runs both stages
+_SEARCH = dict(stage1_budget=8, stage2_budget=2, warmup=1, repeats=2)
+_SMOKE_SEARCH = dict(stage1_budget=2, stage2_budget=1, warmup=0, repeats=1, decision=compfx.DecisionRule(rounds=0),
+                     stage2_check_batches=0, predictor=False, verify_capture=False)
 RECIPE = "tensorwise"
 
 
@@ -171,11 +175,14 @@ def run(*, smoke: bool = False, size: str = "gpt2", device: str | None = None) -
         if config_ is None:
             unavailable[name] = missing
             continue
+        print(f"{name}: searching ...", flush=True)  # a run cut off by its time box shows how far it came
         model, result = _search(base, batches, config_, cost_fn)
+        print(f"{name}: searched in {result.search_seconds:.1f} s", flush=True)
         contenders.append(fp8.Contender(name, f"{how}, compile_with_plan", compile_with_plan(model, result.plan,
                                         inner=backend), model, False, batches))
         extra[name] = _plan_row(result, auto_fqns, linears)
 
+    print(f"taking turns: {len(contenders)} contenders, {rounds} rounds", flush=True)
     fp8.take_turns(contenders, rounds=rounds, steps=steps, device=device,
                    warmup_steps=_WARMUP_STEPS.get(size, fp8.WARMUP_STEPS))
     rows = {f"{c.name} (compiled)": {**c.row(), **extra.get(c.name, {})} for c in contenders}
@@ -215,7 +222,8 @@ def markdown(result: dict) -> str:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, whatever the device (seconds on a CPU)")
-    parser.add_argument("--size", choices=("gpt2", "wide"), default="gpt2", help="the decoder on a GPU")
+    parser.add_argument("--size", choices=("gpt2", "wide", "wide1"), default="gpt2",
+                        help="the decoder on a GPU (wide1: one block of wide, what the GPU suite's time box holds)")
     parser.add_argument("--out", default=str(fp8.RESULTS_ROOT), help="results root (a <device> folder is made in it)")
     args = parser.parse_args(argv)
     result = run(smoke=args.smoke, size=args.size)

@@ -24,13 +24,17 @@ from tabulate import tabulate
 from compfx.measure import describe_fp32_math
 
 __all__ = ["ratios", "markdown", "summary_lines", "row_line", "readme_section", "device_results", "NO_GPU_YET",
-           "RUN_COMMANDS", "FP8_NOTE", "fp8_text", "padding_text"]
+           "RUN_COMMANDS", "FP8_NOTE", "FP8_COMPILED_NOTE", "fp8_text", "fp8_compiled_text", "padding_text"]
 
 _MB = 1024 * 1024
 
 FP8_NOTE = ("Not measured in this run. The part compares bf16 AMP, torchao float8 (every linear) and compfx's "
             "searched FP8 / bf16 / FP32 plan on the GPT-shaped decoder (`benchmarks/fp8.py`); it needs torchao "
             "(`pip install compfx[fp8]`).")
+
+FP8_COMPILED_NOTE = ("Not measured in this run. The part trains bf16 AMP, torchao float8 (every linear, and its "
+                     "auto filter) and compfx's plans searched eager and searched compiled, all under "
+                     "`torch.compile` (`benchmarks/fp8_compiled.py`); it needs torchao (`pip install compfx[fp8]`).")
 
 #: How to measure a GPU (kept in one place: the README, the results README and the suite's docstring say the same).
 RUN_COMMANDS = """\
@@ -104,9 +108,11 @@ def summary_lines(state: dict) -> list[str]:
         lines.append(f"cuda tests: {tests.get('status')}: {tests.get('passed', 0)} passed, {tests.get('failed', 0)} "
                      f"failed, {tests.get('errors', 0)} errors, {tests.get('skipped', 0)} skipped "
                      f"({_fmt(tests.get('seconds'), '.0f', '?')} s)")
-    fp8 = state.get("fp8") or {}
-    if fp8.get("status") not in (None, "not measured"):
-        lines.append(f"fp8: {fp8['status']}" + ("" if fp8["status"] == "ok" else f": {fp8.get('why', '')}"))
+    for key in ("fp8_compiled", "fp8"):
+        part = state.get(key) or {}
+        if part.get("status") not in (None, "not measured"):
+            lines.append(f"{key.replace('_', '-')}: {part['status']}"
+                         + ("" if part["status"] == "ok" else f": {part.get('why', '')}"))
     rows = (state.get("bench") or {}).get("rows") or {}
     lines.extend(row_line(rows, row) for row in _ordered(rows))
     return lines
@@ -241,6 +247,10 @@ def markdown(state: dict) -> str:
         "",
         padding_text(rows),
         "",
+        "## FP8, compiled",
+        "",
+        fp8_compiled_text(state.get("fp8_compiled")),
+        "",
         "## FP8",
         "",
         fp8_text(state.get("fp8")),
@@ -272,6 +282,17 @@ def fp8_text(fp8: dict | None) -> str:
     from .fp8 import markdown as fp8_markdown  # the benchmark's own table, not a second one
 
     return fp8_markdown(fp8).split("\n", 1)[1].strip()  # its title is this section's heading
+
+
+def fp8_compiled_text(part: dict | None) -> str:
+    """The compiled FP8 part: its tables (from ``benchmarks/fp8_compiled.py``'s JSON), or why it was not measured."""
+    part = part or {}
+    if part.get("status") != "ok":
+        why = part.get("why") or FP8_COMPILED_NOTE
+        return why if part.get("status") in (None, "not measured") else f"{part['status']}: {why}"
+    from .fp8_compiled import markdown as fp8_compiled_markdown  # the benchmark's own tables
+
+    return fp8_compiled_markdown(part).split("\n", 1)[1].strip()
 
 
 # -- the README's section ------------------------------------------------------------------------
@@ -339,6 +360,8 @@ def readme_section(results_root: str | Path, *, relative_to: str | Path | None =
                       _readme_table(rows, compiled=True)]
         if any(row.get("padding") for row in rows.values()):
             parts += ["", "Shape padding (one plan with and without padding, in turns):", "", padding_text(rows)]
+        if (state.get("fp8_compiled") or {}).get("status") not in (None, "not measured"):
+            parts += ["", "FP8, compiled: " + fp8_compiled_text(state.get("fp8_compiled"))]
         parts += ["", "FP8: " + fp8_text(state.get("fp8")), ""]
     parts += ["To measure another GPU:", "", "```bash", RUN_COMMANDS, "```"]
     return "\n".join(parts).rstrip("\n")

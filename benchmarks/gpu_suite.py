@@ -2,7 +2,8 @@
 
 ::
 
-    python -m benchmarks.gpu_suite [--smoke] [--out ROOT] [--budget-min 8.5] [--parts env,cuda-tests,bench,fp8]
+    python -m benchmarks.gpu_suite [--smoke] [--out ROOT] [--budget-min 8.5]
+                                   [--parts env,cuda-tests,fp8-compiled,bench,fp8]
                                    [--merge-from ROOT] [--models ...] [--modes ...] [--no-compile] [--no-padding]
                                    [--retry-failed]
 
@@ -14,14 +15,19 @@ slow compile cannot eat the rest:
 2. ``cuda-tests``: ``pytest -m cuda tests`` (``tests/test_cuda.py``: ``Plan.amp`` against CUDA autocast, Tensor
    Core eligibility on the real capability, fp16 sampling with a GradScaler, ``backend="compfx"`` with Inductor,
    a world-size-1 NCCL DDP search, the CUDA RNG left alone); pass / fail counts and the failures.
-3. ``bench``: VGG16-CIFAR, AlexNet-CIFAR, a ResNet-18, BERT-base and a GPT-2-small-shaped decoder in FP32, AMP
+3. ``fp8-compiled``: the program people train, compiled: bf16 AMP, torchao float8 on every linear and with its
+   auto filter, and compfx's plans searched eagerly and searched compiled (``SearchConfig(compile=...)``), all
+   under ``torch.compile`` and taking turns on the same batches (:mod:`benchmarks.fp8_compiled`, a decoder of
+   width 4096, one block, on a GPU), in what is left of the budget (at most 7 minutes). It runs before the bench rows, which
+   a later run can resume; like ``fp8`` it needs torchao and is skipped without it.
+4. ``bench``: VGG16-CIFAR, AlexNet-CIFAR, a ResNet-18, BERT-base and a GPT-2-small-shaped decoder in FP32, AMP
    fp16 + GradScaler, AMP bf16 and compfx (searched), eager and under ``torch.compile``: steps/s, peak memory,
    MFU against the probe, the search's cost and share of a 100-epoch run, the plan's casts
    (:mod:`benchmarks.gpu_bench`). Rows are measured model by model, each group in one worker process, and only
    while the budget lasts; a later run with ``--merge-from`` measures the rows still missing. One more row
    (``--no-padding`` leaves it out) trains a GPT with GPT-2's vocabulary of 50,257 under one plan with and
    without Tensor Core shape padding, in turns (:mod:`benchmarks.padding`).
-4. ``fp8``: bf16 AMP against torchao float8 (every linear) against compfx's searched FP8 / bf16 / FP32 plan on
+5. ``fp8``: bf16 AMP against torchao float8 (every linear) against compfx's searched FP8 / bf16 / FP32 plan on
    the GPT-shaped decoder (:mod:`benchmarks.fp8`), in what is left of the budget (at most 5 minutes). It needs
    torchao (``pip install compfx[fp8]``); without it the part is "skipped: torchao not installed", which does not
    fail the suite. Off a float8-capable GPU (capability 8.9+) the times are emulation and say so.
@@ -64,7 +70,7 @@ from compfx.files import write_json_atomic
 from compfx.float8 import torchao_missing
 
 from .gpu_bench import MODES, ROOT, SMOKE_MODELS, SUITE_MODELS, Settings, parse_mode, run_groups, suite_groups
-from .gpu_report import FP8_NOTE, markdown, row_line, summary_lines
+from .gpu_report import FP8_COMPILED_NOTE, FP8_NOTE, markdown, row_line, summary_lines
 from .flops import mfu_percent
 from .models import MODELS
 from .report import slug
@@ -73,13 +79,18 @@ from .timebox import run_boxed, tail_of
 __all__ = ["PARTS", "parse_args", "main", "load_state", "run_environment", "run_cuda_tests", "run_fp8", "STEM",
            "succeeded"]
 
-PARTS = ("env", "cuda-tests", "bench", "fp8")
+PARTS = ("env", "cuda-tests", "fp8-compiled", "bench", "fp8")
 STEM = {False: "gpu-suite", True: "gpu-suite-smoke"}
 _DEFAULT_ROOT = ROOT / "benchmarks" / "results"
 _RESERVE_S = 15  # kept back from the budget for writing the results
 _ENV_TIMEOUT_S = {False: 180, True: 180}
 _TESTS_TIMEOUT_S = {False: 300, True: 180}
 _FP8_TIMEOUT_S = {False: 300, True: 180}
+_FP8_COMPILED_TIMEOUT_S = {False: 420, True: 180}
+#: The FP8 parts: state key -> (benchmark module, its JSON file name, its arguments off smoke, time limits)
+_FP8_PARTS = {"fp8": ("benchmarks.fp8", "fp8.json", (), _FP8_TIMEOUT_S),
+              "fp8-compiled": ("benchmarks.fp8_compiled", "fp8_compiled.json", ("--size", "wide1"),
+                               _FP8_COMPILED_TIMEOUT_S)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -212,21 +223,23 @@ def run_cuda_tests(smoke: bool, workdir: Path, log_path: Path, budget_end: float
             **({} if counts else {"output_tail": tail_of(log_path, 3000)})}
 
 
-def run_fp8(smoke: bool, workdir: Path, log_path: Path, budget_end: float) -> dict:
-    """``python -m benchmarks.fp8`` in a time-boxed subprocess; its JSON, or why there is none.
+def run_fp8(smoke: bool, workdir: Path, log_path: Path, budget_end: float, part: str = "fp8") -> dict:
+    """An FP8 part (``fp8``: :mod:`benchmarks.fp8`; ``fp8-compiled``: :mod:`benchmarks.fp8_compiled`) in a
+    time-boxed subprocess; its JSON, or why there is none.
 
     Without torchao the part is ``skipped`` (not a failure: FP8 is an optional extra, ``compfx[fp8]``).
     """
     missing = torchao_missing()
     if missing:
         return {"status": "skipped", "why": missing}
-    out = workdir / "fp8"
-    argv = [sys.executable, "-m", "benchmarks.fp8", "--out", str(out)] + (["--smoke"] if smoke else [])
-    end = min(budget_end, time.time() + _FP8_TIMEOUT_S[smoke])
+    module, json_name, full_args, limits = _FP8_PARTS[part]
+    out = workdir / part
+    argv = [sys.executable, "-m", module, "--out", str(out), *(["--smoke"] if smoke else full_args)]
+    end = min(budget_end, time.time() + limits[smoke])
     if end - time.time() < 30:
-        return {"status": "not measured", "why": "no budget left in this run; run --parts fp8"}
+        return {"status": "not measured", "why": f"no budget left in this run; run --parts {part}"}
     boxed = run_boxed(argv, log_path=log_path, deadline=lambda: end, env=_subprocess_env(workdir), cwd=ROOT)
-    found = sorted(out.glob("*/fp8.json"))
+    found = sorted(out.glob(f"*/{json_name}"))
     if boxed.returncode == 0 and found:
         return {"status": "ok", "seconds": boxed.seconds, **json.loads(found[0].read_text())}
     return {"status": "timeout" if boxed.timed_out else "failed", "why": "see the output tail",
@@ -296,8 +309,9 @@ def _start_state(args, env: dict, merged: dict | None, settings: Settings) -> di
                        "bench": {"rows": {}}}
     state["environment"] = env
     state["bench"]["settings"] = asdict(settings)
-    if not state.get("fp8"):  # an earlier run's FP8 part, measured or failed, stands until a run of the part
-        state["fp8"] = {"status": "not measured", "why": FP8_NOTE}
+    for key, note in (("fp8", FP8_NOTE), ("fp8_compiled", FP8_COMPILED_NOTE)):
+        if not state.get(key):  # an earlier run's FP8 part, measured or failed, stands until a run of the part
+            state[key] = {"status": "not measured", "why": note}
     state["runs"].append({"run": len(state["runs"]) + 1, "started": _now(), "argv": sys.argv[1:],
                           "parts": args.parts, "budget_min": args.budget_min, "commit": _git_commit(),
                           "note": args.note, "settings": asdict(settings), "environment": env})
@@ -326,6 +340,8 @@ def main(argv=None) -> int:
             results.state["cuda_tests"] = {**run_cuda_tests(args.smoke, workdir, folder / "cuda-tests.txt",
                                                             budget_end), "run": results.run["run"]}
             results.write()
+        _run_fp8_part(args, results, workdir, budget_end, "fp8-compiled",
+                      "fp8-compiled: bf16 AMP, torchao float8 and compfx's plans searched eager and compiled ...")
         left = []
         if "bench" in args.parts:
             groups = suite_groups(args.models, args.modes, compiled=not args.no_compile, smoke=args.smoke,
@@ -333,17 +349,24 @@ def main(argv=None) -> int:
             left = run_groups(groups, settings, rows=results.rows, budget_end=budget_end, workdir=workdir,
                               record=results.record_row, retry_failed=args.retry_failed,
                               log=lambda line: print(line, flush=True))
-        if "fp8" in args.parts and (results.state["fp8"].get("status") != "ok" or args.retry_failed):
-            print("fp8: bf16 AMP, torchao float8 and compfx FP8 plans ...", flush=True)
-            results.state["fp8"] = {**run_fp8(args.smoke, workdir, folder / "fp8.txt", budget_end),
-                                    "run": results.run["run"]}
-            results.write()
+        _run_fp8_part(args, results, workdir, budget_end, "fp8", "fp8: bf16 AMP, torchao float8 and compfx FP8 plans ...")
         results.run.update(finished=_now(), seconds=time.time() - start, left=left)
         results.write()
     print("\n".join(["", f"== {results.json_path} and {results.markdown_path.name}", *summary_lines(results.state)]))
     if left:
         print(f"left for a later run ({len(left)}): " + "; ".join(left))
     return 0 if succeeded(results.state, args.parts) else 1
+
+
+def _run_fp8_part(args, results: _Results, workdir: Path, budget_end: float, part: str, announce: str) -> None:
+    """Run an FP8 part if asked and not yet measured (or ``--retry-failed``); record it under its state key."""
+    key = part.replace("-", "_")
+    if part not in args.parts or (results.state[key].get("status") == "ok" and not args.retry_failed):
+        return
+    print(announce, flush=True)
+    log_path = results.folder / f"{key}.txt"
+    results.state[key] = {**run_fp8(args.smoke, workdir, log_path, budget_end, part), "run": results.run["run"]}
+    results.write()
 
 
 def succeeded(state: dict, parts) -> bool:
@@ -357,7 +380,8 @@ def succeeded(state: dict, parts) -> bool:
     env_ok = (state.get("environment") or {}).get("status", "ok") == "ok"
     tests_ok = (state.get("cuda_tests") or {}).get("status", "passed") == "passed"
     rows_ok = all(row.get("status") == "ok" for row in ((state.get("bench") or {}).get("rows") or {}).values())
-    fp8_ok = "fp8" not in parts or (state.get("fp8") or {}).get("status") in ("ok", "skipped")
+    fp8_ok = all(part not in parts or (state.get(part.replace("-", "_")) or {}).get("status") in ("ok", "skipped")
+                 for part in _FP8_PARTS)
     return env_ok and tests_ok and rows_ok and fp8_ok
 
 

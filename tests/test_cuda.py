@@ -8,6 +8,8 @@ Inductor's first compiles.
 * Tensor Core eligibility read from the real device's capability;
 * fp16 sampling with a GradScaler inside a search (an overflow is the scaler's to skip, not a failed plan);
 * ``backend="compfx"`` and ``compfx.backend(plan, inner="inductor")`` with Inductor on CUDA;
+* the compiled search (``SearchConfig(compile=True)``) and, on capability 8.9+, FP8 plans compiled with
+  Inductor against torchao's float8, and an FP8 compiled search;
 * a world-size-1 NCCL search, then DDP (in a spawned process, so a hung collective cannot hang the run);
 * the CUDA RNG left as it was by the search;
 * the benchmark harness's peak memory through ``torch.cuda.max_memory_allocated``; CUDA-synchronised timing.
@@ -229,6 +231,73 @@ def test_inductor_backend_with_a_random_plan_matches_apply_on_cuda(fresh_dynamo)
     plan = compfx.Plan.from_bitstring(analysis, "".join(rng.choice("01f") for _ in analysis.ops))
     compiled = torch.compile(model, backend=backend(plan, inner="inductor"))
     assert_matches_apply(compiled, model, plan, analysis, inputs, COMPILE_TOL)
+
+
+# -- the compiled search: plans measured as Inductor runs them on CUDA ---------------------------------------
+
+def test_a_compiled_search_measures_its_plans_through_inductor_and_its_module_trains(fresh_dynamo):
+    torch.manual_seed(0)
+    model = _mlp()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
+    batches = _cuda_batches(4)
+    config = compfx.SearchConfig(**_QUICK, stage1_budget=4, stage2_budget=2, compile=True, cache_plan=False)
+    result = compfx.optimize(model, batches, optimizer=optimizer, loss_fn=_ce, config=config)
+
+    assert result.plan.compile_options == compfx.CompileOptions() and result.cost_breakdown["compile"] > 0
+    assert "compiled search" in result.report()
+    for batch in batches:  # the chosen plan's compiled program, with the plan's dtypes, trains on
+        optimizer.zero_grad(set_to_none=True)
+        loss = _ce(result.module(batch[0]), batch)
+        loss.backward()
+        optimizer.step()
+        assert torch.isfinite(loss)
+    assert result.module.compfx_backend.records  # it ran through compfx's backend, not eagerly
+
+
+def _compiled_step(program, model, x, *, autocast: bool):
+    """``program``'s output and ``model``'s gradients after one forward and backward (bf16 autocast if asked)."""
+    with torch.autocast("cuda", dtype=torch.bfloat16, enabled=autocast):
+        out = program(x)
+    out.float().square().mean().backward()
+    return out.float(), [p.grad for p in model.parameters()]
+
+
+@pytest.mark.skipif(CAPABILITY < (8, 9), reason="float8 GEMMs need compute capability 8.9+ (H100)")
+def test_an_fp8_plan_compiled_with_inductor_runs_native_float8_and_matches_torchao(fresh_dynamo):
+    from compfx.float8 import require_torchao
+
+    float8 = require_torchao()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 256)).to(CUDA)
+    x = torch.randn(64, 256, device=CUDA)
+    analysis = compfx.analyze(model, (x,), low_dtype=torch.bfloat16, fp8=True)
+    assert [op.fp8_eligible for op in analysis.ops] == [True, False, True]
+    plan = compfx.Plan.from_bitstring(analysis, "818", fp8_recipe="tensorwise")
+    converted = float8.convert_to_float8_training(copy.deepcopy(model))
+    out, grads = _compiled_step(compfx.compile_with_plan(model, plan), model, x, autocast=False)
+    ref_out, ref_grads = _compiled_step(torch.compile(converted), converted, x, autocast=True)
+    torch.testing.assert_close(out, ref_out, rtol=5e-2, atol=5e-2)
+    for grad, ref in zip(grads, ref_grads):
+        torch.testing.assert_close(grad, ref, rtol=1e-1, atol=1e-2)
+
+
+@pytest.mark.skipif(CAPABILITY < (8, 9), reason="float8 GEMMs need compute capability 8.9+ (H100)")
+def test_an_fp8_compiled_search_on_the_gpu_trains_its_plan(fresh_dynamo):
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(256, 512), nn.GELU(), nn.Linear(512, 4)).to(CUDA)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    batches = _cuda_batches(4, features=256, rows=256)
+    config = compfx.SearchConfig(**_QUICK, stage1_budget=4, stage2_budget=2, fp8=True, compile=True,
+                                 cache_plan=False)
+    result = compfx.optimize(model, batches, optimizer=optimizer, loss_fn=_ce, low_dtype=torch.bfloat16,
+                             config=config)
+    assert result.plan.low_dtype == torch.bfloat16 and result.plan.compile_options == compfx.CompileOptions()
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = _ce(result.module(batch[0]), batch)
+        loss.backward()
+        optimizer.step()
+        assert torch.isfinite(loss)
 
 
 # -- NCCL, world size 1 ----------------------------------------------------------------------------

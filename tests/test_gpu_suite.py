@@ -79,6 +79,27 @@ def test_smoke_run_writes_json_and_markdown_with_fp32_amp_and_compfx_rows(smoke)
     assert (folder / "cuda-tests.txt").exists()
 
 
+def test_smoke_run_trains_the_compiled_fp8_contenders_and_both_searched_plans(smoke):
+    done, _, folder = smoke
+    part = json.loads((folder / "gpu-suite-smoke.json").read_text())["fp8_compiled"]
+    if torchao_missing():
+        assert part == {"status": "skipped", "why": torchao_missing(), "run": 1}
+        return
+    assert part["status"] == "ok", part.get("output_tail")
+    rows = part["rows"]
+    assert set(rows) == {f"{name} (compiled)" for name in (
+        "bf16 AMP", "torchao float8 (all linears)", "torchao float8 (auto filter)", "compfx (plan searched eager)",
+        "compfx (plan searched compiled)")}
+    assert all(row["step_ms_min"] <= row["step_ms"] <= row["step_ms_max"] and row["mean_loss"] == row["mean_loss"]
+               for row in rows.values())
+    assert part["times_mean_nothing"] is True and part["searched_by"].startswith("roofline_cost")
+    for searched in ("compfx (plan searched eager) (compiled)", "compfx (plan searched compiled) (compiled)"):
+        assert set(rows[searched]["plan"]) <= set("018f") and "agrees_with_auto_filter" in rows[searched]
+    markdown = (folder / "gpu-suite-smoke.md").read_text()
+    assert "## FP8, compiled" in markdown and "| compfx (plan searched compiled) |" in markdown
+    assert "fp8-compiled: ok" in done.stdout
+
+
 def test_smoke_run_has_the_padding_row_with_and_without_padding(smoke):
     done, _, folder = smoke
     state = json.loads((folder / "gpu-suite-smoke.json").read_text())
@@ -176,10 +197,14 @@ def test_the_fp8_part_is_skipped_not_failed_without_torchao(tmp_path, monkeypatc
     monkeypatch.setattr(gpu_suite, "torchao_missing", lambda: "torchao not installed (No module named 'torchao')")
     monkeypatch.setattr(gpu_suite, "run_boxed", lambda *a, **k: pytest.fail("nothing to run without torchao"))
     fp8 = gpu_suite.run_fp8(True, tmp_path, tmp_path / "fp8.txt", time.time() + 600)
-    assert fp8 == {"status": "skipped", "why": "torchao not installed (No module named 'torchao')"}
-    state = {"environment": {"status": "ok"}, "cuda_tests": {"status": "passed"}, "bench": {"rows": {}}, "fp8": fp8}
+    compiled = gpu_suite.run_fp8(True, tmp_path, tmp_path / "fp8_compiled.txt", time.time() + 600, "fp8-compiled")
+    assert fp8 == compiled == {"status": "skipped", "why": "torchao not installed (No module named 'torchao')"}
+    state = {"environment": {"status": "ok"}, "cuda_tests": {"status": "passed"}, "bench": {"rows": {}}, "fp8": fp8,
+             "fp8_compiled": compiled}
     assert gpu_suite.succeeded(state, gpu_suite.PARTS)
     assert not gpu_suite.succeeded({**state, "fp8": {"status": "failed"}}, gpu_suite.PARTS)
+    assert not gpu_suite.succeeded({**state, "fp8_compiled": {"status": "timeout"}}, gpu_suite.PARTS)
+    assert gpu_suite.succeeded({**state, "fp8_compiled": {"status": "timeout"}}, ["env", "fp8"])
     assert fp8_text(fp8).startswith("skipped: torchao not installed")
     assert "fp8: skipped: torchao not installed (No module named 'torchao')" in summary_lines(state)
 
