@@ -12,8 +12,12 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
+CONTRIBUTING = ROOT / "CONTRIBUTING.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
-README_MAX_LINES = 400
+#: the README is a ten-minute read; detail goes to docs/
+README_MAX_LINES = 220
+#: a reader reaches the set-up commands and the quick start without scrolling far
+QUICK_START_BY_LINE = 40
 #: the text files the project is made of; JSON results hold data only, and are left out
 TEXT_SUFFIXES = {".py", ".md", ".toml", ".sh", ".txt"}
 
@@ -59,9 +63,42 @@ def commit_hashes() -> set[str]:
     return set(out.split())
 
 
-def test_the_readme_is_at_most_400_lines():
+def test_the_readme_is_at_most_220_lines():
     lines = len(README.read_text().splitlines())
     assert lines <= README_MAX_LINES, f"README.md has {lines} lines; move detail into docs/ (at most {README_MAX_LINES})"
+
+
+def quick_start_line(text: str) -> int | None:
+    """The line (1-based) where the first ``python`` block that calls compfx opens, or None without one."""
+    lines = text.splitlines()
+    for number, line in enumerate(lines, 1):
+        if line.strip() == "```python":
+            body = lines[number:]
+            end = next((i for i, body_line in enumerate(body) if body_line.startswith("```")), len(body))
+            if any("compfx." in body_line for body_line in body[:end]):
+                return number
+    return None
+
+
+def test_the_quick_start_and_the_setup_commands_come_within_the_first_40_lines():
+    text = README.read_text()
+    opening = quick_start_line(text)
+    assert opening is not None, "the README has no python example that runs compfx"
+    assert opening <= QUICK_START_BY_LINE, (
+        f"the README's quick start begins at line {opening}; move what comes before it below (at most line "
+        f"{QUICK_START_BY_LINE})")
+    for marker in ("<!-- demo-command -->", "<!-- test-command -->"):
+        line = text[:text.index(marker)].count("\n") + 1
+        assert line < opening, f"{marker} (line {line}) must come before the quick start (line {opening})"
+
+
+@pytest.mark.parametrize("text, line", [
+    ("```python\nimport compfx\ncompfx.optimize(m)\n```\n", 1),
+    ("# t\n```python\nx = 1\n```\n```bash\npython -m compfx demo\n```\n\n```python\ncompfx.apply(m, p)\n```\n", 9),
+    ("```python\nx = 1\n```\n", None),
+])
+def test_the_quick_start_is_the_first_python_block_that_calls_compfx(text, line):
+    assert quick_start_line(text) == line
 
 
 @pytest.mark.parametrize("text", [
@@ -109,7 +146,7 @@ def fenced_blocks(text: str) -> list[tuple[str, str]]:
     return re.findall(r"^```(\w*)\n(.*?)^```$", text, flags=re.DOTALL | re.MULTILINE)
 
 
-@pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [README, CONTRIBUTING, *DOCS], ids=lambda p: p.name)
 def test_every_fenced_block_says_what_it_is(path):
     text = path.read_text()
     openings = FENCE.findall(text)[::2]  # fences alternate: opening, closing
@@ -129,7 +166,7 @@ def anchors(text: str) -> set[str]:
     return {re.sub(r"[^\w\- ]", "", heading.lower()).replace(" ", "-") for heading in headings}
 
 
-@pytest.mark.parametrize("path", [README, *DOCS], ids=lambda p: p.name)
+@pytest.mark.parametrize("path", [README, CONTRIBUTING, *DOCS], ids=lambda p: p.name)
 def test_every_relative_link_names_a_file_and_heading_that_exist(path):
     links = re.findall(r"\]\(([^)#\s]*)(?:#([^)\s]*))?\)", path.read_text())
     missing = [link for link, _ in links if link and "://" not in link and not (path.parent / link).exists()]
