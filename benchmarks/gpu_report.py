@@ -24,7 +24,8 @@ from tabulate import tabulate
 from compfx.measure import describe_fp32_math
 
 __all__ = ["ratios", "markdown", "summary_lines", "row_line", "readme_section", "device_results", "NO_GPU_YET",
-           "RUN_COMMANDS", "FP8_NOTE", "FP8_COMPILED_NOTE", "fp8_text", "fp8_compiled_text", "padding_text"]
+           "RUN_COMMANDS", "FP8_NOTE", "FP8_COMPILED_NOTE", "fp8_text", "fp8_compiled_text", "fp8_summary",
+           "padding_text"]
 
 _MB = 1024 * 1024
 
@@ -295,6 +296,48 @@ def fp8_compiled_text(part: dict | None) -> str:
     return fp8_compiled_markdown(part).split("\n", 1)[1].strip()
 
 
+def _against_amp(row: dict, amp: dict) -> str:
+    """A contender's step against bf16 AMP's compiled step: the ratio, or "no measurable difference" where the
+    spreads of their rounds overlap (noise could explain the ratio)."""
+    ratio = amp["step_ms"] / row["step_ms"]
+    if row["step_ms_min"] <= amp["step_ms_max"] and amp["step_ms_min"] <= row["step_ms_max"]:
+        return f"no measurable difference ({ratio:.2f}x)"
+    return f"{ratio:.2f}x"
+
+
+def fp8_summary(state: dict) -> str:
+    """The FP8 parts in one short table for the README (their full tables are in ``gpu-suite.md``): each
+    contender's step in ms (fastest - slowest round) and against bf16 AMP compiled, taken in one interleaved run.
+
+    >>> amp = {"how": "compiled (inductor)", "step_ms": 10.0, "step_ms_min": 9.9, "step_ms_max": 10.1}
+    >>> fp8 = {"how": "compiled (inductor)", "step_ms": 8.0, "step_ms_min": 7.9, "step_ms_max": 8.1}
+    >>> part = {"status": "ok", "model": {"layers": 1, "dim": 4096}, "native_fp8": True,
+    ...         "rows": {"bf16 AMP (compiled)": amp, "torchao float8 (all linears) (compiled)": fp8}}
+    >>> print(fp8_summary({"fp8_compiled": part}))
+    FP8 (`benchmarks/fp8_compiled.py`, `benchmarks/fp8.py`; every contender compiled unless it says eager):
+    <BLANKLINE>
+    | benchmark | contender | step ms (fastest - slowest) | vs bf16 AMP compiled |
+    |---|---|---|---|
+    | compiled searches, GPT 1 x 4096 | torchao float8 (all linears) | 8.00 (7.90 - 8.10) | 1.25x |
+    """
+    lines = ["FP8 (`benchmarks/fp8_compiled.py`, `benchmarks/fp8.py`; every contender compiled unless it says eager):",
+             "", "| benchmark | contender | step ms (fastest - slowest) | vs bf16 AMP compiled |", "|---|---|---|---|"]
+    for key, title in (("fp8_compiled", "compiled searches"), ("fp8", "searched plan")):
+        part = state.get(key) or {}
+        if part.get("status") != "ok":
+            lines.append(f"| {title} | {part.get('status', 'not measured')} | | |")
+            continue
+        model = part["model"]
+        amp = part["rows"]["bf16 AMP (compiled)"]
+        for name, row in part["rows"].items():
+            if "step_ms" not in row or row is amp:
+                continue
+            label = name.removesuffix(" (compiled)")
+            lines.append(f"| {title}, GPT {model['layers']} x {model['dim']} | {label} | {row['step_ms']:.2f} "
+                         f"({row['step_ms_min']:.2f} - {row['step_ms_max']:.2f}) | {_against_amp(row, amp)} |")
+    return "\n".join(lines)
+
+
 # -- the README's section ------------------------------------------------------------------------
 
 def device_results(results_root: str | Path) -> list[tuple[Path, dict]]:
@@ -343,13 +386,12 @@ def readme_section(results_root: str | Path, *, relative_to: str | Path | None =
         rows = (state.get("bench") or {}).get("rows") or {}
         where = folder.relative_to(relative_to) if relative_to else folder
         tests = state.get("cuda_tests") or {}
-        parts += [f"**{state.get('device_name')}** (`{where}/gpu-suite.md` has every row, the searches and the "
-                  f"environment; {len(state.get('runs') or [])} suite run(s)).",
-                  "",
-                  _environment_text(state.get("environment") or {}),
-                  "",
-                  f"CUDA tests: {tests.get('status', 'not run')}, {tests.get('passed', 0)} passed, "
-                  f"{tests.get('failed', 0)} failed, {tests.get('skipped', 0)} skipped.",
+        about = [f"**{state.get('device_name')}** (`{where}/gpu-suite.md` has every row, the searches and the "
+                 f"environment; {len(state.get('runs') or [])} suite run(s)).", _environment_text(
+                     state.get("environment") or {}),
+                 f"CUDA tests: {tests.get('status', 'not run')}, {tests.get('passed', 0)} passed, "
+                 f"{tests.get('failed', 0)} failed, {tests.get('skipped', 0)} skipped."]
+        parts += [" ".join(about),
                   "",
                   "Eager training steps (synthetic data, paper batch sizes; x: steps/s ratios measured side by side "
                   "in one worker process):",
@@ -360,8 +402,6 @@ def readme_section(results_root: str | Path, *, relative_to: str | Path | None =
                       _readme_table(rows, compiled=True)]
         if any(row.get("padding") for row in rows.values()):
             parts += ["", "Shape padding (one plan with and without padding, in turns):", "", padding_text(rows)]
-        if (state.get("fp8_compiled") or {}).get("status") not in (None, "not measured"):
-            parts += ["", "FP8, compiled: " + fp8_compiled_text(state.get("fp8_compiled"))]
-        parts += ["", "FP8: " + fp8_text(state.get("fp8")), ""]
+        parts += ["", fp8_summary(state), ""]
     parts += ["To measure another GPU:", "", "```bash", RUN_COMMANDS, "```"]
     return "\n".join(parts).rstrip("\n")
