@@ -319,6 +319,7 @@ def fp8_summary(state: dict) -> str:
     | benchmark | contender | step ms (fastest - slowest) | vs bf16 AMP compiled |
     |---|---|---|---|
     | compiled searches, GPT 1 x 4096 | torchao float8 (all linears) | 8.00 (7.90 - 8.10) | 1.25x |
+    | searched plan | not measured | | |
     """
     lines = ["FP8 (`benchmarks/fp8_compiled.py`, `benchmarks/fp8.py`; every contender compiled unless it says eager):",
              "", "| benchmark | contender | step ms (fastest - slowest) | vs bf16 AMP compiled |", "|---|---|---|---|"]
