@@ -377,10 +377,10 @@ class CompfxPrecision(Precision):
         if all(planned) and self._configured is not None and self._configured.network is network:
             return  # configure_model runs again (validate or test after fit): the blocks keep running their plan
         fresh = not any(planned)
-        low_dtype = self.plan.low_dtype if self.plan is not None else (
-            self.low_dtype or default_low_dtype(trainer.strategy.root_device))
+        device = trainer.strategy.root_device  # where it trains: the model may be on the CPU until setup moves it
+        low_dtype = self.plan.low_dtype if self.plan is not None else (self.low_dtype or default_low_dtype(device))
         try:
-            analysis = plan_blocks_fp32(network, example_inputs, types, low_dtype=low_dtype,
+            analysis = plan_blocks_fp32(network, example_inputs, types, device=device, low_dtype=low_dtype,
                                         verify=(self.config or SearchConfig()).verify_capture)
             if self.plan is not None:  # checked against the blocks now, not at the first training step
                 plan_blocks_in_place(network, self.plan, analysis=analysis, blocks=types)
