@@ -140,7 +140,8 @@ def test_strategies_whose_precision_is_their_own_are_refused():
 
 def test_model_parallel_strategy_without_the_blocks_planned_in_configure_model_names_the_line_to_add(tmp_path):
     """Under ModelParallelStrategy the blocks are planned in configure_model, before fully_shard (see
-    test_integrations_lightning_model_parallel.py); forgetting that line is refused, naming it."""
+    test_integrations_lightning_model_parallel.py); forgetting that line is refused, naming it. The Guard, which
+    watches one network planned whole, stays refused there."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     class Sharded(Classifier):
@@ -154,6 +155,9 @@ def test_model_parallel_strategy_without_the_blocks_planned_in_configure_model_n
         with pytest.raises(BadInputError, match=line):
             fit(tmp_path, CompfxPrecision(search_batches=2, loss_fn=ce), module=Sharded(),
                 strategy=ModelParallelStrategy())
+        with pytest.raises(BadInputError, match="repairs the plan of one process's network, planned whole"):
+            fit(tmp_path, CompfxPrecision(search_batches=2, loss_fn=ce, module="net", guard=True),
+                module=BlocksPlanned(), strategy=ModelParallelStrategy())  # the Guard: refused, with plan_blocks too
     finally:  # the strategy started a one-process gloo group and set WORLD_SIZE & co: later tests must see neither
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
