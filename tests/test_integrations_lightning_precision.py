@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from types import SimpleNamespace
 
 import pytest
@@ -137,7 +138,10 @@ def test_strategies_whose_precision_is_their_own_are_refused():
         CompfxPrecision(search_batches=2, loss_fn=ce).convert_module(module)
 
 
-def test_model_parallel_strategy_which_shards_before_convert_module_is_refused_clearly(tmp_path):
+def test_model_parallel_strategy_without_the_blocks_planned_in_configure_model_names_the_line_to_add(tmp_path):
+    """Under ModelParallelStrategy the blocks are planned in configure_model, before fully_shard (see
+    test_integrations_lightning_model_parallel.py); forgetting that line is refused, naming it. The Guard, which
+    watches one network planned whole, stays refused there."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
     class Sharded(Classifier):
@@ -146,9 +150,14 @@ def test_model_parallel_strategy_which_shards_before_convert_module_is_refused_c
 
     environment = dict(os.environ)
     try:
-        with pytest.raises(BadInputError, match="shards the model in configure_model"):
+        line = re.escape("configure_model, before fully_shard: self.trainer.precision_plugin.plan_blocks(self, "
+                         "example_inputs, blocks=(YourBlock,))")
+        with pytest.raises(BadInputError, match=line):
             fit(tmp_path, CompfxPrecision(search_batches=2, loss_fn=ce), module=Sharded(),
                 strategy=ModelParallelStrategy())
+        with pytest.raises(BadInputError, match="repairs the plan of one process's network, planned whole"):
+            fit(tmp_path, CompfxPrecision(search_batches=2, loss_fn=ce, module="net", guard=True),
+                module=BlocksPlanned(), strategy=ModelParallelStrategy())  # the Guard: refused, with plan_blocks too
     finally:  # the strategy started a one-process gloo group and set WORLD_SIZE & co: later tests must see neither
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
@@ -162,3 +171,44 @@ def test_two_planners_or_a_guard_without_its_network_are_refused(tmp_path):
             callbacks=[CompfxCallback(search_batches=2, loss_fn=ce, config=FAST_SEARCH)])
     with pytest.raises(BadInputError, match="name it with module="):
         CompfxPrecision(search_batches=2, loss_fn=ce, guard=True)
+
+
+class BlocksPlanned(Classifier):
+    """Plans its linears in configure_model, as a LightningModule under ModelParallelStrategy does before sharding."""
+
+    def configure_model(self):
+        self.trainer.precision_plugin.plan_blocks(self, torch.randn(8, 16), blocks=(torch.nn.Linear,))
+
+
+def test_blocks_planned_in_configure_model_are_searched_at_the_first_step_and_stay_planned(tmp_path):
+    plugin = CompfxPrecision(search_batches=2, loss_fn=ce, config=FAST_SEARCH)
+    trainer, module, _ = fit(tmp_path, plugin, module=BlocksPlanned(), max_epochs=1)
+    assert plugin.searched is True and trainer.global_step == 6
+    assert type(module.net[0]) is PlannedBlock and type(module.net[2]) is PlannedBlock  # the blocks stay planned
+    searched = compfx.Plan.from_dict(plugin.state_dict()["plan"])
+    assert module.net[0].plan == searched  # and run the searched plan
+    block = module.net[0]
+    plugin.plan_blocks(module, torch.randn(8, 16), blocks=(torch.nn.Linear,))  # configure_model runs again
+    assert module.net[0] is block and block.plan == searched
+
+
+def attached(plugin, module=None):
+    module = module or Classifier()
+    module.trainer = L.Trainer(accelerator="cpu", plugins=[plugin], logger=False)  # as fit() attaches it
+    return module
+
+
+def test_plan_blocks_refuses_a_plan_of_another_network_or_the_guard_and_leaves_the_blocks_as_they_were():
+    other = torch.nn.Sequential(torch.nn.Linear(16, 8), torch.nn.Linear(8, 4))
+    plan = compfx.Plan.amp(analyze_regions(other, torch.randn(8, 16), torch.nn.Linear))
+    plugin = CompfxPrecision(plan=plan)
+    module = attached(plugin)
+    with pytest.raises(compfx.errors.PlanMismatchError):
+        plugin.plan_blocks(module, torch.randn(8, 16), blocks=torch.nn.Linear)
+    assert type(module.net[0]) is torch.nn.Linear and type(module.net[2]) is torch.nn.Linear
+    plugin = CompfxPrecision(plan=plan, module="net", guard=True)
+    module = attached(plugin)
+    with pytest.raises(BadInputError, match="plans it block by block"):
+        plugin.plan_blocks(module, torch.randn(8, 16), blocks=torch.nn.Linear)
+    with pytest.raises(BadInputError, match="expected the LightningModule of a Trainer"):
+        CompfxPrecision().plan_blocks(module.net, torch.randn(8, 16), blocks=torch.nn.Linear)

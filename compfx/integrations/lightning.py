@@ -33,6 +33,7 @@ import os
 from collections.abc import Mapping
 
 try:
+    from lightning.pytorch import LightningModule
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.plugins.precision import Precision
     from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
@@ -42,14 +43,18 @@ except ImportError as error:  # pragma: no cover - the test extra installs it
 
 import torch
 
-from ..analysis import analyze
-from ..planned_module import PlannedModule
+from ..analysis import Analysis, analyze
 from ..batches import check_first_batch, model_device
 from ..errors import BadInputError, PlanFileError
 from ..guard import Guard
 from ..optimization import optimize
+from ..per_module import PlannedBlock, plan_blocks_fp32, restore_blocks
 from ..plan import Plan
+from ..planned_module import PlannedModule
+from ..planned_module import plan_blocks as plan_blocks_in_place
+from ..regions import block_types, region_paths
 from ..search.config import SearchConfig
+from ..vocabulary import default_low_dtype
 from .planned_training import LOG_FILE, PLAN_FILE, PlannedRun, first_batches, plan_model
 
 __all__ = ["CompfxPrecision", "CompfxCallback", "PLAN_FILE", "LOG_FILE"]
@@ -184,13 +189,28 @@ def _check_one_optimizer(trainer, who: str) -> None:
 #: Lightning refuses another plugin for FSDP and XLA when the Trainer is built; CompfxPrecision refuses the rest.
 _OWN_PRECISION_STRATEGIES = (FSDPStrategy, DeepSpeedStrategy)
 
+#: What a LightningModule's configure_model calls under ModelParallelStrategy, before fully_shard (errors quote it)
+_PLAN_BLOCKS_LINE = "self.trainer.precision_plugin.plan_blocks(self, example_inputs, blocks=(YourBlock,))"
+
+
+@dataclasses.dataclass
+class _ConfiguredBlocks:
+    """What :meth:`CompfxPrecision.plan_blocks` planned in ``configure_model``: the network, the types of its blocks,
+    their analysis at the example inputs, and the low dtype its plans use."""
+
+    network: torch.nn.Module
+    types: tuple[type, ...]
+    analysis: Analysis
+    low_dtype: torch.dtype
+
 
 class CompfxPrecision(Precision):
     """compfx's plan as Lightning's precision plugin: ``Trainer(plugins=[CompfxPrecision(plan=...)])``, or
     ``CompfxPrecision(search_batches=8, loss_fn=...)`` to search one on the trainer's first training batches.
 
     * ``convert_module`` (Lightning calls it in the strategy's setup, after
-      ``configure_model``) checks the strategy and keeps the module. compfx
+      ``configure_model``) checks the strategy and keeps the module. On one
+      device and under DDP, compfx
       captures a model on real inputs, which the train dataloader only gives
       later, so the plan is applied (or searched, on the first
       ``search_batches`` batches of the trainer's train dataloader, leaving its
@@ -211,14 +231,33 @@ class CompfxPrecision(Precision):
       or plan file) as for :class:`CompfxCallback`. The plan and the search log
       go to ``default_root_dir`` (global rank zero).
 
-    Parameters stay FP32 (``precision == "32-true"``). Served: a single device
-    and DDP. Refused: ``FSDPStrategy`` and DeepSpeed, whose precision must be
-    their own plugin, and ``ModelParallelStrategy``: it shards the model in
-    ``configure_model``, before Lightning calls ``convert_module``, and compfx
-    captures a block before ``fully_shard`` wraps it (see docs/distributed.md:
-    plan with ``compfx.plan_blocks(...)`` in ``configure_model``, then
-    shard); also a ``CompfxCallback`` on the same trainer (two planners) and
-    more than one optimizer.
+    * Under ``ModelParallelStrategy`` (FSDP2), the LightningModule shards its
+      blocks in ``configure_model``, before Lightning calls ``convert_module``,
+      and compfx captures each block before ``fully_shard`` wraps it. So
+      ``configure_model`` plans the blocks first, with one line
+      (:meth:`plan_blocks`), then shards them as usual::
+
+          def configure_model(self):
+              self.trainer.precision_plugin.plan_blocks(self, example_inputs, blocks=(Block,))
+              for block in self.model.blocks:
+                  fully_shard(block, mesh=self.device_mesh["data_parallel"])
+              fully_shard(self.model, mesh=self.device_mesh["data_parallel"])
+
+      The planned blocks are the FSDP units. They run the given ``plan``, or
+      FP32 until the first training step, when the search (per block, on the
+      sharded model: its steps include FSDP2's all-gathers, and the ranks agree
+      on one plan) or the checkpoint's plan is switched into them. They stay
+      planned after fit. Without that line, ``convert_module`` refuses the
+      strategy and names it.
+
+    Parameters stay FP32 (``precision == "32-true"``). Served: a single device,
+    DDP, and ``ModelParallelStrategy`` with ``tensor_parallel_size=1`` (data
+    parallel FSDP2). Refused: ``FSDPStrategy`` and DeepSpeed, whose precision
+    must be their own plugin; tensor parallelism (a block's weights split over
+    devices, where compfx captures a block on whole weights); the Guard under
+    several processes or with :meth:`plan_blocks` (it plans one network
+    whole); a ``CompfxCallback`` on the same trainer (two planners); more than
+    one optimizer.
 
     >>> plugin = CompfxPrecision(search_batches=4, loss_fn=lambda out, batch: out.sum())
     >>> plugin.precision, plugin.searched, plugin.state_dict()
@@ -251,6 +290,7 @@ class CompfxPrecision(Precision):
         self._restored: dict | None = None  # a checkpoint's state
         self._searched: bool | None = None
         self._last: dict = {}  # the state of the last fit, once torn down
+        self._configured: _ConfiguredBlocks | None = None  # what plan_blocks planned in configure_model
 
     @property
     def searched(self) -> bool | None:
@@ -269,8 +309,86 @@ class CompfxPrecision(Precision):
         trainer = getattr(module, "_trainer", None)
         if trainer is not None:
             self._check_trainer(trainer)
+            self._check_blocks_configured(module, trainer.strategy)
         self._module = module
         return module
+
+    def plan_blocks(self, pl_module, example_inputs, *, blocks) -> None:
+        """Plan the network's blocks in place, from the LightningModule's ``configure_model``, before ``fully_shard``.
+
+        Each (outermost) block of the ``blocks`` types in the network (the
+        LightningModule, or its ``module=`` submodule) becomes a
+        :class:`~compfx.per_module.PlannedBlock` holding the block's own
+        children, Parameters and hooks (``state_dict`` keys unchanged): the
+        module ``fully_shard`` then shards. It is captured now, on
+        ``example_inputs``, and runs the given ``plan``, or FP32 until the first
+        training step, when the search (on the first ``search_batches`` batches,
+        per block, on the sharded model) or the checkpoint's plan is switched
+        into the same blocks. The blocks stay planned after fit: they are the
+        model's FSDP units. Call it each time ``configure_model`` runs (blocks
+        planned already are kept).
+
+        Args:
+            pl_module: the LightningModule, whose ``configure_model`` calls this (``self``).
+            example_inputs: inputs of the network's forward (a tensor, a tuple of them, or a dict of keyword
+                arguments), e.g. one batch of token ids, on the device the model is on now; each block is captured
+                at the inputs it receives (other shapes are captured when they first run).
+            blocks: the block types (a type or several), e.g. ``(Block,)``: the modules you ``fully_shard``.
+
+        Raises:
+            BadInputError: ``pl_module`` is no LightningModule on a trainer with this plugin; a strategy this plugin
+                cannot serve (tensor parallelism); ``guard=`` (the Guard plans one network whole); blocks sharded
+                already (call this before ``fully_shard``); weights on the meta device.
+            PlanMismatchError: the given ``plan`` is not one of this network's blocks.
+            CaptureError: a block cannot be captured at the inputs it receives.
+
+        Example (on one device; under ``ModelParallelStrategy`` the same call comes before ``fully_shard``)::
+
+            >>> import torch, lightning as L
+            >>> class Net(L.LightningModule):
+            ...     def __init__(self):
+            ...         super().__init__()
+            ...         self.body = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+            ...     def forward(self, x):
+            ...         return self.body(x)
+            >>> plugin, module = CompfxPrecision(), Net()
+            >>> module.trainer = L.Trainer(accelerator="cpu", plugins=[plugin], logger=False)  # as fit() attaches it
+            >>> plugin.plan_blocks(module, torch.randn(3, 4), blocks=torch.nn.Linear)
+            >>> type(module.body[0]).__name__, sorted(p.value for p in set(module.body[0].plan.values()))
+            ('PlannedBlock', ['fp32'])
+        """
+        trainer = getattr(pl_module, "_trainer", None) if isinstance(pl_module, LightningModule) else None
+        if trainer is None or trainer.precision_plugin is not self:
+            raise BadInputError(
+                f"CompfxPrecision.plan_blocks() got a {type(pl_module).__name__}"
+                f"{'' if trainer is None else ' on a Trainer whose precision plugin is another'}; expected the "
+                "LightningModule of a Trainer(plugins=[this CompfxPrecision]), from its configure_model: "
+                f"{_PLAN_BLOCKS_LINE}.")
+        self._check_trainer(trainer)
+        if self.guard_options is not None:
+            raise BadInputError("CompfxPrecision(guard=...) watches one network planned whole, and plan_blocks() plans "
+                                "it block by block; leave guard= out to plan the blocks, or plan the network whole "
+                                "(without plan_blocks) on one device.")
+        network = _submodule(pl_module, self.module, "CompfxPrecision")
+        types = block_types(blocks)
+        paths = region_paths(network, types)
+        planned = [isinstance(network.get_submodule(path), PlannedBlock) for path in paths]
+        _check_before_sharding(pl_module, network, paths)
+        if all(planned) and self._configured is not None and self._configured.network is network:
+            return  # configure_model runs again (validate or test after fit): the blocks keep running their plan
+        fresh = not any(planned)
+        device = trainer.strategy.root_device  # where it trains: the model may be on the CPU until setup moves it
+        low_dtype = self.plan.low_dtype if self.plan is not None else (self.low_dtype or default_low_dtype(device))
+        try:
+            analysis = plan_blocks_fp32(network, example_inputs, types, device=device, low_dtype=low_dtype,
+                                        verify=(self.config or SearchConfig()).verify_capture)
+            if self.plan is not None:  # checked against the blocks now, not at the first training step
+                plan_blocks_in_place(network, self.plan, analysis=analysis, blocks=types)
+        except BaseException:
+            if fresh:  # the user's blocks back as they were, whatever failed
+                restore_blocks(network)
+            raise
+        self._configured = _ConfiguredBlocks(network, types, analysis, low_dtype)
 
     @contextlib.contextmanager
     def train_step_context(self):
@@ -310,8 +428,8 @@ class CompfxPrecision(Precision):
         if self._put_back is not None:
             self._put_back()
             self._put_back = None
-        if self.run is not None:
-            self.run.restore()
+        if self.run is not None and self._configured is None:
+            self.run.restore()  # blocks planned in configure_model stay planned: they are the model's FSDP units
         self.run = self.planned = self.guard = None
 
     # -- planning ------------------------------------------------------------------------------------
@@ -320,14 +438,15 @@ class CompfxPrecision(Precision):
         if isinstance(strategy, _OWN_PRECISION_STRATEGIES):
             raise BadInputError(
                 f"{type(strategy).__name__} runs a precision plugin of its own making, so CompfxPrecision cannot "
-                "serve it. Train with DDP (or one device) and CompfxPrecision, or plan the blocks with "
-                "compfx.plan_blocks(...) before sharding them (docs/distributed.md).")
-        if isinstance(strategy, ModelParallelStrategy):
+                "serve it. Shard with ModelParallelStrategy (FSDP2) instead, planning the blocks in configure_model "
+                f"before fully_shard ({_PLAN_BLOCKS_LINE}), or train with DDP or one device.")
+        tensor_parallel = _tensor_parallel_size(strategy)
+        if tensor_parallel > 1:
             raise BadInputError(
-                "ModelParallelStrategy shards the model in configure_model, before Lightning hands it to "
-                "CompfxPrecision, and compfx captures each block before fully_shard wraps it. In configure_model, "
-                "plan the blocks with compfx.plan_blocks(model, plan, analysis=..., blocks=(Block,)) first, then "
-                "fully_shard them (docs/distributed.md), and train without CompfxPrecision.")
+                f"ModelParallelStrategy(tensor_parallel_size={tensor_parallel}) splits each block's weights over "
+                "devices (DTensor), and compfx captures and plans a block on its whole weights: CompfxPrecision "
+                "serves its data parallelism (FSDP2) only. Use tensor_parallel_size=1, or train without "
+                "CompfxPrecision.")
         if any(type(c).__name__ == "CompfxCallback" for c in trainer.callbacks):
             raise BadInputError("the Trainer has a CompfxCallback and CompfxPrecision: two planners for one model. "
                                 "Keep one (CompfxPrecision, as plugins=[...]).")
@@ -335,6 +454,22 @@ class CompfxPrecision(Precision):
             raise BadInputError("CompfxPrecision(guard=...) repairs the plan of one process's network, planned whole; "
                                 f"under {type(strategy).__name__} with {trainer.world_size} process(es) the ranks "
                                 "would run different plans. Use the Guard in one process, or leave guard= out.")
+
+    def _check_blocks_configured(self, module, strategy) -> None:
+        """Under ModelParallelStrategy the blocks must have been planned in configure_model (before fully_shard), in
+        this LightningModule."""
+        if self._configured is None:
+            if isinstance(strategy, ModelParallelStrategy):
+                raise BadInputError(
+                    "ModelParallelStrategy shards the model in configure_model, before Lightning hands it to "
+                    "CompfxPrecision, and compfx captures each block before fully_shard wraps it. Add this line to "
+                    f"configure_model, before fully_shard: {_PLAN_BLOCKS_LINE} (example_inputs: inputs of the "
+                    "network's forward, e.g. one batch; YourBlock: the class of the blocks you shard).")
+            return
+        if not any(m is self._configured.network for m in module.modules()):
+            raise BadInputError(f"CompfxPrecision.plan_blocks() planned a {type(self._configured.network).__name__} "
+                                f"that is not part of the {type(module).__name__} the Trainer trains; call it in the "
+                                f"trained LightningModule's configure_model: {_PLAN_BLOCKS_LINE}.")
 
     def _given_plan(self) -> tuple[Plan | None, str]:
         if self.plan is not None:
@@ -346,22 +481,41 @@ class CompfxPrecision(Precision):
     def _plan_model(self, trainer) -> None:
         _check_one_optimizer(trainer, "CompfxPrecision")
         pl_module = self._module
-        target = _submodule(pl_module, self.module, "CompfxPrecision")
         plan, source = self._given_plan()
-        batches = first_batches(trainer.train_dataloader, self.search_batches, model_device(target))
         log = os.path.join(trainer.default_root_dir, LOG_FILE) if trainer.is_global_zero and plan is None else None
         optimizer = trainer.optimizers[0]
-        if self.guard_options is None:
-            self.run = plan_model(target, batches, optimizer=optimizer, loss_fn=self.loss_fn, low_dtype=self.low_dtype,
-                                  config=self.config, plan=plan, log=log, source=source)
+        if self._configured is not None:  # the blocks plan_blocks planned in configure_model
+            self.run = self._plan_configured_blocks(trainer, optimizer, plan, source, log)
             summary = self.run.summary()
         else:
-            self._plan_whole(pl_module, target, batches, optimizer, plan, log)
-            summary = f"compfx: plan {self.planned.plan.fingerprint} in {self.module} under compfx.Guard; {source}"
+            target = _submodule(pl_module, self.module, "CompfxPrecision")
+            batches = first_batches(trainer.train_dataloader, self.search_batches, model_device(target))
+            if self.guard_options is None:
+                self.run = plan_model(target, batches, optimizer=optimizer, loss_fn=self.loss_fn,
+                                      low_dtype=self.low_dtype, config=self.config, plan=plan, log=log, source=source)
+                summary = self.run.summary()
+            else:
+                self._plan_whole(pl_module, target, batches, optimizer, plan, log)
+                summary = f"compfx: plan {self.planned.plan.fingerprint} in {self.module} under compfx.Guard; {source}"
         self._searched = plan is None
         if trainer.is_global_zero:
             self.running_plan.save(os.path.join(trainer.default_root_dir, PLAN_FILE))
         rank_zero_info(summary)
+
+    def _plan_configured_blocks(self, trainer, optimizer, plan, source, log) -> PlannedRun:
+        """The blocks :meth:`plan_blocks` planned (sharded since) run ``plan`` (given, or the checkpoint's), or one
+        searched now on the first batches, per block, on the sharded network: every plan is switched into the same
+        blocks, so the search's steps include FSDP2's all-gathers, and the ranks agree on one plan."""
+        blocks = self._configured
+        network, regions = blocks.network, region_paths(blocks.network, blocks.types)
+        if plan is None:
+            batches = first_batches(trainer.train_dataloader, self.search_batches, model_device(network))
+            config = dataclasses.replace(self.config or SearchConfig(), keep_search_training=False)
+            result = optimize(network, batches, optimizer=optimizer, loss_fn=self.loss_fn, low_dtype=blocks.low_dtype,
+                              config=config, log=log, per_module=blocks.types)
+            return PlannedRun(network, regions, result.plan, result, "searched")
+        plan_blocks_in_place(network, plan, analysis=blocks.analysis, blocks=blocks.types)  # checked, switched in
+        return PlannedRun(network, regions, plan, None, source)
 
     def _plan_whole(self, pl_module, target, batches, optimizer, plan, log) -> None:
         """The network at ``module`` as one :class:`~compfx.PlannedModule` in its place, watched by the Guard."""
@@ -383,3 +537,32 @@ class CompfxPrecision(Precision):
         self.guard = Guard(planned, **self.guard_options)
         if self._restored is not None and "guard" in self._restored:
             self.guard.load_state_dict(self._restored["guard"])
+
+
+def _tensor_parallel_size(strategy) -> int:
+    """The tensor-parallel size of a ModelParallelStrategy once its device mesh exists (1 otherwise)."""
+    if not isinstance(strategy, ModelParallelStrategy):
+        return 1
+    try:
+        mesh = strategy.device_mesh
+    except RuntimeError:  # no mesh before the processes start; convert_module checks again
+        return 1
+    return mesh["tensor_parallel"].size()
+
+
+def _check_before_sharding(pl_module, network, paths: list[str]) -> None:
+    """Blocks are planned before ``fully_shard`` wraps them (or were planned so already), on real weights."""
+    from torch.distributed.fsdp import FSDPModule
+
+    unplanned = [path for path in paths if not isinstance(network.get_submodule(path), PlannedBlock)]
+    sharded = [name or type(pl_module).__name__ for name, m in pl_module.named_modules() if isinstance(m, FSDPModule)]
+    if unplanned and sharded:
+        raise BadInputError(
+            f"{sharded[0]!r} is sharded already, and block {unplanned[0]!r} is not planned: compfx captures each "
+            "block before fully_shard wraps it (the planned block is the FSDP unit). In configure_model, call "
+            f"{_PLAN_BLOCKS_LINE} first, then fully_shard.")
+    meta = next((name for name, t in [*network.named_parameters(), *network.named_buffers()] if t.is_meta), None)
+    if unplanned and meta is not None:
+        raise BadInputError(
+            f"{meta!r} is on the meta device (no values yet): compfx captures each block on real weights before "
+            "fully_shard. Create the model with its weights (not under an empty init) before plan_blocks().")
