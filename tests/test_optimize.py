@@ -138,7 +138,7 @@ def test_keyboard_interrupt_restores_state_flushes_the_log_and_propagates(tmp_pa
     lines = [json.loads(line) for line in (tmp_path / "search.jsonl").read_text().splitlines()]
     assert "interrupted" in lines[-1]["reason"]
     assert not [line for line in lines if line["status"] != "note"]  # no sample had finished: none is logged
-    # (tests/test_reliability.py interrupts later samples: every finished one is logged)
+    # (tests/test_state_kept.py interrupts later samples: every finished one is logged)
 
 
 def test_bert_from_config_end_to_end():

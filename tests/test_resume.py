@@ -23,7 +23,7 @@ from compfx.search.session import COMPARE_ROUNDS
 from compfx.vocabulary import Stage
 from tests.helpers import EXACT, nll
 from tests.quick import quick_config
-from tests.test_reliability import BATCHES, setup
+from tests.test_state_kept import BATCHES, setup
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
