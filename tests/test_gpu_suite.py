@@ -18,11 +18,13 @@ from benchmarks import gpu_readme
 from benchmarks.gpu_bench import Settings, Task, _fitting, needs_run, run_groups, suite_groups
 from benchmarks.gpu_report import NO_GPU_YET, RUN_COMMANDS, fp8_text, readme_section, summary_lines
 from benchmarks.gpu_suite import _junit_counts
-from benchmarks.timebox import Boxed, run_boxed
+from benchmarks.timebox import Boxed, CpuClock, run_boxed
 from compfx.float8 import torchao_missing
 
 ROOT = Path(__file__).resolve().parent.parent
-SMOKE_LIMIT_S = 900  # the run itself takes 25-45 s on a quiet 2-core CPU; CI machines may be loaded
+#: only against a hang: the run takes about a CPU minute, and its own limits count CPU seconds (CpuClock), so a
+#: machine loaded by other jobs makes it slower, never nearer a limit
+SMOKE_LIMIT_S = 900
 
 
 def _suite(*args, timeout=SMOKE_LIMIT_S) -> subprocess.CompletedProcess:
@@ -150,6 +152,34 @@ def test_timebox_kills_the_commands_children_too(tmp_path):
     boxed = run_boxed([sys.executable, "-c", parent], log_path=tmp_path / "log", deadline=lambda: end)
     time.sleep(2.0)
     assert boxed.timed_out and not marker.exists()
+
+
+def test_on_the_cpu_clock_waiting_uses_no_time_and_computing_does(tmp_path):
+    """What makes the smoke run's limits hold on a loaded machine: a command kept off the CPU (here: asleep, as
+    one waiting for a core is) does not bring its limit nearer; one that computes past its CPU seconds is stopped."""
+    limit = 0.5  # CPU seconds; a tenth of the wall seconds counts at the least, so a hang still ends
+    asleep = run_boxed([sys.executable, "-c", "import time; time.sleep(1.5)"], log_path=tmp_path / "asleep.log",
+                       deadline=lambda: limit, clock=CpuClock())
+    assert asleep.returncode == 0 and not asleep.timed_out and asleep.seconds > limit
+    spinning = run_boxed([sys.executable, "-c", "while True: pass"], log_path=tmp_path / "spinning.log",
+                         deadline=lambda: limit, clock=CpuClock())
+    assert spinning.timed_out and spinning.returncode is None
+
+
+def test_the_smoke_run_reads_its_parts_limits_on_one_cpu_clock(tmp_path, monkeypatch):
+    from benchmarks import gpu_suite
+
+    clocks = []
+
+    def boxed(argv, *, log_path, clock, **kwargs):
+        clocks.append(clock)
+        Path(log_path).write_text("")
+        return Boxed(returncode=1, seconds=0.1, timed_out=False, log_path=Path(log_path))
+
+    monkeypatch.setattr(gpu_suite, "run_boxed", boxed)
+    monkeypatch.setattr(gpu_suite, "torchao_missing", lambda: None)
+    assert gpu_suite.main(["--smoke", "--parts", "env,cuda-tests,fp8", "--out", str(tmp_path)]) == 1
+    assert len(clocks) == 3 and isinstance(clocks[0], CpuClock) and clocks.count(clocks[0]) == 3
 
 
 def test_a_failed_environment_probe_still_leaves_a_results_file_that_says_so(tmp_path, monkeypatch):
