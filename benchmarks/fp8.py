@@ -56,6 +56,10 @@ RESULTS_ROOT = Path(__file__).parent / "results"
 _GPU = (dict(vocab=50304, seq_len=1024, dim=768, heads=12, layers=12), 8, 8, 5, 8)
 _CPU = (dict(vocab=256, seq_len=32, dim=64, heads=4, layers=2), 8, 4, 2, 2)
 WARMUP_STEPS = 3  # untimed: compiles, autotunes, creates the optimizer state
+#: The search (16 Stage-1 samples), and in smoke mode (tiny shapes, emulated FP8: only shows that each path
+#: trains) the least that runs both stages
+_SEARCH = dict(warmup=1, repeats=2, stage1_budget=16, stage2_budget=4)
+_SMOKE_SEARCH = dict(warmup=0, repeats=1, stage1_budget=2, stage2_budget=1, stage2_check_batches=1, predictor=False)
 
 
 def batches_of(config: dict, batch_size: int, n: int, device) -> list:
@@ -155,9 +159,9 @@ def run(*, smoke: bool = False, device: str | None = None) -> dict:
 
     model = fresh()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    settings = _SMOKE_SEARCH if smoke else _SEARCH
     search = compfx.optimize(model, batches, optimizer=optimizer, loss_fn=gpt_loss, low_dtype=torch.bfloat16,
-                             config=compfx.SearchConfig(fp8=True, progress=False, warmup=1, repeats=2,
-                                                        stage1_budget=16, stage2_budget=4, cache_plan=False))
+                             config=compfx.SearchConfig(fp8=True, progress=False, cache_plan=False, **settings))
     model.load_state_dict(base.state_dict())  # the same start as the others (the search trained it)
     counts = {str(p): sum(v is p for v in search.plan.values()) for p in set(search.plan.values())}
     contenders.append(Contender("compfx (searched plan)", f"compiled ({backend}, compile_with_plan)",

@@ -149,7 +149,7 @@ class Settings:
         """A row's own limit: past it the row is stopped and recorded as a timeout."""
         if self.row_limit_s is not None:
             return self.row_limit_s
-        if self.smoke:  # generous: CI machines are shared, and a smoke row that times out fails CI
+        if self.smoke:  # CPU seconds on the smoke run's clock (a shared CI machine slows a row, not its clock)
             return 300.0
         return {"eager": 180.0, "search": 480.0, "compile": 360.0, "padding": 240.0}[task.kind]
 
@@ -213,17 +213,17 @@ class _Watch:
     """Follows a worker's events file: records each row the moment it is written (a run stopped from outside
     keeps every row finished before), and knows which row is running since when."""
 
-    def __init__(self, events_file: Path, record: Callable[[dict], None]):
-        self.events_file, self.record = events_file, record
-        self.seen, self.finished, self.running = 0, set(), None  # running: (id, start time) or None
-        self.last = time.time()  # the worker's launch, then its latest event
+    def __init__(self, events_file: Path, record: Callable[[dict], None], clock: Callable[[], float] = time.time):
+        self.events_file, self.record, self.clock = events_file, record, clock
+        self.seen, self.finished, self.running = 0, set(), None  # running: (id, start on the clock) or None
+        self.last = clock()  # the worker's launch, then its latest event (as seen here, within a poll)
 
     def poll(self) -> None:
         events = _read_events(self.events_file)
         for event in events[self.seen:]:
-            self.last = time.time()
+            self.last = self.clock()
             if event.get("event") == "start":
-                self.running = (event["id"], event["time"])
+                self.running = (event["id"], self.last)
             elif event.get("event") == "row":
                 self.finished.add(event["id"])
                 self.running = None
@@ -232,19 +232,20 @@ class _Watch:
 
 
 def _run_worker(tasks: list[Task], plans: dict, settings: Settings, *, budget_end: float, workdir: Path,
-                record: Callable[[dict], None], log: Callable[[str], None]) -> list[Task]:
+                record: Callable[[dict], None], log: Callable[[str], None],
+                clock: Callable[[], float] = time.time) -> list[Task]:
     """Run ``tasks`` in one worker until it ends or is stopped; record each finished row. Returns the tasks that
     did not start (the caller starts another worker for them)."""
-    from .timebox import run_boxed, tail_of
+    from .timebox import CpuClock, run_boxed, tail_of
 
     workdir.mkdir(parents=True, exist_ok=True)
     stem = f"{tasks[0].id.replace('/', '_').replace('+', '_')}-{time.time_ns()}"
     task_file, events_file, log_file = (workdir / f"{stem}.{ext}" for ext in ("tasks.json", "events.jsonl", "log"))
     task_file.write_text(json.dumps({"settings": asdict(settings),
                                      "tasks": [{**asdict(t), "plans": plans.get(t.id)} for t in tasks]}))
-    launched = time.time()
+    launched = clock()
     limits = {task.id: settings.timeout_s(task) for task in tasks}
-    watch = _Watch(events_file, record)
+    watch = _Watch(events_file, record, clock)
 
     def deadline() -> float:
         watch.poll()
@@ -257,7 +258,7 @@ def _run_worker(tasks: list[Task], plans: dict, settings: Settings, *, budget_en
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
         "COMPFX_CACHE_DIR": str(workdir / "compfx-cache")}  # starts empty in every suite run
     boxed = run_boxed([sys.executable, "-m", "benchmarks.gpu_bench", "--worker", str(task_file), str(events_file)],
-                      log_path=log_file, deadline=deadline, env=env, cwd=ROOT)
+                      log_path=log_file, deadline=deadline, env=env, cwd=ROOT, clock=clock)
     watch.poll()
     unfinished = [task for task in tasks if task.id not in watch.finished]
     if watch.running is None and not boxed.timed_out and boxed.returncode == 0:
@@ -268,10 +269,11 @@ def _run_worker(tasks: list[Task], plans: dict, settings: Settings, *, budget_en
     broken = next(task for task in unfinished if watch.running is None or task.id == watch.running[0])
     since = watch.running[1] if watch.running else launched
     if boxed.timed_out:
-        stopped_by = "budget" if time.time() >= budget_end - 1 else "row limit"
+        stopped_by = "budget" if clock() >= budget_end - 1 else "row limit"
+        unit = "CPU s" if isinstance(clock, CpuClock) else "s"
         status = {"status": "timeout", "stopped_by": stopped_by,
-                  "error": f"stopped after {time.time() - since:.3g} s ({stopped_by}; a row may take "
-                           f"{limits[broken.id]:.3g} s)"}
+                  "error": f"stopped after {clock() - since:.3g} {unit} ({stopped_by}; a row may take "
+                           f"{limits[broken.id]:.3g} {unit})"}
     else:
         status = {"status": "error", "error": f"the worker exited with code {boxed.returncode} during this row"}
     record({"id": broken.id, "model": broken.model, "mode_label": broken.mode, "compiled": broken.compiled,
@@ -282,11 +284,12 @@ def _run_worker(tasks: list[Task], plans: dict, settings: Settings, *, budget_en
 
 def run_groups(groups: list[list[Task]], settings: Settings, *, rows: dict, budget_end: float, workdir: Path,
                record: Callable[[dict], None], retry_failed: bool = False,
-               log: Callable[[str], None] = print) -> list[str]:
+               log: Callable[[str], None] = print, clock: Callable[[], float] = time.time) -> list[str]:
     """Measure every row of ``groups`` that :func:`needs_run`, group by group, while the budget lasts.
 
     ``rows`` holds the rows measured so far (by id, from earlier runs too); ``record(row)`` receives each new
-    row as soon as it is measured. Returns the ids left for a later run, each with the reason.
+    row as soon as it is measured. Returns the ids left for a later run, each with the reason. ``budget_end``
+    and the rows' limits are read on ``clock`` (the smoke run's counts CPU seconds).
     """
     left = []
     for group in groups:
@@ -300,24 +303,26 @@ def run_groups(groups: list[list[Task]], settings: Settings, *, rows: dict, budg
                 elif not any(other.id == task.eager_twin for other in pending):  # else the worker hands it on
                     pending.remove(task)
                     left.append(f"{task.id}: waits for the plan of {task.eager_twin}")
-        fits, estimate = _fitting(pending, settings, budget_end)
+        fits, estimate = _fitting(pending, settings, budget_end, clock)
         left.extend(f"{task.id}: over this run's budget (estimate {settings.estimate_s(task):.0f} s)"
                     for task in pending[len(fits):])
         if not fits:
             continue
         log(f"bench: {', '.join(task.id for task in fits)} (estimate {estimate:.0f} s)")
-        while fits and time.time() < budget_end:
-            fits = _run_worker(fits, plans, settings, budget_end=budget_end, workdir=workdir, record=record, log=log)
+        while fits and clock() < budget_end:
+            fits = _run_worker(fits, plans, settings, budget_end=budget_end, workdir=workdir, record=record, log=log,
+                               clock=clock)
         left.extend(f"{task.id}: over this run's budget" for task in fits)
     return left
 
 
-def _fitting(pending: list[Task], settings: Settings, budget_end: float) -> tuple[list[Task], float]:
+def _fitting(pending: list[Task], settings: Settings, budget_end: float,
+             clock: Callable[[], float] = time.time) -> tuple[list[Task], float]:
     """The longest head of ``pending`` whose estimate fits the time left (a group larger than a whole run
     still runs, a few rows per run), and that estimate."""
     estimate, fits = settings.estimate_s(None), []
     for task in pending:
-        if time.time() + estimate + settings.estimate_s(task) > budget_end:
+        if clock() + estimate + settings.estimate_s(task) > budget_end:
             break
         estimate += settings.estimate_s(task)
         fits.append(task)

@@ -6,6 +6,10 @@ row its own limit, read from the row the worker says it has started). At the dea
 killed (Inductor's compile workers too), and the result says so. Output goes to a log file, never to the
 caller's terminal, so a chatty compile cannot push the summary out of a short output tail.
 
+Deadlines are read on a clock: the wall clock by default, or a :class:`CpuClock`, which counts the CPU seconds
+of the processes this one started. Work on the CPU alone (the GPU suite's smoke run) takes about as many CPU
+seconds beside other jobs as on a quiet machine, only more wall seconds, so its limits hold under load.
+
 >>> import sys, tempfile, time
 >>> log = Path(tempfile.mkdtemp()) / "boxed.log"
 >>> end = time.time() + 60
@@ -16,6 +20,11 @@ caller's terminal, so a chatty compile cannot push the summary out of a short ou
 >>> slow = run_boxed([sys.executable, "-c", "import time; time.sleep(60)"], log_path=log, deadline=lambda: end)
 >>> slow.timed_out, slow.seconds < 30
 (True, True)
+>>> clock = CpuClock()
+>>> waiting = run_boxed([sys.executable, "-c", "import time; time.sleep(1)"], log_path=log, clock=clock,
+...                     deadline=lambda: 0.5)  # half a CPU second: sleeping uses none
+>>> waiting.timed_out
+False
 """
 
 from __future__ import annotations
@@ -28,7 +37,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Mapping, Sequence
 
-__all__ = ["Boxed", "run_boxed", "tail_of"]
+__all__ = ["Boxed", "CpuClock", "run_boxed", "tail_of"]
 
 _POLL_S = 0.2
 
@@ -67,6 +76,62 @@ def _ended(process: subprocess.Popen) -> bool:
         return True
 
 
+class CpuClock:
+    """Seconds since it was made, counted as CPU seconds: what the processes this process started have used
+    (the ones still running, read from ``/proc``, and the ones it has reaped), or ``floor`` times the wall
+    seconds, whichever is more.
+
+    A command that only computes uses about as many CPU seconds on a loaded machine as on a quiet one, so a
+    limit on this clock does not come nearer when other jobs take the CPU; one that hangs without using the CPU
+    still reaches its limit, ``1 / floor`` times later than on the wall clock. Where ``/proc`` cannot be read
+    (not Linux) it is the wall clock. It never goes back.
+    """
+
+    def __init__(self, floor: float = 0.1):
+        self.floor = floor
+        self._wall0 = time.time()
+        self._cpu0 = _children_cpu_seconds()
+        self._last = 0.0
+
+    def __call__(self) -> float:
+        wall = time.time() - self._wall0
+        cpu = _children_cpu_seconds()
+        counted = wall if cpu is None or self._cpu0 is None else max(cpu - self._cpu0, self.floor * wall)
+        self._last = max(self._last, counted)
+        return self._last
+
+
+def _children_cpu_seconds() -> float | None:
+    """CPU seconds (user and system) of this process's descendants: the reaped ones (``RUSAGE_CHILDREN``) and
+    the live ones (``/proc/<pid>/stat``, with the children they reaped); None without ``/proc``."""
+    import resource
+
+    try:
+        pids = [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:
+        return None
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, ticks = {}, {}
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as handle:
+                fields = handle.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):  # gone since the listing
+            continue
+        parent[pid] = int(fields[1])
+        ticks[pid] = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    live, frontier = 0, [os.getpid()]
+    children: dict[int, list[int]] = {}
+    for pid, ppid in parent.items():
+        children.setdefault(ppid, []).append(pid)
+    while frontier:
+        for child in children.get(frontier.pop(), ()):
+            live += ticks[child]
+            frontier.append(child)
+    reaped = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return live / tick + reaped.ru_utime + reaped.ru_stime
+
+
 def _kill_group(process: subprocess.Popen) -> None:
     """Kill the group this module started (the command and whatever it left running), then reap the command."""
     try:
@@ -77,9 +142,10 @@ def _kill_group(process: subprocess.Popen) -> None:
 
 
 def run_boxed(argv: Sequence[str], *, log_path: str | os.PathLike, deadline: Callable[[], float],
-              env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None) -> Boxed:
-    """Run ``argv`` until it ends or ``time.time()`` passes ``deadline()`` (asked every 0.2 s); stdout and
-    stderr are appended to ``log_path``."""
+              env: Mapping[str, str] | None = None, cwd: str | os.PathLike | None = None,
+              clock: Callable[[], float] = time.time) -> Boxed:
+    """Run ``argv`` until it ends or ``clock()`` passes ``deadline()`` (asked every 0.2 s); stdout and stderr are
+    appended to ``log_path``. ``seconds`` in the result are wall seconds, whatever the clock."""
     log_path = Path(log_path)
     log_path.parent.mkdir(parents=True, exist_ok=True)
     start = time.time()
@@ -88,7 +154,7 @@ def run_boxed(argv: Sequence[str], *, log_path: str | os.PathLike, deadline: Cal
                                    env=None if env is None else dict(env), cwd=cwd, start_new_session=True)
         try:
             while not _ended(process):
-                if time.time() >= deadline():
+                if clock() >= deadline():
                     _kill_group(process)
                     return Boxed(None, time.time() - start, True, log_path)
                 time.sleep(_POLL_S)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from compfx.graph_capture import capture, key_dynamo_graph, op_nodes
 from compfx.errors import CaptureError
+from tests.quick import quick_config
 from zoo import ZOO, make
 
 ZOO_NAMES = sorted(ZOO)
@@ -302,7 +303,7 @@ def test_a_value_dependent_shape_is_refused_with_a_way_that_plans_the_rest():
 
     result = compfx.optimize(model, batches, optimizer=torch.optim.SGD(model.parameters(), lr=0.1),
                              loss_fn=lambda out, batch: F.cross_entropy(out.flatten(0, 1), batch[-1].flatten()),
-                             per_module=(nn.Embedding, nn.Linear), config=compfx.SearchConfig(progress=False))
+                             per_module=(nn.Embedding, nn.Linear), config=quick_config())
     assert len(result.plan) == 2
 
 

@@ -29,6 +29,7 @@ from compfx.vocabulary import Precision
 from zoo import NativeMHA
 
 from tests.helpers import assert_bitwise, seeded_grads
+from tests.quick import quick_config
 
 TRACERS = ["symbolic", "record"]
 
@@ -453,8 +454,7 @@ def test_verify_false_is_the_opt_out():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(2)]
     result = compfx.optimize(model, loader, optimizer=optimizer, loss_fn=lambda out, b: F.cross_entropy(out, b[-1]),
-                             config=compfx.SearchConfig(progress=False, verify_capture=False, repeats=1,
-                                                        stage1_budget=1, stage2_budget=1))
+                             config=quick_config(verify_capture=False, stage1_budget=1, stage2_budget=1))
     assert result.analysis.verification is None
 
 
@@ -475,8 +475,7 @@ def test_the_verification_is_charged_to_the_capture_phase():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     loader = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(2)]
     result = compfx.optimize(model, loader, optimizer=optimizer, loss_fn=lambda out, b: F.cross_entropy(out, b[-1]),
-                             config=compfx.SearchConfig(progress=False, repeats=1, stage1_budget=1,
-                                                        stage2_budget=1))
+                             config=quick_config(stage1_budget=1, stage2_budget=1))
     verification = result.analysis.verification
     assert verification.exact and verification.seconds > 0
     assert result.cost_breakdown["capture"] >= verification.seconds

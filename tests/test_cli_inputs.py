@@ -18,6 +18,7 @@ import torch
 import compfx
 import compfx.search.config
 from compfx.cli import _search_batches, main
+from tests.quick import quick_config
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
@@ -86,8 +87,7 @@ NOT_A_FUNCTION = 3
 '''
 
 REPO = Path(compfx.__file__).resolve().parent.parent
-CHEAP = dict(progress=False, warmup=0, repeats=1, stage1_budget=2, stage2_budget=1, stage2_check_batches=1,
-             predictor=False)
+CHEAP = dict(stage1_budget=2, stage2_budget=1, stage2_check_batches=1, predictor=False)  # over tests.quick's
 
 
 @pytest.fixture(scope="module")
@@ -163,7 +163,7 @@ def test_plan_show_checks_a_plan_against_a_token_model(here, capsys, plan_file):
 
 
 def test_search_on_a_token_model_calls_the_function_once_per_batch(here, capsys, monkeypatch):
-    monkeypatch.setattr(compfx.search.config, "SearchConfig", functools.partial(compfx.SearchConfig, **CHEAP))
+    monkeypatch.setattr(compfx.search.config, "SearchConfig", functools.partial(quick_config, **CHEAP))
     models = __import__(MODELS)
     models.CALLS.clear()
     plan_path = here / "searched.json"

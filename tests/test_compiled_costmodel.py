@@ -26,6 +26,7 @@ from compfx.errors import BadInputError
 from compfx.measure import Conditions
 from compfx.plan import Assignment
 from compfx.vocabulary import Precision, SampleStatus, Stage
+from tests.quick import quick_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
@@ -363,8 +364,8 @@ def test_a_search_ranks_plans_by_the_roofline_cost(tmp_path):
     cost = roofline_cost(a)
     result = compfx.optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
                              loss_fn=lambda out, batch: nn.functional.mse_loss(out, batch[-1]),
-                             config=compfx.SearchConfig(cost_fn=cost, progress=False, warmup=0, repeats=1, rounds=0,
-                                                        stage2_check_batches=0, cache_plan=False, predictor="off"))
+                             config=quick_config(cost_fn=cost, rounds=0, stage2_check_batches=0, cache_plan=False,
+                                                 predictor=False))
     samples = [r for r in result.log.samples(Stage.STAGE1) if r.status is SampleStatus.ACCEPTED and r.cost]
     assert samples
     for record in samples:

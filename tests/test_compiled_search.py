@@ -28,10 +28,11 @@ from compfx.search import sampling
 from compfx.search.compiled import CompiledRunner
 from compfx.search.config import decision_settings
 from tests.helpers import batches, ce
+from tests.quick import quick_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-FAST = dict(progress=False, warmup=1, repeats=2, stage2_check_batches=2, predictor="off", cache_plan=False)
+FAST = dict(warmup=1, repeats=2, stage2_check_batches=2, predictor=False, cache_plan=False)  # over tests.quick's
 MATMULS = (torch.ops.aten.mm.default, torch.ops.aten.addmm.default)
 
 
@@ -118,7 +119,7 @@ def tag_of(plan: str) -> str:
 
 def search(model, loader, **config):
     opt = torch.optim.SGD(model.parameters(), lr=0.05)
-    return compfx.optimize(model, loader, optimizer=opt, loss_fn=ce, config=SearchConfig(**{**FAST, **config}))
+    return compfx.optimize(model, loader, optimizer=opt, loss_fn=ce, config=quick_config(**{**FAST, **config}))
 
 
 # -- every plan measured as the compiled program ------------------------------------------------------------------

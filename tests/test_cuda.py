@@ -38,6 +38,7 @@ from compfx.passes import count_autocast_casts, count_casts
 from compfx.search.sampling import FairSampler
 from compfx.vocabulary import SampleStatus, Stage
 from tests.helpers import assert_matches_apply
+from tests.quick import quick_config
 from zoo import ZOO, make
 
 CUDA_AVAILABLE = torch.cuda.is_available()
@@ -164,7 +165,7 @@ def _mlp(features=32, hidden=64, classes=4, dropout=0.0):
                          nn.LogSoftmax(-1)).to(CUDA)
 
 
-_QUICK = dict(progress=False, repeats=2, warmup=1, stage2_check_batches=2)
+_QUICK = dict(repeats=2, warmup=1, stage2_check_batches=2)  # over tests.quick's
 
 
 def test_fp16_search_samples_with_a_grad_scaler_and_the_module_trains_on():
@@ -172,7 +173,7 @@ def test_fp16_search_samples_with_a_grad_scaler_and_the_module_trains_on():
     model = _mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     batches = _cuda_batches(4)
-    config = compfx.SearchConfig(**_QUICK)
+    config = quick_config(**_QUICK)
     result = compfx.optimize(model, batches, optimizer=optimizer, loss_fn=_ce, config=config)
 
     assert config.scaler_on(result.analysis.low_dtype) and result.plan.low_dtype == torch.float16
@@ -324,7 +325,7 @@ def _nccl_search_then_ddp(port: int, out_path: str) -> None:
         model = _mlp()
         optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
         batches = _cuda_batches(4)
-        result = compfx.optimize(model, batches, optimizer=optimizer, loss_fn=_ce, config=compfx.SearchConfig(**_QUICK))
+        result = compfx.optimize(model, batches, optimizer=optimizer, loss_fn=_ce, config=quick_config(**_QUICK))
         ddp = DistributedDataParallel(result.module, device_ids=[0])
         scaler = torch.amp.GradScaler("cuda")
         before = [p.detach().clone() for p in model.parameters()]
@@ -378,7 +379,7 @@ def test_the_search_leaves_the_cuda_and_cpu_rng_as_they_were():
     batches = _cuda_batches(3)
     torch.cuda.manual_seed(1234)
     cuda_state, cpu_state = torch.cuda.get_rng_state(), torch.get_rng_state()
-    compfx.optimize(model, batches, optimizer=optimizer, loss_fn=_ce, config=compfx.SearchConfig(**_QUICK))
+    compfx.optimize(model, batches, optimizer=optimizer, loss_fn=_ce, config=quick_config(**_QUICK))
     assert torch.equal(torch.cuda.get_rng_state(), cuda_state)
     assert torch.equal(torch.get_rng_state(), cpu_state)
 

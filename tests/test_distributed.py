@@ -20,6 +20,7 @@ from compfx.search.distributed import (PerDeviceAllocation, RankAgreement, RankC
                                        rank_context)
 from compfx.vocabulary import Precision
 from helpers import run_scenarios, spawn_ranks
+from tests.quick import quick_config
 
 WORLD = 2
 TIMEOUT_S = 420  # for all scenarios; every collective also times out (init_process_group timeout)
@@ -336,10 +337,9 @@ def optimized(rank, **config):
     torch.manual_seed(rank)  # different initial weights per rank: the broadcast must make them agree
     model = activation_heavy_mlp()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
-    settings_ = dict(progress=False, warmup=0, repeats=1, stage1_budget=8, stage2_budget=3, stage2_check_batches=1,
-                     threshold=2.0, grad_scaler=False)
+    settings_ = dict(stage1_budget=8, stage2_budget=3, stage2_check_batches=1, threshold=2.0, grad_scaler=False)
     result = optimize(model, shard(rank), loss_fn=ce, optimizer=opt, low_dtype=torch.bfloat16,
-                      config=SearchConfig(**settings_, **config))
+                      config=quick_config(**settings_, **config))
     return model, opt, result
 
 

@@ -17,11 +17,11 @@ from compfx.costmodel import profile_ops
 from compfx.errors import CaptureError, FileWriteError
 
 from tests.helpers import batches, ce
+from tests.quick import quick_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
-CHEAP = dict(progress=False, warmup=0, repeats=1, stage1_budget=2, stage2_budget=1, stage2_check_batches=1,
-             predictor="off", cache_plan=False)
+CHEAP = dict(stage1_budget=2, stage2_budget=1, stage2_check_batches=1, predictor=False, cache_plan=False)
 
 
 def mlp(seed: int = 0) -> nn.Module:
@@ -32,7 +32,7 @@ def mlp(seed: int = 0) -> nn.Module:
 def search(model, log=None, **config):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     return compfx.optimize(model, batches(2, (4, 8)), optimizer=optimizer, loss_fn=ce,
-                           config=compfx.SearchConfig(**{**CHEAP, **config}), log=log)
+                           config=quick_config(**{**CHEAP, **config}), log=log)
 
 
 @pytest.fixture(scope="module")

@@ -9,6 +9,7 @@ import torch
 import compfx
 from compfx.measure import describe_fp32_math, fp32_math
 from tests.helpers import batches, ce
+from tests.quick import quick_config
 
 
 @pytest.fixture
@@ -32,8 +33,8 @@ def test_the_report_says_what_fp32_meant_and_the_settings_are_kept(settings_rest
     torch.backends.cudnn.conv.fp32_precision = "ieee"  # a user's choice, for another device: kept as it is
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    result = compfx.optimize(model, batches(2, (6, 4)), optimizer=optimizer, loss_fn=ce, config=compfx.SearchConfig(
-        progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor=False, cache_plan=False))
+    result = compfx.optimize(model, batches(2, (6, 4)), optimizer=optimizer, loss_fn=ce, config=quick_config(
+        stage2_check_batches=1, predictor=False, cache_plan=False))
     [note] = [r for r in result.log.notes() if "'fp32'" in r.reason]
     assert note.extra["fp32_math"] == fp32_math("cpu")
     assert f"means {describe_fp32_math(fp32_math('cpu'))} on cpu" in result.report()

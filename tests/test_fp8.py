@@ -24,6 +24,7 @@ from compfx.passes import Float8Matmul
 from compfx.vocabulary import Float8Recipe, Precision, SampleStatus, Stage
 
 from helpers import forward_and_grads
+from tests.quick import quick_config
 
 float8 = pytest.importorskip("torchao.float8")
 
@@ -217,9 +218,8 @@ def test_search_chooses_fp8_where_harmless_and_keeps_bf16_where_fp8_breaks_the_l
     model = MassiveActivation()
     loader = massive_activation_batches(copy.deepcopy(model))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
-    result = compfx.optimize(model, loader, optimizer=optimizer, loss_fn=scored_rows, config=compfx.SearchConfig(
-        fp8=True, cost_fn=fp8_cheapest, progress=False, warmup=0, repeats=1, stage2_check_batches=2,
-        cache_plan=False))
+    result = compfx.optimize(model, loader, optimizer=optimizer, loss_fn=scored_rows, config=quick_config(
+        fp8=True, cost_fn=fp8_cheapest, stage2_check_batches=2, cache_plan=False))
     a, plan = result.analysis, result.plan
     sensitive, harmless = (a.ops[i].key for i in (0, 2))
     assert plan[harmless] is Precision.FP8 and plan[sensitive] in (Precision.LOW, Precision.FP32)
@@ -348,8 +348,8 @@ def test_the_search_report_says_which_fp8_ops_ran_low_at_a_ragged_batch():
     loader = [(torch.randn(rows, 32, generator=g), torch.randn(rows, 16, generator=g)) for rows in (16, 16, 10)]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
     result = compfx.optimize(model, loader, optimizer=optimizer, loss_fn=lambda out, b: nn.functional.mse_loss(out, b[-1]),
-                             config=compfx.SearchConfig(fp8=True, cost_fn=fp8_cheapest, progress=False, warmup=0,
-                                                        repeats=1, stage2_check_batches=1, cache_plan=False))
+                             config=quick_config(fp8=True, cost_fn=fp8_cheapest, stage2_check_batches=1,
+                                                 cache_plan=False))
     assert result.plan[result.analysis.ops[0].key] is Precision.FP8
     assert "cannot run FP8 at a signature ran at AMP's precision there: 0:linear#0 at" in result.report()
     fallbacks = [s for s in result.module.specializations if s.fp8_fallbacks]

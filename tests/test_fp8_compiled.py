@@ -18,6 +18,7 @@ import torch.nn as nn
 import compfx
 from compfx.costmodel import roofline_cost
 from compfx.vocabulary import Precision, SampleStatus, Stage
+from tests.quick import quick_config
 
 pytest.importorskip("torchao.float8")
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
@@ -97,9 +98,8 @@ def test_the_compiled_search_keeps_fp8_on_large_gemms_bf16_on_small_ones_and_the
     loader = massive_batches(copy.deepcopy(model))
     cost = _roofline_at_gpu_scale(model)
     # margin 0, no duels: the cheaper plan on the roofline wins (CoMP's rule), and only the guard can stop it
-    config = compfx.SearchConfig(fp8=True, fp8_recipe="tensorwise", compile=_compile_setting("aot_eager"),
-                                 cost_fn=cost, margin=0.0, rounds=0, progress=False, warmup=0, repeats=1,
-                                 stage2_budget=4, stage2_check_batches=1, cache_plan=False)
+    config = quick_config(fp8=True, fp8_recipe="tensorwise", compile=_compile_setting("aot_eager"), cost_fn=cost,
+                          margin=0.0, rounds=0, stage2_budget=4, stage2_check_batches=1, cache_plan=False)
     result = compfx.optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
                              loss_fn=scored_rows, low_dtype=torch.bfloat16, config=config)
     a, plan = result.analysis, result.plan

@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import run_scenarios, spawn_ranks
+from tests.quick import quick_config
 from tests.test_per_module import Block, Net, data
 
 WORLD, TIMEOUT_S = 2, 240
@@ -61,8 +62,7 @@ def search_scenario(rank, world):
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     g = torch.Generator().manual_seed(rank)  # each rank its own shard of the data
     loader = [(torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)) for _ in range(2)]
-    config = compfx.SearchConfig(progress=False, repeats=1, warmup=0, stage1_budget=4, stage2_budget=2,
-                                 cache_plan=False)
+    config = quick_config(stage1_budget=4, stage2_budget=2, cache_plan=False)
     result = compfx.optimize(model, loader, optimizer=optimizer, per_module=(Block,), config=config,
                              loss_fn=lambda out, batch: F.cross_entropy(out, batch[-1]))
     loss = F.cross_entropy(model(loader[0][0]), loader[0][1])  # the sharded model still trains after the search

@@ -26,11 +26,12 @@ from compfx.per_module import PlannedBlock  # noqa: E402
 from compfx.regions import analyze_regions  # noqa: E402
 from compfx.plan_rules import Rule  # noqa: E402
 from tests.helpers import free_port  # noqa: E402
+from tests.quick import quick_config  # noqa: E402
 from tiny_gpt import lm_loss, tiny_gpt, token_batches  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FAST_SEARCH = compfx.SearchConfig(progress=False, repeats=1, warmup=0, stage1_budget=4, stage2_budget=2)
+FAST_SEARCH = quick_config(stage1_budget=4, stage2_budget=2)
 
 
 @pytest.fixture(autouse=True)

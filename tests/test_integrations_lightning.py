@@ -14,6 +14,7 @@ import compfx.integrations.planned_training as planned_training  # noqa: E402
 from compfx.errors import BadInputError  # noqa: E402
 from compfx.integrations.lightning import LOG_FILE, PLAN_FILE, CompfxCallback  # noqa: E402
 from compfx.per_module import PlannedBlock  # noqa: E402
+from tests.quick import quick_config  # noqa: E402
 
 
 class Classifier(L.LightningModule):
@@ -46,7 +47,7 @@ def ce(output, batch):
     return F.cross_entropy(output, batch[-1])
 
 
-FAST_SEARCH = compfx.SearchConfig(progress=False, repeats=1, warmup=0)
+FAST_SEARCH = quick_config()
 
 
 def _fit(root, callback, ckpt_path=None, **trainer_options):

@@ -21,9 +21,10 @@ from compfx.errors import BadInputError  # noqa: E402
 from compfx.integrations.lightning import PLAN_FILE, CompfxCallback, CompfxPrecision  # noqa: E402
 from compfx.per_module import PlannedBlock  # noqa: E402
 from compfx.regions import analyze_regions  # noqa: E402
+from tests.quick import quick_config  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
-FAST_SEARCH = compfx.SearchConfig(progress=False, repeats=1, warmup=0)
+FAST_SEARCH = quick_config()
 
 
 class Classifier(L.LightningModule):

@@ -16,6 +16,7 @@ import safetensors.torch  # noqa: E402  (transformers' own dependency)
 import compfx.integrations.planned_training as planned_training  # noqa: E402
 from compfx.errors import BadInputError  # noqa: E402
 from compfx.integrations.transformers import LOG_FILE, PLAN_FILE, CompfxCallback  # noqa: E402
+from tests.quick import quick_config  # noqa: E402
 
 VOCAB, SEQ = 64, 16
 
@@ -43,7 +44,7 @@ def _dataset(kind: str, n: int = 48) -> list[dict]:
 MODELS = {"bert": _bert, "gpt2": _gpt2}
 #: the submodules each model's forward runs: its base model and head, planned in place while training
 REGIONS = {"bert": ["bert", "dropout", "classifier"], "gpt2": ["transformer", "lm_head"]}
-FAST_SEARCH = compfx.SearchConfig(progress=False, repeats=1, warmup=0, stage1_budget=4, stage2_budget=2)
+FAST_SEARCH = quick_config(stage1_budget=4, stage2_budget=2)
 
 
 class Spy(transformers.TrainerCallback):

@@ -18,6 +18,7 @@ import compfx
 from compfx.planned_module import PlannedModule, apply
 
 from tests.helpers import assert_bitwise, seeded_grads
+from tests.quick import quick_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
@@ -122,7 +123,7 @@ def test_finfo_masking_trains_under_inductor(fresh_dynamo):
 
 def test_a_search_that_rewards_low_precision_finds_low_plans_for_finfo_masking():
     """Every low candidate used to fail on the FP32 literal, and the search fell back to FP32."""
-    from compfx import SearchConfig, optimize
+    from compfx import optimize
     from tests.helpers import fp32_op_count
 
     torch.manual_seed(0)
@@ -130,8 +131,8 @@ def test_a_search_that_rewards_low_precision_finds_low_plans_for_finfo_masking()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = [_padded(4, 8, seed=i) for i in range(3)]
     result = optimize(model, loader, optimizer=opt, loss_fn=lambda out, batch: out.float().square().mean(),
-                      config=SearchConfig(cost_fn=fp32_op_count, predictor=False, progress=False, warmup=0,
-                                          repeats=1, stage2_check_batches=1, cache_plan=False))
+                      config=quick_config(cost_fn=fp32_op_count, predictor=False, stage2_check_batches=1,
+                                          cache_plan=False))
     failed = [r for r in result.log.samples() if str(r.status) == "error"]
     assert not failed, failed[0].reason
     assert list(result.plan.values()).count("low") >= 4  # the four projections and the two matmuls
@@ -384,13 +385,13 @@ def test_the_planned_graph_opens_the_models_block_around_the_pinned_ops():
 
 
 def _search(model, loader, log=None, **config):
-    from compfx import SearchConfig, optimize
+    from compfx import optimize
     from tests.helpers import fp32_op_count
 
     return optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3), log=log,
                     loss_fn=lambda out, batch: out.float().square().mean(),
-                    config=SearchConfig(cost_fn=fp32_op_count, predictor=False, progress=False, warmup=0, repeats=1,
-                                        stage2_check_batches=1, cache_plan=False, **config))
+                    config=quick_config(cost_fn=fp32_op_count, predictor=False, stage2_check_batches=1, cache_plan=False,
+                                        **config))
 
 
 def test_a_search_that_rewards_low_precision_leaves_pinned_ops_fp32_and_the_report_marks_them(tmp_path):

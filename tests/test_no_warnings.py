@@ -20,13 +20,13 @@ from compfx.graph_capture.nodes import copy_graph
 from compfx.report import render_log_report
 
 from tests.helpers import warnings_from_compfx
+from tests.quick import quick_config
 
 transformers = pytest.importorskip("transformers")
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 VOCAB = 64
-CHEAP = compfx.SearchConfig(progress=False, warmup=0, repeats=1, stage1_budget=3, stage2_budget=2,
-                            stage2_check_batches=1, predictor=False)
+CHEAP = quick_config(stage1_budget=3, stage2_budget=2, stage2_check_batches=1, predictor=False)
 
 
 def tiny_gpt2():

@@ -17,11 +17,12 @@ from compfx.errors import BadInputError
 from compfx.search.sampling import FairSampler
 from compfx.state import restore_state, snapshot_state
 from tests.helpers import batches, ce, fp32_op_count
+from tests.quick import quick_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 
-FAST = dict(progress=False, warmup=1, repeats=2, stage2_check_batches=2)
+FAST = dict(warmup=1, repeats=2, stage2_check_batches=2)  # over tests.quick's
 
 
 class Overflowing(nn.Module):
@@ -42,7 +43,7 @@ def test_guard_keeps_the_overflowing_op_fp32_and_everything_else_low():
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     g = torch.Generator().manual_seed(0)
     loader = [{"x": torch.randn(8, 4, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(3)]
-    config = SearchConfig(cost_fn=fp32_op_count, grad_scaler=False, predictor=False, **FAST)
+    config = quick_config(cost_fn=fp32_op_count, grad_scaler=False, predictor=False, **FAST)
     result = optimize(model, loader, optimizer=opt, low_dtype=torch.float16, config=config)
     chosen = {str(k): p for k, p in result.plan.items()}
     assert chosen == {"fc1:linear#0": "low", ":relu#0": "follow", "fc2:linear#0": "low", ":mul#0": "follow",
@@ -79,7 +80,7 @@ def test_failing_plans_are_rejected_and_state_comes_back_bitwise(tmp_path):
     before = snapshot_state(model, opt)
     moments = [opt.state[p]["exp_avg"] for p in model.parameters()]
     rng = torch.get_rng_state()
-    config = SearchConfig(cost_fn=fp32_op_count, keep_search_training=False, **FAST)
+    config = quick_config(cost_fn=fp32_op_count, keep_search_training=False, **FAST)
     result = optimize(model, loader, loss_fn=ce, optimizer=opt, config=config, log=tmp_path / "search.jsonl")
     failed = [r for r in result.log.samples("stage1") if r.status == "error"]
     assert failed and all("Low precision" in r.reason for r in failed)
@@ -96,7 +97,7 @@ def test_keep_search_training_leaves_the_chosen_stage1_epoch_state():
     twin = copy.deepcopy(model)
     twin_opt = torch.optim.Adam(twin.parameters(), lr=0.01)
     twin_opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-    config = SearchConfig(cost_fn=fp32_op_count, **FAST)
+    config = quick_config(cost_fn=fp32_op_count, **FAST)
     result = optimize(model, loader, loss_fn=ce, optimizer=opt, config=config)
     # replay the Stage-1 winner's epoch on the twin: the model must hold exactly that state
     twin_analysis = compfx.analyze(twin, loader[0][:1])
@@ -131,13 +132,13 @@ def test_keyboard_interrupt_restores_state_flushes_the_log_and_propagates(tmp_pa
         return ce(output, batch)
 
     with pytest.raises(KeyboardInterrupt):
-        optimize(model, loader, loss_fn=interrupting_loss, optimizer=opt, config=SearchConfig(**FAST),
+        optimize(model, loader, loss_fn=interrupting_loss, optimizer=opt, config=quick_config(**FAST),
                  log=tmp_path / "search.jsonl")
     assert before.matches()
     lines = [json.loads(line) for line in (tmp_path / "search.jsonl").read_text().splitlines()]
     assert "interrupted" in lines[-1]["reason"]
     assert not [line for line in lines if line["status"] != "note"]  # no sample had finished: none is logged
-    # (tests/test_reliability.py interrupts later samples: every finished one is logged)
+    # (tests/test_state_kept.py interrupts later samples: every finished one is logged)
 
 
 def test_bert_from_config_end_to_end():
@@ -151,7 +152,7 @@ def test_bert_from_config_end_to_end():
     loader = [{"input_ids": torch.randint(0, 40, (4, 8), generator=g),
                "labels": torch.randint(0, 2, (4,), generator=g)} for _ in range(2)]
     result = optimize(model, loader, optimizer=opt,
-                      config=SearchConfig(stage1_budget=4, stage2_budget=3, predictor=False, **FAST))
+                      config=quick_config(stage1_budget=4, stage2_budget=3, predictor=False, **FAST))
     assert set(result.plan) == set(result.analysis.keys)
     assert torch.isfinite(result.module(**loader[0]).loss)
     report = result.report()
@@ -184,14 +185,14 @@ def test_bad_arguments_say_what_to_do():
     with pytest.raises(BadInputError, match="not this model's"):
         optimize(model, loader, loss_fn=ce, optimizer=torch.optim.SGD(nn.Linear(4, 3).parameters(), lr=0.1))
     with pytest.raises(BadInputError, match="loss_fn"):
-        optimize(model, loader, optimizer=opt, config=SearchConfig(**FAST))
+        optimize(model, loader, optimizer=opt, config=quick_config(**FAST))
 
 
 def test_report_lists_every_op_and_the_search_figures():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    result = optimize(model, batches(3, (8, 4)), loss_fn=ce, optimizer=opt, config=SearchConfig(**FAST))
+    result = optimize(model, batches(3, (8, 4)), loss_fn=ce, optimizer=opt, config=quick_config(**FAST))
     assert isinstance(result, SearchResult) and "SearchResult(plan=" in repr(result)
     report = result.report()
     for key in ("0:linear#0", "1:relu#0", "2:linear#0"):

@@ -19,14 +19,15 @@ import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensor
 
 import compfx
-from compfx import SearchConfig, optimize
+from compfx import optimize
 from compfx.integrations.planned_training import plan_model
 from tests.helpers import ce, fp32_op_count
+from tests.quick import quick_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 BATCH = 24
-FAST = dict(progress=False, warmup=1, repeats=2, stage2_check_batches=2, cost_fn=fp32_op_count)
+FAST = dict(warmup=1, repeats=2, stage2_check_batches=2, cost_fn=fp32_op_count)  # over tests.quick's
 
 
 class Distinct(nn.Module):
@@ -110,7 +111,7 @@ def test_optimize_leaves_the_users_gradients_as_they_were(kind, keep):
     model, opt, loader = setup()
     _user_grads(model, kind)
     before = {name: None if p.grad is None else p.grad.clone() for name, p in model.named_parameters()}
-    optimize(model, loader, loss_fn=ce, optimizer=opt, config=SearchConfig(keep_search_training=keep, **FAST))
+    optimize(model, loader, loss_fn=ce, optimizer=opt, config=quick_config(keep_search_training=keep, **FAST))
     for name, param in model.named_parameters():
         if before[name] is None:
             assert param.grad is None, f"{name}.grad was None before optimize() and is a tensor after it"
@@ -129,7 +130,7 @@ def test_optimize_keeps_nothing_beyond_training_state_while_the_result_is_kept()
     model, opt, loader = setup()
     opt.zero_grad(set_to_none=True)
     before = live_storages()
-    result = optimize(model, loader, loss_fn=ce, optimizer=opt, config=SearchConfig(**FAST))
+    result = optimize(model, loader, loss_fn=ce, optimizer=opt, config=quick_config(**FAST))
     assert result.plan.low_dtype == torch.bfloat16 and "low" in {str(p) for p in result.plan.values()}
     assert not (kept := left_behind(before, model, result.module, optimizer=opt)), leaked(kept)
     assert result.module(loader[0][0]).shape == (BATCH, 5)  # the result still works: nothing it needs was freed
@@ -139,7 +140,7 @@ def test_optimize_keeps_nothing_once_the_result_is_deleted():
     model, opt, loader = setup()
     opt.zero_grad(set_to_none=True)
     before = live_storages()
-    result = optimize(model, loader, loss_fn=ce, optimizer=opt, config=SearchConfig(keep_search_training=False,
+    result = optimize(model, loader, loss_fn=ce, optimizer=opt, config=quick_config(keep_search_training=False,
                                                                                     **FAST))
     del result
     assert not (kept := left_behind(before, model, optimizer=opt)), leaked(kept)
@@ -151,7 +152,7 @@ def test_the_callbacks_search_keeps_nothing_beyond_training_state():
     training: it must hold no tensor of the search."""
     model, opt, loader = setup()
     before = live_storages()
-    run = plan_model(model, loader, optimizer=opt, loss_fn=ce, config=SearchConfig(**FAST))
+    run = plan_model(model, loader, optimizer=opt, loss_fn=ce, config=quick_config(**FAST))
     assert run.searched
     assert not (kept := left_behind(before, model, optimizer=opt)), leaked(kept)
     assert all(p.grad is None for p in model.parameters())

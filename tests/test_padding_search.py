@@ -13,7 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
-from compfx import SearchConfig, cache, optimize
+from compfx import cache, optimize
 from compfx.compile_backend import compile_with_plan
 from compfx.costmodel import PaddingProfile
 from compfx.errors import PlanFailedError
@@ -24,6 +24,7 @@ from compfx.search.evaluator import LocalEvaluator
 from compfx.search.padding import decide_padding, padding_candidates, padding_gate
 from compfx.vocabulary import Category, SampleStatus, Stage
 from tests.helpers import assert_matches_apply, batches, ce
+from tests.quick import quick_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
@@ -56,7 +57,7 @@ def _gpu_like(eligible: set[OpKey]):
     return cost
 
 
-FAST = dict(progress=False, threshold=2.0, warmup=1, repeats=2, stage2_check_batches=1)
+FAST = dict(threshold=2.0, warmup=1, repeats=2, stage2_check_batches=1)  # over tests.quick's
 
 
 @pytest.mark.parametrize("predictor", [True, False])
@@ -64,7 +65,7 @@ def test_with_a_cost_where_padding_pays_the_search_pads_exactly_the_ops_that_bec
     model, optimizer, loader, analysis = _setup()
     eligible = {op.key for op in analysis.ops if op.pad_eligible}
     assert {str(k) for k in eligible} == {"fc2:linear#0", "head:linear#0"}  # fc1 meets the rule already
-    result = optimize(model, loader, loss_fn=ce, optimizer=optimizer, config=SearchConfig(
+    result = optimize(model, loader, loss_fn=ce, optimizer=optimizer, config=quick_config(
         cost_fn=_gpu_like(eligible), predictor=predictor, cache_dir=tmp_path, **FAST))
     assert all(result.plan[k] == "low" for k in eligible)
     assert result.plan.padded == eligible
@@ -90,14 +91,14 @@ def test_with_the_measured_cpu_cost_the_search_pads_nothing_without_timing_a_ste
     monkeypatch.setattr(LocalEvaluator, "time_plan", no_padding_timings)
     model, optimizer, loader, analysis = _setup()
     # every whitelist op low (fp32_op_count prices nothing about padding), so there is something to pad
-    result = optimize(model, loader, loss_fn=ce, optimizer=optimizer, config=SearchConfig(
+    result = optimize(model, loader, loss_fn=ce, optimizer=optimizer, config=quick_config(
         cost_fn=lambda plan, s: s + sum(p == "fp32" for p in plan.values()), predictor=predictor, cache_plan=False,
         **FAST))
     assert padding_candidates(analysis, result.plan)  # pad-eligible ops run low...
     assert result.plan.padded == frozenset()  # ... and none is padded
     [decided] = [n for n in result.log.notes() if "padding" in n.extra]
     assert "cpu has no tensor cores" in decided.reason and "no step was timed" in decided.reason
-    measured = optimize(model, loader, loss_fn=ce, optimizer=optimizer, config=SearchConfig(
+    measured = optimize(model, loader, loss_fn=ce, optimizer=optimizer, config=quick_config(
         predictor=predictor, cache_plan=False, **FAST))  # the default cost: measured seconds
     assert measured.plan.padded == frozenset()
 
@@ -106,7 +107,7 @@ def test_a_finished_padded_search_renders_from_its_log(tmp_path):
     model, optimizer, loader, analysis = _setup()
     eligible = {op.key for op in analysis.ops if op.pad_eligible}
     result = optimize(model, loader, loss_fn=ce, optimizer=optimizer, log=tmp_path / "search.jsonl",
-                      config=SearchConfig(cost_fn=_gpu_like(eligible), cache_plan=False, **FAST))
+                      config=quick_config(cost_fn=_gpu_like(eligible), cache_plan=False, **FAST))
     assert render_log_report(tmp_path / "search.jsonl").splitlines()[:8] == result.report().splitlines()[:8]
 
 

@@ -14,6 +14,7 @@ import compfx
 from compfx.errors import BadInputError
 from compfx.per_module import PlannedBlock
 from compfx.regions import analyze_regions
+from tests.quick import quick_config
 
 
 class Block(nn.Module):
@@ -184,9 +185,8 @@ def test_search_per_module_returns_the_model_running_the_chosen_plan():
     model = Net()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     loader = [data() for _ in range(2)]
-    config = compfx.SearchConfig(progress=False, repeats=1, warmup=0, stage1_budget=4, stage2_budget=2,
-                                 cache_plan=False, cost_fn=lambda plan, seconds: 1.0 + sum(
-                                     p is compfx.Precision.FP32 for p in plan.values()))
+    config = quick_config(stage1_budget=4, stage2_budget=2, cache_plan=False, cost_fn=lambda plan, seconds: 1.0 + sum(
+        p is compfx.Precision.FP32 for p in plan.values()))
     result = compfx.optimize(model, loader, optimizer=optimizer, per_module=(Block,),
                              loss_fn=lambda out, batch: F.cross_entropy(out, batch[-1]), config=config)
     assert result.module is model

@@ -154,7 +154,7 @@ def test_saved_plan_file_gets_the_mode_a_plain_open_would_give_and_keeps_an_exis
     assert stat.S_IMODE(saved.stat().st_mode) == 0o640 and compfx.Plan.load(saved) == compfx.Plan.amp(a)
 
 
-def test_a_plan_copies_as_itself_and_pickles_to_an_equal_plan():
+def test_a_plan_copies_as_itself_and_pickles_to_an_equal_plan(fresh_dynamo):
     """Modules holding a plan are deep-copied (EMA copies; Lightning deep-copies torch.compile's arguments)."""
     import copy
     import pickle
@@ -165,7 +165,14 @@ def test_a_plan_copies_as_itself_and_pickles_to_an_equal_plan():
     assert copy.copy(plan) is plan and copy.deepcopy(plan) is plan
     again = pickle.loads(pickle.dumps(plan))
     assert again == plan and again.fingerprint == plan.fingerprint and again.low_dtype == plan.low_dtype
-    backend = copy.deepcopy(compfx.backend(plan))  # what lightning.fabric's torch.compile wrapper does
-    assert backend is not None
+    original = compfx.backend(plan)
+    backend = copy.deepcopy(original)  # what lightning.fabric's torch.compile wrapper does
+    assert backend is not original and backend.plan == plan and backend.inner == original.inner
+    # ... and the copy compiles the model with that plan
+    copied = copy.deepcopy(compfx.backend(plan, inner="eager"))
+    torch.compile(model, backend=copied)(torch.randn(3, 4))
+    [record] = copied.records
+    assert (record.origin, record.plan_fingerprint) == ("given", plan.fingerprint)
+    assert dict(record.precisions) == dict(plan)
     planned = copy.deepcopy(compfx.apply(model, plan, analysis=analysis))
     assert planned(torch.randn(3, 4)).shape == (3, 2)

@@ -28,8 +28,8 @@ from compfx import cache
 from compfx.compile_backend import backend, registered_backend
 from compfx.errors import PlanMismatchError
 from compfx.plan import Plan
-from compfx.search import SearchConfig
 from tests.helpers import ce
+from tests.quick import quick_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
@@ -39,8 +39,7 @@ def low_op_count(plan, seconds):
     return float(sum(p == "low" for p in plan.values()))
 
 
-QUICK = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor=False, threshold=2.0,
-             cost_fn=low_op_count)
+QUICK = dict(stage2_check_batches=1, predictor=False, threshold=2.0, cost_fn=low_op_count)  # over tests.quick's
 
 
 @pytest.fixture
@@ -60,7 +59,7 @@ def searched(model: nn.Module, inputs: int = 16, classes: int = 4):
     g = torch.Generator().manual_seed(0)
     loader = [(torch.randn(8, inputs, generator=g), torch.randint(0, classes, (8,), generator=g)) for _ in range(2)]
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-    result = compfx.optimize(model, loader, optimizer=optimizer, loss_fn=ce, config=SearchConfig(**QUICK))
+    result = compfx.optimize(model, loader, optimizer=optimizer, loss_fn=ce, config=quick_config(**QUICK))
     assert result.plan != Plan.amp(result.analysis), "the test needs a searched plan that is not the default"
     return result
 

@@ -13,6 +13,7 @@ from compfx.errors import BadInputError
 from compfx.integrations.planned_training import plan_model, planned_regions
 from compfx.per_module import PlannedBlock, restore_blocks
 from compfx.regions import analyze_regions
+from tests.quick import quick_config
 
 
 class Stack(nn.Module):
@@ -43,8 +44,7 @@ def batches(n=3):
     return [(torch.randn(8, 8, generator=g), torch.randint(0, 4, (8,), generator=g)) for _ in range(n)]
 
 
-FAST_SEARCH = compfx.SearchConfig(progress=False, repeats=1, warmup=0, stage1_budget=4, stage2_budget=2,
-                                  cache_plan=False)
+FAST_SEARCH = quick_config(stage1_budget=4, stage2_budget=2, cache_plan=False)
 
 
 def test_the_regions_are_the_outermost_submodules_forward_runs():

@@ -20,6 +20,7 @@ import torch
 import compfx
 from compfx.search.log import SampleStatus
 from tests.helpers import fp32_op_count
+from tests.quick import quick_config
 
 transformers = pytest.importorskip("transformers")
 
@@ -79,8 +80,7 @@ def batch(name: str, size: int, generator: torch.Generator, seq: int = SEQ) -> d
 
 
 #: a short search: the point here is that it runs on real models and loaders, not what it picks
-FAST = compfx.SearchConfig(progress=False, warmup=0, repeats=1, stage1_budget=2, stage2_budget=2,
-                           stage2_check_batches=1, cache_plan=False)
+FAST = quick_config(stage1_budget=2, stage2_budget=2, stage2_check_batches=1, cache_plan=False)
 
 
 @pytest.mark.parametrize("name", MODEL_NAMES)

@@ -22,7 +22,8 @@ from compfx.search.log import DUEL, SearchLog
 from compfx.search.session import COMPARE_ROUNDS
 from compfx.vocabulary import Stage
 from tests.helpers import EXACT, nll
-from tests.test_reliability import BATCHES, setup
+from tests.quick import quick_config
+from tests.test_state_kept import BATCHES, setup
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
@@ -37,8 +38,7 @@ def costs(salt: int):
 
 
 def config(salt: int, prune: bool) -> SearchConfig:
-    return SearchConfig(cost_fn=costs(salt), prune=prune, progress=False, warmup=0, repeats=1,
-                        stage2_check_batches=1, threshold=1.5, **EXACT)
+    return quick_config(cost_fn=costs(salt), prune=prune, stage2_check_batches=1, threshold=1.5, **EXACT)
 
 
 def counting(stop_at: int | None = None):
@@ -166,8 +166,7 @@ def test_resuming_the_log_of_another_model_or_other_settings_is_refused(tmp_path
     model, opt, loader = setup()
     with pytest.raises(PlanMismatchError, match="threshold"):
         optimize(model, loader, loss_fn=nll, optimizer=opt, log=path, resume=True,
-                 config=SearchConfig(cost_fn=costs(0), progress=False, warmup=0, repeats=1, stage2_check_batches=1,
-                                     threshold=1.2, **EXACT))
+                 config=quick_config(cost_fn=costs(0), stage2_check_batches=1, threshold=1.2, **EXACT))
     assert path.read_text() == before  # a refused resume leaves the log alone
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib
 import json
 import os
+from types import SimpleNamespace
 from unittest import mock
 
 import pytest
@@ -22,12 +23,14 @@ from hypothesis import strategies as st
 import compfx
 from compfx.planned_module import planned_graph
 from compfx.graph_capture import meta_value
+from compfx import measure
 from compfx.measure import PhaseClock
 from compfx.plan import Assignment, Plan
 from compfx.errors import PlanFailedError
 from compfx.search import FunctionEvaluator, SearchLog, compare_steps
 from compfx.vocabulary import Precision
 from helpers import batches, ce
+from tests.quick import quick_config
 from zoo import make
 
 propagation = importlib.import_module("compfx.passes.propagate_dtypes")  # the module; the package exports the function
@@ -40,7 +43,7 @@ def test_the_cost_breakdown_adds_up_to_the_whole_optimize_call():
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05)
     loader = batches(4, (4, 3, 16, 16), classes=10)
     result = compfx.optimize(model, loader, loss_fn=ce, optimizer=optimizer,
-                             config=compfx.SearchConfig(progress=False, warmup=0, repeats=2, cache_plan=False))
+                             config=quick_config(repeats=2, cache_plan=False))
     parts = result.cost_breakdown
     assert set(parts) <= PARTS and {"capture", "rewrites", "samples", "other"} <= set(parts)
     assert all(seconds >= 0 for seconds in parts.values())
@@ -50,15 +53,18 @@ def test_the_cost_breakdown_adds_up_to_the_whole_optimize_call():
     assert "by part" in result.report() and "capture" in result.report()
 
 
-def test_phases_count_each_second_once():
+def test_phases_count_each_second_once(monkeypatch):
+    now = [0.0]  # a fake clock: the seconds pass when the test says
+    monkeypatch.setattr(measure, "time", SimpleNamespace(perf_counter=lambda: now[0]))
     clock = PhaseClock()
     with clock.phase("outer"):
+        now[0] += 1.0
         with clock.phase("inner"):
-            sum(range(200_000))
-    inner, outer = clock.seconds["inner"], clock.seconds["outer"]
-    assert inner > 0 and outer >= 0
-    clock.move(inner * 2, source="inner", target="outer")  # never more than the source holds
-    assert clock.seconds["inner"] == 0 and clock.seconds["outer"] == outer + inner
+            now[0] += 2.0
+        now[0] += 0.5
+    assert clock.seconds == {"inner": 2.0, "outer": 1.5}  # the inner phase's seconds are not its parent's too
+    clock.move(4.0, source="inner", target="outer")  # never more than the source holds
+    assert clock.seconds == {"inner": 0.0, "outer": 3.5}
 
 
 # -- incremental rewrite ----------------------------------------------------------------
@@ -289,8 +295,8 @@ def test_the_step_comparison_warms_every_plan_up_even_those_that_trained_in_the_
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     result = compfx.optimize(model, batches(4, (8, 8)), loss_fn=ce, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
-                             config=compfx.SearchConfig(cost_fn=first_linear_low_only, predictor=False, progress=False,
-                                                        warmup=0, repeats=1, stage2_check_batches=0, cache_plan=False))
+                             config=quick_config(cost_fn=first_linear_low_only, predictor=False, stage2_check_batches=0,
+                                                 cache_plan=False))
     plans = result.step_comparison.plans
     assert plans["chosen"] not in (plans["fp32"], plans["amp"])  # the comparison ran after the search
     assert warmups[-1] == 1  # one untimed round first, though warmup=0 and every plan had trained

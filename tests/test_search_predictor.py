@@ -21,12 +21,13 @@ from compfx.report import prediction_table
 from compfx.search.log import NOTHING_CAN_WIN, SampleRecord, SearchLog
 from compfx.vocabulary import SampleStatus, Stage
 from tests.helpers import ce
+from tests.quick import quick_config
 
 # Cached profiles are trusted only under the conditions they were taken in (a reference kernel timed
 # alike); at two threads on a shared 2-core machine that kernel swings 100x, one thread keeps it steady.
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
-FAST = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=0)
+FAST = dict(stage2_check_batches=0)  # over tests.quick's
 SKIP = re.compile(r"skipped \(predicted \S+ s vs best \S+ s\)")
 
 
@@ -145,7 +146,7 @@ def search(_unused, **kw):
     model, opt, loader = mlp_setup()
     rule = DecisionRule(**{name: kw.pop(name) for name in ("margin", "confidence", "rounds") if name in kw})
     return optimize(model, loader, loss_fn=ce, optimizer=opt,
-                    config=SearchConfig(cost_fn=fp32_ops, decision=rule, **FAST, **kw))
+                    config=quick_config(cost_fn=fp32_ops, decision=rule, **FAST, **kw))
 
 
 @pytest.fixture

@@ -19,6 +19,7 @@ from compfx.planned_module import PlannedModule, SignatureCaptures
 from compfx.graph_capture import capture, input_signature
 from compfx.errors import BadInputError
 from compfx.search.sampling import FairSampler
+from tests.quick import quick_config
 from zoo import make
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
@@ -56,9 +57,8 @@ def test_sequence_length_varying_per_batch_passes_the_search_and_post_training(n
     g = torch.Generator().manual_seed(0)
     loader = [tokens(name, 4, length, g) for length in (8, 12, 8, 6, 12)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    result = compfx.optimize(model, loader, optimizer=optimizer, config=compfx.SearchConfig(
-        progress=False, warmup=0, repeats=1, stage1_budget=2, stage2_budget=2, stage2_check_batches=1,
-        cache_plan=False))
+    result = compfx.optimize(model, loader, optimizer=optimizer, config=quick_config(
+        stage1_budget=2, stage2_budget=2, stage2_check_batches=1, cache_plan=False))
     assert math.isfinite(result.loss0)
     assert "input signatures: 3" in result.report()
     for length in (10, 16):

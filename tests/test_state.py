@@ -19,6 +19,7 @@ from compfx.analysis import analyze_graph
 from compfx.planned_module import PlannedModule
 from compfx.graph_capture import capture
 from compfx.errors import CaptureError
+from tests.quick import quick_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
@@ -169,8 +170,7 @@ def test_optimize_keeps_buffer_updates_and_restores_them_between_samples():
     loader.append((torch.randn(5, 4, generator=g), torch.randn(5, 4, generator=g)))  # a ragged last batch
     result = compfx.optimize(model, loader, optimizer=opt,
                              loss_fn=lambda out, batch: torch.nn.functional.mse_loss(out, batch[-1]),
-                             config=compfx.SearchConfig(progress=False, repeats=1, warmup=0, cache_plan=False,
-                                                        keep_search_training=False))
+                             config=quick_config(cache_plan=False, keep_search_training=False))
     assert int(model.seen) == 0 and torch.equal(model.ema, torch.zeros(4)), "restored to the state before the search"
     result.module(torch.randn(6, 4))
     assert int(model.seen) == 1

@@ -18,6 +18,7 @@ from compfx.search import sampling
 from compfx.search.evaluator import LocalEvaluator
 from compfx.search.sampling import FairSampler
 from tests.helpers import ce
+from tests.quick import quick_config
 
 #: Tensor methods that copy a value to the host, so wait for the device to finish the work before them.
 SYNCING = ("item", "tolist", "__bool__", "__float__", "__int__", "__index__", "numpy")
@@ -222,6 +223,5 @@ def test_a_cpu_search_settles_the_host_allocator_first():
     loader = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(2)]
     with mock.patch("compfx.optimization.settle_host_allocator") as settle:
         compfx.optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=ce,
-                        config=compfx.SearchConfig(progress=False, stage1_budget=1, cache_plan=False,
-                                                   decision=compfx.DecisionRule(rounds=0)))
+                        config=quick_config(stage1_budget=1, cache_plan=False, decision=compfx.DecisionRule(rounds=0)))
     settle.assert_called_once_with(torch.device("cpu"))

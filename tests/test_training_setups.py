@@ -10,8 +10,10 @@ import torch.nn as nn
 
 import compfx
 from helpers import ce
+from tests.quick import quick_config
 
-QUICK = dict(progress=False, stage1_budget=4, decision=compfx.DecisionRule(rounds=3, confidence=0.7), cache_plan=False)
+#: over tests.quick's
+QUICK = dict(stage1_budget=4, decision=compfx.DecisionRule(rounds=3, confidence=0.7), cache_plan=False)
 
 
 class SparseBag(nn.Module):
@@ -44,7 +46,7 @@ def test_a_model_with_sparse_gradients_is_searched_guarded_and_diagnosed_and_its
     assert model.embed.weight.grad.is_sparse
     before = copy.deepcopy(opt.state_dict())
     result = compfx.optimize(model, data, optimizer=opt, loss_fn=ce,
-                             config=compfx.SearchConfig(keep_search_training=False, **QUICK))
+                             config=quick_config(keep_search_training=False, **QUICK))
     torch.testing.assert_close(opt.state_dict(), before, rtol=0, atol=0)
     guard = compfx.Guard(result.module)
     for x, y in data:
@@ -77,7 +79,7 @@ def test_a_batch_norm_frozen_for_fine_tuning_stays_frozen_in_the_search_and_the_
     g = torch.Generator().manual_seed(0)
     data = [(torch.randn(8, 8, generator=g), torch.randint(0, 3, (8,), generator=g)) for _ in range(3)]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    result = compfx.optimize(model, data, optimizer=opt, loss_fn=ce, config=compfx.SearchConfig(**QUICK))
+    result = compfx.optimize(model, data, optimizer=opt, loss_fn=ce, config=quick_config(**QUICK))
     assert model.training and not model.bn.training
     torch.testing.assert_close(model.bn.running_mean, frozen, rtol=0, atol=0)
     x, y = data[0]
@@ -229,7 +231,7 @@ def test_a_search_leaves_the_loaders_own_generator_as_it_was():
     before = loader.generator.get_state()
     model = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    compfx.optimize(model, loader, optimizer=opt, loss_fn=ce, config=compfx.SearchConfig(**QUICK))
+    compfx.optimize(model, loader, optimizer=opt, loss_fn=ce, config=quick_config(**QUICK))
     assert torch.equal(loader.generator.get_state(), before)
 
 
@@ -250,4 +252,4 @@ def test_a_search_of_a_model_trained_in_bf16_says_its_fp32_baseline_is_not_the_m
     data = [(torch.randn(8, 8, generator=g).bfloat16(), torch.randint(0, 3, (8,), generator=g)) for _ in range(2)]
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     with pytest.warns(UserWarning, match=r"trains 4 parameter\(s\) held in bfloat16 \(e.g. '0.weight'\)"):
-        compfx.optimize(model, data, optimizer=opt, loss_fn=ce, config=compfx.SearchConfig(**QUICK))
+        compfx.optimize(model, data, optimizer=opt, loss_fn=ce, config=quick_config(**QUICK))
