@@ -37,6 +37,7 @@ from . import cache
 from .analyze import analyze_graph, fingerprint_of, parameter_shapes
 from .capture import is_numerical_op, key_dynamo_graph, op_nodes
 from .capture.dynamo import CallIndexOffsets
+from .compile_regions import REGIONS_AUTO, RegionallyCompiled, compile_regions, isolated_recompiles
 from .cast_policy import compute_dtype
 from .errors import BadInputError, PlanMismatchError
 from .float8 import fp8_fallbacks
@@ -74,6 +75,10 @@ class GraphRecord:
     ``fp8_fallbacks``: the plan's FP8 ops that cannot run FP8 at this graph's
     shapes (not multiples of 16, or dynamic), with why; they run at AMP's
     precision in this graph (:func:`compfx.float8.fp8_fallbacks`).
+    ``region``: under regional compilation (``compile_with_plan(...,
+    regions=...)``), the path of the block this graph ran for (one compiled
+    graph serves every block with the same plan: its records share a
+    ``compile_id``), ``""`` for the model's own code; None otherwise.
     """
 
     compile_id: str | None
@@ -86,6 +91,7 @@ class GraphRecord:
     plan_path: str | None = None
     padded: tuple[OpKey, ...] = ()
     fp8_fallbacks: tuple[tuple[OpKey, str], ...] = ()
+    region: str | None = None
 
 
 # ---------------------------------------------------------------------------
@@ -543,17 +549,28 @@ def compfx_backend(gm: fx.GraphModule, example_inputs: Sequence):
 def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str | Callable = "inductor",
                       low_dtype: torch.dtype | None = None, dynamic: bool | None = None, fullgraph: bool = False,
                       cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool = True,
-                      inductor_options: Mapping[str, object] | None = None) -> nn.Module:
+                      inductor_options: Mapping[str, object] | None = None, regions=None) -> nn.Module:
     """``torch.compile(model)`` under a compfx backend made for this model; the backend is ``.compfx_backend``.
 
     One backend per model, built with ``model=`` so that graph breaks inside
     submodules still find their plan entries; ``dynamic`` and ``fullgraph`` go
-    to ``torch.compile``, the rest to :func:`backend`. When the first call
+    to ``torch.compile``, the rest to :func:`backend`. Each call compiles apart
+    from earlier ones (``isolate_recompiles``), so a process that compiles
+    many plans of one model never meets dynamo's recompile limit. When the first call
     hands the backend no graph (dynamo ran the model eagerly: an ``nn.LSTM``
     without ``torch._dynamo.config.allow_rnn``), a warning says so
     (:func:`no_graph_message`): no plan applied. ``torch.compile(model,
     backend="compfx")`` cannot tell, as dynamo never calls it; its
     ``registered_backend().records`` stay empty.
+
+    ``regions``: None compiles the model as one graph. ``"auto"`` compiles each
+    of its repeated blocks (the entries of an ``nn.ModuleList`` or
+    ``nn.Sequential`` of blocks of one class) as a region of its own, shared by
+    the blocks with the same plan, so compile time stays about the same as
+    the model gets deeper; block classes (``regions=(Block,)``) name the
+    regions. A model without such blocks is compiled whole. The result is a
+    :class:`~compfx.compile_regions.RegionallyCompiled` (docs/compile.md,
+    "Regional compilation"), whose ``records`` hold every graph's record.
 
     >>> import torch, compfx
     >>> from compfx.backend import compile_with_plan
@@ -565,20 +582,51 @@ def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str |
     >>> {str(k): d for k, d in compiled.compfx_backend.records[0].compute_dtypes.items()}
     {'0:linear#0': torch.bfloat16, '1:relu#0': torch.bfloat16}
     """
+    def make_backend(region_plan: Plan, region_model: nn.Module | None) -> CompfxBackend:
+        return CompfxBackend(region_plan, inner=inner, low_dtype=low_dtype, model=region_model, cache_dir=cache_dir,
+                             emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)
+
     compfx = CompfxBackend(plan, inner=inner, low_dtype=low_dtype, model=model, cache_dir=cache_dir,
                            emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)
-    compiled = torch.compile(model, backend=compfx, dynamic=dynamic, fullgraph=fullgraph)
-    compiled.compfx_backend = compfx
+    compiled = None
+    if regions is not None:
+        whole = compfx.plan if compfx.plan is not None else _searched_plan(model, regions)
+        compiled = None if whole is None else compile_regions(model, whole, regions, make_backend=make_backend,
+                                                              dynamic=dynamic, fullgraph=fullgraph)
+    if compiled is None:
+        compiled = torch.compile(model, backend=compfx, dynamic=dynamic, fullgraph=fullgraph, **isolated_recompiles())
+        compiled.compfx_backend = compfx
+    _warn_if_no_graph(compiled, model)
+    return compiled
+
+
+def _searched_plan(model: nn.Module, regions) -> Plan | None:
+    """The plan to divide into regions when none is given: the one this process searched for ``model``."""
+    searched = cache.searched_plan_of(model.parameters())
+    if searched is not None:
+        return searched.plan
+    if regions == REGIONS_AUTO:
+        log.info("compfx: compile_with_plan(regions='auto') without a plan, and none searched for %s in this "
+                 "process: compiling it whole, each graph under the plan the backend finds for it",
+                 type(model).__name__)
+        return None
+    raise BadInputError(f"compile_with_plan(regions={regions!r}) needs the plan to divide into regions: pass it "
+                        "(a Plan or a plan file), or regions=None to compile the whole model under the plan the "
+                        "backend finds.")
+
+
+def _warn_if_no_graph(compiled: nn.Module, model: nn.Module) -> None:
+    """After the first call, warn when dynamo handed compfx no graph at all (:func:`no_graph_message`)."""
     handle = None
 
     def warn_once_without_graph(module, args, output):
         # Runs after a call of the compiled wrapper (compfx's own object, not the user's model).
         handle.remove()
-        if not compfx.records:
+        regional = isinstance(compiled, RegionallyCompiled)
+        if not (compiled.records if regional else compiled.compfx_backend.records):
             warnings.warn(no_graph_message(model), UserWarning, stacklevel=2)
 
     handle = compiled.register_forward_hook(warn_once_without_graph)
-    return compiled
 
 
 def no_graph_message(model: nn.Module) -> str:

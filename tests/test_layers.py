@@ -37,7 +37,7 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # decides: the stages, the evaluators, the orchestration of one search, its result and report
     ("compfx.search",),
     # wires and uses: the entry points, the tools around a planned model, the training stacks
-    ("compfx.optimize", "compfx.backend", "compfx.report", "compfx.guard", "compfx.diagnose", "compfx.integrations",
+    ("compfx.optimize", "compfx.backend", "compfx.compile_regions", "compfx.report", "compfx.guard", "compfx.diagnose", "compfx.integrations",
      "compfx.examples", "compfx.demo", "compfx.cli", "compfx.__main__", "compfx"),
 )
 

@@ -1,0 +1,335 @@
+"""Regional compilation: each repeated block of a model compiled once per plan, the compiled code shared by its repeats.
+
+``compfx.compile_with_plan(model, plan, regions="auto")`` compiles a model as
+PyTorch's regional compilation recipe does: each block of an ``nn.ModuleList``
+(or ``nn.Sequential``) of blocks of one class is compiled as a region of its
+own, so the blocks that run the same precisions (their plan entries, keyed
+relative to the block, are equal) share one compiled graph, one entry of
+dynamo's cache and one Inductor kernel set. Compile time then grows with the
+number of *different* block plans, not with depth.
+
+What runs where:
+
+* **regions**: the blocks (:func:`repeated_blocks`, or the outermost modules
+  of the given types); each group of blocks with equal block plans
+  (:func:`region_plan`) is one ``torch.compile`` of its own, under a compfx
+  backend holding that block plan. Its graph's op keys are the block's own
+  (``attn.qkv:linear#0``), the keys ``compfx.capture`` gives the model's ops
+  with the block's path taken off; its records say which blocks ran it.
+* **the rest**: the model's own forward, compiled under a compfx backend with
+  the whole plan; each call of a region is a graph break there. Dynamo cannot
+  resume after a graph break inside a Python loop, and runs such a forward
+  eagerly; so the other children of a module whose forward loops (the
+  embeddings and head of a model that calls its blocks in a ``for`` loop) are
+  regions too, each on its own, and only the ops of that forward's own code
+  run uncompiled. The first call says so if any of those has a precision other
+  than ``follow`` in the plan.
+
+A region returns its outputs in the model's own dtype, as every graph the
+backend compiles does (a graph break does the same): the ops at the start of
+the next region read them as the whole-model graph would read them cast back,
+so a ``follow`` op there follows FP32.
+
+During a call, each region's module is stood in for, in its parent, by a
+module that calls the region's compiled code with it (the model's own block,
+with its Parameters and hooks); the model's own modules are put back before
+the call returns, so the model is unchanged between calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import dis
+import inspect
+import logging
+import warnings
+from dataclasses import dataclass
+from typing import Callable, Iterator, Sequence
+
+import torch
+import torch.nn as nn
+
+from .errors import BadInputError
+from .opkey import OpKey
+from .plan import Plan
+from .regions import block_types, in_region, model_key, region_paths
+from .vocabulary import Precision
+
+__all__ = ["REGIONS_AUTO", "repeated_blocks", "region_plan", "CompiledRegion", "RegionallyCompiled",
+           "compile_regions", "isolated_recompiles"]
+
+log = logging.getLogger("compfx")
+
+#: ``compile_with_plan(..., regions=REGIONS_AUTO)``: find the repeated blocks (:func:`repeated_blocks`).
+REGIONS_AUTO = "auto"
+
+MakeBackend = Callable[[Plan, "nn.Module | None"], Callable]
+
+
+def repeated_blocks(model: nn.Module) -> list[str]:
+    """Paths of ``model``'s repeated blocks: the entries of each outermost ``nn.ModuleList`` or ``nn.Sequential``
+    that holds two or more distinct modules, all of one class, each with submodules of its own (a block, not a
+    single layer).
+
+    >>> from compfx.examples import gpt
+    >>> repeated_blocks(gpt(layers=3))
+    ['blocks.0', 'blocks.1', 'blocks.2']
+    >>> repeated_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2), torch.nn.Linear(2, 2)))  # layers, not blocks
+    []
+    """
+    paths: list[str] = []
+    for name, module in model.named_modules():
+        if any(name == p or name.startswith(p + ".") for p in paths):
+            continue  # inside a block found already
+        if _holds_repeated_blocks(module):
+            paths.extend(f"{name}.{child}" if name else child for child in module._modules)
+    return paths
+
+
+def _holds_repeated_blocks(module: nn.Module) -> bool:
+    children = list(module._modules.values())
+    return (isinstance(module, (nn.ModuleList, nn.Sequential)) and len(children) >= 2
+            and all(c is not None and type(c) is type(children[0]) for c in children)
+            and len({id(c) for c in children}) == len(children)
+            and all(next(c.children(), None) is not None for c in children))
+
+
+def region_plan(plan: Plan, path: str) -> Plan:
+    """``plan``'s entries for the ops inside the module at ``path``, keyed relative to that module.
+
+    >>> import torch, compfx
+    >>> from compfx.examples import gpt
+    >>> model = gpt(layers=2)
+    >>> plan = compfx.Plan.amp(compfx.analyze(model, torch.randint(0, 64, (2, 16))))
+    >>> block = region_plan(plan, "blocks.1")
+    >>> block[compfx.OpKey("attn.qkv", "linear", 0)] is plan[compfx.OpKey("blocks.1.attn.qkv", "linear", 0)]
+    True
+    >>> block == region_plan(plan, "blocks.0")  # the same precisions in both blocks: one compiled region
+    True
+    """
+    def relative(key: OpKey) -> OpKey:
+        return OpKey(key.module[len(path) + 1:] if key.module != path else "", key.kind, key.index)
+
+    inside = [key for key in plan if in_region(key, [path])]
+    return Plan({relative(key): plan[key] for key in inside}, low_dtype=plan.low_dtype,
+                fingerprint=plan.fingerprint, fp8_recipe=plan.fp8_recipe,
+                padded=[relative(key) for key in plan.padded if in_region(key, [path])],
+                device_type=plan.device_type)
+
+
+@dataclass(frozen=True)
+class CompiledRegion:
+    """One compiled region: the modules (``paths``) that share its compiled code, their ``plan`` (keyed relative
+    to a module), and the compfx ``backend`` that compiled it (its ``records`` are keyed relative too)."""
+
+    paths: tuple[str, ...]
+    plan: Plan
+    backend: Callable
+
+    def records(self) -> list:
+        """The backend's records once per module that ran them, keyed as the model's ops, ``region`` their path."""
+        return [_as_model_record(record, path) for record in getattr(self.backend, "records", ())
+                for path in self.paths]
+
+
+def _as_model_record(record, path: str):
+    def keyed(mapping):
+        return {model_key(path, key): value for key, value in mapping.items()}
+
+    return dataclasses.replace(
+        record, region=path, precisions=keyed(record.precisions), compute_dtypes=keyed(record.compute_dtypes),
+        unplanned=tuple(model_key(path, key) for key in record.unplanned),
+        padded=tuple(model_key(path, key) for key in record.padded),
+        fp8_fallbacks=tuple((model_key(path, key), why) for key, why in record.fp8_fallbacks))
+
+
+def _run_region(module: nn.Module, *args, **kwargs):
+    """What each region compiles: its module's call. One function for every region; each region compiles it
+    apart (``isolate_recompiles``), so each region's cache holds its own plan's graphs only."""
+    return module(*args, **kwargs)
+
+
+class _RegionCall(nn.Module):
+    """Stands in for a region's module during a call: runs the region's compiled code with that module.
+
+    Dynamo does not trace it (a graph break in the code around it), so the region is compiled once, apart. The
+    module is held, not registered: the parent's module tree names it as before.
+    """
+
+    def __init__(self, module: nn.Module, compiled: Callable):
+        super().__init__()
+        object.__setattr__(self, "region_module", module)
+        object.__setattr__(self, "compiled", compiled)
+
+    @torch.compiler.disable
+    def forward(self, *args, **kwargs):
+        return self.compiled(self.region_module, *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class _Swap:
+    parent: nn.Module
+    name: str
+    original: nn.Module
+    stand_in: _RegionCall
+
+
+class RegionallyCompiled(nn.Module):
+    """A model compiled region by region (:func:`compile_regions`); call it as the model.
+
+    ``compfx_backend`` compiled the model's own code around the regions;
+    ``compfx_regions`` lists the :class:`CompiledRegion` s; :attr:`records`
+    has a record per graph compiled for the model's own code and one per
+    module a region's graph ran for, keyed as the model's ops (a record's
+    ``region`` is the module's path, ``""`` for the model's own code).
+    ``_orig_mod`` is the model, as ``torch.compile`` keeps it.
+    """
+
+    def __init__(self, model: nn.Module, outer: Callable, outer_backend: Callable,
+                 regions: Sequence[CompiledRegion], swaps: Sequence[_Swap], plan: Plan):
+        super().__init__()
+        self._orig_mod = model
+        object.__setattr__(self, "_outer", outer)
+        object.__setattr__(self, "compfx_backend", outer_backend)
+        object.__setattr__(self, "compfx_regions", tuple(regions))
+        object.__setattr__(self, "_swaps", tuple(swaps))
+        object.__setattr__(self, "_plan", plan)
+        object.__setattr__(self, "_checked", False)
+
+    @property
+    def records(self) -> list:
+        """Every graph's record, keyed as the model's ops: the model's own code's first, then each region's."""
+        own = [dataclasses.replace(record, region="") for record in getattr(self.compfx_backend, "records", ())]
+        return own + [record for region in self.compfx_regions for record in region.records()]
+
+    def forward(self, *args, **kwargs):
+        with self._regions_in_place():
+            output = self._outer(*args, **kwargs)
+        if not self._checked:
+            object.__setattr__(self, "_checked", True)
+            self._say_what_ran_uncompiled()
+        return output
+
+    @contextlib.contextmanager
+    def _regions_in_place(self) -> Iterator[None]:
+        for swap in self._swaps:
+            if swap.parent._modules.get(swap.name) is not swap.original:
+                raise BadInputError(
+                    f"the submodule {swap.name!r} of {type(swap.parent).__name__} in {type(self._orig_mod).__name__} "
+                    "was replaced after compile_with_plan compiled the model by regions; compile it again.")
+        try:
+            for swap in self._swaps:
+                swap.parent._modules[swap.name] = swap.stand_in
+            yield
+        finally:
+            for swap in self._swaps:
+                swap.parent._modules[swap.name] = swap.original
+
+    def _say_what_ran_uncompiled(self) -> None:
+        """Warn once when ops of the plan with a precision of their own ran in no compiled graph (the own code of
+        a forward that loops over its blocks, which dynamo runs eagerly)."""
+        records = self.records
+        if not records:
+            return  # compile_with_plan's own warning: dynamo handed compfx no graph at all
+        compiled = {key for record in records for key in record.precisions}
+        eager = sorted(str(key) for key, precision in self._plan.items()
+                       if key not in compiled and precision is not Precision.FOLLOW)
+        if eager:
+            warnings.warn(
+                f"{len(eager)} op(s) of the plan ran in no compiled graph, as the model wrote them, not at their "
+                f"planned precision (e.g. {', '.join(eager[:3])}): they are in the code of a forward that calls its "
+                "blocks in a Python loop, which dynamo runs eagerly when the blocks are regions. "
+                "compile_with_plan(..., regions=None) compiles the whole model as one graph.", UserWarning,
+                stacklevel=3)
+
+
+def compile_regions(model: nn.Module, plan: Plan, regions, *, make_backend: MakeBackend,
+                    dynamic: bool | None = None, fullgraph: bool = False) -> RegionallyCompiled | None:
+    """``model`` compiled region by region under ``plan`` (see the module's docstring); None when ``regions`` is
+    ``"auto"`` and the model has no repeated blocks (compile it whole).
+
+    ``regions``: ``"auto"`` (:func:`repeated_blocks`) or the block classes
+    (the outermost modules of those types are the regions).
+    ``make_backend(plan, model)`` builds the compfx backend of a region (its
+    block plan, ``model=None``: keys relative to the region's module) and of
+    the model's own code (the whole plan, ``model=model``). ``fullgraph``
+    applies to the regions; the code around them breaks at every region.
+    """
+    blocks = [path for path in _region_paths(model, regions) if region_plan(plan, path)]  # no planned op: no region
+    if not blocks:
+        return None
+    groups: dict[tuple, list[str]] = {}
+    for path in blocks:  # blocks of one class, with Parameters of the same shapes, and one plan: one graph
+        groups.setdefault(_share_key(model.get_submodule(path), region_plan(plan, path)), []).append(path)
+    for path in _side_regions(model, blocks, plan):
+        groups[(path,)] = [path]
+    paths = [path for members in groups.values() for path in members]
+    compiled_regions, swaps = [], []
+    for members in groups.values():
+        block_plan = region_plan(plan, members[0])
+        backend = make_backend(block_plan, None)
+        compiled = torch.compile(_run_region, backend=backend, dynamic=dynamic, fullgraph=fullgraph,
+                                 **isolated_recompiles(recompile_limit=max(8, 2 * len(members))))
+        compiled_regions.append(CompiledRegion(tuple(members), block_plan, backend))
+        for path in members:
+            parent_path, _, name = path.rpartition(".")
+            module = model.get_submodule(path)
+            swaps.append(_Swap(model.get_submodule(parent_path), name, module, _RegionCall(module, compiled)))
+    outer_backend = make_backend(plan, model)
+    outer = torch.compile(model, backend=outer_backend, dynamic=dynamic, **isolated_recompiles())
+    log.info("compfx: %s compiled by regions: %d region(s) for %d module(s) (%s), and its own code around them",
+             type(model).__name__, len(compiled_regions), len(paths),
+             "; ".join(f"{len(r.paths)} x {type(model.get_submodule(r.paths[0])).__name__}" for r in compiled_regions))
+    return RegionallyCompiled(model, outer, outer_backend, compiled_regions, swaps, plan)
+
+
+def _share_key(module: nn.Module, block_plan: Plan) -> tuple:
+    """Blocks that may share one compiled region: of one class, their Parameters and buffers of the same shapes
+    and dtypes (dynamo would compile another graph for others), and one block plan."""
+    state = tuple((name, tuple(t.shape), t.dtype) for name, t in [*module.named_parameters(), *module.named_buffers()])
+    return type(module), state, block_plan
+
+
+def _region_paths(model: nn.Module, regions) -> list[str]:
+    if isinstance(regions, str):
+        if regions != REGIONS_AUTO:
+            raise BadInputError(f"regions={regions!r}; expected {REGIONS_AUTO!r}, None (the whole model as one "
+                                "graph) or the block classes, e.g. regions=(Block,).")
+        return repeated_blocks(model)
+    return region_paths(model, block_types(regions))
+
+
+def _side_regions(model: nn.Module, blocks: Sequence[str], plan: Plan) -> list[str]:
+    """The other children of each module above the blocks whose forward loops: regions of their own, as dynamo
+    runs such a forward eagerly once a region's call breaks its graph inside the loop."""
+    above = {""} | {".".join(p.split(".")[:n]) for p in blocks for n in range(1, p.count(".") + 1)}
+    side = []
+    for path in sorted(above, key=lambda p: (p.count("."), p)):
+        module = model.get_submodule(path)
+        if not _loops(module):
+            continue
+        for name in module._modules:
+            child = f"{path}.{name}" if path else name
+            if module._modules[name] is not None and child not in above and child not in blocks \
+                    and region_plan(plan, child):
+                side.append(child)
+    return side
+
+
+def _loops(module: nn.Module) -> bool:
+    """Does ``module``'s forward hold a Python loop (a jump back)? Not known: assume it does."""
+    forward = inspect.unwrap(getattr(type(module), "forward", None) or (lambda: None))
+    code = getattr(forward, "__code__", None)
+    if code is None:
+        return True
+    return any(ins.opname.startswith("JUMP_BACKWARD") or ins.opname == "FOR_ITER"
+               or (ins.opname == "JUMP_ABSOLUTE" and isinstance(ins.argval, int) and ins.argval < ins.offset)
+               for ins in dis.get_instructions(code))
+
+
+def isolated_recompiles(**limits) -> dict:
+    """``torch.compile``'s ``isolate_recompiles`` (and these limits) where this torch has them: each compile keeps
+    its own cache entries, so plans compiled one after another never count against dynamo's recompile limit."""
+    accepted = inspect.signature(torch.compile).parameters
+    return {name: value for name, value in {"isolate_recompiles": True, **limits}.items() if name in accepted}
