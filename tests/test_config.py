@@ -42,6 +42,7 @@ CHANGED = {
     "fp8": True,
     "fp8_recipe": "rowwise",
     "search_pinned": True,
+    "tie_blocks": True,
 }
 
 

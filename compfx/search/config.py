@@ -112,6 +112,11 @@ class SearchConfig:
       blocks are pinned to FP32 (``OpInfo.pinned``), as autocast keeps them; the
       search never lowers them unless this is True, which searches them as the
       op kinds they are.
+    * ``tie_blocks``: the same op in every repeat of a block (``blocks.0``,
+      ``blocks.1``, ... holding the same ops) is one Stage-1 decision, so
+      Stage 1's candidates do not grow with depth; then each tied decision is
+      tried on its own in the first and in the last repeat, where precision
+      matters most (:mod:`compfx.search.tied_blocks`).
 
     Every field's type is checked strictly: a bool is ``True`` or ``False`` (not
     ``"no"``), a number is a real int or float (not a bool), finite and in range.
@@ -148,6 +153,7 @@ class SearchConfig:
     fp8_recipe: str = "tensorwise"
     verify_capture: bool = field(default=True, metadata={DECIDES: False})
     search_pinned: bool = False
+    tie_blocks: bool = False
 
     def __post_init__(self):
         self._real("threshold", low=1, example="1.01 (accept plans whose loss is within 1% of FP32's)")
@@ -167,7 +173,7 @@ class SearchConfig:
             raise BadInputError(f"SearchConfig: {error}.") from None
         self._int("seed", _SEED_MIN, _SEED_MAX, "what torch.manual_seed accepts")
         for name in ("progress", "keep_search_training", "prune", "per_device", "cache_plan", "fp8", "verify_capture",
-                     "search_pinned"):
+                     "search_pinned", "tie_blocks"):
             if not isinstance(getattr(self, name), bool):
                 _refuse(name, getattr(self, name), "True or False")
         if self.grad_scaler is not None and not isinstance(self.grad_scaler, bool):

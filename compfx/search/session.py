@@ -58,7 +58,8 @@ class SearchSession:
                  inputs: tuple[tuple, dict], clock: PhaseClock):
         self.model, self.analysis, self.sampler, self.config, self.log = model, analysis, sampler, config, log
         self.clock = clock
-        self.space = SearchSpace.from_analysis(analysis, fp8=config.fp8, search_pinned=config.search_pinned)
+        self.space = SearchSpace.from_analysis(analysis, fp8=config.fp8, search_pinned=config.search_pinned,
+                                               tie_blocks=config.tie_blocks)
         evaluator = PerModuleEvaluator if is_regions_analysis(analysis) else LocalEvaluator
         self.local = evaluator(model, analysis, sampler, warmup=config.warmup, repeats=config.repeats,
                                     cost_fn=config.cost_fn or measured_time, clock=clock,
