@@ -17,12 +17,15 @@ What runs where:
   (``attn.qkv:linear#0``), the keys ``compfx.capture`` gives the model's ops
   with the block's path taken off; its records say which blocks ran it.
 * **the rest**: the model's own forward, compiled under a compfx backend with
-  the whole plan; each call of a region is a graph break there. Dynamo cannot
-  resume after a graph break inside a Python loop, and runs such a forward
-  eagerly; so the other children of a module whose forward loops (the
-  embeddings and head of a model that calls its blocks in a ``for`` loop) are
-  regions too, each on its own, and only the ops of that forward's own code
-  run uncompiled. The first call says so if any of those has a precision other
+  the whole plan; each call of a region is a graph break there. The modules
+  between the model and its blocks (a Hugging Face model's ``transformer``)
+  run their own code eagerly: compiled apart, a piece of their code between
+  two regions could not be named as the model's ops. Nor can dynamo resume
+  after a graph break inside a Python loop: it runs a model's forward that
+  calls its blocks in a ``for`` loop eagerly from the loop on. So the other
+  children of those modules (embeddings, final norm, head) are regions too,
+  each on its own, and only the ops of those forwards' own code run
+  uncompiled; the first call says so if any of those has a precision other
   than ``follow`` in the plan.
 
 A region returns its outputs in the model's own dtype, as every graph the
@@ -32,8 +35,9 @@ so a ``follow`` op there follows FP32.
 
 During a call, each region's module is stood in for, in its parent, by a
 module that calls the region's compiled code with it (the model's own block,
-with its Parameters and hooks); the model's own modules are put back before
-the call returns, so the model is unchanged between calls.
+with its Parameters and hooks), and each module between the model and its
+blocks by one that runs it eagerly; the model's own modules are put back
+before the call returns, so the model is unchanged between calls.
 """
 
 from __future__ import annotations
@@ -150,21 +154,41 @@ def _run_region(module: nn.Module, *args, **kwargs):
     return module(*args, **kwargs)
 
 
-class _RegionCall(nn.Module):
-    """Stands in for a region's module during a call: runs the region's compiled code with that module.
+class _StandIn(nn.Module):
+    """Stands in for a module of the model during a call. Dynamo does not trace it (a graph break in the code
+    around it). The module is held, not registered (its parent's module tree names it as before), and the
+    module's attributes are read through it (``self.wte.weight`` in the parent's code)."""
 
-    Dynamo does not trace it (a graph break in the code around it), so the region is compiled once, apart. The
-    module is held, not registered: the parent's module tree names it as before.
-    """
+    def __init__(self, module: nn.Module):
+        super().__init__()
+        object.__setattr__(self, "module", module)
+
+    def __getattr__(self, name: str):
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            return getattr(self.__dict__["module"], name)
+
+
+class _RegionCall(_StandIn):
+    """Runs a region's compiled code with the module it stands in for."""
 
     def __init__(self, module: nn.Module, compiled: Callable):
-        super().__init__()
-        object.__setattr__(self, "region_module", module)
+        super().__init__(module)
         object.__setattr__(self, "compiled", compiled)
 
     @torch.compiler.disable
     def forward(self, *args, **kwargs):
-        return self.compiled(self.region_module, *args, **kwargs)
+        return self.compiled(self.module, *args, **kwargs)
+
+
+class _EagerCall(_StandIn):
+    """Runs the module it stands in for eagerly, the regions inside it compiled (a module between the model and its
+    blocks: compiled apart, a piece of its code between two regions could not be named as the model's)."""
+
+    @torch.compiler.disable
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -172,7 +196,12 @@ class _Swap:
     parent: nn.Module
     name: str
     original: nn.Module
-    stand_in: _RegionCall
+    stand_in: _StandIn
+
+    @classmethod
+    def at(cls, model: nn.Module, path: str, stand_in: _StandIn) -> "_Swap":
+        parent, _, name = path.rpartition(".")
+        return cls(model.get_submodule(parent), name, model.get_submodule(path), stand_in)
 
 
 class RegionallyCompiled(nn.Module):
@@ -196,6 +225,16 @@ class RegionallyCompiled(nn.Module):
         object.__setattr__(self, "_swaps", tuple(swaps))
         object.__setattr__(self, "_plan", plan)
         object.__setattr__(self, "_checked", False)
+
+    def __getattr__(self, name: str):
+        """The model's attributes, as ``torch.compile``'s wrapper forwards them."""
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            model = self.__dict__.get("_modules", {}).get("_orig_mod")
+            if model is None:
+                raise
+            return getattr(model, name)
 
     @property
     def records(self) -> list:
@@ -238,9 +277,10 @@ class RegionallyCompiled(nn.Module):
         if eager:
             warnings.warn(
                 f"{len(eager)} op(s) of the plan ran in no compiled graph, as the model wrote them, not at their "
-                f"planned precision (e.g. {', '.join(eager[:3])}): they are in the code of a forward that calls its "
-                "blocks in a Python loop, which dynamo runs eagerly when the blocks are regions. "
-                "compile_with_plan(..., regions=None) compiles the whole model as one graph.", UserWarning,
+                f"planned precision (e.g. {', '.join(eager[:3])}): they are in the own code of a module between the "
+                "model and its blocks, or of a forward that calls its blocks in a Python loop, which run eagerly "
+                "around the regions. compile_with_plan(..., regions=None) compiles the whole model as one graph.",
+                UserWarning,
                 stacklevel=3)
 
 
@@ -262,20 +302,19 @@ def compile_regions(model: nn.Module, plan: Plan, regions, *, make_backend: Make
     groups: dict[tuple, list[str]] = {}
     for path in blocks:  # blocks of one class, with Parameters of the same shapes, and one plan: one graph
         groups.setdefault(_share_key(model.get_submodule(path), region_plan(plan, path)), []).append(path)
-    for path in _side_regions(model, blocks, plan):
+    between = _between(model, blocks)
+    for path in _side_regions(model, blocks, between, plan):
         groups[(path,)] = [path]
     paths = [path for members in groups.values() for path in members]
-    compiled_regions, swaps = [], []
+    compiled_regions, swaps = [], [_Swap.at(model, path, _EagerCall(model.get_submodule(path)))
+                                   for path in _outermost(p for p in between if _runs_code(model.get_submodule(p)))]
     for members in groups.values():
         block_plan = region_plan(plan, members[0])
         backend = make_backend(block_plan, None)
         compiled = torch.compile(_run_region, backend=backend, dynamic=dynamic, fullgraph=fullgraph,
                                  **isolated_recompiles(recompile_limit=max(8, 2 * len(members))))
         compiled_regions.append(CompiledRegion(tuple(members), block_plan, backend))
-        for path in members:
-            parent_path, _, name = path.rpartition(".")
-            module = model.get_submodule(path)
-            swaps.append(_Swap(model.get_submodule(parent_path), name, module, _RegionCall(module, compiled)))
+        swaps += [_Swap.at(model, path, _RegionCall(model.get_submodule(path), compiled)) for path in members]
     outer_backend = make_backend(plan, model)
     outer = torch.compile(model, backend=outer_backend, dynamic=dynamic, **isolated_recompiles())
     log.info("compfx: %s compiled by regions: %d region(s) for %d module(s) (%s), and its own code around them",
@@ -300,20 +339,39 @@ def _region_paths(model: nn.Module, regions) -> list[str]:
     return region_paths(model, block_types(regions))
 
 
-def _side_regions(model: nn.Module, blocks: Sequence[str], plan: Plan) -> list[str]:
-    """The other children of each module above the blocks whose forward loops: regions of their own, as dynamo
-    runs such a forward eagerly once a region's call breaks its graph inside the loop."""
-    above = {""} | {".".join(p.split(".")[:n]) for p in blocks for n in range(1, p.count(".") + 1)}
+def _between(model: nn.Module, blocks: Sequence[str]) -> list[str]:
+    """The modules between the model and its blocks (the blocks' ancestors, the model left out), outermost first."""
+    paths = {".".join(p.split(".")[:n]) for p in blocks for n in range(1, p.count(".") + 1)}
+    return sorted(paths, key=lambda p: (p.count("."), p))
+
+
+def _runs_code(module: nn.Module) -> bool:
+    """Is ``module`` called with code of its own (not a container its parent iterates or indexes)?"""
+    return (type(module).forward is not nn.Module.forward
+            and not isinstance(module, (nn.Sequential, nn.ModuleList, nn.ModuleDict)))
+
+
+def _outermost(paths) -> list[str]:
+    kept: list[str] = []
+    for path in sorted(paths, key=lambda p: (p.count("."), p)):
+        if not any(path.startswith(outer + ".") for outer in kept):
+            kept.append(path)
+    return kept
+
+
+def _side_regions(model: nn.Module, blocks: Sequence[str], between: Sequence[str], plan: Plan) -> list[str]:
+    """The other children of the modules whose code runs eagerly around the regions: those between the model and
+    its blocks, and the model itself when its forward loops (dynamo runs such a forward eagerly once a region's call
+    breaks its graph inside the loop). Each is a region of its own."""
+    eager = [*between, *([""] if _loops(model) else [])]
     side = []
-    for path in sorted(above, key=lambda p: (p.count("."), p)):
+    for path in eager:
         module = model.get_submodule(path)
-        if not _loops(module):
-            continue
-        for name in module._modules:
-            child = f"{path}.{name}" if path else name
-            if module._modules[name] is not None and child not in above and child not in blocks \
-                    and region_plan(plan, child):
-                side.append(child)
+        for name, child in module._modules.items():
+            child_path = f"{path}.{name}" if path else name
+            if child is not None and child_path not in between and child_path not in blocks \
+                    and region_plan(plan, child_path):
+                side.append(child_path)
     return side
 
 

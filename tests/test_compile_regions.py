@@ -157,6 +157,7 @@ def test_block_classes_name_the_regions_and_the_model_is_its_own_between_calls()
     compiled(batches[0][0])
     assert [r.paths for r in compiled.compfx_regions] == [("blocks.0", "blocks.1")]
     assert list(model.blocks) == blocks and list(compiled.parameters()) == list(model.parameters())
+    assert compiled.wte is model.wte  # the model's attributes, as torch.compile's wrapper forwards them
     model.blocks[1] = _Block(32, 2)
     with pytest.raises(BadInputError, match="replaced after compile_with_plan"):
         compiled(batches[0][0])
@@ -191,6 +192,28 @@ def test_a_planned_op_left_to_a_loop_forward_s_own_code_is_warned_about():
     compiled = compile_with_plan(model, plan, inner="aot_eager", regions="auto")
     with pytest.warns(UserWarning, match=r"1 op\(s\) of the plan ran in no compiled graph.*:add#0"):
         compiled(batches[0][0])
+
+
+def test_a_hugging_face_gpt2_compiles_one_block_graph_and_its_loss_by_regions():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+                                     eos_token_id=0, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, use_cache=False)
+    model = transformers.GPT2LMHeadModel(config)
+    ids = token_batches(1)[0][0]
+    inputs = {"input_ids": ids, "labels": ids}
+    plan = compfx.Plan.amp(compfx.analyze(model, inputs))
+    compiled = compile_with_plan(model, plan, inner="aot_eager", regions="auto")
+    loss = compiled(**inputs).loss
+    blocks = next(r for r in compiled.compfx_regions if "transformer.h.0" in r.paths)
+    assert blocks.paths == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
+    assert len(blocks.backend.records) == 1
+    ran = {key for record in compiled.records for key in record.precisions}
+    assert {key for key in plan if key not in ran} == {OpKey("transformer", "add", 0)}  # GPT2Model's own code
+    assert {OpKey("lm_head", "linear", 0), OpKey("", "cross_entropy", 0)} <= ran  # the model's own, compiled
+    assert_runs_the_plan(compiled.records, {k: p for k, p in plan.items() if k in ran}, plan.low_dtype)
+    torch.testing.assert_close(loss, apply(model, plan, inputs)(**inputs).loss, **EXACT)
+    assert type(model.transformer).__name__ == "GPT2Model"  # back in place after the call
 
 
 # ---------------------------------------------------------------------------

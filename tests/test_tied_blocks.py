@@ -36,7 +36,8 @@ def K(text: str) -> OpKey:
     (["h.0.fc:linear#0", "h.0:add#0", "h.1.fc:linear#0", "h.1:add#0"], [True] * 4),
     (["h.0.mlp.0:linear#0", "h.1.mlp.0:linear#0", "h.2.mlp.0:linear#0"], [True] * 3),  # numbers inside a block too
     (["h.0.fc:linear#0", "h.1.fc:linear#0", "h.1:add#0"], [False] * 3),  # a repeat with another op
-    (["h.0.fc:linear#0", "h.2.fc:linear#0"], [False] * 2),  # repeats 0 and 2: a gap
+    (["h.0.fc:linear#0", "h.2.fc:linear#0"], [True] * 2),  # repeats 0 and 2 (1 is another module)
+    (["0:embedding#0", "1.fc:linear#0", "2.fc:linear#0", "3:linear#0"], [False, True, True, False]),  # a Sequential
     (["h.0.fc:linear#0", "head:linear#0"], [False] * 2),  # one repeat is no repetition
 ])
 def test_ties_are_the_same_op_in_every_repeat_of_a_block(keys, tied):
@@ -48,6 +49,9 @@ def test_ties_are_the_same_op_in_every_repeat_of_a_block(keys, tied):
 def test_ops_of_other_shapes_are_not_tied():
     keys = [K("h.0.fc:linear#0"), K("h.1.fc:linear#0")]
     assert block_ties(keys, ["linear[[2, 8]]", "linear[[2, 16]]"]) == ((None, None), (None, None))
+    # two blocks in one container (two widths, twice each): each tied across its own repeats only
+    ties, repeats = block_ties([K(f"h.{i}.fc:linear#0") for i in range(4)], ["narrow", "narrow", "wide", "wide"])
+    assert ties[0] == ties[1] != ties[2] == ties[3] and repeats == (0, 1, 0, 1)
 
 
 def fake_run_epoch(space):

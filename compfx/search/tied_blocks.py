@@ -13,9 +13,8 @@ budget those trials need (:func:`end_candidates`). Every count here depends on
 the block, not on how many times it repeats.
 
 :func:`block_ties` finds the repeats from the op keys alone (the stages see
-no model): the ops under ``<container>.<i>.`` for consecutive ``i``, where
-every repeat holds the same ops (the same keys below the repeat, kinds and
-input shapes).
+no model): the ops under ``<container>.<i>.``, where the repeats hold the
+same ops (the same keys below the repeat, kinds and input shapes).
 """
 
 from __future__ import annotations
@@ -28,18 +27,20 @@ from .outcome import Reporter, note
 
 __all__ = ["BlockTie", "block_ties", "end_candidates", "untie_end_blocks"]
 
-#: (container path, the op's key below the repeat): the same op in every repeat of a block
-BlockTie = tuple[str, OpKey]
+#: (container path, the op's key below the repeat, which block of the container): the same op in every repeat of a
+#: block
+BlockTie = tuple[str, OpKey, int]
 
 
 def block_ties(keys: Sequence[OpKey], shapes: Sequence[Hashable]) -> tuple[tuple[BlockTie | None, ...],
                                                                               tuple[int | None, ...]]:
-    """Per op: its tie (None outside repeated blocks) and the index of the repeat it lies in.
+    """Per op: its tie (None outside repeated blocks) and the index of the repeat it lies in, among its block's.
 
     A repeat is ``<container>.<integer>`` at the first integer part of an op's
-    module path; a container's repeats are tied when there are two or more,
-    numbered from 0 without gaps, and each holds the same ops (keys below the
-    repeat, and ``shapes``, one per op: ops that are tied must cost the same).
+    module path; the repeats of one container that hold the same ops (keys
+    below the repeat, and ``shapes``, one per op: ops that are tied must cost
+    the same) are repeats of one block, tied when there are two or more. So
+    an ``nn.Sequential`` of an embedding, blocks and a head ties its blocks.
 
     >>> keys = [OpKey("wte", "embedding", 0), OpKey("h.0.fc", "linear", 0), OpKey("h.0", "add", 0),
     ...         OpKey("h.1.fc", "linear", 0), OpKey("h.1", "add", 0), OpKey("head", "linear", 0)]
@@ -48,13 +49,22 @@ def block_ties(keys: Sequence[OpKey], shapes: Sequence[Hashable]) -> tuple[tuple
     ([None, 'h.*.fc:linear#0', 'h.*.:add#0', 'h.*.fc:linear#0', 'h.*.:add#0', None], (None, 0, 0, 1, 1, None))
     """
     found = [_repeat_of(key) for key in keys]
-    contents: dict[str, dict[int, list]] = {}
+    contents: dict[tuple[str, int], list] = {}
     for (container, index, below), shape in zip(found, shapes):
         if container is not None:
-            contents.setdefault(container, {}).setdefault(index, []).append((below, shape))
-    tied = {container for container, repeats in contents.items() if _same_repeats(repeats)}
-    ties = tuple((container, below) if container in tied else None for container, _, below in found)
-    return ties, tuple(index if container in tied else None for container, index, _ in found)
+            contents.setdefault((container, index), []).append(repr((below, shape)))
+    families: dict[tuple, list[int]] = {}  # (container, what a repeat holds) -> its repeats, in order
+    for (container, index), ops in sorted(contents.items()):
+        families.setdefault((container, tuple(sorted(ops))), []).append(index)
+    place = {(container, index): (number, position)  # which block of its container, which repeat of it
+             for number, ((container, _), indices) in enumerate(families.items()) if len(indices) >= 2
+             for position, index in enumerate(indices)}
+    ties, repeats = [], []
+    for container, index, below in found:
+        number, position = place.get((container, index), (None, None))
+        ties.append(None if number is None else (container, below, number))
+        repeats.append(position)
+    return tuple(ties), tuple(repeats)
 
 
 def _repeat_of(key: OpKey) -> tuple[str | None, int | None, OpKey | None]:
@@ -65,11 +75,6 @@ def _repeat_of(key: OpKey) -> tuple[str | None, int | None, OpKey | None]:
             below = OpKey(".".join(parts[position + 1:]), key.kind, key.index)
             return ".".join(parts[:position]), int(part), below
     return None, None, None
-
-
-def _same_repeats(repeats: dict[int, list]) -> bool:
-    return (len(repeats) >= 2 and sorted(repeats) == list(range(len(repeats)))
-            and all(sorted(map(repr, ops)) == sorted(map(repr, repeats[0])) for ops in repeats.values()))
 
 
 def end_candidates(space) -> int:
