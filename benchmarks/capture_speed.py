@@ -11,7 +11,7 @@ before the recording tracer). Each is timed ``--repeats`` times in this process
 ``Plan.amp`` is timed too.
 
 **Variable shapes.** A recorded graph is specialised to its inputs' shapes;
-:class:`compfx.apply.PlannedModule` (``compfx.optimize(...).module``) keeps one
+:class:`compfx.planned_module.PlannedModule` (``compfx.optimize(...).module``) keeps one
 planned graph per input signature, made on first use. Its costs, on a tiny
 BERT and a tiny GPT-2 (2 layers, hidden 32; training steps of a few ms, where
 any per-step overhead shows) and on BERT-base:
@@ -45,9 +45,9 @@ from pathlib import Path
 import torch
 
 import compfx
-from compfx.analyze import analyze_graph
-from compfx.apply import PlannedModule
-from compfx.capture import input_signature
+from compfx.analysis import analyze_graph
+from compfx.planned_module import PlannedModule
+from compfx.graph_capture import input_signature
 from compfx.files import write_json_atomic
 
 __all__ = ["bert", "gpt2", "time_capture", "shape_costs", "markdown", "main"]

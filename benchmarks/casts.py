@@ -28,7 +28,7 @@ __all__ = ["count_forward_casts", "count_graph_casts", "unwrap_compiled"]
 
 def unwrap_compiled(module: nn.Module) -> nn.Module:
     """The eager module under a ``torch.compile`` wrapper (casts are counted on the eager graph); for a
-    :class:`compfx.apply.PlannedModule`, its graph of the inputs the search started from."""
+    :class:`compfx.planned_module.PlannedModule`, its graph of the inputs the search started from."""
     module = getattr(module, "_orig_mod", module)
     return getattr(module, "graph_module", module)
 

@@ -40,7 +40,7 @@ from torch.utils.benchmark import Timer
 
 import compfx
 from compfx.vocabulary import default_low_dtype
-from compfx.backend import compile_with_plan
+from compfx.compile_backend import compile_with_plan
 from compfx.files import write_json_atomic
 from compfx.measure import timed
 

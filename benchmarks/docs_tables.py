@@ -102,6 +102,12 @@ def _guard_cost() -> str:
     return markdown(_json("cpu/guard_cost.json")).strip()
 
 
+def _compiled_search() -> str:
+    from .compiled_search import markdown
+
+    return markdown(_json("cpu/compiled_search.json")).strip()
+
+
 #: table name -> what renders it from its results file
 TABLES: dict[str, Callable[[], str]] = {
     "cpu-small-real": lambda: _run_rows("amd-epyc/small-real.json"),
@@ -116,6 +122,7 @@ TABLES: dict[str, Callable[[], str]] = {
     "cpu-capture-speed": _capture_speed,
     "cpu-fidelity": _fidelity,
     "cpu-guard-cost": _guard_cost,
+    "cpu-compiled-search": _compiled_search,
 }
 
 

@@ -39,7 +39,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import compfx
-from compfx.apply import PlannedModule
+from compfx.planned_module import PlannedModule
 from compfx.examples import cnn
 from compfx.files import write_json_atomic
 from compfx.vocabulary import Precision, dtype_name

@@ -41,34 +41,37 @@ import torch
 import torch.nn.functional as F
 
 import compfx
-from compfx.backend import compile_with_plan
+from compfx.compile_backend import compile_with_plan
 from compfx.float8 import fp8_runs_natively, require_torchao
 from compfx.measure import timed
 from compfx.vocabulary import dtype_name
 
 from .models.gpt import GPT
 
-__all__ = ["run", "main", "markdown"]
+__all__ = ["run", "main", "markdown", "take_turns", "Contender", "batches_of", "gpt_loss", "compiler_of",
+           "results_folder", "RESULTS_ROOT", "WARMUP_STEPS"]
 
-_ROOT = Path(__file__).parent / "results"
+RESULTS_ROOT = Path(__file__).parent / "results"
 #: (model config, batch size, batches, rounds, steps per round) on a GPU and on CPU (emulated: tiny, only to show it runs)
 _GPU = (dict(vocab=50304, seq_len=1024, dim=768, heads=12, layers=12), 8, 8, 5, 8)
 _CPU = (dict(vocab=256, seq_len=32, dim=64, heads=4, layers=2), 8, 4, 2, 2)
-_WARMUP_STEPS = 3  # untimed: compiles, autotunes, creates the optimizer state
+WARMUP_STEPS = 3  # untimed: compiles, autotunes, creates the optimizer state
 
 
-def _batches(config: dict, batch_size: int, n: int, device) -> list:
+def batches_of(config: dict, batch_size: int, n: int, device) -> list:
+    """``n`` batches of random token ids (inputs, next-token targets) for a GPT of ``config``, the same every run."""
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, config["vocab"], (n, batch_size, config["seq_len"] + 1), generator=g)
     return [(b[:, :-1].contiguous().to(device), b[:, 1:].contiguous().to(device)) for b in ids]
 
 
-def _loss(logits, batch):
+def gpt_loss(logits, batch):
+    """Next-token cross-entropy, in FP32 whatever the logits' dtype."""
     return F.cross_entropy(logits.flatten(0, 1).float(), batch[-1].flatten())
 
 
 @dataclass
-class _Contender:
+class Contender:
     """One way of training: a module (sharing ``model``'s parameters), how it runs, its optimizer and its steps."""
 
     name: str
@@ -88,7 +91,7 @@ class _Contender:
         """One training step on the next batch; the loss stays on the device (nothing is read inside a window)."""
         batch = self.batches[self.steps_done % len(self.batches)]
         with torch.autocast(batch[0].device.type, dtype=torch.bfloat16, enabled=self.autocast):
-            loss = _loss(self.module(batch[0]), batch)
+            loss = gpt_loss(self.module(batch[0]), batch)
         loss.backward()
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
@@ -106,7 +109,19 @@ class _Contender:
                 "mean_loss": statistics.fmean(self.losses), "steps_timed": len(self.losses)}
 
 
-def _compiler(native: bool) -> tuple[str, Callable]:
+def take_turns(contenders: list, *, rounds: int, steps: int, device, warmup_steps: int = WARMUP_STEPS) -> None:
+    """Warm every contender up (untimed: compiles, autotunes, makes the optimizer state), then time them in turns:
+    each round runs every contender for a window of ``steps`` steps, in an order rotated each round, so that no
+    contender always runs first (or after another)."""
+    for contender in contenders:
+        for _ in range(warmup_steps):
+            contender.step()
+    for r in range(rounds):
+        for contender in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
+            contender.window(steps, device)
+
+
+def compiler_of(native: bool) -> tuple[str, Callable]:
     """(name, compile) of the compiler every compiled contender uses: Inductor on a GPU, aot_eager elsewhere."""
     backend = "inductor" if native or torch.cuda.is_available() else "aot_eager"
     return backend, lambda module: torch.compile(module, backend=backend)
@@ -121,8 +136,8 @@ def run(*, smoke: bool = False, device: str | None = None) -> dict:
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     native = fp8_runs_natively(device)
     config, batch_size, n_batches, rounds, steps = _GPU if native and not smoke else _CPU
-    batches = _batches(config, batch_size, n_batches, device)
-    backend, compiled = _compiler(native and not smoke)
+    batches = batches_of(config, batch_size, n_batches, device)
+    backend, compiled = compiler_of(native and not smoke)
     torch.manual_seed(0)
     base = GPT(**config).to(device)
 
@@ -131,29 +146,24 @@ def run(*, smoke: bool = False, device: str | None = None) -> dict:
 
     contenders = []
     model = fresh()
-    contenders.append(_Contender("bf16 AMP", "eager", model, model, True, batches))
+    contenders.append(Contender("bf16 AMP", "eager", model, model, True, batches))
     model = fresh()
-    contenders.append(_Contender("bf16 AMP", f"compiled ({backend})", compiled(model), model, True, batches))
+    contenders.append(Contender("bf16 AMP", f"compiled ({backend})", compiled(model), model, True, batches))
     model = float8.convert_to_float8_training(fresh(), config=float8.Float8LinearConfig(emulate=not native))
-    contenders.append(_Contender("torchao float8 (all linears) + bf16 AMP", f"compiled ({backend})", compiled(model),
+    contenders.append(Contender("torchao float8 (all linears) + bf16 AMP", f"compiled ({backend})", compiled(model),
                                  model, True, batches))
 
     model = fresh()
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    search = compfx.optimize(model, batches, optimizer=optimizer, loss_fn=_loss, low_dtype=torch.bfloat16,
+    search = compfx.optimize(model, batches, optimizer=optimizer, loss_fn=gpt_loss, low_dtype=torch.bfloat16,
                              config=compfx.SearchConfig(fp8=True, progress=False, warmup=1, repeats=2,
                                                         stage1_budget=16, stage2_budget=4, cache_plan=False))
     model.load_state_dict(base.state_dict())  # the same start as the others (the search trained it)
     counts = {str(p): sum(v is p for v in search.plan.values()) for p in set(search.plan.values())}
-    contenders.append(_Contender("compfx (searched plan)", f"compiled ({backend}, compile_with_plan)",
+    contenders.append(Contender("compfx (searched plan)", f"compiled ({backend}, compile_with_plan)",
                                  compile_with_plan(model, search.plan, inner=backend), model, False, batches))
 
-    for contender in contenders:
-        for _ in range(_WARMUP_STEPS):
-            contender.step()
-    for r in range(rounds):  # interleaved, in a rotated order: no contender always runs first (or after another)
-        for contender in contenders[r % len(contenders):] + contenders[:r % len(contenders)]:
-            contender.window(steps, device)
+    take_turns(contenders, rounds=rounds, steps=steps, device=device)
 
     rows = {f"{c.name} ({c.how.split(' (')[0]})": c.row() for c in contenders}
     rows["compfx (searched plan) (compiled)"].update(
@@ -161,7 +171,7 @@ def run(*, smoke: bool = False, device: str | None = None) -> dict:
         low_dtype=dtype_name(search.plan.low_dtype), search_s=search.search_seconds)
     return {"benchmark": "benchmarks.fp8", "device": compfx.measure.device_name(device), "native_fp8": native,
             "model": {"name": "gpt", **config, "batch_size": batch_size}, "rounds": rounds,
-            "steps_per_round": steps, "warmup_steps": _WARMUP_STEPS, "compiler": backend,
+            "steps_per_round": steps, "warmup_steps": WARMUP_STEPS, "compiler": backend,
             "torch": torch.__version__, "torchao": getattr(sys.modules.get("torchao"), "__version__", "?"),
             "times_mean_nothing": not native,
             "note": ("float8 GEMMs run natively" if native else
@@ -170,10 +180,12 @@ def run(*, smoke: bool = False, device: str | None = None) -> dict:
             "rows": rows}
 
 
-def markdown(result: dict) -> str:
+def markdown(result: dict, *, title: str = "FP8") -> str:
+    """The result as a table: each contender's median step with its spread, its speed against compiled bf16 AMP,
+    its mean loss and its plan."""
     rows = result["rows"]
     reference = rows.get("bf16 AMP (compiled)", {}).get("step_ms")
-    lines = [f"# FP8 on {result['device']} ({result['model']['name']}, {result['model']['layers']} layers, "
+    lines = [f"# {title} on {result['device']} ({result['model']['name']}, {result['model']['layers']} layers, "
              f"dim {result['model']['dim']})", "", f"**{result['note']}.**", "",
              f"Same start, same batches; {result.get('rounds')} interleaved rounds of {result.get('steps_per_round')} "
              "steps each after warm-up; step: the median round (fastest - slowest).", "",
@@ -186,15 +198,21 @@ def markdown(result: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+def results_folder(root) -> Path:
+    """``root``'s folder for this machine's results (made): ``cpu``, or the GPU's name."""
+    folder = Path(root) / ("cpu" if not torch.cuda.is_available() else
+                           compfx.measure.hardware_name("cuda").lower().replace(" ", "-"))
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--smoke", action="store_true", help="tiny shapes, whatever the device")
-    parser.add_argument("--out", default=str(_ROOT), help="results root (a <device> folder is made in it)")
+    parser.add_argument("--out", default=str(RESULTS_ROOT), help="results root (a <device> folder is made in it)")
     args = parser.parse_args(argv)
     result = run(smoke=args.smoke)
-    folder = Path(args.out) / ("cpu" if not torch.cuda.is_available() else
-                               compfx.measure.hardware_name("cuda").lower().replace(" ", "-"))
-    folder.mkdir(parents=True, exist_ok=True)
+    folder = results_folder(args.out)
     (folder / "fp8.json").write_text(json.dumps(result, indent=1) + "\n")
     (folder / "fp8.md").write_text(markdown(result))
     print(markdown(result))

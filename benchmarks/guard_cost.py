@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 
 import compfx
-from compfx.apply import PlannedModule
+from compfx.planned_module import PlannedModule
 from compfx.examples import cnn
 from compfx.files import write_json_atomic
 from compfx.measure import timed

@@ -166,7 +166,7 @@ def _given_plans(spec, nets, optimizers, batches, plans: Mapping) -> dict:
 def _compiled(nets: dict, originals: dict, plans: Mapping, backend: str) -> dict:
     """Every network under ``torch.compile``; a planned one through ``compfx.compile_with_plan`` on the original
     module, so its casts go in before AOT autograd and Inductor keeps them."""
-    from compfx.backend import compile_with_plan
+    from compfx.compile_backend import compile_with_plan
 
     return {name: compile_with_plan(originals[name], plans[name], inner=backend) if name in plans
             else torch.compile(net, backend=backend) for name, net in nets.items()}

@@ -42,7 +42,7 @@ from tabulate import tabulate
 
 import compfx
 from compfx import examples
-from compfx.apply import apply
+from compfx.planned_module import apply
 from compfx.costmodel import Predictor
 from compfx.files import write_json_atomic
 from compfx.measure import CLOCKS, device_name, timed
@@ -125,7 +125,7 @@ def measure_steps(model, graphs, batch, loss_fn, *, rounds: int, steps: int,
                   warmup: int) -> dict[str, dict]:
     """Fastest round's mean step seconds of each applied plan, on the wall clock and the CPU clock.
 
-    ``graphs`` maps a plan's name to ``apply(model, plan)``, built once by the
+    ``graphs`` maps a plan's name to ``apply(model, plan).graph_module``, built once by the
     caller, which also counts the graph's casts.
 
     Plans interleave within a round, so a change in machine load hits all of
@@ -156,7 +156,7 @@ def run_model(name: str, args) -> dict:
     with tempfile.TemporaryDirectory() as cache:  # fresh cache: the profiling cost is paid here
         predictor, profiling_s = timed(lambda: Predictor.build(analysis, cache_dir=cache, clock=args.clock), "cpu")
     plans = candidate_plans(analysis, args.random_plans, args.seed)
-    graphs = {plan_name: apply(model, plan, analysis=analysis) for plan_name, plan in plans.items()}
+    graphs = {plan_name: apply(model, plan, analysis=analysis).graph_module for plan_name, plan in plans.items()}
     measured = measure_steps(model, graphs, batch, loss_fn, rounds=args.rounds, steps=args.steps, warmup=2)
     predictor.calibrate(measured["fp32"][args.clock])
     rows = []

@@ -12,9 +12,9 @@ plans) and a 20-batch sample loader, then reports
   ``--validate`` also runs the search without pruning and reports the measured figure;
 * the chosen plan's median step time against FP32 and AMP (same batches).
 
-It does so twice: with the cost model (``predictor="on"``, profiling on a cold
+It does so twice: with the cost model (``predictor=True``, profiling on a cold
 profile cache counted in the search time, then once more on the warm cache)
-and without it (``predictor="off"``: the exact search, which picks the plan
+and without it (``predictor=False``: the exact search, which picks the plan
 exhaustive CoMP picks). The predictor's plan is then timed against the exact
 plan, interleaved on the same batches (target: within 5%; when both searches
 chose the same plan it is within by definition, and the timing shows the
@@ -192,8 +192,8 @@ def run(batches: int = 20, seed: int = 0, threads: int | None = 1, validate: boo
     if threads:
         torch.set_num_threads(threads)
     loader = sample_loader(batches, seed=seed)
-    exact, exact_opt, exact_wall = _search(loader, SearchConfig(seed=seed, progress=False, predictor="off"), seed)
-    guided_config = SearchConfig(seed=seed, progress=False, predictor="on")
+    exact, exact_opt, exact_wall = _search(loader, SearchConfig(seed=seed, progress=False, predictor=False), seed)
+    guided_config = SearchConfig(seed=seed, progress=False, predictor=True)
     # COMPFX_CACHE_DIR at a fresh directory: a cold profile cache, then the same cache warm
     with tempfile.TemporaryDirectory() as cache, mock.patch.dict(os.environ, {CACHE_DIR_ENV: cache}):
         guided, guided_opt, guided_wall = _search(loader, guided_config, seed)
@@ -221,7 +221,7 @@ def run(batches: int = 20, seed: int = 0, threads: int | None = 1, validate: boo
         "predictor_search_within_5_fp32_epochs": cold["search_cost_fp32_epochs"] <= 5.0,
     }
     if validate:
-        unpruned, _, _ = _search(loader, SearchConfig(seed=seed, progress=False, prune=False, predictor="off"), seed)
+        unpruned, _, _ = _search(loader, SearchConfig(seed=seed, progress=False, prune=False, predictor=False), seed)
         measured = exhaustive_estimate(unpruned.log, batches)["sampling_seconds"]
         result["exhaustive_sampling_seconds_measured"] = measured
         result["fraction_of_exhaustive_measured"] = (

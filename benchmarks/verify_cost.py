@@ -3,7 +3,7 @@
 ``compfx.analyze`` (and so ``optimize``, ``apply`` and the callbacks) checks the
 captured graph against the model before planning: one forward and backward of
 the eager model and one of the graph on the example inputs, compared bitwise
-(:mod:`compfx.capture.verify`). This measures that check on BERT-base
+(:mod:`compfx.graph_capture.verify`). This measures that check on BERT-base
 (``transformers.BertForSequenceClassification`` from its default config: 12
 layers, hidden 768; no download), batch 8, sequence 32, with labels, in
 training mode.

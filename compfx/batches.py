@@ -31,7 +31,7 @@ from torch.utils import _pytree as pytree
 from .errors import BadInputError, CompfxError
 from .state import restore_state, snapshot_state, torch_rng_preserved
 
-__all__ = ["split_batch", "move_batch", "copied_batch", "model_loss", "check_loss", "check_first_batch",
+__all__ = ["split_batch", "move_batch", "copied_batch", "model_loss", "check_loss", "check_loss_trains", "check_first_batch",
            "model_device", "model_devices", "LossFn"]
 
 LossFn = Callable[[Any, Any], torch.Tensor]
@@ -121,12 +121,45 @@ def model_device(model: nn.Module) -> torch.device:
     return torch.device("cpu")
 
 
+def check_loss_trains(model: nn.Module, loss: torch.Tensor) -> None:
+    """:class:`BadInputError` unless ``loss`` (computed with grad) reaches a parameter of ``model`` that requires
+    grad: otherwise the search trains nothing and compares plans on a loss they cannot change (a loss of another
+    model's output, a new leaf tensor made from a float, a forward returning a string that ``loss_fn`` ignores).
+    Read from autograd's graph; where the graph does not show it (a reentrant checkpoint recomputes its part in
+    backward), one backward tells (the caller puts the gradients back)."""
+    trained = {id(p) for p in model.parameters() if p.requires_grad}
+    if not trained or _reaches(loss, trained):
+        return
+    model.zero_grad(set_to_none=True)
+    loss.backward()
+    if any(p.grad is not None for p in model.parameters()):
+        return
+    raise BadInputError(
+        "loss_fn's loss does not depend on the model's parameters (backward gives them no gradient), so the search "
+        "would train nothing and compare plans on a loss they cannot change. Compute the loss from the model's "
+        "output (not from another model, a detached copy, or a new tensor made from .item()).")
+
+
+def _reaches(loss: torch.Tensor, parameters: set[int]) -> bool:
+    """Does autograd's graph of ``loss`` accumulate a gradient into one of ``parameters`` (by id)?"""
+    seen, stack = set(), [loss.grad_fn]
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in parameters:
+            return True
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return False
+
+
 # -- the first batch, checked ------------------------------------------------------------------------
 
 def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: torch.device, *,
                       where: str = "the loader's first batch, in FP32 before any search",
                       with_loss: bool = True) -> tuple[tuple, dict]:
-    """Run ``model`` and ``loss_fn`` once on ``batch`` (no grad) to catch bad inputs before any search work;
+    """Run ``model`` and ``loss_fn`` once on ``batch`` to catch bad inputs before any search work;
     ``with_loss=False`` runs the model alone (a given plan, applied without a search, needs no loss).
 
     The model's parameters, buffers (e.g. BatchNorm statistics) and the RNG are
@@ -152,10 +185,12 @@ def check_first_batch(model: nn.Module, batch, loss_fn: LossFn | None, device: t
     args, kwargs = split_batch(batch)
     snapshot = snapshot_state(model)
     try:
-        with torch.no_grad(), torch_rng_preserved(device):
+        # with grad when there is a loss: it must reach the parameters the search trains
+        with torch.set_grad_enabled(with_loss), torch_rng_preserved(device):
             output = _user_call("the model", lambda: model(*args, **kwargs), batch, where)
             if with_loss:
-                check_loss(_user_call("loss_fn", lambda: (loss_fn or model_loss)(output, batch), batch, where))
+                check_loss_trains(model, check_loss(
+                    _user_call("loss_fn", lambda: (loss_fn or model_loss)(output, batch), batch, where)))
     finally:
         restore_state(snapshot)
     return split_batch(copied_batch(batch))  # not the inputs the check ran on, which the model may have written

@@ -30,7 +30,8 @@ What the cache guarantees:
   (``"../outside/pwned"``, an absolute path) is a
   :class:`~compfx.errors.CacheKeyError` before a file is touched, and every
   path is resolved and must lie inside the cache folder (a symlink pointing
-  out is refused too).
+  out is refused too), and nothing is read or written through a link inside
+  it (a linked ``profiles/`` is warned about and not used).
 * **Atomic files, bounded reads.** Every file is written atomically and read
   only up to :data:`MAX_ENTRY_BYTES` / :data:`~compfx.plan.MAX_PLAN_BYTES`.
 * **The cache is a convenience, never the source of truth.** A damaged file
@@ -95,7 +96,7 @@ import torch.nn as nn
 from .errors import CacheKeyError, FileWriteError, PlanFileError
 from .files import TEMP_SUFFIX, read_json, write_json_atomic
 from .opkey import OpKey
-from .plan import MAX_PLAN_BYTES, Plan
+from .plan import FINGERPRINT_PATTERN, MAX_PLAN_BYTES, Plan
 from .vocabulary import LOW_DTYPES, dtype_name
 
 try:
@@ -111,8 +112,6 @@ __all__ = ["CACHE_DIR_ENV", "FINGERPRINT_PATTERN", "MAX_ENTRY_BYTES", "TEMP_MAX_
 
 #: Environment variable that moves the plan cache.
 CACHE_DIR_ENV = "COMPFX_CACHE_DIR"
-#: What a fingerprint is (:attr:`compfx.analyze.Analysis.fingerprint`): 16 lowercase hex digits of a sha256.
-FINGERPRINT_PATTERN = re.compile(r"[0-9a-f]{16}")
 #: A profile or cast-cost entry is a few hundred bytes; a larger file is not one compfx wrote.
 MAX_ENTRY_BYTES = 1 << 20
 #: A temp file this old is a leftover of a killed writer (a live one renames its file within seconds).
@@ -211,6 +210,23 @@ def _inside(folder: Path, path: Path) -> Path:
     return path
 
 
+def _linked(folder: Path) -> bool:
+    """Is ``folder`` a symbolic link (said once)? The cache folder itself may be one (a cache on another disk); a
+    folder inside it may not: ``profiles/`` linked elsewhere would have compfx write, and clean up temp files,
+    in a folder of the link's choosing. The cache is then not used there: entries are measured, not kept."""
+    if not os.path.islink(folder):
+        return False
+    if str(folder) not in _warned_links:
+        _warned_links.add(str(folder))
+        log.warning("compfx: the cache folder %s is a symbolic link (to %s); compfx neither reads nor writes through "
+                    "a link inside its cache, so measurements are not kept there. Remove the link (compfx makes the "
+                    "folder), or pick another cache_dir.", folder, os.path.realpath(folder))
+    return True
+
+
+_warned_links: set[str] = set()
+
+
 def plan_path(fingerprint: str, low_dtype: torch.dtype, *, cache_dir: str | os.PathLike | None = None) -> Path:
     """Where the plan for ``(fingerprint, low_dtype)`` lives in the cache (both checked: see the module doc)."""
     check_fingerprint(fingerprint)
@@ -226,7 +242,7 @@ def save_plan(plan: Plan, *, cache_dir: str | os.PathLike | None = None) -> Path
 
     The file records this search (``searched``: when, host, process) and, where
     the plan records them (:meth:`Plan.with_parameter_shapes`), the shapes of the parameters
-    the model's forward reads (:func:`compfx.analyze.parameter_shapes`): the compile backend runs the plan
+    the model's forward reads (:func:`compfx.analysis.parameter_shapes`): the compile backend runs the plan
     only for a graph that reads parameters of those shapes, not for another
     model whose ops are named alike (the same layers at other widths). Saves
     to one folder take turns; replacing a *different* plan that another process
@@ -347,6 +363,8 @@ class CachedPlan:
                      + (f" by process {searched['pid']} on {searched.get('host', '?')}" if "pid" in searched else ""))
         parts.append(f"on {self.plan.device_type or 'an unrecorded device'}")
         parts.append(f"under torch {self.torch_version or 'unrecorded'}")
+        if self.plan.compile_options is not None:  # the program it was measured as, which it compiles as
+            parts.append(f"measured compiled ({self.plan.compile_options.describe()})")
         return ", ".join(parts)
 
 
@@ -407,7 +425,7 @@ def find_plan_covering(keys: Iterable[OpKey], *, low_dtype: torch.dtype | None =
     A lookup by op names alone: any cached model whose ops include these names
     matches, another model's too (a smaller model, the same layers at other
     widths, a piece of another model). The compile backend never uses it (see
-    :mod:`compfx.backend`); call it only where you know the keys are a piece
+    :mod:`compfx.compile_backend`); call it only where you know the keys are a piece
     of a model you searched, and pass the plan to ``compfx.backend`` yourself.
     """
     wanted = set(keys)
@@ -571,6 +589,8 @@ def read_entry(path: Path, key: Mapping[str, Any], fmt: str) -> Mapping | None:
     about once; the caller measures again and overwrites it.
     """
     try:
+        if _linked(path.parent):
+            return None
         data = read_json(_inside(path.parent, path), "cache entry", max_bytes=MAX_ENTRY_BYTES)
     except CacheKeyError as error:
         _warn_once(path, "cache entry", str(error))
@@ -599,6 +619,8 @@ def write_entry(path: Path, key: Mapping[str, Any], fmt: str, version: int, resu
     measurement is still used, it is only not kept.
     """
     try:
+        if _linked(path.parent):
+            return False
         remove_abandoned_temp_files(path.parent)
         # not durable: a lost or damaged entry is measured again, and fsyncing each costs more than most ops
         write_json_atomic(_inside(path.parent, path), {"format": fmt, "version": version, "key": key, **result},

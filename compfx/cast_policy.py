@@ -66,8 +66,8 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.utils import _pytree as pytree
 
-from .capture import meta_value, renorms_weight, writes_input
-from .capture.functions import FunctionCall
+from .graph_capture import meta_value, renorms_weight, writes_input
+from .graph_capture.functions import FunctionCall
 from .opkey import KEY_META, normalize_kind
 from .errors import BadInputError
 from .vocabulary import Precision, dtype_name, short_dtype_name
@@ -181,7 +181,7 @@ def fp32_by_dtype_argument(node: fx.Node, device_type: str) -> bool:
     >>> class Pool(torch.nn.Module):
     ...     def forward(self, x):
     ...         return x.softmax(-1) + torch.sum(x, dtype=torch.float64)
-    >>> softmax, total = [n for n in compfx.op_nodes(compfx.capture(Pool(), torch.randn(2, 3)))
+    >>> softmax, total = [n for n in compfx.graph_capture.op_nodes(compfx.capture(Pool(), torch.randn(2, 3)))
     ...                   if n.meta[KEY_META].kind in ("softmax", "sum")]
     >>> fp32_by_dtype_argument(softmax, "cuda"), fp32_by_dtype_argument(total, "cuda")
     (True, False)

@@ -19,8 +19,9 @@ import sys
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
-from .capture import normalize_example_inputs
+from .graph_capture import normalize_example_inputs
 from .errors import BadInputError, CompfxError
 from .state import torch_rng_preserved
 from .vocabulary import dtype_name
@@ -119,6 +120,9 @@ def _call_inputs_function(spec: str, function):
     if not valid:
         raise BadInputError(f"--inputs {spec}() returned {_describe(inputs)}; expected the model's inputs: a "
                             "tensor, a tuple of positional inputs, or a dict of keyword arguments (string keys).")
+    if any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves(inputs)):
+        raise BadInputError(f"--inputs {spec}() returned tensors on the meta device (shapes, no values); compfx runs "
+                            "the model on its inputs. Return real tensors (e.g. torch.randint(...) on the CPU).")
     return inputs
 
 
@@ -180,6 +184,10 @@ def _check_search_data(args) -> None:
         raise BadInputError(f"{what}; give one of --data MODULE:FACTORY (your batches), --inputs MODULE:FUNCTION "
                             "(the model's inputs, for a model that returns its own loss) or --input-shape S "
                             "--classes C (synthetic classification batches).")
+    if args.input_shape is not None and args.batches * math.prod(args.input_shape) > MAX_INPUT_ELEMENTS:
+        raise BadInputError(f"--batches {args.batches} of --input-shape {','.join(map(str, args.input_shape))} are "
+                            f"{args.batches * math.prod(args.input_shape):,} elements, more than the "
+                            f"{MAX_INPUT_ELEMENTS:,} the synthetic batches may hold; give fewer or smaller batches.")
     if args.inputs is not None and args.loss in _NAMED_LOSSES:
         raise BadInputError(f"--loss {args.loss} takes the target from an (inputs, target) batch, and --inputs gives "
                             "the model's inputs only; use --loss model (the output's .loss) or --loss "
@@ -223,6 +231,20 @@ def _positive_int(text: str) -> int:
     return value
 
 
+#: The most batches ``search --batches`` makes: every Stage-1 sample trains one epoch of them, and they are all
+#: made (and held) before the search starts.
+MAX_BATCHES = 10_000
+
+
+def _batch_count(text: str) -> int:
+    value = _positive_int(text)
+    if value > MAX_BATCHES:
+        raise argparse.ArgumentTypeError(f"{text!r} batches: more than the {MAX_BATCHES:,} a search's synthetic epoch "
+                                         "may have (each Stage-1 sample trains one epoch of them); give a few "
+                                         "batches, e.g. 8, or your loader with --data")
+    return value
+
+
 def _positive_float(text: str) -> float:
     try:
         value = float(text)
@@ -242,7 +264,7 @@ def _seed(text: str) -> int:
 
 
 def _cmd_analyze(args) -> int:
-    from .analyze import analyze
+    from .analysis import analyze
 
     model = _build_model(args.model)
     inputs = _example_inputs(args)
@@ -293,16 +315,30 @@ def _sample_loader(args):
 def _check_output_paths(args) -> None:
     """Refuse, before the search (which may take minutes), a --log or --plan it could not write at the end."""
     from .files import check_writable
-    from .plan import is_plan_file
+    from .plan_file import is_plan_file
     from .search.log import SearchLog
 
     SearchLog.check_path(args.log)
     if args.plan is not None:
+        if args.log is not None and _same_file(args.plan, args.log):
+            raise BadInputError(f"--plan {args.plan} and --log {args.log} name the same file: the plan written at the "
+                                "end would replace the search's log. Pass two paths, e.g. --log search.jsonl "
+                                "--plan plan.json.")
         check_writable(args.plan, "plan file", replaces=is_plan_file, hint="Pass another --plan.")
 
 
+def _same_file(a: str, b: str) -> bool:
+    """Do two paths name one file (the same path spelled otherwise, or a link to it), existing or not?"""
+    try:
+        if os.path.exists(a) and os.path.exists(b):
+            return os.path.samefile(a, b)
+    except OSError:
+        pass
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
 def _cmd_search(args) -> int:
-    from .optimize import optimize
+    from .optimization import optimize
     from .search.config import SearchConfig
 
     _check_search_data(args)
@@ -335,7 +371,7 @@ def _cmd_report(args) -> int:
 def _plan_to_show(args):
     """The plan file ``compfx plan show`` prints, and the model's analysis with ``--model`` (a file of rules alone
     becomes that model's plan)."""
-    from .analyze import analyze
+    from .analysis import analyze
     from .files import checked_path, read_json
     from .plan import MAX_PLAN_BYTES, Plan
 
@@ -390,7 +426,7 @@ def _add_search_parsers(sub) -> None:
                         "own .loss) or a tensor; called --batches times, torch seeded with --seed + i before call i; "
                         "the loss is the output's .loss, or --loss MODULE:FUNCTION(output, batch)")
     p.add_argument("--classes", type=_positive_int, default=None, help="synthetic data: number of classes of the targets")
-    p.add_argument("--batches", type=_positive_int, default=8,
+    p.add_argument("--batches", type=_batch_count, default=8,
                    help="synthetic data or --inputs: number of batches (default 8)")
     p.add_argument("--loss", default=None,
                    help=f"{', '.join(_NAMED_LOSSES)}, model (the output's .loss) or MODULE:FUNCTION(output, batch); "
@@ -417,7 +453,7 @@ def _add_search_parsers(sub) -> None:
 
 
 def _cmd_diagnose(args) -> int:
-    from .diagnose import diagnose
+    from .diagnosis import diagnose
     from .plan import Plan
 
     model = _build_model(args.model)

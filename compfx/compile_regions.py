@@ -38,6 +38,14 @@ module that calls the region's compiled code with it (the model's own block,
 with its Parameters and hooks), and each module between the model and its
 blocks by one that runs it eagerly; the model's own modules are put back
 before the call returns, so the model is unchanged between calls.
+
+Programs of one model compiled one after another (the plans a compiled search
+measures) can share their regions (:class:`RegionCache`): a region whose block
+plan and settings one program compiled is the next one's too, so a plan that
+differs from the last in one block compiles that block's region and the
+model's own code only. A plan records ``regions`` in its compile options
+(``CompileOptions(regions="auto")``), so that ``compile_with_plan(model,
+plan)`` compiles a plan searched by regions by regions again.
 """
 
 from __future__ import annotations
@@ -49,26 +57,25 @@ import inspect
 import logging
 import warnings
 from dataclasses import dataclass
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Hashable, Iterator, Sequence
 
 import torch
 import torch.nn as nn
 
+from .compile_options import REGIONS_AUTO, own_recompiles, regions_setting
 from .errors import BadInputError
 from .opkey import OpKey
 from .plan import Plan
 from .regions import block_types, in_region, model_key, region_paths
 from .vocabulary import Precision
 
-__all__ = ["REGIONS_AUTO", "repeated_blocks", "region_plan", "CompiledRegion", "RegionallyCompiled",
-           "compile_regions", "isolated_recompiles"]
+__all__ = ["REGIONS_AUTO", "repeated_blocks", "region_plan", "CompiledRegion", "RegionCache", "RegionallyCompiled",
+           "compile_regions", "program_records"]
 
 log = logging.getLogger("compfx")
 
-#: ``compile_with_plan(..., regions=REGIONS_AUTO)``: find the repeated blocks (:func:`repeated_blocks`).
-REGIONS_AUTO = "auto"
-
-MakeBackend = Callable[[Plan, "nn.Module | None"], Callable]
+#: ``make_backend(plan, model=...)``: the compfx backend that compiles a region under its plan.
+MakeBackend = Callable[..., Callable]
 
 
 def repeated_blocks(model: nn.Module) -> list[str]:
@@ -119,7 +126,7 @@ def region_plan(plan: Plan, path: str) -> Plan:
     return Plan({relative(key): plan[key] for key in inside}, low_dtype=plan.low_dtype,
                 fingerprint=plan.fingerprint, fp8_recipe=plan.fp8_recipe,
                 padded=[relative(key) for key in plan.padded if in_region(key, [path])],
-                device_type=plan.device_type)
+                device_type=plan.device_type, compile_options=plan.compile_options)
 
 
 @dataclass(frozen=True)
@@ -279,23 +286,65 @@ class RegionallyCompiled(nn.Module):
                 f"{len(eager)} op(s) of the plan ran in no compiled graph, as the model wrote them, not at their "
                 f"planned precision (e.g. {', '.join(eager[:3])}): they are in the own code of a module between the "
                 "model and its blocks, or of a forward that calls its blocks in a Python loop, which run eagerly "
-                "around the regions. compile_with_plan(..., regions=None) compiles the whole model as one graph.",
+                "around the regions. compile_with_plan(..., regions=False) compiles the whole model as one graph.",
                 UserWarning,
                 stacklevel=3)
 
 
-def compile_regions(model: nn.Module, plan: Plan, regions, *, make_backend: MakeBackend,
-                    dynamic: bool | None = None, fullgraph: bool = False) -> RegionallyCompiled | None:
-    """``model`` compiled region by region under ``plan`` (see the module's docstring); None when ``regions`` is
-    ``"auto"`` and the model has no repeated blocks (compile it whole).
+class RegionCache:
+    """Compiled regions kept for other programs of a model: a region whose module class, Parameter shapes, region
+    plan and compile settings one program compiled is reused by the next, not compiled again.
 
-    ``regions``: ``"auto"`` (:func:`repeated_blocks`) or the block classes
-    (the outermost modules of those types are the regions).
-    ``make_backend(plan, model)`` builds the compfx backend of a region (its
-    block plan, ``model=None``: keys relative to the region's module) and of
-    the model's own code (the whole plan, ``model=model``). ``fullgraph``
-    applies to the regions; the code around them breaks at every region.
+    ``compile_with_plan(model, plan, shared_regions=cache)`` uses it; the
+    compiled search gives one to every plan it measures, so a candidate that
+    changes one block's plan compiles that block's region (and the model's own
+    code around the regions) only. :meth:`entries` lists the regions built
+    (each compiles at its first call); ``reuses`` counts the times one was
+    reused.
+
+    >>> cache = RegionCache()
+    >>> cache.entries(), cache.reuses
+    ([], 0)
     """
+
+    def __init__(self):
+        self._regions: dict[Hashable, tuple[Callable, Callable]] = {}
+        self._entries: list[tuple[type, Plan, Callable]] = []
+        self.reuses = 0
+
+    def region(self, key: Hashable, module_type: type, plan: Plan,
+               build: Callable[[], tuple[Callable, Callable]]) -> tuple[Callable, Callable]:
+        """The (compiled code, backend) of ``key``, built by ``build()`` the first time."""
+        if key in self._regions:
+            self.reuses += 1
+        else:
+            self._regions[key] = build()
+            self._entries.append((module_type, plan, self._regions[key][1]))
+        return self._regions[key]
+
+    def entries(self) -> list[tuple[type, Plan, Callable]]:
+        """(module class, region plan, compfx backend) of each region built, in order; the backend's ``records``
+        say which graphs it compiled."""
+        return list(self._entries)
+
+
+def compile_regions(model: nn.Module, plan: Plan | None, regions, *, make_backend: MakeBackend,
+                    dynamic: bool | None = None, fullgraph: bool = False, shared: RegionCache | None = None,
+                    settings: object = None) -> RegionallyCompiled | None:
+    """``model`` compiled region by region under ``plan`` (see the module's docstring); None when ``regions`` is
+    ``"auto"`` and the model has no repeated blocks, or no plan (compile it whole).
+
+    ``regions``: ``"auto"`` (:func:`repeated_blocks`) or the block classes, or
+    their names (the outermost modules of those classes are the regions).
+    ``make_backend(plan, model=...)`` builds the compfx backend of a region
+    (its block plan, ``model=None``: keys relative to the region's module) and
+    of the model's own code (the whole plan, ``model=model``). ``fullgraph``
+    applies to the regions; the code around them breaks at every region.
+    ``shared``: regions kept for other programs (:class:`RegionCache`), keyed
+    with ``settings``, whatever else ``make_backend`` compiles them under.
+    """
+    if plan is None:
+        return _no_plan_to_divide(model, regions)
     blocks = [path for path in _region_paths(model, regions) if region_plan(plan, path)]  # no planned op: no region
     if not blocks:
         return None
@@ -304,39 +353,81 @@ def compile_regions(model: nn.Module, plan: Plan, regions, *, make_backend: Make
         groups.setdefault(_share_key(model.get_submodule(path), region_plan(plan, path)), []).append(path)
     between = _between(model, blocks)
     for path in _side_regions(model, blocks, between, plan):
-        groups[(path,)] = [path]
+        groups.setdefault(_share_key(model.get_submodule(path), region_plan(plan, path), path), []).append(path)
     paths = [path for members in groups.values() for path in members]
     compiled_regions, swaps = [], [_Swap.at(model, path, _EagerCall(model.get_submodule(path)))
                                    for path in _outermost(p for p in between if _runs_code(model.get_submodule(p)))]
-    for members in groups.values():
+    shared = shared if shared is not None else RegionCache()  # within one program, each key compiles once anyway
+    limit = max(8, 2 * len(paths))  # a graph per signature (shapes, train/eval) for each module it serves, at most
+    for key, members in groups.items():
         block_plan = region_plan(plan, members[0])
-        backend = make_backend(block_plan, None)
-        compiled = torch.compile(_run_region, backend=backend, dynamic=dynamic, fullgraph=fullgraph,
-                                 **isolated_recompiles(recompile_limit=max(8, 2 * len(members))))
+
+        def build(block_plan=block_plan):
+            backend = make_backend(block_plan, model=None)
+            return torch.compile(_run_region, backend=backend, dynamic=dynamic, fullgraph=fullgraph,
+                                 **_recompiles_of_a_region(limit)), backend
+
+        compiled, backend = shared.region((key, dynamic, fullgraph, repr(settings)), key[0], block_plan, build)
         compiled_regions.append(CompiledRegion(tuple(members), block_plan, backend))
         swaps += [_Swap.at(model, path, _RegionCall(model.get_submodule(path), compiled)) for path in members]
-    outer_backend = make_backend(plan, model)
-    outer = torch.compile(model, backend=outer_backend, dynamic=dynamic, **isolated_recompiles())
+    outer_backend = make_backend(plan, model=model)
+    outer = torch.compile(model, backend=outer_backend, dynamic=dynamic, **own_recompiles())
     log.info("compfx: %s compiled by regions: %d region(s) for %d module(s) (%s), and its own code around them",
              type(model).__name__, len(compiled_regions), len(paths),
              "; ".join(f"{len(r.paths)} x {type(model.get_submodule(r.paths[0])).__name__}" for r in compiled_regions))
     return RegionallyCompiled(model, outer, outer_backend, compiled_regions, swaps, plan)
 
 
-def _share_key(module: nn.Module, block_plan: Plan) -> tuple:
+def _no_plan_to_divide(model: nn.Module, regions) -> None:
+    """No plan given: the one this process searched for ``model`` is divided (compile_with_plan finds it); without
+    one, ``"auto"`` compiles the model whole, each graph under the plan the backend finds, and block classes are
+    refused (they ask for regions)."""
+    if regions == REGIONS_AUTO:
+        log.info("compfx: compile_with_plan(regions='auto') without a plan, and none searched for %s in this "
+                 "process: compiling it whole, each graph under the plan the backend finds for it",
+                 type(model).__name__)
+        return None
+    raise BadInputError(f"compile_with_plan(regions={regions!r}) needs the plan to divide into regions: pass it "
+                        "(a Plan or a plan file), or regions=False to compile the whole model under the plan the "
+                        "backend finds.")
+
+
+def program_records(program: nn.Module) -> list:
+    """Every graph record of a program :func:`compfx.compile_with_plan` made: its backend's, or by regions, every
+    region's and the model's own code's (:attr:`RegionallyCompiled.records`)."""
+    if isinstance(program, RegionallyCompiled):
+        return program.records
+    return list(program.compfx_backend.records)
+
+
+def _share_key(module: nn.Module, block_plan: Plan, path: str = "") -> tuple:
     """Blocks that may share one compiled region: of one class, their Parameters and buffers of the same shapes
-    and dtypes (dynamo would compile another graph for others), and one block plan."""
+    and dtypes (dynamo would compile another graph for others), and one block plan (with the options it records).
+    A module that is not a block (``path``: an embedding, a head) is a region of its own."""
     state = tuple((name, tuple(t.shape), t.dtype) for name, t in [*module.named_parameters(), *module.named_buffers()])
-    return type(module), state, block_plan
+    return type(module), state, block_plan, block_plan.compile_options, path
 
 
 def _region_paths(model: nn.Module, regions) -> list[str]:
-    if isinstance(regions, str):
-        if regions != REGIONS_AUTO:
-            raise BadInputError(f"regions={regions!r}; expected {REGIONS_AUTO!r}, None (the whole model as one "
-                                "graph) or the block classes, e.g. regions=(Block,).")
+    if regions == REGIONS_AUTO:
         return repeated_blocks(model)
-    return region_paths(model, block_types(regions))
+    names = regions_setting(regions)  # refuses anything but "auto", block classes and their names
+    types = tuple(regions) if all(isinstance(r, type) for r in regions) else _classes_named(model, names, regions)
+    return region_paths(model, block_types(types))
+
+
+def _classes_named(model: nn.Module, names: Sequence[str], regions) -> tuple[type, ...]:
+    """The classes of ``model``'s modules that ``names`` name (by ``__name__``, ``__qualname__``, or module and
+    qualified name); a name that none has is refused."""
+    classes = {type(m) for m in model.modules()}
+    named = {name: [c for c in classes if name in (c.__name__, c.__qualname__, f"{c.__module__}.{c.__qualname__}")]
+             for name in names}
+    missing = [name for name, found in named.items() if not found]
+    if missing:
+        raise BadInputError(f"regions={regions!r} names {missing[0]!r}, which is no class of "
+                            f"{type(model).__name__}'s modules; expected {REGIONS_AUTO!r}, None (the whole model as "
+                            "one graph) or the block classes, e.g. regions=(Block,).")
+    return tuple(c for found in named.values() for c in found)
 
 
 def _between(model: nn.Module, blocks: Sequence[str]) -> list[str]:
@@ -386,8 +477,7 @@ def _loops(module: nn.Module) -> bool:
                for ins in dis.get_instructions(code))
 
 
-def isolated_recompiles(**limits) -> dict:
-    """``torch.compile``'s ``isolate_recompiles`` (and these limits) where this torch has them: each compile keeps
-    its own cache entries, so plans compiled one after another never count against dynamo's recompile limit."""
+def _recompiles_of_a_region(limit: int) -> dict:
+    """:func:`~compfx.compile_options.own_recompiles`, with ``limit`` recompiles where ``torch.compile`` takes one."""
     accepted = inspect.signature(torch.compile).parameters
-    return {name: value for name, value in {"isolate_recompiles": True, **limits}.items() if name in accepted}
+    return {**own_recompiles(), **({"recompile_limit": limit} if "recompile_limit" in accepted else {})}

@@ -161,7 +161,7 @@ def float8_config(recipe: Float8Recipe | str = DEFAULT_RECIPE, *, emulate: bool)
 def fp8_fallbacks(ops, precisions, *, device: torch.device, categories=None) -> dict:
     """The ops ``precisions`` gives FP8 that cannot run it at their shapes here: op key -> (the precision it runs
     instead, why). ``ops`` describe the ops at these shapes (``key``, ``kind``, ``input_shapes``, ``category``: an
-    :class:`~compfx.analyze.OpInfo`, or the compile backend's view of a graph's node); ``categories`` overrides
+    :class:`~compfx.analysis.OpInfo`, or the compile backend's view of a graph's node); ``categories`` overrides
     theirs where the caller classified the op itself.
 
     FP8 eligibility depends on shapes (M, N and K multiples of 16: :func:`fp8_eligible`), and a plan is searched

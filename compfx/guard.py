@@ -8,10 +8,10 @@ that was safe at step 100 may overflow at step 50,000. Used like ``GradScaler``:
     guard.step(optimizer, loss)                # steps, or skips the step and repairs the plan
 
 On a non-finite loss or gradient the guard skips the optimizer step, finds the
-op(s) where the non-finite values start (:func:`compfx.diagnose.diagnose_inputs`
+op(s) where the non-finite values start (:func:`compfx.diagnosis.diagnose_inputs`
 on the same batch, backward from the gradient that reached the module's
 output in this step) and moves them, or when they already run in FP32 their
-producers, to FP32 with :meth:`~compfx.apply.PlannedModule.replan`: the same
+producers, to FP32 with :meth:`~compfx.planned_module.PlannedModule.replan`: the same
 module object, the same Parameters, so the optimizer keeps working. It checks
 the repaired plan on the same batch and repairs again while non-finite values
 remain (at most ``max_rounds`` times). With gradient accumulation (several
@@ -52,10 +52,11 @@ from typing import Any, Callable, Mapping
 import torch
 from torch.utils import _pytree as pytree
 
-from .apply import PlannedModule
-from .diagnose import Diagnosis, diagnose_inputs, rng_state, shadow_graph_of, untouched_state
-from .errors import BadInputError, PlanFileError
+from .planned_module import PlannedModule
+from .diagnosis import Diagnosis, diagnose_inputs, rng_state, shadow_graph_of, untouched_state
+from .errors import BadInputError, PlanFileError, PlanMismatchError
 from .opkey import OpKey
+from .optimization import needs_closure
 from .plan import Plan
 from .search.log import SearchLog
 from .state import dense_values
@@ -87,37 +88,56 @@ class Repair:
 
 
 class Guard:
-    """Watches a :class:`~compfx.apply.PlannedModule` during training; repairs its plan in place when it overflows.
+    """Watches a :class:`~compfx.PlannedModule` during training; repairs its plan in place when it overflows.
 
-    ``check_every`` checks the loss and gradients for non-finite values every
-    that many steps (1: every step; between checks a non-finite step reaches
-    the optimizer). ``shadow_every`` (None: never) compares with an FP32 shadow
-    run; ``loss_fn(output, batch)`` and ``step(..., batch=)`` make that a loss
-    comparison. ``scaler`` is the fp16 run's ``GradScaler``; ``log`` a
-    :class:`~compfx.SearchLog` (or its path) to note repairs in.
+    Used like ``GradScaler``: ``guard.step(optimizer, loss)`` after the
+    backward steps the optimizer, or, on a non-finite loss or gradient, skips
+    the step and moves the op(s) where the non-finite values start to FP32 in
+    the same module (same Parameters). The module docstring has the details.
 
-    >>> import torch, compfx
-    >>> from compfx.apply import PlannedModule
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    >>> a = compfx.analyze(model, torch.randn(3, 4), low_dtype=torch.float16)
-    >>> fast = PlannedModule(model, compfx.Plan.amp(a), analysis=a)
-    >>> opt, guard = torch.optim.SGD(model.parameters(), lr=0.1), compfx.Guard(fast)
-    >>> fast(torch.randn(3, 4)).sum().backward(); guard.step(opt, torch.tensor(1.0))  # all finite: it steps
-    True
-    >>> with torch.no_grad(): _ = model[1].weight.mul_(1e6)  # now the second linear overflows fp16
-    >>> loss = fast(torch.full((3, 4), 10.0)).sum(); opt.zero_grad(); loss.backward()
-    >>> guard.step(opt, loss), [(str(r.key), r.reason) for r in guard.repairs]
-    (False, [('1:linear#0', 'non-finite loss')])
-    >>> fast.plan[compfx.OpKey("1", "linear", 0)]
-    <Precision.FP32: 'fp32'>
+    Args:
+        planned: the module to watch: ``compfx.apply``'s, or ``compfx.optimize(...).module``.
+        scaler: the fp16 run's ``torch.amp.GradScaler``: non-finite gradients under a finite loss are its to
+            handle while its scale is at least ``min_scale``.
+        check_every: check the loss and gradients every that many steps (1: every step; between checks a
+            non-finite step reaches the optimizer).
+        shadow_every: compare with an FP32 shadow run every that many steps (None: never); past
+            ``drift_threshold`` the op that adds the most error moves to FP32.
+        drift_threshold: the relative difference from the FP32 shadow that counts as drift.
+        loss_fn: ``loss_fn(output, batch)``: with ``step(..., batch=)``, the shadow compares losses (else the
+            module's outputs).
+        log: a search log (:class:`~compfx.search.SearchLog`, or its path, added to) to note repairs in.
+        max_rounds: most repairs of one step while non-finite values remain.
+        min_scale: the GradScaler scale below which non-finite gradients count as the plan's.
+
+    Raises:
+        BadInputError: ``planned`` is not a PlannedModule, or a setting is out of range or of another type (a bool
+            is not a number, NaN is refused). ``step`` refuses, before anything changes, an optimizer that holds
+            none of the module's parameters, and a call without a backward since the last one.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> a = compfx.analyze(model, torch.randn(3, 4), low_dtype=torch.float16)
+        >>> fast = compfx.apply(model, compfx.Plan.amp(a), analysis=a)
+        >>> opt, guard = torch.optim.SGD(model.parameters(), lr=0.1), compfx.Guard(fast)
+        >>> fast(torch.randn(3, 4)).sum().backward(); guard.step(opt, torch.tensor(1.0))  # all finite: it steps
+        True
+        >>> with torch.no_grad(): _ = model[1].weight.mul_(1e6)  # now the second linear overflows fp16
+        >>> loss = fast(torch.full((3, 4), 10.0)).sum(); opt.zero_grad(); loss.backward()
+        >>> guard.step(opt, loss), [(str(r.key), r.reason) for r in guard.repairs]
+        (False, [('1:linear#0', 'non-finite loss')])
+        >>> fast.plan[compfx.OpKey("1", "linear", 0)]
+        <Precision.FP32: 'fp32'>
     """
 
     def __init__(self, planned: PlannedModule, *, scaler=None, check_every: int = 1, shadow_every: int | None = None,
                  drift_threshold: float = 0.05, loss_fn: Callable[[Any, Any], torch.Tensor] | None = None,
                  log: SearchLog | str | os.PathLike | None = None, max_rounds: int = 8, min_scale: float = 1.0):
         if not isinstance(planned, PlannedModule):
-            raise BadInputError(f"Guard watches a compfx PlannedModule (optimize(...).module, or "
-                                f"compfx.PlannedModule(model, plan, analysis=...)); got {type(planned).__name__}. "
+            raise BadInputError(f"Guard watches a compfx PlannedModule (compfx.apply(model, plan, ...), or "
+                                f"optimize(...).module); got {type(planned).__name__}. "
                                 "It repairs the module's plan in place, so it needs the module that runs one.")
         _check_count(check_every, "check_every")
         if shadow_every is not None:
@@ -129,15 +149,19 @@ class Guard:
         if not _is_real(min_scale) or not 0 <= min_scale < math.inf:
             raise BadInputError(f"min_scale={min_scale!r}; expected a finite number >= 0 (not a bool): the GradScaler "
                                 "scale below which non-finite gradients count as the plan's, e.g. 1.0.")
-        if scaler is not None and not all(hasattr(scaler, m) for m in ("unscale_", "step", "update", "get_scale")):
-            raise BadInputError(f"scaler={type(scaler).__name__}; expected a torch.amp.GradScaler (or None).")
+        if scaler is not None and (isinstance(scaler, type) or not all(
+                hasattr(scaler, m) for m in ("unscale_", "step", "update", "get_scale"))):
+            what = f"the class {scaler.__name__}" if isinstance(scaler, type) else type(scaler).__name__
+            raise BadInputError(f"scaler={what}; expected the GradScaler object the training loop uses (e.g. "
+                                "scaler = torch.amp.GradScaler('cuda'); compfx.Guard(fast, scaler=scaler)), or None.")
+        _check_not_guarded(planned)
         if loss_fn is not None and not callable(loss_fn):
             raise BadInputError(f"loss_fn={loss_fn!r}; expected a callable (output, batch) -> scalar tensor, or None.")
         self.planned, self.scaler, self.loss_fn = planned, scaler, loss_fn
         self.check_every, self.shadow_every, self.drift_threshold = check_every, shadow_every, float(drift_threshold)
         self.max_rounds, self.min_scale = max_rounds, float(min_scale)
         if log is not None and not isinstance(log, (str, os.PathLike, SearchLog)):
-            raise BadInputError(f"log={log!r}; expected a search log's path, a compfx.SearchLog, or None.")
+            raise BadInputError(f"log={log!r}; expected a search log's path, a compfx.search.SearchLog, or None.")
         # a path is added to (the search's own log, say), never truncated
         self.log = SearchLog.append_to(log) if isinstance(log, (str, os.PathLike)) else log
         self.repairs: list[Repair] = []
@@ -168,6 +192,7 @@ class Guard:
                 guard._backward_seen = True
 
         self._hooks += [p.register_post_accumulate_grad_hook(seen) for p in trained]
+        _GUARDED[planned] = this
 
     @property
     def plan(self) -> Plan:
@@ -175,10 +200,12 @@ class Guard:
         return self.planned.plan
 
     def remove(self) -> None:
-        """Stop watching: remove the guard's hooks from the module."""
+        """Stop watching: remove the guard's hooks from the module (another guard may then watch it)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
+        if _GUARDED.get(self.planned) is not None and _GUARDED[self.planned]() is self:
+            del _GUARDED[self.planned]
 
     # -- what the training step's forward and backward leave behind ------------------
     def _before_forward(self, module, args, kwargs):
@@ -215,10 +242,15 @@ class Guard:
         self._check_step(optimizer, loss)
         self._backward_seen = False
         self.steps += 1
+        refused = False
         try:
             return self._step(optimizer, loss, batch)
+        except BadInputError:  # refused before the optimizer stepped (a batch loss_fn cannot take): as it was
+            refused, self._backward_seen, self.steps = True, True, self.steps - 1
+            raise
         finally:
-            self._forwards = []  # the next step's forwards start now
+            if not refused:
+                self._forwards = []  # the next step's forwards start now
 
     def _step(self, optimizer, loss, batch) -> bool:
         if self.scaler is not None:
@@ -247,12 +279,16 @@ class Guard:
             raise BadInputError(f"guard.step() takes the optimizer first; got {type(optimizer).__name__}.")
         if not isinstance(loss, torch.Tensor):
             raise BadInputError(f"guard.step() takes this step's loss tensor; got {type(loss).__name__}.")
+        if needs_closure(optimizer):
+            raise BadInputError(f"guard.step() got a {type(optimizer).__name__}, whose step() needs a closure that "
+                                "re-evaluates the loss; the guard steps the optimizer as a training loop does "
+                                "(optimizer.step() after backward). Train with an optimizer that steps without one "
+                                "(SGD, AdamW), or step that one yourself without the guard.")
         held = [p for group in optimizer.param_groups for p in group["params"]]
-        foreign = sum(id(p) not in self._parameters for p in held)
-        if not held or foreign:
-            what = "no parameters" if not held else f"{foreign} parameter(s) that are not the guarded module's"
+        if not any(id(p) in self._parameters for p in held):  # a head outside the planned module may share it
+            what = "no parameters" if not held else "only parameters that are not the guarded module's"
             raise BadInputError(f"guard.step() got an optimizer holding {what}; the guard skips or takes the step of "
-                                "the module it watches, so pass the optimizer built on that model's parameters.")
+                                "the module it watches, so pass the optimizer that trains that model's parameters.")
         if self._needs_backward and not self._backward_seen:
             raise BadInputError("guard.step() was called without a backward since the last step (no gradient reached "
                                 "the module's parameters): it would step again on the same gradients. Call "
@@ -333,8 +369,8 @@ class Guard:
             shadow = shadow_graph_of(self.planned, args, kwargs).forward(*args, **kwargs)
         if self.loss_fn is not None and batch is not None:
             with torch.no_grad():
-                reference = float(self.loss_fn(shadow, batch))
-            self.drift = abs(float(loss) - reference) / max(abs(reference), 1e-12)
+                reference = float(_loss_on(self.loss_fn, shadow, batch))
+            self.drift = abs(float(loss.detach()) - reference) / max(abs(reference), 1e-12)
         else:
             self.drift = _relative_error(_float_leaves(self._output), _float_leaves(shadow))
         if self.drift > self.drift_threshold:
@@ -372,6 +408,11 @@ class Guard:
             repairs = [Repair.from_dict(r) for r in state["repairs"]]
         except (KeyError, TypeError, ValueError, AttributeError) as error:
             raise PlanFileError(f"the guard's state has a damaged repair record ({error}).") from error
+        unknown = [str(r.key) for r in repairs if r.key not in self.planned.analysis.keys]
+        if unknown:
+            raise PlanMismatchError(f"the guard's state records repairs of op(s) {unknown[:3]}, which this module's "
+                                    "model does not have; it is the state of another model's guard. Load the "
+                                    "checkpoint of this model.")
         self.planned.replan(plan)  # validates the plan before it replaces anything: all or nothing
         self.repairs = repairs
         self.steps, self.skipped, self.scaler_skips = counters["steps"], counters["skipped"], counters["scaler_skips"]
@@ -379,6 +420,28 @@ class Guard:
     def __repr__(self) -> str:
         return (f"Guard(steps={self.steps}, repairs={[str(r.key) for r in self.repairs]}, skipped={self.skipped}, "
                 f"scaler_skips={self.scaler_skips})")
+
+
+#: The guard watching each planned module: two guards on one module would each repair its plan and step its
+#: optimizer. Weak both ways: a module or a guard dropped by the user is not kept alive here.
+_GUARDED: "weakref.WeakKeyDictionary[PlannedModule, weakref.ref]" = weakref.WeakKeyDictionary()
+
+
+def _check_not_guarded(planned: PlannedModule) -> None:
+    other = _GUARDED.get(planned)
+    if other is not None and other() is not None and other()._hooks:
+        raise BadInputError("this module already has a compfx.Guard watching it; two guards would each repair its "
+                            "plan and step its optimizer. Keep the first one, or call its .remove() first.")
+
+
+def _loss_on(loss_fn, output, batch) -> torch.Tensor:
+    """``loss_fn(output, batch)`` for the FP32 shadow; a failure says it is the batch given to ``guard.step``."""
+    try:
+        return loss_fn(output, batch)
+    except Exception as error:  # noqa: BLE001 - the user's loss on the user's batch
+        raise BadInputError(f"guard.step(..., batch=...) gave a batch loss_fn cannot take "
+                            f"({type(error).__name__}: {' '.join(str(error).split())[:200]}); expected this step's "
+                            "batch, as loss_fn(output, batch) takes it in training. The step was not taken.") from error
 
 
 def _is_real(value) -> bool:

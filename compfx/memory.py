@@ -84,11 +84,17 @@ def saved_storages(resident: Iterable[torch.Tensor] = ()) -> Iterator[SavedStora
 
     def pack(tensor: torch.Tensor) -> torch.Tensor:
         saved.record(tensor)
-        return tensor
+        # detached: an output a node saves (ReLU's result) has that node as its grad_fn, so packing the tensor
+        # itself would tie node and tensor in a cycle through C++ that Python's gc cannot see; a forward whose
+        # backward never runs (saved_activation_bytes) would then keep its whole graph, activations and
+        # low-precision weight copies included, for the rest of the process (saved_tensors_hooks' warning)
+        return tensor.detach()
 
-    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
-        yield saved
-    saved._alive.clear()
+    try:
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            yield saved
+    finally:
+        saved._alive.clear()  # the count is taken: the storages go when their graph does, even if the block raised
 
 
 @contextmanager

@@ -1,8 +1,7 @@
-"""Plans applied per block: ``compfx.apply(model, plan, analysis=..., per_module=(Block, ...))``.
+"""Plans applied per block: ``compfx.plan_blocks(model, plan, blocks=(Block, ...))``.
 
-:func:`compfx.apply` without ``per_module`` turns the whole model into one
-GraphModule whose parameters are ``get_attr`` nodes: the blocks' own forwards
-never run, so whatever is attached to a block (FSDP2's per-block all-gather
+:func:`compfx.apply` turns the whole model into planned GraphModules whose
+parameters are ``get_attr`` nodes: the blocks' own forwards never run, so whatever is attached to a block (FSDP2's per-block all-gather
 hooks, activation checkpointing, user hooks) never fires. Here the model stays
 the user's object: each submodule of the given types (the outermost ones) is
 replaced, in its parent, by a :class:`PlannedBlock` that
@@ -43,11 +42,13 @@ import torch.fx as fx
 import torch.nn as nn
 from torch.fx._lazy_graph_module import _LazyGraphModule
 
-from .analyze import Analysis, analyze_graph
+from .analysis import Analysis, analyze_graph
 from .batches import model_device
 from .cast_policy import check_weights_dtype, run_as_planned, weights_dtype
-from .capture import capture, describe_inputs, input_signature, keep_checkpoints, modes_of
-from .errors import BadInputError, CaptureError
+from .errors import BadInputError, CaptureError, PlanMismatchError
+from .graph_capture import (capture, describe_inputs, input_signature, keep_checkpoints, modes_of,
+                            normalize_example_inputs)
+from .graph_capture.held_state import HeldState, check_computable
 from .float8 import fp8_fallbacks
 from .opkey import OpKey
 from .passes import apply_precisions
@@ -113,6 +114,8 @@ class PlannedBlock(BlockStandIn):
         object.__setattr__(self, "_captures", {})  # input signature -> the block's Analysis (block-relative keys)
         object.__setattr__(self, "_graphs", {})  # (plan id, input signature) -> planned GraphModule
         object.__setattr__(self, "_plans", {})  # plan id -> plan, so that an id is never reused while cached
+        object.__setattr__(self, "_outdated", [])  # captures a change of the block outdated, until one fits again
+        object.__setattr__(self, "_held", HeldState(self))  # what the graphs were captured from (checked each call)
         self.path, self.block_type, self.method = path, type(block), method
         self.restore_output_dtypes = restore_output_dtypes
         self.training = block.training
@@ -131,6 +134,8 @@ class PlannedBlock(BlockStandIn):
 
     def forward(self, *args, **kwargs):
         check_weights_dtype(self._weights_dtype)
+        if not self._held.unchanged():
+            self._follow_block()
         graph = self.graph_for(*args, **kwargs)
         # run_as_planned calls graph.forward, not graph(...): no second set of hooks
         return run_as_planned(graph, args, kwargs, graph.meta["compfx_device_type"])
@@ -151,8 +156,50 @@ class PlannedBlock(BlockStandIn):
         signature = input_signature(args, kwargs, modes_of(self))
         found = self._captures.get(signature)
         if found is None:
-            found = self._captures[signature] = self._capture(args, kwargs)
+            found = self._capture(args, kwargs)
+            self._check_same_ops(found)
+            self._captures[signature] = found
         return found
+
+    def _follow_block(self) -> None:
+        """The block holds other tensors or submodules than its graphs were captured from, or moved (the graphs read
+        its state at call time, so tensors replaced by their likes are read as they are: FSDP2 swaps them each
+        call): a replaced submodule, another shape or another device drops the captures and graphs, and the next
+        call captures the block again, as it is now; the meta device, or several, is refused."""
+        change = self._held.change()
+        check_computable(change, f"the planned block {self.path!r}")
+        if not change.same_layout:
+            log.warning("compfx: block %r changed after it was planned (%s); it is captured again at its next inputs "
+                        "and runs the same plan there", self.path, change.describe())
+            block = self._block  # what the capture traces: give it this module's children and tensors as they are
+            for name in ("_modules", "_parameters", "_buffers"):
+                table = getattr(block, name)
+                table.clear()
+                table.update(getattr(self, name))
+            block._non_persistent_buffers_set = set(self._non_persistent_buffers_set)
+            self._outdated.extend(self._captures.values() or [None])  # None: compare with the plan's ops here
+            self._captures.clear()
+            self._graphs.clear()
+        object.__setattr__(self, "_held", HeldState(self))
+        object.__setattr__(self, "_weights_dtype", weights_dtype(self))
+
+    def _check_same_ops(self, analysis: Analysis) -> None:
+        """After the block changed, its first capture must have the ops it had before (those of an outdated capture,
+        or the plan's ops in this block when it had none), or the plan no longer says what to run here
+        (:class:`~compfx.errors.PlanMismatchError`)."""
+        if not self._outdated:
+            return
+        now = {model_key(self.path, key) for key in analysis.keys}
+        before = [{model_key(self.path, key) for key in old.keys} for old in self._outdated if old is not None]
+        before = before or [{key for key in self.plan if in_region(key, [self.path])}]
+        if now in before:
+            self._outdated.clear()
+            return
+        raise PlanMismatchError(
+            f"block {self.path!r} was changed after it was planned, and it now runs other ops than the plan was made "
+            f"for (new: {', '.join(map(str, sorted(now - before[0])[:2])) or '-'}; gone: "
+            f"{', '.join(map(str, sorted(before[0] - now)[:2])) or '-'}). Plan the model as it is now: search it "
+            "again, or apply a plan made for it.")
 
     def keep_capture(self, signature: Hashable, analysis: Analysis) -> None:
         """Take ``analysis`` (block-relative keys), captured elsewhere at ``signature``, as this block's own capture
@@ -264,13 +311,13 @@ def _read_state_through(gm: fx.GraphModule, owner: nn.Module) -> None:
 def apply_per_module(model: nn.Module, plan: Plan, analysis: Analysis, per_module, *,
                      restore_output_dtypes: bool = True) -> nn.Module:
     """Replace each block of the ``per_module`` types in ``model`` by a :class:`PlannedBlock` running ``plan``
-    (blocks planned already switch plans); returns ``model`` itself. ``compfx.apply(..., per_module=...)``
+    (blocks planned already switch plans); returns ``model`` itself. ``compfx.plan_blocks``
     calls this after it validated the plan against ``analysis``.
 
     >>> import torch, compfx
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> a = compfx.analyze(model, torch.randn(3, 4))
-    >>> same = compfx.apply(model, compfx.Plan.amp(a), analysis=a, per_module=torch.nn.Linear)
+    >>> same = apply_per_module(model, compfx.Plan.amp(a), a, torch.nn.Linear)
     >>> same is model, type(model[0]).__name__, list(model.state_dict()) == ["0.weight", "0.bias", "2.weight", "2.bias"]
     (True, 'PlannedBlock', True)
     """
@@ -304,7 +351,7 @@ def plan_blocks_fp32(model: nn.Module, example_inputs, per_module, *, device=Non
     this: every sample then trains the user's model as it is wrapped (FSDP2,
     activation checkpointing), with its plan switched into the same blocks
     (:meth:`PlannedBlock.use_plan`). Blocks planned already
-    (``compfx.apply(..., per_module=...)`` before ``fully_shard``) are kept as
+    (``compfx.plan_blocks`` before ``fully_shard``) are kept as
     they are. The blocks' captures made here are the ones each block would make.
 
     >>> import torch
@@ -333,7 +380,7 @@ def restore_blocks(model: nn.Module) -> nn.Module:
     >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
     >>> first = model[0]
     >>> a = compfx.analyze(model, torch.randn(3, 4))
-    >>> _ = compfx.apply(model, compfx.Plan.amp(a), analysis=a, per_module=torch.nn.Linear)
+    >>> _ = compfx.plan_blocks(model, compfx.Plan.amp(a), analysis=a, blocks=torch.nn.Linear)
     >>> restore_blocks(model)[0] is first, type(model[2]).__name__
     (True, 'Linear')
     """

@@ -13,6 +13,12 @@ Three forms of one plan:
 A plan with ``fp8`` ops also carries how they scale (``plan.fp8_recipe``, a
 :class:`~compfx.vocabulary.Float8Recipe`); its file says so too. A plan built
 from an analysis knows the device type it was made for (``plan.device_type``).
+A plan a compiled search chose records the ``torch.compile`` settings its
+program was measured under (``plan.compile_options``, a
+:class:`~compfx.compile_options.CompileOptions`; None: measured eagerly, or
+not searched), and its file holds them (``"compile"``, absent in files of
+eager searches and of older compfx); :func:`compfx.compile_with_plan` runs
+it under them.
 
 **Plan files have one reading** (:meth:`Plan.from_dict`): a key named twice in
 one object, an op key that is not written the one way compfx writes it
@@ -23,7 +29,7 @@ device type than the model it is applied to, the plan still applies (op keys
 and casts do not depend on either) and a warning says that its precisions were
 measured elsewhere, so a search on this setup may choose differently. (The
 compile backend's plan cache is stricter: it never runs a cached plan searched on
-another device type; see :mod:`compfx.backend`.)
+another device type; see :mod:`compfx.compile_backend`.)
 
 A plan can be written and read as rules over module paths and op kinds
 (:meth:`Plan.from_rules`, :meth:`Plan.rules`; :mod:`compfx.plan_rules`), and a
@@ -47,31 +53,17 @@ from typing import Iterable, Iterator, Mapping
 
 import torch
 
+from .compile_options import CompileOptions
 from .errors import PlanFileError, PlanMismatchError
 from .files import checked_path, read_json, write_json_atomic
 from .opkey import OpKey
+from .plan_file import (FINGERPRINT_PATTERN, FORMAT, MAX_PLAN_BYTES, OPTIONAL_KEYS_OF_VERSION, PLAN_VERSION,
+                        REQUIRED_KEYS, check_op_keys, check_search_record, check_torch_version, is_device_type,
+                        is_plan_file, padded_from_file)
 from .plan_rules import Rule, check_file_rules, resolve_rules, rules_from_list, rules_to_list, summarize
 from .vocabulary import LOW_DTYPES, Category, Float8Recipe, Precision, check_low_dtype, dtype_from_name, dtype_name
 
-__all__ = ["Plan", "Assignment", "AMP_PRECISION", "PLAN_VERSION", "MAX_PLAN_BYTES"]
-
-_FORMAT = "compfx-plan"
-#: A plan file is about 40 bytes per op; anything larger than this is not a plan compfx wrote.
-MAX_PLAN_BYTES = 32 << 20
-#: Top-level keys of a plan file: those every file has, and those each version may have (a cached plan says who
-#: searched it, which other search's plan it replaced, and the parameter shapes of its model: see
-#: :mod:`compfx.cache`; version 2 adds the plan's rules). Any other key is refused. compfx writes the lowest version
-#: that holds what a file has, so a compfx that reads only older versions still reads every file it can, and reads
-#: every version up to :data:`PLAN_VERSION` (a newer file may mean something else).
-_REQUIRED_KEYS = ("format", "version", "low_dtype", "fingerprint", "ops")
-_OPTIONAL_KEYS_OF_VERSION = {
-    1: ("torch_version", "device_type", "fp8_recipe", "padded", "searched", "replaced", "parameter_shapes"),
-    2: ("torch_version", "device_type", "fp8_recipe", "padded", "searched", "replaced", "parameter_shapes", "rules"),
-}
-#: The newest plan-file version this compfx reads and writes.
-PLAN_VERSION = max(_OPTIONAL_KEYS_OF_VERSION)
-#: What ``searched`` and ``replaced`` hold: when, on which host, by which process (and how many ops differ).
-_SEARCH_FIELDS = {"at": str, "host": str, "pid": int, "differing_ops": int}
+__all__ = ["Plan", "Assignment", "AMP_PRECISION", "PLAN_VERSION", "MAX_PLAN_BYTES", "FINGERPRINT_PATTERN"]
 
 #: What ``torch.autocast`` does with each category: its lists run low or FP32, the rest follow.
 AMP_PRECISION = MappingProxyType({Category.WHITELIST: Precision.LOW, Category.BLACKLIST: Precision.FP32,
@@ -121,23 +113,45 @@ class Assignment(tuple):
 class Plan(Mapping[OpKey, Precision]):
     """Immutable mapping OpKey -> :class:`Precision` for one model (its fingerprint) and one low dtype.
 
-    ``fp8_recipe`` is how its ``fp8`` ops scale (default ``"tensorwise"``); it is
-    None in a plan without ``fp8`` ops.
+    Build one from an analysis (:meth:`fp32`, :meth:`amp`, :meth:`uniform`,
+    :meth:`from_bitstring`, :meth:`from_assignment`, :meth:`from_rules`), from a file
+    (:meth:`load`), or take ``compfx.optimize(...).plan``; the constructor
+    itself is for plans read from elsewhere. Plans are equal when their
+    precisions, low dtype, fingerprint, FP8 recipe and padding are.
 
-    >>> import torch, compfx
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
-    >>> a = compfx.analyze(model, torch.randn(3, 4))
-    >>> compfx.Plan.amp(a).bitstring(a)
-    '0f0'
-    >>> compfx.Plan.from_bitstring(a, "101").bitstring(a)
-    '101'
+    Args:
+        entries: op key -> precision (``"low"``, ``"fp32"``, ``"follow"``, ``"fp8"`` or a :class:`Precision`).
+        low_dtype: what "low" means: ``torch.bfloat16`` or ``torch.float16``.
+        fingerprint: the fingerprint of the model's analysis (``analysis.fingerprint``).
+        fp8_recipe: how its ``fp8`` ops scale (default ``"tensorwise"``); None in a plan without ``fp8`` ops.
+        padded: the ops padded to the Tensor Core multiple (:meth:`with_padding`).
+        device_type: the device type it was made for (``"cpu"``, ``"cuda"``), or None.
+        parameter_shapes: the shapes of the parameters it was searched on (:meth:`with_parameter_shapes`).
+        compile_options: the ``torch.compile`` settings a compiled search measured it under
+            (:class:`~compfx.compile_options.CompileOptions`), or None: searched eagerly.
+
+    Raises:
+        PlanMismatchError: a key that is not an OpKey, an unknown precision, low dtype or device type, or a
+            fingerprint that is not one compfx makes.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+        >>> a = compfx.analyze(model, torch.randn(3, 4))
+        >>> compfx.Plan.amp(a).bitstring(a)
+        '0f0'
+        >>> compfx.Plan.from_bitstring(a, "101").bitstring(a)
+        '101'
     """
 
-    __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe", "padded", "device_type", "parameter_shapes")
+    __slots__ = ("_entries", "low_dtype", "fingerprint", "fp8_recipe", "padded", "device_type", "parameter_shapes",
+                 "compile_options")
 
     def __init__(self, entries: Mapping[OpKey, Precision | str], *, low_dtype: torch.dtype, fingerprint: str,
                  fp8_recipe: Float8Recipe | str | None = None, padded: Iterable[OpKey] = (),
-                 device_type: str | None = None, parameter_shapes: Iterable[Iterable[int]] | None = None):
+                 device_type: str | None = None, parameter_shapes: Iterable[Iterable[int]] | None = None,
+                 compile_options: CompileOptions | None = None):
         checked = {}
         for key, precision in entries.items():
             if not isinstance(key, OpKey):
@@ -148,9 +162,9 @@ class Plan(Mapping[OpKey, Precision]):
                 raise PlanMismatchError(f"precision {precision!r} for {key} is unknown; expected one of "
                                         f"{[p.value for p in Precision]}") from None
         check_low_dtype(low_dtype, error=PlanMismatchError)
-        if not isinstance(fingerprint, str) or not fingerprint:
-            raise PlanMismatchError(f"plan fingerprint {fingerprint!r} is not a non-empty str; expected the "
-                                    "fingerprint of the model's analysis (analysis.fingerprint).")
+        if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
+            raise PlanMismatchError(f"plan fingerprint {fingerprint!r} is not one compfx makes (16 lowercase hex "
+                                    "digits); expected the fingerprint of the model's analysis (analysis.fingerprint).")
         object.__setattr__(self, "_entries", MappingProxyType(checked))
         object.__setattr__(self, "low_dtype", low_dtype)
         object.__setattr__(self, "fingerprint", fingerprint)
@@ -159,14 +173,18 @@ class Plan(Mapping[OpKey, Precision]):
             recipe = Float8Recipe.parse(fp8_recipe or Float8Recipe.TENSORWISE, "fp8_recipe")
         object.__setattr__(self, "fp8_recipe", recipe)
         object.__setattr__(self, "padded", _checked_padding(padded, checked))
-        if device_type is not None and not _is_device_type(device_type):
+        if device_type is not None and not is_device_type(device_type):
             raise PlanMismatchError(f"device_type={device_type!r}; expected a torch device type such as 'cpu' or "
                                     "'cuda', or None.")
         # where it was made for (metadata: plans equal in their precisions are equal, wherever they were made)
         object.__setattr__(self, "device_type", device_type)
-        # what it was searched for: the shapes of the model's parameters (compfx.analyze.parameter_shapes); op keys
+        # what it was searched for: the shapes of the model's parameters (compfx.analysis.parameter_shapes); op keys
         # name layers, not widths, so this tells the model a plan file was searched on from the same layers resized
         object.__setattr__(self, "parameter_shapes", _checked_shapes(parameter_shapes))
+        # how the search that chose it measured its program (metadata too: None, eagerly)
+        if compile_options is not None and not isinstance(compile_options, CompileOptions):
+            raise PlanMismatchError(f"compile_options={compile_options!r}; expected a compfx.CompileOptions or None.")
+        object.__setattr__(self, "compile_options", compile_options)
 
     def __setattr__(self, name, value):
         raise AttributeError("Plan is immutable; use plan.with_precisions(...)")
@@ -181,7 +199,7 @@ class Plan(Mapping[OpKey, Precision]):
 
     def __reduce__(self):  # pickling (spawned workers): the entries as a plain dict
         return (_rebuilt_plan, (dict(self._entries), self.low_dtype, self.fingerprint, self.fp8_recipe, self.padded,
-                                self.device_type, self.parameter_shapes))
+                                self.device_type, self.parameter_shapes, self.compile_options))
 
     # -- Mapping -------------------------------------------------------------
     def __getitem__(self, key: OpKey) -> Precision:
@@ -213,19 +231,38 @@ class Plan(Mapping[OpKey, Precision]):
     # -- constructors --------------------------------------------------------
     @classmethod
     def uniform(cls, analysis, precision: Precision | str, *, fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
-        """Every op at one precision."""
+        """Every op of ``analysis`` at one ``precision`` (``"low"``, ``"fp32"``, ``"follow"`` or ``"fp8"``, with
+        ``fp8_recipe``).
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.uniform(a, "low").bitstring(a)
+        '00'
+        """
         return cls({op.key: precision for op in analysis.ops}, low_dtype=analysis.low_dtype,
                    fingerprint=analysis.fingerprint, fp8_recipe=fp8_recipe, device_type=analysis.device.type)
 
     @classmethod
     def fp32(cls, analysis) -> "Plan":
-        """Every op in FP32: numerically the original model."""
+        """Every op of ``analysis`` in FP32: the original model, bit for bit.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.fp32(a).bitstring(a)
+        '11'
+        """
         return cls.uniform(analysis, Precision.FP32)
 
     @classmethod
     def amp(cls, analysis) -> "Plan":
         """What ``torch.autocast`` does: whitelist low, blacklist FP32, the rest follow; FP32 for the ops the
-        model pins in its own ``autocast(enabled=False)`` blocks (``OpInfo.pinned``), where autocast casts nothing."""
+        model pins in its own ``autocast(enabled=False)`` blocks (``OpInfo.pinned``), where autocast casts nothing.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.amp(a).bitstring(a)  # the linear low (autocast's whitelist), the relu follows its input
+        '0f'
+        """
         return cls({op.key: Precision.FP32 if getattr(op, "pinned", False) else AMP_PRECISION[op.category]
                     for op in analysis.ops}, low_dtype=analysis.low_dtype, fingerprint=analysis.fingerprint,
                    device_type=analysis.device.type)
@@ -233,7 +270,16 @@ class Plan(Mapping[OpKey, Precision]):
     @classmethod
     def from_assignment(cls, analysis, assignment: Iterable, *,
                         fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
-        """The plan that gives ``analysis.ops[i]`` the precision ``assignment[i]``."""
+        """The plan that gives ``analysis.ops[i]`` the precision ``assignment[i]``.
+
+        Raises:
+            PlanMismatchError: not one precision per op.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.from_assignment(a, ["low", "follow"]).bitstring(a)
+        '0f'
+        """
         assignment = Assignment(assignment)
         if len(assignment) != len(analysis.ops):
             raise PlanMismatchError(
@@ -245,13 +291,24 @@ class Plan(Mapping[OpKey, Precision]):
 
     @classmethod
     def from_bitstring(cls, analysis, bits: str, *, fp8_recipe: Float8Recipe | str | None = None) -> "Plan":
-        """CoMP's string form: one character per ``analysis.ops`` entry ('0' low, '1' FP32, 'f' follow, '8' FP8)."""
+        """CoMP's string form: one character per ``analysis.ops`` entry ('0' low, '1' FP32, 'f' follow, '8' FP8).
+
+        Raises:
+            PlanMismatchError: not one character per op, or one that is none of these.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> compfx.Plan.from_bitstring(a, "1f")[compfx.OpKey("0", "linear", 0)]
+        <Precision.FP32: 'fp32'>
+        """
         if isinstance(bits, str) and len(bits) != len(analysis.ops):
             raise PlanMismatchError(
                 f"bitstring has length {len(bits)}, but the model has {len(analysis.ops)} ops; "
                 "expected one character per op of analysis.ops."
             )
-        return cls.from_assignment(analysis, Assignment.parse(bits), fp8_recipe=fp8_recipe)
+        plan = cls.from_assignment(analysis, Assignment.parse(bits), fp8_recipe=fp8_recipe)
+        plan._check_fp8(analysis)  # an '8' where the analysis marked no op FP8-eligible: refused now, not at apply
+        return plan
 
     @classmethod
     def from_rules(cls, analysis, rules: Iterable[Rule], *, base: "Plan | None" = None) -> "Plan":
@@ -297,7 +354,8 @@ class Plan(Mapping[OpKey, Precision]):
 
         >>> import torch, compfx
         >>> model = torch.nn.Sequential(torch.nn.Linear(32, 32), torch.nn.ReLU(), torch.nn.Linear(32, 16))
-        >>> keep = compfx.Plan.from_bitstring(compfx.analyze(model, torch.randn(16, 32)), "8f1").torchao_filter()
+        >>> analysis = compfx.analyze(model, torch.randn(16, 32), fp8=True)
+        >>> keep = compfx.Plan.from_bitstring(analysis, "8f1").torchao_filter()
         >>> keep(model[0], "0"), keep(model[2], "2")
         (True, False)
         """
@@ -312,21 +370,35 @@ class Plan(Mapping[OpKey, Precision]):
             raise PlanMismatchError(f"with_precisions() got keys not in this plan: {unknown[:5]}")
         return Plan({**self._entries, **updates}, low_dtype=self.low_dtype, fingerprint=self.fingerprint,
                     fp8_recipe=self.fp8_recipe, padded=self.padded, device_type=self.device_type,
-                    parameter_shapes=self.parameter_shapes)
+                    parameter_shapes=self.parameter_shapes, compile_options=self.compile_options)
 
     def with_parameter_shapes(self, shapes: Iterable[Iterable[int]] | None) -> "Plan":
         """A copy that records the shapes of the parameters of the model it was searched on
-        (:func:`compfx.analyze.parameter_shapes`; a search's chosen plan records them), so that
+        (:func:`compfx.analysis.parameter_shapes`; a search's chosen plan records them), so that
         :func:`compfx.apply` can say when a plan file meets the same layers at other widths.
 
         >>> import torch, compfx
-        >>> from compfx.analyze import parameter_shapes
+        >>> from compfx.analysis import parameter_shapes
         >>> a = compfx.analyze(torch.nn.Linear(4, 8), torch.randn(2, 4))
         >>> compfx.Plan.amp(a).with_parameter_shapes(parameter_shapes(a.graph_module)).parameter_shapes
         ((8,), (8, 4))
         """
         return Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint, fp8_recipe=self.fp8_recipe,
-                    padded=self.padded, device_type=self.device_type, parameter_shapes=shapes)
+                    padded=self.padded, device_type=self.device_type, parameter_shapes=shapes,
+                    compile_options=self.compile_options)
+
+    def with_compile_options(self, options: CompileOptions | None) -> "Plan":
+        """A copy that records the ``torch.compile`` settings its program was measured under (None: eagerly); what a
+        compiled search's plans carry, and what :func:`compfx.compile_with_plan` then compiles the plan with.
+
+        >>> import torch, compfx
+        >>> a = compfx.analyze(torch.nn.Linear(4, 8), torch.randn(2, 4))
+        >>> compfx.Plan.amp(a).with_compile_options(compfx.CompileOptions(inner="aot_eager")).compile_options.inner
+        'aot_eager'
+        """
+        return Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint, fp8_recipe=self.fp8_recipe,
+                    padded=self.padded, device_type=self.device_type, parameter_shapes=self.parameter_shapes,
+                    compile_options=options)
 
     def with_padding(self, keys: Iterable[OpKey], *, analysis=None) -> "Plan":
         """A copy that pads exactly the ops ``keys`` (``with_padding(())``: none); precisions are unchanged.
@@ -334,7 +406,7 @@ class Plan(Mapping[OpKey, Precision]):
         Every key must be in the plan and not at ``fp8`` (the float8 path has
         its own shape rule). Given the ``analysis``, each op must be
         ``pad_eligible`` there too; :meth:`validate` (which :func:`compfx.apply`
-        and :class:`~compfx.apply.PlannedModule` call) checks that in any case.
+        and :class:`~compfx.planned_module.PlannedModule` call) checks that in any case.
         A refused key is a :class:`~compfx.errors.PlanMismatchError`.
 
         >>> import torch, compfx
@@ -348,7 +420,7 @@ class Plan(Mapping[OpKey, Precision]):
         """
         plan = Plan(self._entries, low_dtype=self.low_dtype, fingerprint=self.fingerprint,
                     fp8_recipe=self.fp8_recipe, padded=keys, device_type=self.device_type,
-                    parameter_shapes=self.parameter_shapes)
+                    parameter_shapes=self.parameter_shapes, compile_options=self.compile_options)
         if analysis is not None:
             plan._check_padding(analysis)
         return plan
@@ -422,8 +494,8 @@ class Plan(Mapping[OpKey, Precision]):
     def to_dict(self, *, rules: bool = False) -> dict:
         """The plan as its file holds it; with ``rules``, also :meth:`rules` (for people reading the file)."""
         return {
-            "format": _FORMAT,
-            "version": 2 if rules else 1,
+            "format": FORMAT,
+            "version": 3 if self.compile_options is not None else 2 if rules else 1,  # the lowest that holds it
             "low_dtype": dtype_name(self.low_dtype),
             "fingerprint": self.fingerprint,
             "torch_version": str(torch.__version__),  # a plain str: TorchVersion does not unpickle under weights_only
@@ -434,6 +506,7 @@ class Plan(Mapping[OpKey, Precision]):
             **({"parameter_shapes": [list(shape) for shape in self.parameter_shapes]}
                if self.parameter_shapes is not None else {}),
             **({"rules": rules_to_list(self.rules())} if rules else {}),
+            **({"compile": self.compile_options.to_dict()} if self.compile_options is not None else {}),
         }
 
     @classmethod
@@ -452,19 +525,20 @@ class Plan(Mapping[OpKey, Precision]):
         ``torch_version`` and ``device_type`` strings (another torch release
         than this one's is warned about: the plan applies, its measurements were
         taken there), ``searched`` and ``replaced`` what the plan cache writes,
-        ``padded`` a list of op keys written the same way.
+        ``padded`` a list of op keys written the same way, ``compile`` what
+        :meth:`~compfx.compile_options.CompileOptions.to_dict` writes.
         """
-        if not isinstance(data, Mapping) or data.get("format") != _FORMAT:
-            raise PlanFileError(f"{source} is not a compfx plan (no '\"format\": \"{_FORMAT}\"' entry).")
+        if not isinstance(data, Mapping) or data.get("format") != FORMAT:
+            raise PlanFileError(f"{source} is not a compfx plan (no '\"format\": \"{FORMAT}\"' entry).")
         version = data.get("version")
-        if type(version) is not int or version not in _OPTIONAL_KEYS_OF_VERSION:
+        if type(version) is not int or version not in OPTIONAL_KEYS_OF_VERSION:
             raise PlanFileError(f"{source} has version {version!r}; this compfx reads plan version 1 to version "
                                 f"{PLAN_VERSION}. Search again with this compfx (or use the compfx that wrote it).")
-        optional = _OPTIONAL_KEYS_OF_VERSION[version]
-        unknown = sorted(map(str, set(data) - set(_REQUIRED_KEYS) - set(optional)))
+        optional = OPTIONAL_KEYS_OF_VERSION[version]
+        unknown = sorted(map(str, set(data) - set(REQUIRED_KEYS) - set(optional)))
         if unknown:
             raise PlanFileError(f"{source} has top-level key(s) {unknown} that compfx does not write in a version "
-                                f"{version} file (it holds {list(_REQUIRED_KEYS)} and may hold {list(optional)}); it "
+                                f"{version} file (it holds {list(REQUIRED_KEYS)} and may hold {list(optional)}); it "
                                 "was edited, or written by another tool. Remove them, or search again.")
         if "rules" in data and "ops" not in data:
             return _plan_of_rules_file(data, source, analysis)
@@ -474,35 +548,37 @@ class Plan(Mapping[OpKey, Precision]):
             raise PlanFileError(f"{source} has low_dtype {low!r}; expected one of {names}. Fix the file or search "
                                 "again.")
         fingerprint = data.get("fingerprint")
-        if not isinstance(fingerprint, str) or not fingerprint:
-            raise PlanFileError(f"{source} has fingerprint {fingerprint!r}; expected the model's fingerprint, a "
-                                "non-empty string (analysis.fingerprint). Fix the file or search again.")
+        if not isinstance(fingerprint, str) or not FINGERPRINT_PATTERN.fullmatch(fingerprint):
+            raise PlanFileError(f"{source} has fingerprint {fingerprint!r}; expected the model's fingerprint, 16 "
+                                "lowercase hex digits (analysis.fingerprint). Fix the file or search again.")
         ops = data.get("ops")
         if not isinstance(ops, Mapping) or not all(isinstance(k, str) and isinstance(v, str) for k, v in ops.items()):
             raise PlanFileError(f"{source} has no 'ops' mapping of op keys to precisions (strings); it is damaged. "
                                 "Search again.")
-        _check_op_keys(ops, source)
+        check_op_keys(ops, source)
         device_type = data.get("device_type")
-        if device_type is not None and not _is_device_type(device_type):
+        if device_type is not None and not is_device_type(device_type):
             raise PlanFileError(f"{source} has device_type {device_type!r}; expected a torch device type such as "
                                 "'cpu' or 'cuda'. Fix the file or search again.")
         for name in ("searched", "replaced"):
-            _check_search_record(data.get(name), name, source)
+            check_search_record(data.get(name), name, source)
         shapes = data.get("parameter_shapes")
         if shapes is not None and not (isinstance(shapes, list) and all(
                 isinstance(shape, list) and all(type(d) is int and d >= 0 for d in shape) for shape in shapes)):
             raise PlanFileError(f"{source} has parameter_shapes {str(shapes)[:80]}; expected a list of shapes (lists "
                                 "of sizes), as the plan cache writes it. Fix the file or search again.")
-        _check_torch_version(data.get("torch_version"), source)
+        check_torch_version(data.get("torch_version"), source)
         try:
             entries = {OpKey.parse(k): v for k, v in ops.items()}
             recipe = data.get("fp8_recipe")
             if recipe is not None and recipe not in {r.value for r in Float8Recipe}:
                 raise PlanFileError(f"{source} has fp8_recipe {recipe!r}; expected one of "
                                     f"{[r.value for r in Float8Recipe]}. Fix the file or search again.")
+            compiled = data.get("compile")
             plan = cls(entries, low_dtype=dtype_from_name(low), fingerprint=fingerprint, fp8_recipe=recipe,
-                       padded=_padded_from_file(data.get("padded", []), source), device_type=device_type,
-                       parameter_shapes=shapes)
+                       padded=padded_from_file(data.get("padded", []), source), device_type=device_type,
+                       parameter_shapes=shapes,
+                       compile_options=None if compiled is None else CompileOptions.from_dict(compiled, source))
             if "rules" in data:
                 check_file_rules(plan, plan.fp8_recipe, rules_from_list(data["rules"], source), source)
             return plan
@@ -526,21 +602,33 @@ class Plan(Mapping[OpKey, Precision]):
 
     @classmethod
     def load(cls, path: str | os.PathLike, *, analysis=None) -> "Plan":
-        """Read a plan written by :meth:`save`, or a file of rules alone (then for the model of ``analysis``).
+        """Read a plan written by :meth:`save`, or a file of rules alone (then for the model of ``analysis``). A
+        plan of ops is checked against a model when applied.
 
-        A missing, oversized (over :data:`MAX_PLAN_BYTES`, checked before
-        reading), binary, corrupt or invalid file raises :class:`PlanFileError`,
-        as does a path that is not a regular file (a FIFO is refused, not waited
-        on); a path that is not one (None, a NUL character) is a
-        :class:`~compfx.errors.BadInputError`.
+        Args:
+            path: the plan file.
+            analysis: the model's :class:`~compfx.analysis.Analysis`, needed only for a file of rules alone.
+
+        Returns:
+            Plan: the plan, with the metadata the file carries (fingerprint, low dtype, device type, torch
+            release, parameter shapes, compile options).
+
+        Raises:
+            PlanFileError: a missing, oversized (over :data:`MAX_PLAN_BYTES`, checked before reading), binary,
+                corrupt or invalid file, or a path that is not a regular file (a FIFO is refused, not waited on);
+                a file of rules alone without ``analysis``.
+            PlanMismatchError: a file of rules alone for another low dtype than ``analysis``'s.
+            BadInputError: a path that is not one (None, a NUL character).
+
+        >>> import torch, compfx, tempfile, os
+        >>> a = compfx.analyze(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(3, 4))
+        >>> path = os.path.join(tempfile.mkdtemp(), "plan.json")
+        >>> compfx.Plan.amp(a).save(path)
+        >>> compfx.Plan.load(path) == compfx.Plan.amp(a)
+        True
         """
         data = read_json(checked_path(path, "plan file"), "plan file", max_bytes=MAX_PLAN_BYTES)
         return cls.from_dict(data, source=f"plan file {os.fspath(path)}", analysis=analysis)
-
-
-def is_plan_file(head: bytes) -> bool:
-    """Whether the first bytes of a file are those of a compfx plan file (what :meth:`Plan.save` may replace)."""
-    return f'"{_FORMAT}"'.encode() in head
 
 
 def _plan_of_rules_file(data: Mapping, source: str, analysis) -> Plan:
@@ -558,67 +646,6 @@ def _plan_of_rules_file(data: Mapping, source: str, analysis) -> Plan:
             raise PlanFileError(f"{source} holds rules without ops, and {name!r}, which only a plan of ops has; "
                                 "remove it (the rules' FP8 recipe goes in each 'fp8' rule).")
     return Plan.from_rules(analysis, rules)
-
-
-def _is_device_type(name) -> bool:
-    """A torch device type without an index ('cpu', 'cuda', 'mps', ...)."""
-    if not isinstance(name, str) or not name.isidentifier():
-        return False
-    try:
-        return torch.device(name).type == name
-    except (RuntimeError, ValueError):
-        return False
-
-
-def _check_op_keys(ops: Mapping, source: str) -> None:
-    """Every op key written the one way compfx writes it, so that no two spellings name one op."""
-    bad = []
-    for text in ops:
-        try:
-            canonical = str(OpKey.parse(text))
-        except ValueError:
-            canonical = None
-        if canonical != text or not text.isascii():
-            bad.append(text)
-    if bad:
-        raise PlanFileError(f"{source} has op key(s) {bad[:3]} not written as compfx writes them ('module:kind#index', "
-                            "the index in ASCII digits without leading zeros, e.g. '0:linear#0'); two spellings "
-                            "could name one op. Fix the key(s), or search again.")
-
-
-def _check_search_record(record, name: str, source: str) -> None:
-    """``searched`` / ``replaced``: absent, or a mapping of the fields the plan cache writes, of their types."""
-    if record is None:
-        return
-    wrong = not isinstance(record, Mapping) or any(
-        key not in _SEARCH_FIELDS or type(value) is not _SEARCH_FIELDS[key] for key, value in record.items())
-    if wrong:
-        raise PlanFileError(f"{source} has {name} {record!r}; expected what the plan cache writes there (a mapping of "
-                            f"{', '.join(f'{k}: {t.__name__}' for k, t in _SEARCH_FIELDS.items())}). Fix the file "
-                            "or search again.")
-
-
-_warned_versions: set[str] = set()
-
-
-def _check_torch_version(version, source: str) -> None:
-    """A str; when it is another torch release than this one, warn once per file (the plan applies, its
-    measurements were taken under that release)."""
-    if version is None:
-        return
-    if not isinstance(version, str) or not version:
-        raise PlanFileError(f"{source} has torch_version {version!r}; expected the torch version string it was "
-                            "written under. Fix the file or search again.")
-    if _release(version) != _release(str(torch.__version__)) and source not in _warned_versions:
-        _warned_versions.add(source)
-        warnings.warn(f"{source} was written under torch {version}; this is torch {torch.__version__}. Its "
-                      "precisions apply as they are, but they were measured under that release: search again to "
-                      "choose by measurements under this one.", UserWarning, stacklevel=4)
-
-
-def _release(version: str) -> str:
-    """'2.13.0+cu130' -> '2.13.0': builds of one release run the same kernels' code."""
-    return version.split("+", 1)[0].strip()
 
 
 def _checked_padding(keys: Iterable[OpKey], entries: Mapping[OpKey, Precision]) -> frozenset:
@@ -639,22 +666,11 @@ def _checked_padding(keys: Iterable[OpKey], entries: Mapping[OpKey, Precision]) 
     return padded
 
 
-def _padded_from_file(value, source: str) -> frozenset:
-    """The ``padded`` list of a plan file as OpKeys (a file without one pads nothing)."""
-    if not isinstance(value, list) or not all(isinstance(k, str) for k in value):
-        raise PlanFileError(f"{source} has padded {value!r}; expected a list of op keys. Fix the file or search "
-                            "again.")
-    _check_op_keys(value, source)
-    if len(set(value)) != len(value):
-        raise PlanFileError(f"{source} names an op in 'padded' more than once; fix the file or search again.")
-    return frozenset(OpKey.parse(k) for k in value)
-
-
 def _rebuilt_plan(entries, low_dtype, fingerprint, fp8_recipe, padded=(), device_type=None,
-                  parameter_shapes=None) -> Plan:
+                  parameter_shapes=None, compile_options=None) -> Plan:
     """A pickled :class:`Plan` again (see ``Plan.__reduce__``)."""
     return Plan(entries, low_dtype=low_dtype, fingerprint=fingerprint, fp8_recipe=fp8_recipe, padded=padded,
-                device_type=device_type, parameter_shapes=parameter_shapes)
+                device_type=device_type, parameter_shapes=parameter_shapes, compile_options=compile_options)
 
 
 def _checked_shapes(shapes) -> tuple[tuple[int, ...], ...] | None:
@@ -667,5 +683,5 @@ def _checked_shapes(shapes) -> tuple[tuple[int, ...], ...] | None:
         checked = None
     if checked is None or not all(type(d) is int and d >= 0 for shape in checked for d in shape):
         raise PlanMismatchError(f"parameter_shapes={str(shapes)[:80]}; expected shapes (sequences of sizes), as "
-                                "compfx.analyze.parameter_shapes gives them, or None.")
+                                "compfx.analysis.parameter_shapes gives them, or None.")
     return checked

@@ -4,7 +4,7 @@
 submodule of the ``per_module`` types on its own, with the inputs it
 received, when it is first called. The rest of the model is not captured at
 all, so a model that cannot be captured whole plans its blocks. The result is
-one :class:`~compfx.analyze.Analysis` whose ops are keyed by model path
+one :class:`~compfx.analysis.Analysis` whose ops are keyed by model path
 (``blocks.0.fc:linear#0``, :func:`model_key`) and whose graph holds the blocks'
 graphs side by side (:func:`regions_graph`, what the cost model prices).
 
@@ -27,9 +27,9 @@ import torch
 import torch.fx as fx
 import torch.nn as nn
 
-from .analyze import Analysis, analyze_graph
+from .analysis import Analysis, analyze_graph
 from .batches import model_device
-from .capture import capture, input_signature, modes_of, normalize_example_inputs
+from .graph_capture import capture, input_signature, modes_of, normalize_example_inputs
 from .errors import BadInputError
 from .opkey import KEY_META, OpKey
 from .state import buffers_restored, torch_rng_preserved

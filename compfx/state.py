@@ -55,7 +55,7 @@ __all__ = [
     # buffers and other tensors, by value
     "saved_values", "restore_values", "buffers_restored", "state_slots", "slots_put_back",
     # a model's and optimizer's training state
-    "StateSnapshot", "snapshot_state", "restore_state", "state_bytes", "dense_values", "LiveState", "HeldState",
+    "StateSnapshot", "snapshot_state", "restore_state", "restore_grads", "state_bytes", "dense_values", "LiveState", "HeldState",
 ]
 
 
@@ -408,13 +408,7 @@ def state_bytes(snapshot: StateSnapshot) -> int:
 def restore_state(snapshot: StateSnapshot) -> None:
     """Copy the snapshot back into the same tensors it was taken from (bitwise)."""
     restore_values(snapshot.tensors)
-    for param, grad in snapshot.grads:
-        if grad is None:
-            param.grad = None
-        elif param.grad is not None and param.grad.shape == grad.shape and param.grad.dtype == grad.dtype:
-            param.grad.copy_(grad)
-        else:
-            param.grad = grad.clone()
+    restore_grads(snapshot)
     optimizer = snapshot.optimizer
     if optimizer is None:
         return
@@ -436,6 +430,25 @@ def restore_state(snapshot: StateSnapshot) -> None:
                 group[key].copy_(value)
             else:
                 group[key] = copy.deepcopy(value)
+
+
+@torch.no_grad()
+def restore_grads(snapshot: StateSnapshot) -> None:
+    """Give every parameter the gradient the snapshot holds: None where it had none, else the saved values.
+
+    >>> model = torch.nn.Linear(2, 2)
+    >>> snapshot = snapshot_state(model)
+    >>> model(torch.ones(1, 2)).sum().backward()
+    >>> restore_grads(snapshot); model.weight.grad is None
+    True
+    """
+    for param, grad in snapshot.grads:
+        if grad is None:
+            param.grad = None
+        elif param.grad is not None and param.grad.shape == grad.shape and param.grad.dtype == grad.dtype:
+            param.grad.copy_(grad)
+        else:
+            param.grad = grad.clone()
 
 
 @dataclass

@@ -3,8 +3,8 @@
     torchrun --nproc_per_node=2 examples/torchrun_fsdp.py     # gloo on CPU; NCCL, one GPU per rank, when CUDA is there
     python examples/torchrun_fsdp.py                          # one process, no sharding
 
-The order matters: the blocks are planned first (``compfx.apply(...,
-per_module=(Block,))`` replaces each block in the model by a PlannedBlock
+The order matters: the blocks are planned first (``compfx.plan_blocks(...,
+blocks=(Block,))`` replaces each block in the model by a PlannedBlock
 holding the same Parameters), then ``fully_shard`` goes on each block and on
 the root, as for any FSDP2 model, then ``compfx.optimize(model, ...,
 per_module=(Block,))`` searches on the sharded model itself: each sample
@@ -99,7 +99,7 @@ def main(argv=None) -> dict:
         search_batches = batches(args.search_batches, args.batch_size, rank, device)
         # 1. plan the blocks (FP32 to start with): each becomes a PlannedBlock in place, holding the same Parameters
         analysis = compfx.analyze(model, search_batches[0][0])
-        compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis, per_module=(Block,))
+        compfx.plan_blocks(model, compfx.Plan.fp32(analysis), analysis=analysis, blocks=(Block,))
         # 2. shard as for any FSDP2 model: each block, then the root
         if dist.is_initialized():
             from torch.distributed.fsdp import fully_shard

@@ -54,8 +54,8 @@ def apply_precisions(gm: fx.GraphModule, precisions: Mapping[OpKey, Precision | 
     >>> import torch, compfx
     >>> from compfx.passes import apply_precisions
     >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(2, 4))
-    >>> gm = apply_precisions(gm, {n.meta["compfx_key"]: "low" for n in compfx.op_nodes(gm)}, low_dtype=torch.bfloat16)
-    >>> gm(torch.randn(2, 4)).dtype, compfx.count_casts(gm)
+    >>> gm = apply_precisions(gm, {n.meta["compfx_key"]: "low" for n in compfx.graph_capture.op_nodes(gm)}, low_dtype=torch.bfloat16)
+    >>> gm(torch.randn(2, 4)).dtype, compfx.passes.count_casts(gm)
     (torch.float32, 4)
     """
     dtypes = output_dtypes(gm)

@@ -21,7 +21,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from compfx.batches import model_device
-from compfx.capture import meta_value, normalize_example_inputs
+from compfx.graph_capture import meta_value, normalize_example_inputs
 from compfx.cast_policy import AutocastRegion, is_cast, is_model_tensor
 from compfx.errors import BadInputError
 from compfx.vocabulary import dtype_name
@@ -81,7 +81,7 @@ class CastReport:
 
 def cast_report(gm: fx.GraphModule) -> CastReport:
     """Count the casts in ``gm`` (inserted by compfx or already in the model); a planned module (``result.module``
-    of a search, a :class:`~compfx.apply.PlannedModule`) is read through its ``graph_module``, the graph of its
+    of a search, a :class:`~compfx.planned_module.PlannedModule`) is read through its ``graph_module``, the graph of its
     example inputs.
 
     >>> import torch, compfx

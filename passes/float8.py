@@ -26,7 +26,7 @@ from compfx.float8 import DEFAULT_RECIPE, FP8_KINDS, float8_config, fp8_runs_nat
 from compfx.opkey import KEY_META
 from compfx.vocabulary import Float8Recipe, Precision
 
-__all__ = ["float8_matmuls", "Float8Matmul"]
+__all__ = ["float8_matmuls", "Float8Matmul", "matmul_operands"]
 
 PASS_NAME = "float8_matmuls"
 
@@ -61,15 +61,24 @@ class Float8Matmul(nn.Module):
         return f"recipe={self.recipe}, emulate={self.config.emulate}"
 
 
-def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
-    """(input, weight or right operand, bias) of a linear / matmul / mm node, positional or keyword."""
-    kind = node.meta[KEY_META].kind
+def matmul_operands(kind: str, args: tuple, kwargs: dict) -> tuple:
+    """(input, weight or right operand, bias or None) of a linear / matmul / mm call, positional or keyword: the
+    arguments of the :class:`Float8Matmul` the call becomes (nodes in a graph, or the tensors of a call).
+
+    >>> matmul_operands("linear", ("x", "w"), {"bias": "b"}), matmul_operands("mm", ("a",), {"mat2": "b"})
+    (('x', 'w', 'b'), ('a', 'b', None))
+    """
     names = ("input", "weight", "bias") if kind == "linear" else ("input", "other" if kind == "matmul" else "mat2")
-    values = list(node.args) + [None] * (3 - len(node.args))
-    found = [node.kwargs.get(name, values[i]) for i, name in enumerate(names)]
+    values = list(args) + [None] * (3 - len(args))
+    found = [kwargs.get(name, values[i]) for i, name in enumerate(names)]
     if kind != "linear":
         found.append(None)
     return tuple(found)
+
+
+def _operands(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node | None]:
+    """(input, weight or right operand, bias) of a linear / matmul / mm node, positional or keyword."""
+    return matmul_operands(node.meta[KEY_META].kind, node.args, node.kwargs)
 
 
 def float8_matmuls(gm: fx.GraphModule, precisions, *, recipe: Float8Recipe | str | None = None,
@@ -83,7 +92,7 @@ def float8_matmuls(gm: fx.GraphModule, precisions, *, recipe: Float8Recipe | str
     >>> import torch, compfx
     >>> from compfx.passes import float8_matmuls
     >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(32, 16)), torch.randn(16, 32))
-    >>> gm = float8_matmuls(gm, {n.meta["compfx_key"]: "fp8" for n in compfx.op_nodes(gm)})
+    >>> gm = float8_matmuls(gm, {n.meta["compfx_key"]: "fp8" for n in compfx.graph_capture.op_nodes(gm)})
     >>> gm.get_submodule("0_fp8"), gm(torch.randn(16, 32)).dtype
     (Float8Matmul(recipe=tensorwise, emulate=True), torch.float32)
     """

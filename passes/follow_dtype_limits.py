@@ -1,7 +1,7 @@
 """Rewrite pass: a ``torch.finfo`` limit the model read from a tensor's dtype follows the dtype the plan gives it.
 
 Capture marks every call that takes a limit of its own result's dtype as a
-literal (:mod:`compfx.capture.dtype_limits`: ``masked_fill(mask, -3.4e38)`` is
+literal (:mod:`compfx.graph_capture.dtype_limits`: ``masked_fill(mask, -3.4e38)`` is
 ``finfo(float32).min``). After :mod:`compfx.passes.insert_casts`, the call may
 return another dtype; this pass gives each marked literal the same limit of
 that dtype, which is what the model's own ``torch.finfo(x.dtype)`` reads under
@@ -16,7 +16,7 @@ as they are.
 ...         return s.masked_fill(~keep, torch.finfo(s.dtype).min)
 >>> q, keep = torch.randn(2, 4), torch.tensor([[True, False], [True, True]])
 >>> gm = compfx.capture(Masked(), (q, q, keep))
->>> gm = insert_casts(gm, {n.meta["compfx_key"]: "low" for n in compfx.op_nodes(gm)}, low_dtype=torch.bfloat16)
+>>> gm = insert_casts(gm, {n.meta["compfx_key"]: "low" for n in compfx.graph_capture.op_nodes(gm)}, low_dtype=torch.bfloat16)
 >>> follow_dtype_limits(gm)(q, q, keep)[0, 1].item() == torch.finfo(torch.bfloat16).min
 True
 """
@@ -26,8 +26,8 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from compfx.capture import LIMIT_META, meta_value
-from compfx.capture.dtype_limits import limit_value
+from compfx.graph_capture import LIMIT_META, meta_value
+from compfx.graph_capture.dtype_limits import limit_value
 
 __all__ = ["follow_dtype_limits"]
 

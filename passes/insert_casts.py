@@ -34,8 +34,8 @@ from typing import Any, Mapping
 import torch
 import torch.fx as fx
 
-from compfx.capture import get_attribute, has_side_effects
-from compfx.capture.nodes import copy_graph, inherit_location
+from compfx.graph_capture import get_attribute, has_side_effects
+from compfx.graph_capture.nodes import copy_graph, inherit_location
 from compfx.cast_policy import (CAST_META, AutocastRegion, castable_inputs, fp32_by_dtype_argument, precision_dtype,
                                 runs_as_is, low_runs_under_autocast, shares_cast)
 from compfx.errors import PassError
@@ -71,7 +71,7 @@ def insert_casts(
     >>> import torch, compfx
     >>> from compfx.passes import insert_casts
     >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(2, 4))
-    >>> plan = {node.meta["compfx_key"]: "low" for node in compfx.op_nodes(gm)}
+    >>> plan = {node.meta["compfx_key"]: "low" for node in compfx.graph_capture.op_nodes(gm)}
     >>> gm = insert_casts(gm, plan, low_dtype=torch.bfloat16)
     >>> sorted(n.name for n in gm.graph.nodes if n.meta.get("compfx_cast"))
     ['_0_bias_bf16', '_0_weight_bf16', 'input_1_bf16']

@@ -51,7 +51,7 @@ import torch
 import torch.fx as fx
 import torch.nn.functional as F
 
-from compfx.capture.nodes import inherit_location
+from compfx.graph_capture.nodes import inherit_location
 from compfx.errors import PassError
 from compfx.opkey import KEY_META, OpKey
 from compfx.tensor_cores import CONV_KINDS, conv_channels, gemm_mnk, pad_eligible, padded_size
@@ -246,7 +246,7 @@ def pad_shapes(gm: fx.GraphModule, padded: Iterable[OpKey]) -> fx.GraphModule:
     >>> from compfx.passes import pad_shapes
     >>> model = torch.nn.Sequential(torch.nn.Linear(16, 10))
     >>> gm = compfx.capture(model, torch.randn(8, 16))
-    >>> gm = pad_shapes(gm, [n.meta["compfx_key"] for n in compfx.op_nodes(gm)])
+    >>> gm = pad_shapes(gm, [n.meta["compfx_key"] for n in compfx.graph_capture.op_nodes(gm)])
     >>> [n.target for n in gm.graph.nodes if n.meta.get("compfx_pad")]
     [<function pad at ...>, <function pad at ...>, 'narrow', 'contiguous']
     >>> torch.testing.assert_close(gm(torch.ones(8, 16)), model(torch.ones(8, 16)))

@@ -38,7 +38,7 @@ from torch.fx.passes.shape_prop import _extract_tensor_metadata
 from torch.utils import _pytree as pytree
 from torch.utils.weak import WeakIdKeyDictionary
 
-from compfx.capture import get_attribute, meta_value
+from compfx.graph_capture import get_attribute, meta_value
 from compfx.cast_policy import mutated_positions
 
 __all__ = ["propagate_dtypes", "DtypePropagator", "UNKNOWN", "dtypes_of"]

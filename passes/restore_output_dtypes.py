@@ -11,7 +11,7 @@ the dtypes with :func:`output_dtypes` *before* the rewrite.
 >>> from compfx.passes import insert_casts, output_dtypes, restore_output_dtypes
 >>> gm = compfx.capture(torch.nn.Linear(4, 2), torch.randn(3, 4))
 >>> before = output_dtypes(gm)
->>> gm = insert_casts(gm, {k.meta["compfx_key"]: "low" for k in compfx.op_nodes(gm)}, low_dtype=torch.bfloat16)
+>>> gm = insert_casts(gm, {k.meta["compfx_key"]: "low" for k in compfx.graph_capture.op_nodes(gm)}, low_dtype=torch.bfloat16)
 >>> restore_output_dtypes(gm, before)(torch.randn(3, 4)).dtype
 torch.float32
 """
@@ -24,7 +24,7 @@ from typing import Any, Sequence
 import torch
 import torch.fx as fx
 
-from compfx.capture import meta_value
+from compfx.graph_capture import meta_value
 from compfx.cast_policy import CAST_META
 from compfx.errors import PassError
 from compfx.vocabulary import short_dtype_name

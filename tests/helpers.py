@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 #: SearchConfig fields for the exact CoMP search (no cost model: every candidate is measured)
-EXACT = {"predictor": "off"}
+EXACT = {"predictor": False}
 
 
 def ce(output, batch):
@@ -84,7 +84,7 @@ def assert_bitwise(reference, planned):
 
 def assert_matches_apply(compiled, model, plan, analysis, inputs, tol):
     """``compiled`` gives the outputs and parameter grads of ``compfx.apply(model, plan)``, within ``tol``."""
-    from compfx.apply import apply
+    from compfx.planned_module import apply
 
     out, grads = forward_and_grads(compiled, model, inputs)
     ref_out, ref_grads = forward_and_grads(apply(model, plan, analysis=analysis), model, inputs)

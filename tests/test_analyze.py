@@ -4,8 +4,8 @@ for a CUDA target (capability 8.0, fp16) and for CPU (bf16); and a Hugging Face 
 import pytest
 import torch
 
-from compfx.analyze import analyze, analyze_graph
-from compfx.capture import capture
+from compfx.analysis import analyze, analyze_graph
+from compfx.graph_capture import capture
 from compfx.errors import BadInputError
 from compfx.opkey import OpKey
 from zoo import ZOO, make

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import compfx
-from compfx.apply import apply
+from compfx.planned_module import apply
 from compfx.errors import BadInputError, PlanFileError, PlanMismatchError
 from compfx.passes import count_autocast_casts, count_casts
 from zoo import ZOO, make
@@ -90,7 +90,7 @@ def test_outputs_come_back_in_the_models_dtype_by_default():
     analysis = compfx.analyze(model, inputs)
     gm = apply(model, compfx.Plan.uniform(analysis, "low"), analysis=analysis)
     assert gm(*inputs).dtype == torch.float32
-    assert "fc1_weight_bf16 = fc1_weight.to(torch.bfloat16)" in gm.code
+    assert "fc1_weight_bf16 = fc1_weight.to(torch.bfloat16)" in gm.graph_module.code
 
 
 # ---------------------------------------------------------------------------
@@ -138,8 +138,31 @@ def test_apply_captures_when_given_example_inputs_and_leaves_the_analysis_alone(
     from_inputs = apply(model, plan, inputs)
     from_analysis = apply(model, plan, analysis=analysis)
     assert analysis.graph_module.code == code
-    assert from_inputs.code == from_analysis.code
+    assert from_inputs.graph_module.code == from_analysis.graph_module.code
     assert torch.equal(from_inputs(*inputs), from_analysis(*inputs))
+
+
+@pytest.mark.parametrize("given", ["analysis", "example_inputs"])
+def test_apply_always_returns_a_planned_module_that_runs_any_signature(given):
+    model, inputs = make("mlp")
+    analysis = compfx.analyze(model, inputs)
+    plan = compfx.Plan.amp(analysis)
+    planned = apply(model, plan, analysis=analysis) if given == "analysis" else apply(model, plan, inputs)
+    assert isinstance(planned, compfx.PlannedModule) and planned.plan is plan
+    assert isinstance(planned.graph_module, torch.fx.GraphModule)
+    wider = tuple(torch.cat([x, x]) for x in inputs)  # another batch size: captured again on first use
+    assert planned(*wider).shape[0] == 2 * inputs[0].shape[0] and len(planned.graphs) == 2
+    assert not any(isinstance(m, compfx.PlannedModule) for m in model.modules())  # the model is not changed
+
+
+def test_a_graph_module_attribute_on_a_planned_module_says_where_the_graph_is():
+    model, inputs = make("mlp")
+    planned = apply(model, compfx.Plan.amp(compfx.analyze(model, inputs)), inputs)
+    with pytest.raises(AttributeError, match=r"read \.graph_module\.code"):
+        planned.code
+    assert not hasattr(planned, "graph") and "graph" in dir(planned.graph_module)  # duck typing sees no graph
+    with pytest.raises(AttributeError, match="has no attribute 'no_such_thing'$"):
+        planned.no_such_thing
 
 
 # ---------------------------------------------------------------------------

@@ -17,8 +17,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
-from compfx.apply import apply
-from compfx.capture import meta_value
+from compfx.planned_module import apply
+from compfx.graph_capture import meta_value
 from compfx.cast_policy import CAST_META, AutocastRegion
 from compfx.passes import count_autocast_casts, count_casts
 
@@ -99,7 +99,7 @@ def test_amp_plan_is_autocast_bitwise_in_outputs_and_grads(name, low_dtype):
     model, kwargs = MODELS[name](), {"x": _x()}
     analysis = compfx.analyze(model, kwargs, low_dtype=low_dtype)
     reference = seeded_grads(model, kwargs, autocast_dtype=low_dtype)
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False).graph_module
     assert_bitwise(reference, seeded_grads(gm, kwargs))
     regions = sum(isinstance(m, AutocastRegion) for m in gm.modules())  # casts inside a region are autocast's
     assert regions == (3 if name == "einsum_mixer" else 0)
@@ -110,7 +110,7 @@ def test_amp_plan_is_autocast_bitwise_in_outputs_and_grads(name, low_dtype):
 def test_each_use_of_an_activation_has_its_own_cast_and_a_parameter_one_for_all_uses():
     model = SeparateQKV()
     analysis = compfx.analyze(model, (_x(),))
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis)
+    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis).graph_module
     casts = [n for n in gm.graph.nodes if n.meta.get(CAST_META)]
     norm_out = [c for c in casts if c.args[0].op == "call_function" and "layer_norm" in str(c.args[0].target)]
     assert len(norm_out) == 3 and all(len(c.users) == 1 for c in norm_out)  # q, k and v: one cast each
@@ -118,7 +118,7 @@ def test_each_use_of_an_activation_has_its_own_cast_and_a_parameter_one_for_all_
 
     tied = TiedLinear()
     analysis = compfx.analyze(tied, (_x(),))
-    gm = apply(tied, compfx.Plan.amp(analysis), analysis=analysis)
+    gm = apply(tied, compfx.Plan.amp(analysis), analysis=analysis).graph_module
     (weight_cast,) = [n for n in gm.graph.nodes if n.meta.get(CAST_META) and n.args[0].target == "fc.weight"]
     assert len(weight_cast.users) == 2 and meta_value(weight_cast).dtype == torch.bfloat16
 
@@ -148,7 +148,7 @@ def test_a_shared_low_cast_sums_the_uses_gradients_in_the_low_dtype():
 
 
 # ---------------------------------------------------------------------------
-# dtypes the model's Python reads from activations (compfx.capture.dtype_reads), in a recorded graph
+# dtypes the model's Python reads from activations (compfx.graph_capture.dtype_reads), in a recorded graph
 
 class _ReadsADtype(nn.Module):
     """Two linears around the part of ``forward`` each model below writes."""
@@ -195,7 +195,8 @@ def _recorded_under_amp(model):
     """``model`` recorded on ``_x()`` and planned as AMP: (its inputs, the analysis, the planned graph)."""
     kwargs = {"x": _x()}
     analysis = compfx.analyze(model, kwargs, method="record")
-    return kwargs, analysis, apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    return kwargs, analysis, apply(model, compfx.Plan.amp(analysis), analysis=analysis,
+                                   restore_output_dtypes=False).graph_module
 
 
 def _recorded_node(analysis, match):
@@ -285,7 +286,7 @@ def test_a_dtype_read_passed_to_another_function_is_kept_and_the_plan_says_where
     _, analysis, gm = _recorded_under_amp(model)
     (note,) = gm.meta["compfx_fidelity_notes"]
     assert "input_dtype = h.dtype" in note and "bfloat16 under this plan" in note
-    fp32 = apply(model, compfx.Plan.fp32(analysis), analysis=analysis)
+    fp32 = apply(model, compfx.Plan.fp32(analysis), analysis=analysis).graph_module
     assert fp32.meta["compfx_fidelity_notes"] == []  # a plan that keeps h in FP32 changes nothing there
 
 
@@ -341,7 +342,7 @@ def _amp_against_autocast(name):
     model.train()
     analysis = compfx.analyze(model, kwargs)
     expected = seeded_grads(model, kwargs, autocast_dtype=torch.bfloat16)  # the model itself under torch.autocast
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False).graph_module
     return expected, seeded_grads(gm, kwargs), gm
 
 
@@ -378,3 +379,30 @@ def test_amp_plan_differs_from_autocast_only_within_the_documented_bound_and_say
 @pytest.mark.parametrize("name", ["llama", "gemma2"])
 def test_a_bitwise_model_has_no_fidelity_notes(name):
     assert _amp_against_autocast(name)[2].meta["compfx_fidelity_notes"] == []
+
+
+@pytest.mark.parametrize("use_cache_in", ["config", "batch"])
+def test_llama_in_its_training_configuration_is_autocast_bitwise(use_cache_in):
+    """Pretraining's configuration: no KV cache, no attention mask, labels in the batch. Eager calls SDPA with
+    ``is_causal=True`` once it has read ``position_ids`` (an ``arange``) and seen no packed sequences; the recorded
+    graph computes those values as eager does and takes the same path: the same kernel, the same bits."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    config = transformers.LlamaConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, vocab_size=64, max_position_embeddings=64)
+    batch = {"input_ids": ids, "labels": ids}
+    if use_cache_in == "config":
+        config.use_cache = False
+    else:
+        batch["use_cache"] = False
+    model = transformers.LlamaForCausalLM(config).train()
+    analysis = compfx.analyze(model, batch)
+    assert analysis.verification.exact and not analysis.verification.notes
+    [attention] = {(n.kwargs.get("attn_mask"), n.kwargs.get("is_causal")) for n in analysis.graph_module.graph.nodes
+                   if n.target is F.scaled_dot_product_attention}
+    assert attention == (None, True)  # eager's call, not a 4-D mask built on FakeTensors
+    expected = seeded_grads(model, batch, autocast_dtype=torch.bfloat16)
+    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    assert_bitwise(expected, seeded_grads(gm, batch))
+    assert gm.meta["compfx_fidelity_notes"] == []

@@ -6,6 +6,7 @@ compiles); the Inductor tests are kept to two small models.
 
 from __future__ import annotations
 
+import copy
 import logging
 import random
 import warnings
@@ -16,10 +17,11 @@ import torch.nn as nn
 
 import compfx
 from compfx import cache
-from compfx.apply import apply
-from compfx.backend import backend, compfx_backend, compile_with_plan, registered_backend
+from compfx.planned_module import apply
+from compfx.compile_backend import backend, compfx_backend, compile_with_plan, registered_backend
 from compfx.errors import BadInputError, PlanFileError
 from compfx.opkey import OpKey
+from compfx.passes import count_casts
 
 from tests.helpers import assert_matches_apply, forward_and_grads
 from zoo import make
@@ -194,13 +196,93 @@ class CheckpointedBlock(nn.Module):
         return torch.utils.checkpoint.checkpoint(self.block, x, use_reentrant=False) + x
 
 
-def test_ops_in_a_checkpointed_region_are_said_to_run_unplanned(caplog):
-    """Dynamo passes the region as a subgraph; the backend plans the graph's own ops only, and says so."""
-    model = CheckpointedBlock()
+class TwoCheckpointedBlocks(nn.Module):
+    """A block checkpointed twice, non-reentrant, as a training loop with activation checkpointing writes it."""
+
+    def __init__(self):
+        super().__init__()
+        self.pre, self.blocks, self.head = nn.Linear(8, 8), nn.ModuleList([CheckpointedBlock() for _ in range(2)]), \
+            nn.Linear(8, 4)
+
+    def forward(self, x):
+        x = self.pre(x)
+        for block in self.blocks:
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False)
+        return self.head(x).log_softmax(-1)
+
+
+def _inner_seeing(handed: list):
+    """An inner backend that keeps each graph the compfx backend hands it, then compiles it with aot_eager."""
+    from torch._dynamo import lookup_backend
+
+    def inner(gm, example_inputs):
+        handed.append(gm)
+        return lookup_backend("aot_eager")(gm, example_inputs)
+
+    return inner
+
+
+def _checkpointed_bodies(gm) -> list:
+    return [getattr(gm, n.args[0].target) for n in gm.graph.nodes
+            if n.target is torch.ops.higher_order.tag_activation_checkpoint]
+
+
+def test_a_checkpointed_region_runs_the_plan_and_stays_checkpointed(caplog):
+    """Dynamo passes each checkpointed region as a subgraph; the backend plans its ops, keyed as apply keys them,
+    and hands the inner backend the regions again, the plan's casts inside them."""
+    torch.manual_seed(0)
+    model, x = TwoCheckpointedBlocks(), torch.randn(4, 8)
+    analysis = compfx.analyze(model, x)
+    plan = compfx.Plan.uniform(analysis, "low").with_precisions({OpKey("blocks.1", "relu", 0): "fp32"})
+    handed: list = []
+    compiled_backend = backend(plan, inner=_inner_seeing(handed), model=model)
+    reference = copy.deepcopy(model)
     with caplog.at_level(logging.INFO, logger="compfx"):
-        torch.compile(model, backend=backend(None, inner="aot_eager"))(torch.randn(4, 8)).sum().backward()
-    (said,) = [message for message in caplog.messages if "region(s) that dynamo passes as subgraphs" in message]
-    assert "runs 3 op(s) inside 1 region(s)" in said and "compfx.apply and compfx.optimize plan inside" in said
+        losses = train(torch.compile(model, backend=compiled_backend), model, x)
+    (record,) = compiled_backend.records
+    assert set(record.precisions) == set(plan) and not record.unplanned  # the regions' ops included
+    assert_records_follow_plan(compiled_backend.records, plan, analysis.low_dtype)
+    assert record.compute_dtypes[OpKey("blocks.1.a", "linear", 0)] == torch.bfloat16
+    assert not [m for m in caplog.messages if "subgraph" in m]  # nothing left unplanned to warn about
+    bodies = _checkpointed_bodies(handed[0])
+    assert len(bodies) == 2 and all(count_casts(body) >= 4 for body in bodies)  # x and a's, b's weights and biases
+    expected = train(apply(reference, plan, analysis=compfx.analyze(reference, x)), reference, x)
+    torch.testing.assert_close(losses, expected, **FP32_TOL)
+
+
+def test_hugging_face_gradient_checkpointing_runs_the_plan_under_torch_compile():
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=2, n_positions=32, use_cache=False,
+                                     bos_token_id=0, eos_token_id=0, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+    torch.manual_seed(0)
+    model = transformers.GPT2LMHeadModel(config).train()
+    model.gradient_checkpointing_enable()
+    reference = copy.deepcopy(model)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0))
+    batch = {"input_ids": ids, "labels": ids}
+    analysis = compfx.analyze(model, batch)
+    plan = compfx.Plan.amp(analysis)
+    handed: list = []
+    compiled_backend = backend(plan, inner=_inner_seeing(handed), model=model)
+    compiled = torch.compile(model, backend=compiled_backend)
+    planned = apply(reference, plan, analysis=compfx.analyze(reference, batch))
+    losses, expected = [], []
+    for module, owner, out in ((compiled, model, losses), (planned, reference, expected)):
+        optimizer = torch.optim.SGD(owner.parameters(), lr=0.1)
+        for _ in range(2):
+            loss = module(**batch).loss
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            out.append(loss.item())
+    torch.testing.assert_close(losses, expected, **FP32_TOL)
+    records = compiled_backend.records
+    assert not any(record.unplanned for record in records)
+    assert_records_follow_plan(records, plan, analysis.low_dtype)
+    planned_keys = {key for record in records for key in record.precisions}
+    assert {OpKey(f"transformer.h.{i}.mlp.c_fc", "addmm", 0) for i in range(2)} <= planned_keys
+    bodies = [body for gm in handed for body in _checkpointed_bodies(gm)]
+    assert len(bodies) == 2 and all(count_casts(body) for body in bodies)
 
 
 # ---------------------------------------------------------------------------

@@ -134,7 +134,7 @@ def test_all_low_saves_fewer_activation_bytes_than_fp32(name):
 
     fp32 = saved_activation_bytes(model)
     assert saved_activation_bytes(model, _bf16_autocast()) < fp32
-    apply_module = pytest.importorskip("compfx.apply")
+    apply_module = pytest.importorskip("compfx.planned_module")
     import compfx
 
     analysis = compfx.analyze(model, batch[:-1], low_dtype=torch.bfloat16)
@@ -247,10 +247,15 @@ def test_compile_depth_writes_its_figures_and_the_regions_compile_as_many_graphs
     from benchmarks.compile_depth import main as compile_depth
 
     assert compile_depth(["--layers", "2", "3", "--inner", "aot_eager", "--steps", "1", "--rounds", "1",
-                          "--no-search", "--out", str(tmp_path)]) == 0
+                          "--search-budget", "2", "1", "--out", str(tmp_path)]) == 0
     result = json.loads((tmp_path / "compile_depth.json").read_text())
     shallow, deep = result["rows"]
     assert shallow["stage1"]["tied"]["samples"] == deep["stage1"]["tied"]["samples"]
     assert shallow["stage1"]["untied"]["decisions"] < deep["stage1"]["untied"]["decisions"]
     assert shallow["compile"]["regions"]["amp"]["graphs"] == deep["compile"]["regions"]["amp"]["graphs"]
-    assert "| 3 |" in (tmp_path / "compile_depth.md").read_text()
+    for row in result["rows"]:  # the compiled searches ran, by regions, and torch's timers counted their compiles
+        assert all(row["compiled_search"][name]["programs"] >= 2 for name in ("tied", "untied"))
+        assert all(row["compiled_search"][name]["torch_timers"] > 0 for name in ("tied", "untied"))
+    assert set(result["search_deepest_over_shallowest"]) == {"tied", "untied"} and len(result["load_average_end"]) == 3
+    table = (tmp_path / "compile_depth.md").read_text()
+    assert "| 3 |" in table and "compiled search by regions, tied blocks" in table

@@ -4,13 +4,14 @@ with metadata on every node, clear errors, and the user's model left alone."""
 import copy
 import functools
 import inspect
+import operator
 
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from compfx.capture import capture, key_dynamo_graph, op_nodes
+from compfx.graph_capture import capture, key_dynamo_graph, op_nodes
 from compfx.errors import CaptureError
 from zoo import ZOO, make
 
@@ -140,7 +141,7 @@ def test_a_graph_split_off_inside_a_submodule_needs_the_model_for_its_names():
 
 
 def test_the_old_backend_keying_name_warns_and_keys_as_key_dynamo_graph():
-    from compfx.backend import key_backend_graph
+    from compfx.compile_backend import key_backend_graph
 
     model = nn.Sequential(nn.Linear(4, 8), nn.ReLU())
     seen = []
@@ -230,6 +231,51 @@ def test_value_branch_error_names_the_users_line(method):
     assert "torch.where" in message
     assert not first_line.startswith("Traceback") and "torch/fx" not in first_line
     assert info.value.__cause__ is not None
+
+
+class PositionsBranch(nn.Module):
+    """Hugging Face's packed-sequence check: a branch on values that an ``arange`` of the input's length decides."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc = nn.Linear(4, 4)
+
+    def forward(self, x):
+        positions = torch.arange(x.shape[1]).unsqueeze(0)
+        packed = (torch.diff(positions, prepend=positions[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+        if (packed[:, -1] == 0).all():  # one sequence per row: eager's path for these shapes
+            return self.fc(x)
+        return -self.fc(x)
+
+
+def test_a_branch_on_values_the_shapes_decide_is_taken_as_eager_takes_it():
+    model, x = PositionsBranch(), torch.randn(2, 4)
+    gm = capture(model, x, method="record")
+    assert torch.equal(gm(x), model(x))
+    assert not [n for n in gm.graph.nodes if n.target in (torch.diff, operator.neg)]  # the check and the other side
+
+
+class DataAfterShapes(nn.Module):
+    """Zeros (values the shapes decide) that data is then added into: a branch on them is a branch on data."""
+
+    def __init__(self, read: str):
+        super().__init__()
+        self.read = read
+
+    def forward(self, x):
+        total = torch.zeros(x.shape[0])
+        first = total[:1]  # a view: the write below reaches it too
+        total.add_(x.sum(1))
+        draw = torch.rand(x.shape[0])
+        if ({"total": total, "view": first, "draw": draw}[self.read] > 0).all():  # VALUE-BRANCH
+            return x * 2
+        return x
+
+
+@pytest.mark.parametrize("read", ["total", "view", "draw"])
+def test_values_that_data_wrote_or_a_draw_made_are_still_refused_as_a_branch_on_data(read):
+    with pytest.raises(CaptureError, match="branches on tensor values"):
+        capture(DataAfterShapes(read), torch.randn(2, 4), method="record")
 
 
 class PackedTagger(nn.Module):
@@ -406,7 +452,7 @@ def test_div_method_calls_are_captured_as_division(method):
 # -- small cases found while splitting capture into a package ----------------------------------
 
 def test_a_leaf_module_whose_name_ends_in_an_underscore_writes_nothing():
-    from compfx.capture import writes_input
+    from compfx.graph_capture import writes_input
     from compfx.cast_policy import mutated_positions
 
     class Net(torch.nn.Module):
@@ -446,7 +492,7 @@ def test_a_leaf_module_returning_a_namedtuple_is_captured():
 
 
 def test_an_input_signature_with_a_nan_float_matches_itself():
-    from compfx.capture import input_signature
+    from compfx.graph_capture import input_signature
 
     x = torch.randn(2, 3)
     assert input_signature((x, float("nan")), {}, True) == input_signature((x, float("nan")), {}, True)

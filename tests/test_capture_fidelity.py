@@ -18,10 +18,10 @@ from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import compfx
-from compfx.capture import capture
-from compfx.capture.checkpoints import CHECKPOINT_META, CheckpointedGraph, checkpointed_nodes
-from compfx.capture.functions import FunctionCall
-from compfx.capture.verify import SAVED_TENSOR_SLACK, VERIFICATION_META, verify_capture
+from compfx.graph_capture import capture
+from compfx.graph_capture.checkpoints import CHECKPOINT_META, CheckpointedGraph, checkpointed_nodes
+from compfx.graph_capture.functions import FunctionCall
+from compfx.graph_capture.verify import SAVED_TENSOR_SLACK, VERIFICATION_META, verify_capture
 from compfx.cast_policy import AutocastRegion, is_cast
 from compfx.errors import CaptureError
 from compfx.opkey import KEY_META
@@ -247,7 +247,7 @@ def test_a_custom_function_planned_low_runs_under_autocast_as_in_eager_amp():
     plan = compfx.Plan.from_assignment(analysis, [Precision.LOW if o.key == op.key else Precision.FP32
                                                   for o in analysis.ops])
     planned = compfx.apply(model, plan, analysis=analysis)
-    assert sum(isinstance(m, AutocastRegion) for m in planned.modules()) == 1
+    assert sum(isinstance(m, AutocastRegion) for m in planned.graph_module.modules()) == 1
     planned(x).sum().backward()
     assert all(p.grad is not None for p in model.parameters())
 
@@ -291,7 +291,7 @@ def test_checkpointed_regions_stay_checkpointed_and_recompute(method, use_reentr
     torch.testing.assert_close(out, eager_out, rtol=0, atol=0)
     _assert_grads_bitwise(model, eager)
 
-    low = compfx.apply(model, _all_low(analysis), analysis=analysis)
+    low = compfx.apply(model, _all_low(analysis), analysis=analysis).graph_module
     regions = checkpointed_nodes(low.graph)
     inside = {node for nodes in regions.values() for node in nodes}
     casts = [n for n in low.graph.nodes if is_cast(n) and all(u in inside for u in n.users)]
@@ -310,7 +310,7 @@ def test_a_planned_graph_keeps_its_regions_whatever_copy_of_the_graph_the_passes
     plain.__class__ = torch.fx.Graph  # a copy made as fx.Graph copies: the nodes keep their regions, the class is lost
     analysis.graph_module.graph = plain
     eager_saved, _ = _saved_requiring_grad(lambda: model(x))
-    planned = compfx.apply(model, _all_low(analysis), analysis=analysis)
+    planned = compfx.apply(model, _all_low(analysis), analysis=analysis).graph_module
     assert isinstance(planned.graph, CheckpointedGraph)
     saved, _ = _saved_requiring_grad(lambda: planned(x))
     assert saved <= eager_saved + SAVED_TENSOR_SLACK
@@ -346,8 +346,8 @@ def test_padding_sits_inside_the_checkpointed_region_of_its_op():
     eligible = [op.key for op in analysis.ops if op.pad_eligible]
     assert len(eligible) == 4
     plan = _all_low(analysis).with_padding(eligible, analysis=analysis)
-    unpadded = compfx.apply(model, _all_low(analysis), analysis=analysis)
-    padded = compfx.apply(model, plan, analysis=analysis)
+    unpadded = compfx.apply(model, _all_low(analysis), analysis=analysis).graph_module
+    padded = compfx.apply(model, plan, analysis=analysis).graph_module
     inside = {node for nodes in checkpointed_nodes(padded.graph).values() for node in nodes}
     pads = [n for n in padded.graph.nodes if n.meta.get("compfx_pad")]
     assert pads and all(n in inside for n in pads)
@@ -608,7 +608,7 @@ def test_per_module_regions_are_verified_and_keep_the_tracer_that_passed():
     model = TwoBlocks(CheckedBlock)
     expected = model(x)
     analysis = analyze_regions(model, x, CheckedBlock)
-    compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis, per_module=CheckedBlock)
+    compfx.plan_blocks(model, compfx.Plan.fp32(analysis), analysis=analysis, blocks=CheckedBlock)
     assert model.first.method == "record"  # the block's graph is captured again with the tracer that passed
     torch.testing.assert_close(model(x), expected, rtol=0, atol=0)
 
@@ -670,9 +670,10 @@ def test_a_recorded_graph_of_the_fake_tensor_code_path_is_kept_within_the_bound_
         analysis = compfx.analyze(model, x, method="record")  # kept, not refused (auto would hand it to dynamo)
     verification = analysis.graph_module.meta[VERIFICATION_META]
     assert verification.faithful and not verification.exact and verification.code_path
-    amp = compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis)
+    amp = compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis).graph_module
     assert any("recorded on FakeTensors" in note for note in amp.meta["compfx_fidelity_notes"])
-    assert compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis).meta["compfx_fidelity_notes"] == []
+    fp32 = compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis)
+    assert fp32.graph_module.meta["compfx_fidelity_notes"] == []
     with pytest.raises(CaptureError, match="beyond"):
         compfx.analyze(_FakeTensorPath(scale=1.01), x, method="record")
 

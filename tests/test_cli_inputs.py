@@ -87,7 +87,7 @@ NOT_A_FUNCTION = 3
 
 REPO = Path(compfx.__file__).resolve().parent.parent
 CHEAP = dict(progress=False, warmup=0, repeats=1, stage1_budget=2, stage2_budget=1, stage2_check_batches=1,
-             predictor="off")
+             predictor=False)
 
 
 @pytest.fixture(scope="module")

@@ -13,9 +13,9 @@ import torch
 import torch.nn as nn
 
 import compfx
-from compfx.apply import apply
-from compfx.backend import compile_with_plan
-from compfx.compile_regions import RegionallyCompiled, region_plan, repeated_blocks
+from compfx.planned_module import apply
+from compfx.compile_backend import compile_with_plan
+from compfx.compile_regions import RegionCache, RegionallyCompiled, region_plan, repeated_blocks
 from compfx.errors import BadInputError
 from compfx.examples import _Block
 from compfx.opkey import OpKey
@@ -197,7 +197,7 @@ def test_a_planned_op_left_to_a_loop_forward_s_own_code_is_warned_about():
 def test_a_hugging_face_gpt2_compiles_one_block_graph_and_its_loss_by_regions():
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    config = transformers.GPT2Config(n_layer=3, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
+    config = transformers.GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16, bos_token_id=0,
                                      eos_token_id=0, attn_pdrop=0.0, embd_pdrop=0.0, resid_pdrop=0.0, use_cache=False)
     model = transformers.GPT2LMHeadModel(config)
     ids = token_batches(1)[0][0]
@@ -206,7 +206,7 @@ def test_a_hugging_face_gpt2_compiles_one_block_graph_and_its_loss_by_regions():
     compiled = compile_with_plan(model, plan, inner="aot_eager", regions="auto")
     loss = compiled(**inputs).loss
     blocks = next(r for r in compiled.compfx_regions if "transformer.h.0" in r.paths)
-    assert blocks.paths == ("transformer.h.0", "transformer.h.1", "transformer.h.2")
+    assert blocks.paths == ("transformer.h.0", "transformer.h.1")
     assert len(blocks.backend.records) == 1
     ran = {key for record in compiled.records for key in record.precisions}
     assert {key for key in plan if key not in ran} == {OpKey("transformer", "add", 0)}  # GPT2Model's own code
@@ -244,3 +244,76 @@ def test_many_plans_of_one_model_each_compile_past_dynamo_s_recompile_limit(regi
         compiled(batches[0][0])
         records = compiled.records if regions else compiled.compfx_backend.records
         assert records and all(r.plan_fingerprint == analysis.fingerprint for r in records), f"compile {i}"
+
+
+# ---------------------------------------------------------------------------
+# programs sharing their regions, and plans that record regions
+
+
+def graphs_dynamo_compiled(run) -> int:
+    """Graphs dynamo compiled while ``run()`` ran (its own counter of the distinct graphs it handed a backend)."""
+    counters = torch._dynamo.utils.counters["stats"]
+    before = counters["unique_graphs"]
+    run()
+    return counters["unique_graphs"] - before
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_a_plan_that_changes_one_block_compiles_that_block_s_region_alone_when_programs_share_regions(shared):
+    batches = token_batches(1)
+    model = tiny_gpt(4)
+    amp = compfx.Plan.amp(compfx.analyze(model, batches[0][0]))
+    one_block = amp.with_precisions({key: "fp32" for key in amp if key.module.startswith("blocks.1.")})
+    cache = RegionCache() if shared else None
+    compiled = {}
+    graphs = {}
+    for name, plan in (("amp", amp), ("one block", one_block), ("amp again", amp)):
+        compiled[name] = compile_with_plan(model, plan, inner="aot_eager", regions="auto", shared_regions=cache)
+        graphs[name] = graphs_dynamo_compiled(lambda: train(compiled[name], model.parameters(), batches))
+    own = len(compiled["amp"].compfx_backend.records)  # the model's own code around the regions: every program's
+    assert own >= 1 and all(len(c.compfx_backend.records) == own for c in compiled.values())
+    if shared:  # the changed block's region, then nothing but the model's own code
+        assert graphs == {"amp": own + 1, "one block": own + 1, "amp again": own}
+        assert [(t.__name__, len(b.records)) for t, _, b in cache.entries()] == [("_Block", 1), ("_Block", 1)]
+        assert cache.reuses == 2  # blocks 0, 2, 3 in the second program; every block in the third
+    else:  # every program compiles each of its block plans
+        assert graphs == {"amp": own + 1, "one block": own + 2, "amp again": own + 1}
+    assert_runs_the_plan(compiled["one block"].records, one_block, amp.low_dtype)
+
+
+def test_a_plan_records_regions_and_compiles_by_them_again_from_its_file(tmp_path):
+    batches = token_batches(2)
+    model = tiny_gpt(2)
+    analysis = compfx.analyze(model, batches[0][0])
+    options = compfx.CompileOptions(inner="aot_eager", regions=(_Block,))
+    assert options.regions == ("compfx.examples._Block",)  # a class is recorded by its name
+    compfx.Plan.amp(analysis).with_compile_options(options).save(tmp_path / "plan.json")
+    written = (tmp_path / "plan.json").read_text()
+    assert '"regions": [' in written
+    loaded = compfx.Plan.load(tmp_path / "plan.json")
+    assert loaded.compile_options == options
+    compiled = compile_with_plan(model, loaded)  # by the regions it records
+    losses = train(compiled, model.parameters(), batches)
+    assert isinstance(compiled, RegionallyCompiled) and compiled.compfx_regions[0].paths == ("blocks.0", "blocks.1")
+    assert {record.compiled_with["inner"] for record in compiled.records} == {"aot_eager"}
+    torch.testing.assert_close(losses, losses_of_apply(lambda: tiny_gpt(2), loaded, batches), **EXACT)
+    whole = compile_with_plan(tiny_gpt(2), loaded, regions=False)  # given, a setting wins over the recorded one
+    assert not isinstance(whole, RegionallyCompiled)
+    assert "regions" not in compfx.CompileOptions(inner="aot_eager").to_dict()  # files as compfx wrote them before
+    with pytest.raises(BadInputError, match="regions="):
+        compfx.CompileOptions(regions=3)
+
+
+def test_backend_compfx_compiles_a_plan_searched_by_regions_whole_and_says_so(caplog):
+    batches = token_batches(1)
+    model = tiny_gpt(2)
+    plan = compfx.Plan.amp(compfx.analyze(model, batches[0][0]))
+    plan = plan.with_compile_options(compfx.CompileOptions(inner="aot_eager", regions="auto"))
+    with caplog.at_level("INFO", logger="compfx"):
+        compiled = torch.compile(model, backend=compfx.backend(plan))
+        compiled(batches[0][0])
+    assert "searched compiled by regions, compiles whole here" in caplog.text
+    caplog.clear()
+    with caplog.at_level("INFO", logger="compfx"):
+        compile_with_plan(model, plan)(batches[0][0])
+    assert "compiles whole here" not in caplog.text

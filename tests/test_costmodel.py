@@ -21,7 +21,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.apply import apply
+from compfx.planned_module import planned_graph
 from compfx.cache import profile_folder
 from compfx.cast_policy import castable_inputs
 from compfx.costmodel import CastCost, OpProfile, OpProfiles, Predictor, fit_cast_cost, profile_ops
@@ -226,7 +226,7 @@ def _analysis_or_special(name: str):
 ])
 def test_low_profile_casts_what_the_rewriter_casts(name, kind, casts):
     a = _analysis_or_special(name)
-    node = next(n for n in compfx.op_nodes(a.graph_module) if n.meta[KEY_META].kind == kind)
+    node = next(n for n in compfx.graph_capture.op_nodes(a.graph_module) if n.meta[KEY_META].kind == kind)
     assert _OpBench(a.graph_module, node, a.device).cast_positions() == casts
 
 
@@ -234,7 +234,7 @@ def test_low_profile_casts_what_the_rewriter_casts(name, kind, casts):
                                   "writes_and_doubles"])
 def test_low_profile_casts_exactly_the_inputs_the_cast_policy_names(name):
     a = _analysis_or_special(name)
-    for node in compfx.op_nodes(a.graph_module):
+    for node in compfx.graph_capture.op_nodes(a.graph_module):
         bench = _OpBench(a.graph_module, node, a.device)
         leaves = torch.utils._pytree.tree_leaves((node.args, node.kwargs))
         cast_nodes = {leaves[i] for i in bench.cast_positions()}
@@ -347,7 +347,7 @@ def test_cast_pass_metadata_prices_a_plan_as_propagating_fake_tensors_does(name,
     bits = "".join(data.draw(st.sampled_from("01f" if op.category == "other" else "01")) for op in a.ops)
     plan = compfx.Plan.from_bitstring(a, bits)
     predictor = _fake_predictor(a)
-    applied = apply(a.graph_module, plan, analysis=a)
+    applied = planned_graph(a.graph_module, plan, a)
     from_meta = predictor.breakdown(applied)  # the pass's incremental meta["val"]
     repropagated = propagate_dtypes(fx.GraphModule(applied, copy.deepcopy(applied.graph)))  # every node again
     propagated = predictor.breakdown(repropagated)
@@ -357,7 +357,7 @@ def test_cast_pass_metadata_prices_a_plan_as_propagating_fake_tensors_does(name,
 
 def test_cast_pass_graph_is_priced_without_propagating_fake_tensors_again(monkeypatch):
     a = _analysis("cnn")
-    gm = apply(a.graph_module, compfx.Plan.from_bitstring(a, "0" * len(a.ops)), analysis=a)
+    gm = planned_graph(a.graph_module, compfx.Plan.from_bitstring(a, "0" * len(a.ops)), a)
     monkeypatch.setattr(DtypePropagator, "update", lambda *args, **kwargs: pytest.fail("propagated again"))
     assert _fake_predictor(a).breakdown(gm).casts
 
@@ -452,7 +452,7 @@ def test_default_rewrite_is_the_cast_pass_and_casts_match_its_report(name):
     predictor = Predictor(fake.profiles, fake.cast_cost, analysis=a)  # default rewrite: the cast pass
     for plan in (compfx.Plan.amp(a), compfx.Plan.uniform(a, "low"), compfx.Plan.fp32(a)):
         result = predictor.breakdown(plan)
-        assert result.n_casts == count_casts(apply(a.graph_module, plan, analysis=a))
+        assert result.n_casts == count_casts(planned_graph(a.graph_module, plan, a))
         assert set(result.low_ops) >= {k for k, p in plan.items() if p == "low"}
 
 
@@ -485,7 +485,7 @@ def test_cast_report_and_cost_model_count_the_same_chained_casts():
     assert cast_report(a.graph_module).total == own.n_casts == 4  # y->bf16, bf16->fp32 (type_as), y->fp16, fp16->fp32
     assert [c.node for c in own.casts] == [c.node for c in casts_in(a.graph_module)]
     for plan in (compfx.Plan.fp32(a), compfx.Plan.amp(a), compfx.Plan.uniform(a, "low")):
-        gm = apply(a.graph_module, plan, analysis=a)
+        gm = planned_graph(a.graph_module, plan, a)
         assert cast_report(gm).total == predictor.breakdown(gm).n_casts == predictor.breakdown(plan).n_casts
 
 

@@ -29,8 +29,8 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
-from compfx.apply import apply
-from compfx.backend import backend, registered_backend
+from compfx.planned_module import apply
+from compfx.compile_backend import backend, registered_backend
 from compfx.measure import device_name, timed
 from compfx.passes import count_autocast_casts, count_casts
 from compfx.search.sampling import FairSampler

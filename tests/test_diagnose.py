@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
-from compfx.apply import PlannedModule
+from compfx.planned_module import PlannedModule
 from compfx.cli import main
 from compfx.examples import Drifting
 from compfx.state import snapshot_state
@@ -121,11 +121,11 @@ def test_a_backward_overflow_names_the_op_whose_backward_overflows():
     assert all(row.overflow == 0 for row in diagnosis.rows) and not diagnosis.finite
 
 
-def test_diagnose_refuses_a_graph_from_apply_and_a_second_plan():
+def test_diagnose_refuses_a_planned_graph_alone_and_a_second_plan():
     model, batch = drifted()
     analysis = compfx.analyze(model, batch[0])
-    with pytest.raises(compfx.BadInputError, match="PlannedModule"):
-        compfx.diagnose(compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis), batch)
+    with pytest.raises(compfx.BadInputError, match="Pass the PlannedModule itself"):
+        compfx.diagnose(compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis).graph_module, batch)
     with pytest.raises(compfx.BadInputError, match="its own plan"):
         compfx.diagnose(PlannedModule(model, compfx.Plan.amp(analysis), analysis=analysis), batch,
                         plan=compfx.Plan.fp32(analysis))

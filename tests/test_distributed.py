@@ -155,7 +155,7 @@ def activation_heavy_mlp():
 
 def test_an_all_low_plan_saves_fewer_activation_bytes_than_fp32():
     import compfx
-    from compfx.apply import apply
+    from compfx.planned_module import apply
 
     torch.manual_seed(0)
     model, x = activation_heavy_mlp(), (torch.randn(256, 8),)
@@ -445,7 +445,7 @@ def test_per_device_in_one_process_picks_the_fastest_plan_within_the_budget():
 
 def test_a_single_process_search_honours_the_memory_budget_without_per_device():
     # the exact search (no cost model): every candidate is considered, so each plan over the budget is rejected
-    model, opt, result = optimized(0, memory_budget=SMALL_BUDGET, predictor="off")
+    model, opt, result = optimized(0, memory_budget=SMALL_BUDGET, predictor=False)
     x, _ = shard(0)[0]
     assert result.plan.bitstring(result.analysis) == "0f0f0"  # the only plan that fits, found by the stages
     assert saved_activation_bytes(result.module, (x,)) <= SMALL_BUDGET

@@ -28,7 +28,7 @@ def _benchmark_modules() -> list[str]:
 
 MODULES = ["compfx", *_modules(compfx), *_modules(compfx.passes), *_benchmark_modules()]
 #: Modules whose examples build torchao's float8 pieces: they run where torchao is installed (``compfx[fp8]``).
-NEEDS_TORCHAO = {"compfx.float8", "compfx.passes.float8"}
+NEEDS_TORCHAO = {"compfx.float8", "compfx.passes.float8", "compfx.costmodel.roofline"}
 
 
 @pytest.mark.parametrize("name", MODULES)

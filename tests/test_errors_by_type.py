@@ -11,9 +11,9 @@ import torch.nn as nn
 from torch._subclasses.fake_tensor import DataDependentOutputException
 
 import compfx
-from compfx.capture import capture
-from compfx.capture._sites import ValueReadError, reads_a_value
-from compfx.capture.autocast_blocks import AutocastRefusedError, autocast_probe
+from compfx.graph_capture import capture
+from compfx.graph_capture._sites import ValueReadError, reads_a_value
+from compfx.graph_capture.autocast_blocks import AutocastRefusedError, autocast_probe
 from compfx.errors import CaptureError
 from tests.test_defined_once import _sources, code_only
 
@@ -37,7 +37,7 @@ def message_tests(source: str) -> list[int]:
 
 #: file -> why it reads an error's message. Each entry must still be needed (a test checks).
 READS_A_MESSAGE = {
-    "compfx/capture/autocast_blocks.py": "torch's autocast refuses an op with a plain RuntimeError: autocast_probe "
+    "compfx/graph_capture/autocast_blocks.py": "torch's autocast refuses an op with a plain RuntimeError: autocast_probe "
                                          "reads it once and raises AutocastRefusedError, which capture catches",
     "compfx/guard.py": "torch.amp.GradScaler says unscale_() ran already with a plain RuntimeError, and no public "
                        "state tells it",
@@ -71,7 +71,7 @@ def test_a_message_test_is_found(source, found):
 
 
 def test_explained_capture_error_is_a_capture_error_users_can_catch_from_compfx_errors():
-    from compfx.capture._sites import ExplainedCaptureError as old_path
+    from compfx.graph_capture._sites import ExplainedCaptureError as old_path
     from compfx.errors import ExplainedCaptureError
 
     assert old_path is ExplainedCaptureError and issubclass(ExplainedCaptureError, CaptureError)

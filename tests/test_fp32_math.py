@@ -33,7 +33,7 @@ def test_the_report_says_what_fp32_meant_and_the_settings_are_kept(settings_rest
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     result = compfx.optimize(model, batches(2, (6, 4)), optimizer=optimizer, loss_fn=ce, config=compfx.SearchConfig(
-        progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor="off", cache_plan=False))
+        progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor=False, cache_plan=False))
     [note] = [r for r in result.log.notes() if "'fp32'" in r.reason]
     assert note.extra["fp32_math"] == fp32_math("cpu")
     assert f"means {describe_fp32_math(fp32_math('cpu'))} on cpu" in result.report()

@@ -16,8 +16,8 @@ import torch
 import torch.nn as nn
 
 import compfx
-from compfx.apply import PlannedModule, apply
-from compfx.backend import backend
+from compfx.planned_module import PlannedModule, apply
+from compfx.compile_backend import backend
 from compfx.errors import BadInputError, PlanFileError, PlanMismatchError
 from compfx.float8 import fp8_eligible
 from compfx.passes import Float8Matmul
@@ -104,7 +104,7 @@ def test_fp8_keeps_fp32_master_weights_optimizer_and_state_dict():
     assert {k: (v.dtype, v.shape) for k, v in planned.state_dict().items()} == before
     assert planned.get_parameter("0.weight") is model[0].weight and model[0].weight.dtype == torch.float32
     assert not torch.equal(model[0].weight, weight)  # the optimizer trained the model's own FP32 weight
-    assert sum(isinstance(m, compfx.passes.Float8Matmul) for m in planned.modules()) == 2
+    assert sum(isinstance(m, compfx.passes.Float8Matmul) for m in planned.graph_module.modules()) == 2
 
 
 # ---------------------------------------------------------------------------

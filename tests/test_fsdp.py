@@ -24,7 +24,7 @@ def train_planned(distributed: bool, steps: int = 3) -> list[float]:
     model = Net()
     x, y = data()
     analysis = compfx.analyze(model, x)
-    compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis, per_module=(Block,))
+    compfx.plan_blocks(model, compfx.Plan.amp(analysis), analysis=analysis, blocks=(Block,))
     if distributed:
         from torch.distributed.fsdp import fully_shard
 
@@ -54,7 +54,7 @@ def search_scenario(rank, world):
     model = Net()
     x, y = data()
     analysis = compfx.analyze(model, x)
-    compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis, per_module=(Block,))
+    compfx.plan_blocks(model, compfx.Plan.fp32(analysis), analysis=analysis, blocks=(Block,))
     for block in model.blocks:
         fully_shard(block)
     fully_shard(model)

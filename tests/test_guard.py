@@ -11,7 +11,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
-from compfx.apply import PlannedModule
+from compfx.planned_module import PlannedModule
 from compfx.examples import Drifting
 from compfx.vocabulary import Precision, Stage
 
@@ -128,10 +128,10 @@ def test_gradscaler_overflows_are_not_repairs():
 
 def test_repairs_are_noted_in_the_search_log(tmp_path):
     model, fast = planned_drifting()
-    log = compfx.SearchLog(tmp_path / "search.jsonl")
+    log = compfx.search.SearchLog(tmp_path / "search.jsonl")
     guard = compfx.Guard(fast, log=log)
     train(model, fast, Stepper(torch.optim.SGD(model.parameters(), lr=0.1), guard), batches(GROWS_AT + 2))
-    notes = [r for r in compfx.SearchLog.read(tmp_path / "search.jsonl").notes() if r.stage == Stage.GUARD]
+    notes = [r for r in compfx.search.SearchLog.read(tmp_path / "search.jsonl").notes() if r.stage == Stage.GUARD]
     assert [(n.extra["op"], n.extra["step"], n.extra["cause"]) for n in notes] == [(str(EXP), GROWS_AT + 1,
                                                                                      "non-finite loss")]
 

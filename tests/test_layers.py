@@ -18,27 +18,32 @@ ROOT = Path(__file__).resolve().parents[1]
 #: A name is a module or a package (then every module in it, unless a longer name says otherwise).
 LAYERS: tuple[tuple[str, ...], ...] = (
     # the shared words, errors and file handling every stage uses; what a batch is, and the state a run of the
-    # user's model may change (RNG, buffers, training state), saved and put back
-    ("compfx.vocabulary", "compfx.errors", "compfx.opkey", "compfx.files", "compfx.state", "compfx.batches"),
+    # user's model may change (RNG, buffers, training state), saved and put back; the torch.compile settings of a
+    # planned program (a plan records them, the search and the backend compile with them)
+    ("compfx.vocabulary", "compfx.errors", "compfx.opkey", "compfx.files", "compfx.state", "compfx.batches",
+     "compfx.compile_options"),
     # model -> FX graph
-    ("compfx.capture",),
+    ("compfx.graph_capture",),
     # can it: classify, Tensor Core / FP8 / padding eligibility, the cast rules; and the plan (OpKey -> precision).
     # One layer: the plan reads only the shared words, while FP8's fallback at a shape the plan's FP8 op cannot run
     # is AMP's precision for the op, which the plan defines (plan.AMP_PRECISION); the analysis of a model's blocks
     # alone (regions, for per_module) is an analysis too
-    ("compfx.oplists", "compfx.tensor_cores", "compfx.float8", "compfx.cast_policy", "compfx.analyze", "compfx.plan",
-     "compfx.plan_rules", "compfx.plan_export", "compfx.regions"),
+    ("compfx.oplists", "compfx.tensor_cores", "compfx.float8", "compfx.cast_policy", "compfx.analysis", "compfx.plan",
+     "compfx.plan_file", "compfx.plan_rules", "compfx.plan_export", "compfx.regions"),
     # graph rewrites
     ("compfx.passes",),
-    # a model + a plan -> the planned model (whole, or block by block); what a planned step saves
-    ("compfx.apply", "compfx.per_module", "compfx.memory"),
+    # a model + a plan -> the planned model (whole, or block by block); the captures it shares per input signature;
+    # what a planned step saves
+    ("compfx.planned_module", "compfx.signature_captures", "compfx.per_module", "compfx.memory"),
     # should it: timing, the cache, the cost model
     ("compfx.measure", "compfx.cache", "compfx.costmodel"),
     # decides: the stages, the evaluators, the orchestration of one search, its result and report
     ("compfx.search",),
     # wires and uses: the entry points, the tools around a planned model, the training stacks
-    ("compfx.optimize", "compfx.backend", "compfx.compile_regions", "compfx.report", "compfx.guard", "compfx.diagnose", "compfx.integrations",
-     "compfx.examples", "compfx.demo", "compfx.cli", "compfx.__main__", "compfx"),
+    ("compfx.optimization", "compfx.compile_backend", "compfx.compile_regions",
+     "compfx.report", "compfx.guard", "compfx.diagnosis",
+     "compfx.integrations", "compfx.examples", "compfx.demo", "compfx.cli", "compfx.__main__", "compfx",
+     "compfx.deprecations"),
 )
 
 
@@ -164,8 +169,8 @@ def test_no_module_imports_a_higher_layer():
 
 #: Modules that use a planned model or build one, and so need nothing of the search: the training conventions they
 #: share with it (batches, losses, state and RNG) are the lowest layer's (compfx.batches, compfx.state).
-NOT_THE_SEARCH = ("compfx.diagnose", "compfx.guard", "compfx.apply", "compfx.per_module", "compfx.capture",
-                  "compfx.analyze")
+NOT_THE_SEARCH = ("compfx.diagnosis", "compfx.guard", "compfx.planned_module", "compfx.per_module",
+                  "compfx.graph_capture", "compfx.analysis")
 
 #: (module, search module) -> why the import stays. Each entry must still be needed (the test checks).
 READS_THE_SEARCH = {
@@ -203,17 +208,17 @@ def test_the_graph_sees_imports_inside_functions(tmp_path):
 
 
 def test_search_imports_are_found():
-    graph = {"compfx.capture.record": {"compfx.search.sampling": 3, "compfx.opkey": 1},
-             "compfx.diagnose": {"compfx.search": 7}, "compfx.optimize": {"compfx.search.session": 2}}
-    assert search_imports(graph) == {("compfx.capture.record", "compfx.search.sampling"): 3,
-                                     ("compfx.diagnose", "compfx.search"): 7}
+    graph = {"compfx.graph_capture.record": {"compfx.search.sampling": 3, "compfx.opkey": 1},
+             "compfx.diagnosis": {"compfx.search": 7}, "compfx.optimization": {"compfx.search.session": 2}}
+    assert search_imports(graph) == {("compfx.graph_capture.record", "compfx.search.sampling"): 3,
+                                     ("compfx.diagnosis", "compfx.search"): 7}
 
 
 @pytest.mark.parametrize("module, target, upward", [
-    ("compfx.apply", "compfx.search.evaluator", True),
+    ("compfx.planned_module", "compfx.search.evaluator", True),
     ("compfx.search.result", "compfx.report", True),
-    ("compfx.per_module", "compfx.apply", False),
-    ("compfx.optimize", "compfx.search", False),
+    ("compfx.per_module", "compfx.planned_module", False),
+    ("compfx.optimization", "compfx.search", False),
     ("compfx.passes.insert_casts", "compfx.cast_policy", False),
 ])
 def test_upward_imports_are_found(module, target, upward):

@@ -15,7 +15,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
-from compfx.apply import PlannedModule, apply
+from compfx.planned_module import PlannedModule, apply
 
 from tests.helpers import assert_bitwise, seeded_grads
 
@@ -130,7 +130,7 @@ def test_a_search_that_rewards_low_precision_finds_low_plans_for_finfo_masking()
     opt = torch.optim.SGD(model.parameters(), lr=0.01)
     loader = [_padded(4, 8, seed=i) for i in range(3)]
     result = optimize(model, loader, optimizer=opt, loss_fn=lambda out, batch: out.float().square().mean(),
-                      config=SearchConfig(cost_fn=fp32_op_count, predictor="off", progress=False, warmup=0,
+                      config=SearchConfig(cost_fn=fp32_op_count, predictor=False, progress=False, warmup=0,
                                           repeats=1, stage2_check_batches=1, cache_plan=False))
     failed = [r for r in result.log.samples() if str(r.status) == "error"]
     assert not failed, failed[0].reason
@@ -238,7 +238,7 @@ def test_vmap_model_trains_under_the_compfx_backend(fresh_dynamo):
 
 
 def test_passes_keep_functorch_levels_random_draws_and_writes():
-    from compfx.capture import has_side_effects
+    from compfx.graph_capture import has_side_effects
 
     graph = torch.fx.Graph()
     x = graph.placeholder("x")
@@ -374,7 +374,7 @@ def test_a_block_for_another_device_type_pins_nothing():
 def test_the_planned_graph_opens_the_models_block_around_the_pinned_ops():
     model = PinnedRotary()
     analysis = compfx.analyze(model, _rotary_inputs())
-    planned = apply(model, compfx.Plan.amp(analysis), analysis=analysis)
+    planned = apply(model, compfx.Plan.amp(analysis), analysis=analysis).graph_module
     nodes = list(planned.graph.nodes)
     (enter,) = [n for n in nodes if n.target is torch.amp.autocast_mode._enter_autocast]
     (leave,) = [n for n in nodes if n.target is torch.amp.autocast_mode._exit_autocast]
@@ -389,7 +389,7 @@ def _search(model, loader, log=None, **config):
 
     return optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=1e-3), log=log,
                     loss_fn=lambda out, batch: out.float().square().mean(),
-                    config=SearchConfig(cost_fn=fp32_op_count, predictor="off", progress=False, warmup=0, repeats=1,
+                    config=SearchConfig(cost_fn=fp32_op_count, predictor=False, progress=False, warmup=0, repeats=1,
                                         stage2_check_batches=1, cache_plan=False, **config))
 
 
@@ -469,6 +469,6 @@ class HalfPrecisionBlock(nn.Module):
 def test_a_model_with_half_precision_layers_is_captured_as_it_runs():
     model, x = HalfPrecisionBlock(), _x(2, 8)
     gm = compfx.capture(model, (x,))
-    dtypes = {str(n.meta["compfx_key"]): n.meta["val"].dtype for n in compfx.op_nodes(gm)}
+    dtypes = {str(n.meta["compfx_key"]): n.meta["val"].dtype for n in compfx.graph_capture.op_nodes(gm)}
     assert dtypes == {"a:linear#0": torch.float32, "b:linear#0": torch.bfloat16}
     assert torch.equal(gm(x), model(x))

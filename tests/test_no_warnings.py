@@ -14,9 +14,9 @@ import torch.nn as nn
 
 import compfx
 from compfx import cache
-from compfx.backend import backend
-from compfx.capture import capture
-from compfx.capture.nodes import copy_graph
+from compfx.compile_backend import backend
+from compfx.graph_capture import capture
+from compfx.graph_capture.nodes import copy_graph
 from compfx.report import render_log_report
 
 from tests.helpers import warnings_from_compfx
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
 VOCAB = 64
 CHEAP = compfx.SearchConfig(progress=False, warmup=0, repeats=1, stage1_budget=3, stage2_budget=2,
-                            stage2_check_batches=1, predictor="off")
+                            stage2_check_batches=1, predictor=False)
 
 
 def tiny_gpt2():
@@ -67,7 +67,7 @@ def test_the_warning_collector_sees_compfx_warnings_and_only_those():
     with warnings_from_compfx() as warned:
         warnings.warn("the user's own warning")  # this file is not compfx's
         capture(model, torch.randn(2, 4), method="record", leaf_modules=[nn.Linear])  # compfx: "leaf_modules is ignored"
-    assert len(warned) == 1 and "leaf_modules is ignored" in warned[0] and "compfx/capture" in warned[0]
+    assert len(warned) == 1 and "leaf_modules is ignored" in warned[0] and "compfx/graph_capture" in warned[0]
 
 
 def test_copying_a_recorded_graph_builds_no_deprecated_tree_spec():

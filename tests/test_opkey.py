@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from compfx.capture import capture, op_nodes
+from compfx.graph_capture import capture, op_nodes
 from compfx.opkey import OpKey, normalize_kind, normalize_module_path
 
 

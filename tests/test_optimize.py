@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 import compfx
 from compfx import SearchConfig, SearchResult, optimize
-from compfx.apply import apply
+from compfx.planned_module import apply
 from compfx.errors import BadInputError
 from compfx.search.sampling import FairSampler
 from compfx.state import restore_state, snapshot_state
@@ -42,7 +42,7 @@ def test_guard_keeps_the_overflowing_op_fp32_and_everything_else_low():
     opt = torch.optim.SGD(model.parameters(), lr=1e-6)
     g = torch.Generator().manual_seed(0)
     loader = [{"x": torch.randn(8, 4, generator=g), "y": torch.randn(8, 4, generator=g)} for _ in range(3)]
-    config = SearchConfig(cost_fn=fp32_op_count, grad_scaler=False, predictor="off", **FAST)
+    config = SearchConfig(cost_fn=fp32_op_count, grad_scaler=False, predictor=False, **FAST)
     result = optimize(model, loader, optimizer=opt, low_dtype=torch.float16, config=config)
     chosen = {str(k): p for k, p in result.plan.items()}
     assert chosen == {"fc1:linear#0": "low", ":relu#0": "follow", "fc2:linear#0": "low", ":mul#0": "follow",
@@ -151,7 +151,7 @@ def test_bert_from_config_end_to_end():
     loader = [{"input_ids": torch.randint(0, 40, (4, 8), generator=g),
                "labels": torch.randint(0, 2, (4,), generator=g)} for _ in range(2)]
     result = optimize(model, loader, optimizer=opt,
-                      config=SearchConfig(stage1_budget=4, stage2_budget=3, predictor="off", **FAST))
+                      config=SearchConfig(stage1_budget=4, stage2_budget=3, predictor=False, **FAST))
     assert set(result.plan) == set(result.analysis.keys)
     assert torch.isfinite(result.module(**loader[0]).loss)
     report = result.report()

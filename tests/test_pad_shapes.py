@@ -20,7 +20,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.apply import PlannedModule, apply
+from compfx.planned_module import PlannedModule, apply
 from compfx.errors import PlanFileError, PlanMismatchError
 from compfx.opkey import OpKey
 from compfx.passes import pad_shapes
@@ -128,7 +128,7 @@ def _check_padded_matches(name: str, precision: str) -> tuple[fx.GraphModule, li
         assert a.shape == e.shape and a.dtype == e.dtype, what
         assert _within_tolerance(a, e, b, k, dtype), f"{name} {precision}: {what} differs by " \
                                                      f"{(a - e).abs().max():.3g}"
-    return padded, actual, expected
+    return padded.graph_module, actual, expected
 
 
 @pytest.mark.parametrize("precision", ["fp32", "low"])
@@ -186,7 +186,7 @@ def test_inserted_nodes_carry_the_ops_metadata_and_true_values():
     model = nn.Sequential(linear)  # a submodule: its op has a module stack to copy
     analysis = compfx.analyze(model, x)
     plan = compfx.Plan.amp(analysis).with_padding([analysis.ops[0].key], analysis=analysis)
-    gm = apply(model, plan, analysis=analysis)
+    gm = apply(model, plan, analysis=analysis).graph_module
     op = next(n for n in gm.graph.nodes if n.meta.get("compfx_key") == analysis.ops[0].key)
     assert "nn_module_stack" in op.meta
     interpreter = _Actual(gm)
@@ -315,7 +315,7 @@ def test_a_padded_plan_saves_loads_and_applies(tmp_path):
     loaded = compfx.Plan.load(tmp_path / "plan.json")
     assert loaded == plan and loaded.padded == plan.padded and len(loaded.padded) == 2
     assert plan.to_dict()["padded"] == ["0:linear#0", "2:linear#0"]
-    gm = apply(model, loaded, analysis=analysis)
+    gm = apply(model, loaded, analysis=analysis).graph_module
     assert set(gm.meta[PADDED_META]) == plan.padded
     torch.testing.assert_close(gm(x), apply(model, plan, analysis=analysis)(x))
     assert pickle.loads(pickle.dumps(plan)).padded == plan.padded

@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 import compfx
 from compfx import SearchConfig, cache, optimize
-from compfx.backend import compile_with_plan
+from compfx.compile_backend import compile_with_plan
 from compfx.costmodel import PaddingProfile
 from compfx.errors import PlanFailedError
 from compfx.opkey import OpKey
@@ -59,7 +59,7 @@ def _gpu_like(eligible: set[OpKey]):
 FAST = dict(progress=False, threshold=2.0, warmup=1, repeats=2, stage2_check_batches=1)
 
 
-@pytest.mark.parametrize("predictor", ["on", "off"])
+@pytest.mark.parametrize("predictor", [True, False])
 def test_with_a_cost_where_padding_pays_the_search_pads_exactly_the_ops_that_become_eligible(predictor, tmp_path):
     model, optimizer, loader, analysis = _setup()
     eligible = {op.key for op in analysis.ops if op.pad_eligible}
@@ -82,7 +82,7 @@ def test_with_a_cost_where_padding_pays_the_search_pads_exactly_the_ops_that_bec
     assert sum(line[pad_column:pad_column + 6] == "padded" for line in table) == 2
 
 
-@pytest.mark.parametrize("predictor", ["on", "off"])
+@pytest.mark.parametrize("predictor", [True, False])
 def test_with_the_measured_cpu_cost_the_search_pads_nothing_without_timing_a_step(predictor, monkeypatch):
     def no_padding_timings(self, plan, **kwargs):
         raise AssertionError("a padded plan was timed on a CPU")

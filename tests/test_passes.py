@@ -14,11 +14,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.apply import apply
-from compfx.capture import key_dynamo_graph
+from compfx.planned_module import apply, planned_graph
+from compfx.graph_capture import key_dynamo_graph
 from compfx.errors import PassError
 from compfx.opkey import KEY_META
-from compfx.capture import meta_value
+from compfx.graph_capture import meta_value
 from compfx.cast_policy import CAST_META, AutocastRegion, shares_cast
 from compfx.passes import (apply_precisions, cast_report, casts_in, count_autocast_casts, count_casts, insert_casts,
                            output_dtypes, propagate_dtypes, restore_output_dtypes)
@@ -98,7 +98,7 @@ def test_random_plans_run_forward_and_backward_with_sound_casts(name, low_dtype,
     model, inputs = make(name)
     analysis = compfx.analyze(model, inputs, low_dtype=low_dtype)
     bits = data.draw(st.text(alphabet="01f", min_size=len(analysis.ops), max_size=len(analysis.ops)), label="bits")
-    gm = apply(model, compfx.Plan.from_bitstring(analysis, bits), analysis=analysis)
+    gm = apply(model, compfx.Plan.from_bitstring(analysis, bits), analysis=analysis).graph_module
 
     out = gm(*inputs)
     out.float().sum().backward()
@@ -116,7 +116,7 @@ def test_random_plans_run_forward_and_backward_with_sound_casts(name, low_dtype,
 
 
 def _all(gm, precision):
-    return {node.meta[KEY_META]: precision for node in compfx.op_nodes(gm)}
+    return {node.meta[KEY_META]: precision for node in compfx.graph_capture.op_nodes(gm)}
 
 
 def test_low_casts_activations_and_parameters_once_and_names_them():
@@ -253,7 +253,7 @@ def test_shared_parameter_is_cast_once_like_autocasts_weight_cache():
 
     model, inputs = Tied(), (torch.randn(2, 4),)
     analysis = compfx.analyze(model, inputs)
-    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False)
+    gm = apply(model, compfx.Plan.amp(analysis), analysis=analysis, restore_output_dtypes=False).graph_module
     weight_casts = [n for n in _cast_nodes(gm) if n.args[0].op == "get_attr" and n.args[0].target.endswith("weight")]
     assert len(weight_casts) == 1
     assert count_casts(gm) == count_autocast_casts(model, inputs, dtype=torch.bfloat16) == 4
@@ -297,7 +297,7 @@ def test_native_multi_head_attentions_tuple_comes_back_in_the_models_dtype(plan)
         analysis = compfx.analyze(model, (x,))
         assert output_dtypes(analysis.graph_module) == [(torch.float32, torch.float32)]
         plan = compfx.Plan.amp(analysis) if plan == "amp" else compfx.Plan.uniform(analysis, "low")
-        gm = apply(model, plan, analysis=analysis)
+        gm = apply(model, plan, analysis=analysis).graph_module
         out = gm(x)
     assert cast_report(gm).autocast_regions == 1  # the op ran low, under autocast
     assert type(out) is tuple and [t.dtype for t in out] == [torch.float32, torch.float32]
@@ -312,7 +312,7 @@ def test_propagate_dtypes_refreshes_values_downstream_of_a_changed_dtype():
     gm = compfx.capture(model, inputs)
     x = next(n for n in gm.graph.nodes if n.op == "placeholder")
     x.meta["val"] = x.meta["val"].to(torch.bfloat16)
-    conv = next(n for n in compfx.op_nodes(gm) if n.meta[KEY_META].kind == "conv2d")
+    conv = next(n for n in compfx.graph_capture.op_nodes(gm) if n.meta[KEY_META].kind == "conv2d")
     assert meta_value(conv).dtype == torch.float32  # stale until propagated
     propagate_dtypes(gm)
     assert meta_value(conv).dtype == torch.float32  # bf16 input, FP32 weight: promoted on fakes
@@ -441,9 +441,9 @@ def test_a_rewrite_under_no_grad_prices_the_same_casts_as_one_with_grad():
     analysis = compfx.analyze(model, inputs)
     plan = compfx.Plan.amp(analysis)
     with torch.no_grad():
-        quiet = apply(analysis.graph_module, plan, analysis=analysis)
+        quiet = planned_graph(analysis.graph_module, plan, analysis)
     with torch.enable_grad():
-        loud = apply(analysis.graph_module, plan, analysis=analysis)
+        loud = planned_graph(analysis.graph_module, plan, analysis)
     assert casts_in(quiet) == casts_in(loud)
     assert any(cast.backward and not cast.parameter for cast in casts_in(loud))  # activations' casts have one
 

@@ -1,6 +1,8 @@
-"""compfx.apply(..., per_module=...): the plan applied block by block, in the model itself."""
+"""compfx.plan_blocks(model, plan, blocks=...): the plan applied block by block, in the model itself."""
 
 from __future__ import annotations
+
+import copy
 
 import pytest
 import torch
@@ -54,13 +56,13 @@ def data():
     return torch.randn(6, 8, generator=g), torch.randint(0, 4, (6,), generator=g)
 
 
-def test_apply_per_module_returns_the_same_model_with_the_blocks_replaced_and_the_same_state():
+def test_plan_blocks_returns_the_same_model_with_the_blocks_replaced_and_the_same_state():
     torch.manual_seed(0)
     model = Net()
     x, _ = data()
     analysis = compfx.analyze(model, x)
     keys, params = list(model.state_dict()), [id(p) for p in model.parameters()]
-    out = compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis, per_module=(Block,))
+    out = compfx.plan_blocks(model, compfx.Plan.amp(analysis), analysis=analysis, blocks=(Block,))
     assert out is model
     assert all(isinstance(b, PlannedBlock) and b.block_type is Block for b in model.blocks)
     assert not isinstance(model.embed, PlannedBlock) and not isinstance(model.head, PlannedBlock)
@@ -68,7 +70,7 @@ def test_apply_per_module_returns_the_same_model_with_the_blocks_replaced_and_th
     assert model(x).dtype == torch.float32
     # the blocks' graphs run the plan: bf16 casts inside, none outside
     graph = model.blocks[0].graph_for(model.embed(x))
-    assert compfx.count_casts(graph) > 0
+    assert compfx.passes.count_casts(graph) > 0
     assert any(n.target == "_compfx_block.fc1.weight" for n in graph.graph.nodes if n.op == "get_attr")
 
 
@@ -79,7 +81,7 @@ def test_fp32_plan_applied_per_block_is_bitwise_eager_in_forward_and_grads():
     planned.load_state_dict(eager.state_dict())
     x, y = data()
     analysis = compfx.analyze(planned, x)
-    compfx.apply(planned, compfx.Plan.fp32(analysis), analysis=analysis, per_module=(Block,))
+    compfx.plan_blocks(planned, compfx.Plan.fp32(analysis), analysis=analysis, blocks=(Block,))
     loss_e, grads_e = grads_after_step(eager, x, y)
     loss_p, grads_p = grads_after_step(planned, x, y)
     assert torch.equal(loss_e, loss_p)
@@ -94,9 +96,9 @@ def test_activation_checkpointing_around_planned_blocks_gives_the_grads_of_no_ch
     ckpt.load_state_dict(plain.state_dict())
     x, y = data()
     a_plain = compfx.analyze(plain, x)
-    compfx.apply(plain, compfx.Plan.amp(a_plain), analysis=a_plain, per_module=(Block,))
+    compfx.plan_blocks(plain, compfx.Plan.amp(a_plain), analysis=a_plain, blocks=(Block,))
     a_ckpt = analyze_regions(ckpt, x, (Block,))  # checkpoint() is not capturable whole; the blocks are
-    compfx.apply(ckpt, compfx.Plan.amp(a_ckpt), analysis=a_ckpt, per_module=(Block,))
+    compfx.plan_blocks(ckpt, compfx.Plan.amp(a_ckpt), analysis=a_ckpt, blocks=(Block,))
     calls = []
     ckpt.blocks[0].register_forward_pre_hook(lambda module, args: calls.append(1))
     loss_p, grads_p = grads_after_step(plain, x, y)
@@ -114,7 +116,7 @@ def test_hooks_train_eval_and_a_new_batch_size_keep_working():
     analysis = compfx.analyze(model, x)
     seen = []
     handle = model.blocks[1].register_forward_hook(lambda module, args, out: seen.append(out.shape))
-    compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis, per_module=(Block,))
+    compfx.plan_blocks(model, compfx.Plan.fp32(analysis), analysis=analysis, blocks=(Block,))
     model(x)
     assert seen == [torch.Size([6, 16])]  # the user's hook on the block fires on the planned block
     handle.remove()
@@ -144,8 +146,24 @@ def test_a_block_that_cannot_be_captured_whole_model_still_plans_its_blocks():
         compfx.analyze(model, x)
     analysis = analyze_regions(model, x, (Block,))
     assert {k.module.split(".")[0] for k in analysis.keys} == {"blocks"}
-    compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis, per_module=(Block,))
+    compfx.plan_blocks(model, compfx.Plan.amp(analysis), analysis=analysis, blocks=(Block,))
     assert model(x).shape == (6, 4)
+
+
+def test_apply_per_module_still_plans_the_blocks_in_place_with_a_deprecation_warning():
+    torch.manual_seed(0)
+    model = Net()
+    twin = copy.deepcopy(model)
+    x, _ = data()
+    analysis = compfx.analyze(model, x)
+    with pytest.warns(DeprecationWarning, match=r"compfx.plan_blocks\(model, plan, example_inputs, blocks=...\)"):
+        out = compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis, per_module=(Block,))
+    assert out is model and all(isinstance(b, PlannedBlock) for b in model.blocks)
+    blocks_alone = analyze_regions(copy.deepcopy(twin), x, Block)
+    with pytest.warns(DeprecationWarning):  # from example inputs: each block captured alone, as before
+        compfx.apply(twin, compfx.Plan.amp(blocks_alone), x, per_module=Block)
+    assert all(isinstance(b, PlannedBlock) for b in twin.blocks)
+    torch.testing.assert_close(twin(x), model(x), rtol=0, atol=0)
 
 
 def test_per_module_naming_no_block_or_the_model_itself_is_refused():
@@ -153,11 +171,11 @@ def test_per_module_naming_no_block_or_the_model_itself_is_refused():
     x, _ = data()
     analysis = compfx.analyze(model, x)
     with pytest.raises(BadInputError, match="no submodule"):
-        compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis, per_module=(nn.Conv2d,))
+        compfx.plan_blocks(model, compfx.Plan.amp(analysis), analysis=analysis, blocks=(nn.Conv2d,))
     with pytest.raises(BadInputError, match="model's own class"):
-        compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis, per_module=(Net,))
+        compfx.plan_blocks(model, compfx.Plan.amp(analysis), analysis=analysis, blocks=(Net,))
     with pytest.raises(BadInputError, match="nn.Module classes"):
-        compfx.apply(model, compfx.Plan.amp(analysis), analysis=analysis, per_module=("Block",))
+        compfx.plan_blocks(model, compfx.Plan.amp(analysis), analysis=analysis, blocks=("Block",))
     assert not any(isinstance(m, PlannedBlock) for m in model.modules())
 
 
@@ -202,7 +220,7 @@ def test_pricing_a_plan_whose_blocks_ran_works_nothing_out_on_faketensors_again(
     # the search prices plans on the blocks' graphs side by side; a plan the blocks have run was worked out on
     # FakeTensors when they built their graphs, and pricing it must reuse that, not do it again
     from compfx.passes.propagate_dtypes import DtypePropagator
-    from compfx.apply import priced_regions_graph
+    from compfx.planned_module import priced_regions_graph
     from compfx.per_module import plan_blocks_fp32
 
     model, (x, _) = Net(), data()
@@ -230,7 +248,7 @@ def test_a_blocks_dropout_switched_off_after_planning_is_off_in_the_planned_bloc
     model = Net(dropout=0.5)
     x, _ = data()
     analysis = compfx.analyze(model, x)
-    compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis, per_module=(Block,))
+    compfx.plan_blocks(model, compfx.Plan.fp32(analysis), analysis=analysis, blocks=(Block,))
     model(x)  # the training-mode graphs, built
     for block in model.blocks:
         block.drop.eval()

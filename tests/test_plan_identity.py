@@ -25,7 +25,7 @@ import torch.nn as nn
 
 import compfx
 from compfx import cache
-from compfx.backend import backend, registered_backend
+from compfx.compile_backend import backend, registered_backend
 from compfx.errors import PlanMismatchError
 from compfx.plan import Plan
 from compfx.search import SearchConfig
@@ -39,7 +39,7 @@ def low_op_count(plan, seconds):
     return float(sum(p == "low" for p in plan.values()))
 
 
-QUICK = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor="off", threshold=2.0,
+QUICK = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor=False, threshold=2.0,
              cost_fn=low_op_count)
 
 
@@ -47,7 +47,7 @@ QUICK = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, predic
 def compfx_backend(tmp_path, monkeypatch):
     """A fresh ``backend="compfx"`` (aot_eager: Inductor compiles slowly here) over an empty cache folder."""
     monkeypatch.setenv(cache.CACHE_DIR_ENV, str(tmp_path / "cache"))
-    monkeypatch.setattr(sys.modules["compfx.backend"], "_registered", None)
+    monkeypatch.setattr(sys.modules["compfx.compile_backend"], "_registered", None)
     registered = registered_backend()
     registered.inner = "aot_eager"
     torch._dynamo.reset()

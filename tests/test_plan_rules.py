@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.analyze import Analysis, OpInfo
+from compfx.analysis import Analysis, OpInfo
 from compfx.cli import main
 from compfx.errors import BadInputError, PlanFileError, PlanMismatchError
 from compfx.opkey import OpKey
@@ -188,9 +188,9 @@ def test_a_version_1_file_from_before_rules_still_loads(tmp_path):
            "torch_version": str(torch.__version__), "ops": {str(k): str(v) for k, v in plan.items()}}
     (tmp_path / "old.json").write_text(json.dumps(old))
     assert compfx.Plan.load(tmp_path / "old.json") == plan
-    for bad in ({**old, "rules": []}, {**old, "version": 3}):  # rules are version 2's; 3 is not written yet
+    for bad in ({**old, "rules": []}, {**old, "version": 4}):  # rules are version 2's; 4 is not written yet
         (tmp_path / "bad.json").write_text(json.dumps(bad))
-        with pytest.raises(PlanFileError, match="rules|version 3"):
+        with pytest.raises(PlanFileError, match="rules|version 4"):
             compfx.Plan.load(tmp_path / "bad.json")
 
 

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 import compfx
 from compfx.measure import Conditions
-from compfx.apply import apply
+from compfx.planned_module import planned_graph
 from compfx.costmodel import (MEASURED_STEP, PREDICTED_STEP, STALE_PROFILE_RATIO, STALE_PROFILES, CastCost, OpProfile,
                               OpProfiles, Predictor, SearchPredictor)
 from compfx.costmodel.predictor import (CONTRADICTED_PROFILES, EVIDENCE_SCALE, PREDICTION_SCALE, SCALE_EVIDENCE,
@@ -64,7 +64,7 @@ def _predictor(a, fp32=None, low=None, reused: int = 0, alpha=1e-6, beta=1e-3, r
     def rewrite(plan):
         if rewrites is not None:
             rewrites.append(plan)
-        return apply(a.graph_module, plan, analysis=a)
+        return planned_graph(a.graph_module, plan, a)
 
     return Predictor(OpProfiles(ops, LOW, a.device, reused=reused), cost, analysis=a, rewrite=rewrite)
 
@@ -262,7 +262,7 @@ def test_build_profiles_and_prices_through_the_given_rewrite(tmp_path):
 
     def rewrite(plan):
         rewritten.append(plan)
-        return apply(a.graph_module, plan, analysis=a)
+        return planned_graph(a.graph_module, plan, a)
 
     p = SearchPredictor.build(a, rewrite=rewrite, cache_dir=tmp_path, **FAST)
     assert p.build_seconds > 0 and p.profiles.measured == 2 * len(a.ops)

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.capture.draws import fixed_outcome
+from compfx.graph_capture.draws import fixed_outcome
 from compfx.errors import CaptureError
 
 COMPARISONS = [operator.lt, operator.le, operator.gt, operator.ge]
@@ -138,7 +138,7 @@ def test_noise_from_a_factory_is_drawn_on_every_call_as_in_eager(method):
     model, x = _Noise(), torch.randn(4, 16)
     planned = compfx.apply(model, compfx.Plan.fp32(compfx.analyze(model, x, method=method)),
                            analysis=compfx.analyze(model, x, method=method))
-    assert any(node.target is torch.randn for node in planned.graph.nodes)
+    assert any(node.target is torch.randn for node in planned.graph_module.graph.nodes)
     torch.manual_seed(1)
     first = planned(x)
     second = planned(x)

@@ -11,6 +11,7 @@ reproduces eager training bit for bit; ``torch.compile(backend=compfx.backend(..
 from __future__ import annotations
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -18,6 +19,7 @@ import torch
 
 import compfx
 from compfx.search.log import SampleStatus
+from tests.helpers import fp32_op_count
 
 transformers = pytest.importorskip("transformers")
 
@@ -158,3 +160,47 @@ def test_torch_compile_with_the_compfx_backend_runs_a_default_config_llama():
     out.loss.backward()
     assert math.isfinite(float(out.loss.detach()))
     assert backend.records and all(not r.unplanned for r in backend.records)
+
+
+# -- Stage 2 on mixture-of-experts decoders and Gemma 3 -------------------------------------------------------
+
+def _long_segment_models():
+    t = transformers
+    moe = dict(num_local_experts=4, num_experts_per_tok=2)
+    return {
+        "mixtral": (t.MixtralForCausalLM, t.MixtralConfig(**moe, **DECODER)),
+        "gemma3": (t.Gemma3ForCausalLM, t.Gemma3TextConfig(head_dim=16, **DECODER)),
+    }
+
+
+@pytest.mark.parametrize("name", ["mixtral", "gemma3"])
+def test_stage2_prices_no_more_plans_than_its_budget_on_moe_and_gemma3(name, monkeypatch):
+    """Between the embedding and the first projection lie a dozen "other" ops (2**n plans): Stage 2 builds and
+    prices only what ``stage2_budget`` could time, and the report names the segment it did not enumerate."""
+    from compfx.costmodel import SearchPredictor
+    from compfx.plan import Assignment
+    from compfx.search import SearchSpace, stage2_segments
+    from compfx.search.log import SEGMENT_NOT_ENUMERATED
+
+    priced = set()
+    step_lower_bound = SearchPredictor.step_lower_bound
+    monkeypatch.setattr(SearchPredictor, "step_lower_bound",
+                        lambda self, plan: priced.add(str(plan)) or step_lower_bound(self, plan))
+    cls, config = _long_segment_models()[name]
+    torch.manual_seed(0)
+    model = cls(config).train()
+    g = torch.Generator().manual_seed(0)
+    loader = [batch("llama", 2, g) for _ in range(2)]
+    budget = 4
+    result = compfx.optimize(model, loader, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3),
+                             config=dataclasses.replace(FAST, stage2_budget=budget, rounds=0, cost_fn=fp32_op_count))
+
+    space = SearchSpace.from_analysis(result.analysis)
+    segments = stage2_segments(space, Assignment.parse(result.stage1_plan.bitstring(result.analysis)))
+    assert max(len(s.inner) for s in segments) >= 10
+    assert len(priced) <= 1 + (budget - 1) * len(segments), len(priced)  # the winner, then no more than 3 a segment
+    partial = [r.extra[SEGMENT_NOT_ENUMERATED] for r in result.log.notes() if SEGMENT_NOT_ENUMERATED in r.extra]
+    named = {tuple(s["segment"]) for s in partial}  # a long segment's 2**n plans never fit the budget
+    assert named >= {(s.start, s.end) for s in segments if 2 ** len(s.inner) > budget - 1} and named
+    assert len(result.log.samples("stage2")) <= budget
+    assert "not enumerated fully" in result.report() and f"of 2^{partial[0]['ops']} plans" in result.report()

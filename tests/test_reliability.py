@@ -15,11 +15,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import compfx
-from compfx.apply import apply
-from compfx.capture import capture
+from compfx.planned_module import apply
+from compfx.graph_capture import capture
 from compfx.errors import (BadInputError, CompfxError, NonFiniteGradientError, PlanFileError,
                            PlanMismatchError)
-from compfx.optimize import SearchConfig, optimize
+from compfx.optimization import SearchConfig, optimize
 from compfx.search.log import SearchLog
 from compfx.state import snapshot_state
 from tests.helpers import EXACT, fp32_op_count, nll

@@ -71,7 +71,7 @@ def comparison_calls(result, config: SearchConfig, *, blocks: int | None = None)
     """``loss_fn`` calls of the report's step comparison after the search (of its first ``blocks`` blocks): each
     distinct plan's rounds, and a warm-up step per block of them (none where it was read off the first duel). How
     many blocks it takes depends on the timings, not on the injected costs."""
-    block = max(config.rounds, COMPARE_ROUNDS)
+    block = max(config.decision.rounds, COMPARE_ROUNDS)
     rounds = [len(r.extra["round_seconds"]) for r in result.log.samples(Stage.COMPARE)
               if r.status == "accepted" and r.extra.get("phase") == AFTER_THE_SEARCH]
     return sum(n + n // block for n in (rounds if blocks is None else [min(n, blocks * block) for n in rounds]))

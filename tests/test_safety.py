@@ -21,7 +21,7 @@ import torch
 import torch.nn as nn
 
 import compfx
-from compfx.apply import PlannedModule, apply
+from compfx.planned_module import PlannedModule, apply
 from compfx.cli import main
 from compfx.errors import BadInputError, FileWriteError, PlanFileError
 from compfx.plan import Plan
@@ -33,7 +33,7 @@ from tests.helpers import ce
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
 
-QUICK = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor="off", cache_plan=False)
+QUICK = dict(progress=False, warmup=0, repeats=1, stage2_check_batches=1, predictor=False, cache_plan=False)
 
 
 class Net(nn.Module):

@@ -17,7 +17,8 @@ from compfx.search import (
     FunctionEvaluator, SearchSpace, Segment, algorithm2_candidates, check_winner, is_accepted, loss_limit,
     run_stage1, run_stage2, stage1_candidates, stage1_plan_space, stage2_segments,
 )
-from compfx.search.log import SampleRecord, SearchLog
+from compfx.search.compare import DecisionRule
+from compfx.search.log import SEGMENT_NOT_ENUMERATED, SampleRecord, SearchLog
 from compfx.search.outcome import Outcome
 from compfx.vocabulary import Category, SampleStatus, Stage
 
@@ -372,6 +373,57 @@ def test_stage2_stops_on_an_error_that_is_not_the_plans():
     with pytest.raises(MemoryError):
         run_stage2(STAGE2_SPACE, STAGE2_BASE, timer(time_step), report=records.append)
     assert [r.plan for r in records if r.is_sample] == ["f0ff1f0f"]  # the failing candidate is not logged
+
+
+# a Stage-1 winner with one segment of 30 "other" ops between a low op and an FP32 op: 2**30 plans
+LONG_SPACE = space_of(W, *[O] * 30, B)
+LONG_BASE = Assignment.parse("0" + "f" * 30 + "1")
+
+
+def _priced(table):
+    """A cost model's ``bound`` and ``predict`` over ``table(plan string)``, and the plans each was asked to price."""
+    priced = []
+
+    def price(plan):
+        priced.append(str(plan))
+        return table(str(plan))
+
+    return price, priced
+
+
+def test_stage2_prices_no_more_plans_of_a_long_segment_than_the_budget_could_time():
+    # every plan is predicted within the margin of the winner: nothing can win, and nothing is timed
+    bound, priced = _priced(lambda code: 1.0)
+    log = SearchLog()
+    result = run_stage2(LONG_SPACE, LONG_BASE, timer(lambda code: 1.0), budget=8, report=log.append,
+                        bound=bound, predict=bound, rule=DecisionRule(margin=0.03))
+    assert result.samples == [] and result.best.plan == LONG_BASE
+    assert len(set(priced) - {str(LONG_BASE)}) == 8 - 1  # the greedy order's first 7 plans, not 2**30
+    [partial] = [r.extra[SEGMENT_NOT_ENUMERATED] for r in log.notes() if SEGMENT_NOT_ENUMERATED in r.extra]
+    assert partial == {"segment": [0, 31], "ops": 30, "tried": 0}
+
+
+def test_stage2_times_a_long_segment_greedily_within_the_budget_and_says_so():
+    def step(code):  # each op run low saves a little, predicted and measured alike
+        return 2.0 - 0.01 * code.count("0")
+
+    bound, priced = _priced(step)
+    log = SearchLog()
+    result = run_stage2(LONG_SPACE, LONG_BASE, timer(step), budget=12, report=log.append, bound=bound,
+                        predict=bound, rule=DecisionRule(margin=0.0))
+    assert len(result.samples) == 12 and len(set(priced)) <= 12 + 1
+    assert str(result.best.plan) == "0" * 7 + "f" * 24 + "1"  # 11 tries: ops 1-6 went low, one at a time
+    [partial] = [r for r in log.notes() if SEGMENT_NOT_ENUMERATED in r.extra]
+    assert partial.extra[SEGMENT_NOT_ENUMERATED] == {"segment": [0, 31], "ops": 30, "tried": 11}
+    assert "11 of its 2^30 plans tried" in partial.reason and "op1 to op30" in partial.reason
+
+
+def test_stage2_enumerates_a_segment_that_fits_the_budget_and_notes_nothing():
+    log = SearchLog()
+    space, base = space_of(W, O, O, O, B), Assignment.parse("0fff1")
+    result = run_stage2(space, base, timer(lambda code: 1.0 - 0.01 * code.count("0")), budget=9, report=log.append)
+    assert len(result.samples) == 1 + 2 ** 3
+    assert not [r for r in log.notes() if SEGMENT_NOT_ENUMERATED in r.extra]
 
 
 # -- the loss check of the Stage-2 winner ----------------------------------------------------

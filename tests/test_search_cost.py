@@ -20,8 +20,8 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 import compfx
-from compfx.apply import apply
-from compfx.capture import meta_value
+from compfx.planned_module import planned_graph
+from compfx.graph_capture import meta_value
 from compfx.measure import PhaseClock
 from compfx.plan import Assignment, Plan
 from compfx.errors import PlanFailedError
@@ -85,7 +85,7 @@ def _rewrite(plan: Assignment):
         return original(self, run)
 
     with mock.patch.object(propagation.DtypePropagator, "_run_fake", counting):
-        gm = apply(_MODEL, Plan.from_assignment(_ANALYSIS, plan), analysis=_ANALYSIS)
+        gm = planned_graph(_MODEL, Plan.from_assignment(_ANALYSIS, plan), _ANALYSIS)
     return gm, len(calls)
 
 
@@ -289,7 +289,7 @@ def test_the_step_comparison_warms_every_plan_up_even_those_that_trained_in_the_
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
     result = compfx.optimize(model, batches(4, (8, 8)), loss_fn=ce, optimizer=torch.optim.SGD(model.parameters(), lr=0.05),
-                             config=compfx.SearchConfig(cost_fn=first_linear_low_only, predictor="off", progress=False,
+                             config=compfx.SearchConfig(cost_fn=first_linear_low_only, predictor=False, progress=False,
                                                         warmup=0, repeats=1, stage2_check_batches=0, cache_plan=False))
     plans = result.step_comparison.plans
     assert plans["chosen"] not in (plans["fp32"], plans["amp"])  # the comparison ran after the search

@@ -62,7 +62,7 @@ def test_plan_the_profiles_show_cannot_win_is_skipped_and_logged():
     predicted = {"00": 0.9, "01": 1.2, "10": 0.6}  # "01" predicted over AMP's predicted 0.9: it cannot win; "10" can
     calls, records = [], []
     result = run_stage1(space(), epochs(measured.__getitem__, calls), predict=by_code(predicted),
-                        report=records.append, rule=DecisionRule(margin=0.03))
+                        report=records.append, rule=DecisionRule(margin=0.03, rounds=0))
     skipped = [r for r in records if r.status == "skipped"]
     assert [r.plan for r in skipped] == ["01"] and calls == ["11", "00", "10"]
     assert skipped[0].reason == "skipped: cannot beat the incumbent by more than 3% on the profiles (predicted 1.2 s, " \
@@ -99,13 +99,13 @@ def test_stage1_stops_when_the_bounds_show_nothing_left_can_win():
     bound = {"00": 0.5, "01": 0.49, "10": 0.6}  # at 3% margin the bar is 0.485: neither bound is below it
     calls, records = [], []
     result = run_stage1(space(), epochs(measured.__getitem__, calls), predict=by_code(bound), bound=by_code(bound),
-                        report=records.append, rule=DecisionRule(margin=0.03))
+                        report=records.append, rule=DecisionRule(margin=0.03, rounds=0))
     assert calls == ["11", "00"] and str(result.best.plan) == "00"
     [stop] = [r for r in records if NOTHING_CAN_WIN in r.extra]
     assert stop.extra[NOTHING_CAN_WIN] == 2 and "none of the 2 plans left" in stop.reason
     calls.clear()
     run_stage1(space(), epochs(measured.__getitem__, calls), predict=by_code(bound), bound=by_code(bound),
-               rule=DecisionRule(margin=0.0))  # without the margin the bar is 0.5: "01" might win, and runs
+               rule=DecisionRule(margin=0.0, rounds=0))  # without the margin the bar is 0.5: "01" might win, and runs
     assert calls == ["11", "00", "01"]
 
 
@@ -143,7 +143,9 @@ def fp32_ops(plan, seconds):
 
 def search(_unused, **kw):
     model, opt, loader = mlp_setup()
-    return optimize(model, loader, loss_fn=ce, optimizer=opt, config=SearchConfig(cost_fn=fp32_ops, **FAST, **kw))
+    rule = DecisionRule(**{name: kw.pop(name) for name in ("margin", "confidence", "rounds") if name in kw})
+    return optimize(model, loader, loss_fn=ce, optimizer=opt,
+                    config=SearchConfig(cost_fn=fp32_ops, decision=rule, **FAST, **kw))
 
 
 @pytest.fixture
@@ -159,8 +161,8 @@ def cache(tmp_path, monkeypatch):
 
 
 def test_predictor_off_and_on_with_infinite_margin_choose_the_exact_plan(cache):
-    off = search(None, predictor="off")
-    inf = search(None, predictor="on", predictor_margin=math.inf)
+    off = search(None, predictor=False)
+    inf = search(None, predictor=True, predictor_margin=math.inf)
     assert off.plan == inf.plan
     assert not any(r.status == "skipped" for r in off.log.samples() + inf.log.samples())
     assert not any("predicted_step_seconds" in r.extra for r in off.log.samples())
@@ -210,7 +212,7 @@ def test_report_shows_predicted_against_measured(cache):
     assert "predicted step" in table and "measured step" in table and "+10.0%" in table
 
 
-@pytest.mark.parametrize("kw", [dict(predictor="maybe"), dict(predictor=True), dict(predictor_margin=0.9),
+@pytest.mark.parametrize("kw", [dict(predictor="maybe"), dict(predictor=1), dict(predictor_margin=0.9),
                                 dict(predictor_margin="1.25")])
 def test_config_refuses_bad_predictor_settings(kw):
     with pytest.raises(BadInputError, match="predictor"):
@@ -228,8 +230,8 @@ def test_early_stop_is_part_of_the_guided_search_only(cache, monkeypatch):
     real = compfx.search.driver.run_stage1
     monkeypatch.setattr(compfx.search.driver, "run_stage1",
                         lambda *a, **kw: seen.append(kw["early_stop"]) or real(*a, **kw))
-    search(None, predictor="on", early_stop=0.2)
-    search(None, predictor="off", early_stop=0.2)
+    search(None, predictor=True, early_stop=0.2)
+    search(None, predictor=False, early_stop=0.2)
     assert seen == [0.2, None]
 
 
@@ -264,7 +266,7 @@ def test_stage1_prices_again_when_the_predictor_scales_its_predictions_down():
     for price_version, expected in ((lambda: version[0], ["11", "00", "01"]), (None, ["11", "00", "01", "10"])):
         scale[0], calls = 1.0, []
         run_stage1(space(), epochs(measured.__getitem__, calls), predict=predict, report=learn,
-                   rule=DecisionRule(margin=0.03), price_version=price_version)
+                   rule=DecisionRule(margin=0.03, rounds=0), price_version=price_version)
         # with the version, AMP's predicted cost is priced again at the new scale and "10" cannot beat it; without,
         # the stale price of AMP's plan (made before "01" ran) still leaves room for a win, and "10" runs
         assert calls == expected
@@ -313,8 +315,8 @@ def test_stage2_prices_again_when_the_predictor_scales_its_predictions_down():
     def predict(plan):
         return 1.0 + scale[0] * (raw[str(plan)] - 1.0)
 
-    stage = _Stage2(FunctionEvaluator(time_step=lambda plan: 1.0), None, DecisionRule(margin=0.03), bound=predict,
-                    predict=predict, price_version=lambda: version[0])
+    stage = _Stage2(FunctionEvaluator(time_step=lambda plan: 1.0), None, DecisionRule(margin=0.03, rounds=0),
+                    bound=predict, predict=predict, price_version=lambda: version[0])
     incumbent = Outcome(Assignment.parse("0f1"), SampleStatus.ACCEPTED)
     assert stage.predicted_cost(incumbent, Assignment.parse("001")) == pytest.approx(1.1)
     assert not stage.cannot_win(incumbent, Assignment.parse("001"))

@@ -15,8 +15,8 @@ import pytest
 import torch
 
 import compfx
-from compfx.apply import PlannedModule, SignatureCaptures
-from compfx.capture import capture, input_signature
+from compfx.planned_module import PlannedModule, SignatureCaptures
+from compfx.graph_capture import capture, input_signature
 from compfx.errors import BadInputError
 from compfx.search.sampling import FairSampler
 from zoo import make
@@ -69,7 +69,7 @@ def test_sequence_length_varying_per_batch_passes_the_search_and_post_training(n
         assert math.isfinite(float(loss.detach()))
     keys = result.analysis.keys
     for graph in result.module.graphs.values():  # one plan, keyed the same at every shape
-        assert tuple(n.meta["compfx_key"] for n in compfx.op_nodes(graph)) == keys
+        assert tuple(n.meta["compfx_key"] for n in compfx.graph_capture.op_nodes(graph)) == keys
 
 
 def test_a_recorded_graph_at_another_shape_names_the_input_and_dimension():
@@ -77,13 +77,13 @@ def test_a_recorded_graph_at_another_shape_names_the_input_and_dimension():
     g = torch.Generator().manual_seed(0)
     analysis = compfx.analyze(model, tokens("bert", 4, 8, g))
     assert analysis.capture_method == "record"
-    planned = compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis)
+    graph = compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis).graph_module  # one signature's
     with pytest.raises(BadInputError, match=r"input_ids has size 3 in dimension 0 \(the batch\).*PlannedModule"):
-        planned(**tokens("bert", 3, 8, g))
+        graph(**tokens("bert", 3, 8, g))
     with pytest.raises(BadInputError, match=r"input_ids has size 12 in dimension 1 \(the sequence"):
-        planned(**tokens("bert", 4, 12, g))
+        graph(**tokens("bert", 4, 12, g))
     with pytest.raises(BadInputError, match="input_ids is torch.int32"):
-        planned(input_ids=torch.ones(4, 8, dtype=torch.int32), labels=torch.zeros(4, dtype=torch.long))
+        graph(input_ids=torch.ones(4, 8, dtype=torch.int32), labels=torch.zeros(4, dtype=torch.long))
 
 
 @pytest.mark.parametrize("method", ["symbolic", "record", "dynamo"])
@@ -109,7 +109,7 @@ def test_fp32_plan_matches_eager_at_every_shape_and_mode(method):
 def test_op_keys_are_the_same_at_every_sequence_length():
     model = tiny_gpt2()
     g = torch.Generator().manual_seed(0)
-    keys = [[str(n.meta["compfx_key"]) for n in compfx.op_nodes(capture(model, tokens("gpt2", b, s, g)))]
+    keys = [[str(n.meta["compfx_key"]) for n in compfx.graph_capture.op_nodes(capture(model, tokens("gpt2", b, s, g)))]
             for b, s in ((4, 8), (1, 3), (3, 17))]
     assert keys[0] == keys[1] == keys[2]
 

@@ -15,9 +15,9 @@ import torch
 import torch.nn as nn
 
 import compfx
-from compfx.analyze import analyze_graph
-from compfx.apply import PlannedModule
-from compfx.capture import capture
+from compfx.analysis import analyze_graph
+from compfx.planned_module import PlannedModule
+from compfx.graph_capture import capture
 from compfx.errors import CaptureError
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
@@ -139,9 +139,9 @@ def test_momentum_none_batch_norm_is_one_op_with_the_traced_batch_norms_key():
     model = batch_norm(None)
     gm = capture(model, torch.randn(8, 4))
     assert [n.target for n in gm.graph.nodes if n.op == "call_module"] == ["1"]
-    assert str(compfx.op_nodes(gm)[1].meta["compfx_key"]) == "1:batch_norm#0"
+    assert str(compfx.graph_capture.op_nodes(gm)[1].meta["compfx_key"]) == "1:batch_norm#0"
     assert [str(k) for k in compfx.analyze(batch_norm(0.1), torch.randn(8, 4)).keys] == [
-        str(n.meta["compfx_key"]) for n in compfx.op_nodes(gm)]
+        str(n.meta["compfx_key"]) for n in compfx.graph_capture.op_nodes(gm)]
     model.eval()  # in eval mode it reads no buffer into Python: traced through like any batch norm
     assert not [n for n in capture(model, torch.randn(8, 4)).graph.nodes if n.op == "call_module"]
 

@@ -220,7 +220,8 @@ def test_a_settled_host_allocator_serves_activation_sized_buffers_from_its_heap(
 def test_a_cpu_search_settles_the_host_allocator_first():
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     loader = [(torch.randn(4, 8), torch.randint(0, 4, (4,))) for _ in range(2)]
-    with mock.patch("compfx.optimize.settle_host_allocator") as settle:
+    with mock.patch("compfx.optimization.settle_host_allocator") as settle:
         compfx.optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=0.1), loss_fn=ce,
-                        config=compfx.SearchConfig(progress=False, stage1_budget=1, cache_plan=False, rounds=0))
+                        config=compfx.SearchConfig(progress=False, stage1_budget=1, cache_plan=False,
+                                                   decision=compfx.DecisionRule(rounds=0)))
     settle.assert_called_once_with(torch.device("cpu"))

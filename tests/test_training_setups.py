@@ -11,7 +11,7 @@ import torch.nn as nn
 import compfx
 from helpers import ce
 
-QUICK = dict(progress=False, stage1_budget=4, rounds=3, confidence=0.7, cache_plan=False)
+QUICK = dict(progress=False, stage1_budget=4, decision=compfx.DecisionRule(rounds=3, confidence=0.7), cache_plan=False)
 
 
 class SparseBag(nn.Module):
@@ -139,7 +139,7 @@ def test_a_block_planned_in_place_refuses_to_run_after_its_model_was_converted()
     torch.manual_seed(0)
     model, x = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 3)), torch.randn(4, 8)
     analysis = compfx.regions.analyze_regions(model, x, nn.Linear)
-    compfx.apply(model, compfx.Plan.amp(analysis), x, per_module=(nn.Linear,))
+    compfx.plan_blocks(model, compfx.Plan.amp(analysis), x, blocks=(nn.Linear,))
     assert type(model[0]).__name__ == "PlannedBlock"
     expected = model(x)
     model.half()
@@ -195,7 +195,7 @@ def test_a_planned_module_inside_the_users_autocast_runs_its_plan_with_a_warning
     eager = copy.deepcopy(model)
     analysis = compfx.analyze(model, x)
     if per_module:
-        fast = compfx.apply(model, compfx.Plan.fp32(analysis), analysis=analysis, per_module=(nn.Linear,))
+        fast = compfx.plan_blocks(model, compfx.Plan.fp32(analysis), analysis=analysis, blocks=(nn.Linear,))
     else:
         fast = compfx.PlannedModule(model, compfx.Plan.fp32(analysis), analysis=analysis)
     with pytest.warns(UserWarning, match="autocast is switched off inside it"), torch.autocast("cpu", torch.bfloat16):

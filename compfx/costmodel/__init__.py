@@ -29,6 +29,22 @@ One module per job:
   on the search's FP32 baseline (and the evidence of later samples) and
   predicts Stage-1 epochs.
 
+Plans that train compiled (``compfx.compile_with_plan``) are priced as the
+compiled program runs, switched on by one argument,
+``SearchPredictor.build(..., compiled=<compile options>)``:
+
+* :mod:`~compfx.costmodel.compile_spec`: :class:`CompileSpec`, the compile options, part of every cache key;
+* :mod:`~compfx.costmodel.fusion`: :func:`fuse`, the one fusion rule (which ops
+  run as kernels of their own, which fuse, which casts fusion removes);
+* :mod:`~compfx.costmodel.compiled_profile`: :func:`profile_compiled_ops` times
+  each GEMM / convolution / attention compiled per precision and FP8 recipe;
+  :func:`fit_kernel_cost` fits what a fused kernel costs per byte;
+* :mod:`~compfx.costmodel.compiled_pricing`: :class:`CompiledPredictor` prices a
+  plan from those;
+* :mod:`~compfx.costmodel.roofline`: :func:`roofline_cost`, the same pricing on
+  a GPU's roofline (FLOPs and bytes at its peaks): a ``cost_fn`` that simulates
+  a GPU in tests and on a CPU.
+
 All timing goes through :mod:`compfx.measure`.
 
 >>> import torch, compfx
@@ -41,13 +57,20 @@ True
 """
 
 from .cast_cost import CastCost, fit_cast_cost
+from .compile_spec import CompileSpec
+from .compiled_pricing import CompiledPredictor
+from .compiled_profile import KernelCost, fit_kernel_cost, profile_compiled_ops
+from .fusion import Fusion, FusedKernel, fuse
 from .predictor import MEASURED_STEP, PREDICTED_STEP, STALE_PROFILE_RATIO, STALE_PROFILES, SearchPredictor
 from .pricing import Prediction, Predictor
 from .profile import OpProfile, OpProfiles, PaddingProfile, profile_ops, profile_padding
+from .roofline import H100, DevicePeaks, Roofline, RooflineCost, roofline_cost, roofline_profiles
 
 __all__ = [
     "OpProfile", "OpProfiles", "profile_ops", "PaddingProfile", "profile_padding",
     "CastCost", "fit_cast_cost",
     "Prediction", "Predictor", "SearchPredictor",
     "PREDICTED_STEP", "MEASURED_STEP", "STALE_PROFILES", "STALE_PROFILE_RATIO",
+    "CompileSpec", "fuse", "Fusion", "FusedKernel", "profile_compiled_ops", "KernelCost", "fit_kernel_cost",
+    "CompiledPredictor", "roofline_cost", "RooflineCost", "roofline_profiles", "Roofline", "DevicePeaks", "H100",
 ]

@@ -38,6 +38,9 @@ from ..opkey import KEY_META, OpKey
 from ..passes import CastInfo
 from ..plan import AMP_PRECISION, Assignment, Plan
 from ..vocabulary import Precision, SampleStatus, Stage
+from .compile_spec import CompileSpec
+from .compiled_pricing import CompiledPredictor
+from .compiled_profile import profile_compiled_ops
 from .pricing import Prediction, Predictor, cast_sizes  # noqa: F401 (cast_sizes: still importable from here)
 from .profile import OpProfiles, profile_ops
 
@@ -133,7 +136,7 @@ class SearchPredictor:
     @classmethod
     def build(cls, analysis, *, rewrite: Callable[[Plan], fx.GraphModule] | None = None,
               cache_dir: str | os.PathLike | None = None, annotate_all: bool | None = None,
-              confidence: float = 0.95, **profile_kwargs) -> "SearchPredictor":
+              confidence: float = 0.95, compiled=None, **profile_kwargs) -> "SearchPredictor":
         """Profile ``analysis`` and fit cast costs (:meth:`Predictor.build`), timing what that costs.
 
         ``rewrite(plan)`` makes the graph a plan runs as (the search passes the
@@ -143,14 +146,25 @@ class SearchPredictor:
         says otherwise); ``confidence`` is the decision rule's (see :meth:`observe`); ``profile_kwargs``
         go to :func:`~compfx.costmodel.profile_ops` (``use_cache`` and
         ``refresh`` to the caches too).
+
+        ``compiled``: the compile options the plans train with (anything
+        :meth:`CompileSpec.of` takes) prices the compiled program instead
+        (:class:`~compfx.costmodel.CompiledPredictor`; ``profile_kwargs`` then go
+        to :func:`~compfx.costmodel.profile_compiled_ops`, ``fp8_recipes`` among
+        them); ``rewrite`` must then return the planned ``GraphModule``.
         """
         refresh = profile_kwargs.pop("refresh", False)  # the re-measure of stale profiles always refreshes
+        spec = CompileSpec.of(compiled)
         start = time.perf_counter()
-        predictor = Predictor.build(analysis, rewrite=rewrite, cache_dir=cache_dir, refresh=refresh, **profile_kwargs)
-        remeasure = functools.partial(Predictor.build, analysis, rewrite=rewrite, cache_dir=cache_dir, refresh=True,
-                                      **profile_kwargs)
+        if spec is None:
+            make, profile = functools.partial(Predictor.build, analysis), functools.partial(profile_ops, analysis)
+        else:
+            make = functools.partial(CompiledPredictor.build, analysis, spec)
+            profile = functools.partial(profile_compiled_ops, analysis, spec)
+        predictor = make(rewrite=rewrite, cache_dir=cache_dir, refresh=refresh, **profile_kwargs)
+        remeasure = functools.partial(make, rewrite=rewrite, cache_dir=cache_dir, refresh=True, **profile_kwargs)
         spot_kwargs = {k: v for k, v in profile_kwargs.items() if k != "use_cache"}
-        spot_check = lambda keys: profile_ops(analysis, keys=keys, use_cache=False, **spot_kwargs)  # noqa: E731
+        spot_check = lambda keys: profile(keys=keys, use_cache=False, **spot_kwargs)  # noqa: E731
         return cls(predictor, time.perf_counter() - start, remeasure, spot_check,
                    annotate_all=rewrite is not None if annotate_all is None else annotate_all, confidence=confidence)
 
@@ -207,10 +221,7 @@ class SearchPredictor:
             profile = self.profiles.get(op.key)
             if profile is None:
                 continue
-            if self._dtype_decided_by(op.key, precision):
-                total += profile.seconds(precision is Precision.LOW)
-            else:
-                total += min(profile.fp32_s, profile.low_s)
+            total += self._least_seconds(op.key, profile, precision)
         return self._scaled(total) * batches
 
     def step_lower_bound(self, plan: Assignment) -> float:
@@ -264,11 +275,10 @@ class SearchPredictor:
             if profile is None:
                 continue
             if node not in reached:
-                total += profile.seconds(op.key in seen.low_ops)
-            elif self._dtype_decided_by(op.key, precision):
-                total += profile.seconds(precision is Precision.LOW)
+                total += (_fp8_floor(profile) if op.key in seen.fp8_ops
+                          else profile.seconds(op.key in seen.low_ops))
             else:
-                total += min(profile.fp32_s, profile.low_s)
+                total += self._least_seconds(op.key, profile, precision)
         total += sum(seconds for seconds, touches in seen.casts if not self._flow.touches(touches, reached))
         self._against[key] = max(self._scaled(total) * batches, self.lower_bound_seconds(plan))
         return self._against[key]
@@ -296,7 +306,16 @@ class SearchPredictor:
         return self.batches
 
     def _casts_non_negative(self) -> bool:
-        return all(alpha >= 0 and beta >= 0 for alpha, beta in self.predictor.cast_cost.coefficients.values())
+        return self.predictor.prices_non_negative()
+
+    def _least_seconds(self, key: OpKey, profile, precision: Precision) -> float:
+        """The least an op can cost at ``precision``, whatever dtypes reach it: its profile at the dtype the
+        precision decides, else the cheaper of FP32's and the low dtype's; in FP8 the cheapest recipe profiled."""
+        if precision is Precision.FP8:
+            return _fp8_floor(profile)
+        if self._dtype_decided_by(key, precision):
+            return profile.seconds(precision is Precision.LOW)
+        return min(profile.fp32_s, profile.low_s)
 
     def _dtype_decided_by(self, key: OpKey, precision: Precision) -> bool:
         """Does ``precision`` alone decide the dtype the op computes in (whatever dtypes reach it)?"""
@@ -586,6 +605,7 @@ class _Reference:
     priced: float  # the predicted step's compute and casts (the calibrated overhead is added when it is read)
     low_ops: frozenset[OpKey]
     casts: tuple[tuple[float, frozenset[str]], ...]
+    fp8_ops: frozenset[OpKey] = frozenset()
 
     @classmethod
     def of(cls, gm: fx.GraphModule, prediction: Prediction, cast_seconds: Callable[[CastInfo], float]) -> "_Reference":
@@ -595,7 +615,8 @@ class _Reference:
             node = nodes[cast.node]
             touches = {arg.name for arg in node.all_input_nodes} | {user.name for user in node.users}
             casts.append((cast_seconds(cast), frozenset(touches)))
-        return cls(prediction.compute_s + prediction.cast_s, frozenset(prediction.low_ops), tuple(casts))
+        return cls(prediction.compute_s + prediction.cast_s, frozenset(prediction.low_ops), tuple(casts),
+                   frozenset(prediction.fp8_ops))
 
 
 class _Dataflow:
@@ -636,7 +657,9 @@ class _Dataflow:
             if not changed:
                 continue
             precision = plan[i] if i is not None else None
-            casts_them = (precision is Precision.FP32 or (precision is Precision.LOW and not autocast)) and cast
+            # FP8 ops take FP32 operands (cast_policy.precision_dtype): they cast them as FP32 does
+            casts_them = (precision in (Precision.FP32, Precision.FP8)
+                          or (precision is Precision.LOW and not autocast)) and cast
             if not casts_them or any(arg not in cast for arg in changed):
                 reached.add(name)
         return reached
@@ -644,6 +667,11 @@ class _Dataflow:
     def touches(self, names: frozenset[str], reached: set[str]) -> bool:
         """Does any of ``names`` lie within ``reached``, or outside the analysis graph (a node a rewrite inserted)?"""
         return any(name in reached or name not in self.names for name in names)
+
+
+def _fp8_floor(profile) -> float:
+    """The least an op costs in FP8: its cheapest recipe profiled, else 0 (unknown: a bound charges nothing)."""
+    return min((seconds for _, seconds in profile.fp8_s), default=0.0)
 
 
 def _assignment(plan) -> Assignment:

@@ -27,8 +27,8 @@ import torch
 import torch.fx as fx
 from torch.utils import _pytree as pytree
 
-from ..apply import apply
-from ..capture import meta_value
+from ..planned_module import planned_graph
+from ..graph_capture import meta_value
 from ..cast_policy import compute_dtype
 from ..errors import BadInputError, SearchError
 from ..opkey import KEY_META, OpKey
@@ -42,7 +42,13 @@ __all__ = ["Prediction", "Predictor", "cast_sizes"]
 
 @dataclass(frozen=True)
 class Prediction:
-    """A predicted step time and where it comes from: ops' compute, casts and the calibrated overhead."""
+    """A predicted step time and where it comes from: ops' compute, casts and the calibrated overhead.
+
+    ``casts`` are the casts priced (``cast_s``). Priced compiled
+    (:mod:`compfx.costmodel.compiled_pricing`), ``compute_s`` holds the extern
+    ops and ``fused_s``, the ``kernels`` fused kernels; ``fused_casts`` are the
+    casts fusion removed (priced at nothing), and ``fp8_ops`` the ops priced in FP8.
+    """
 
     seconds: float
     compute_s: float
@@ -50,6 +56,10 @@ class Prediction:
     overhead_s: float
     low_ops: tuple[OpKey, ...] = ()
     casts: tuple[CastInfo, ...] = field(default=(), repr=False)
+    fused_s: float = 0.0
+    kernels: int = 0
+    fp8_ops: tuple[OpKey, ...] = ()
+    fused_casts: tuple[CastInfo, ...] = field(default=(), repr=False)
 
     @property
     def n_casts(self) -> int:
@@ -62,7 +72,7 @@ class Predictor:
     ``predict`` takes a rewritten ``GraphModule`` (with fresh ``meta["val"]``),
     a :class:`~compfx.plan.Plan`, an :class:`~compfx.plan.Assignment` or a CoMP
     bitstring; the last three need ``analysis`` and are turned into a graph by
-    ``rewrite(plan) -> GraphModule`` (default: :func:`compfx.apply` on
+    ``rewrite(plan) -> GraphModule`` (default: :func:`compfx.planned_module.planned_graph` on
     ``analysis.graph_module``, which leaves it unchanged). :meth:`calibrate`
     sets ``overhead`` from one measured FP32 step, so the FP32 plan is
     predicted exactly.
@@ -103,6 +113,10 @@ class Predictor:
                                   clock=profile_kwargs.get("clock", "wall"), cache_dir=cache_dir,
                                   use_cache=use_cache, refresh=refresh, conditions=profiles.conditions)
         return cls(profiles, cast_cost, analysis=analysis, rewrite=rewrite)
+
+    def prices_non_negative(self) -> bool:
+        """Is no price negative (no fitted cast cost below 0)? The search's lower bounds rely on it."""
+        return all(alpha >= 0 and beta >= 0 for alpha, beta in self.cast_cost.coefficients.values())
 
     def calibrate(self, measured_fp32_step_seconds: float) -> "Predictor":
         """Set the per-step overhead to measured FP32 step minus predicted FP32 compute; returns self.
@@ -182,8 +196,9 @@ def _as_plan(analysis, plan) -> Plan:
 
 
 def _applied(analysis, plan: Plan) -> fx.GraphModule:
-    """What :func:`compfx.apply` makes of ``plan`` (on a copy of the analysis graph, which stays unchanged)."""
-    return apply(analysis.graph_module, plan, analysis=analysis)
+    """The graph :func:`compfx.apply` runs for ``plan`` at the analysis's inputs (on a copy of the analysis graph,
+    which stays unchanged)."""
+    return planned_graph(analysis.graph_module, plan, analysis)
 
 
 def _cast_pairs(gm: fx.GraphModule, low_dtype: torch.dtype) -> list[tuple[torch.dtype, torch.dtype]]:

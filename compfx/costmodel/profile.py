@@ -32,8 +32,8 @@ import torch.fx as fx
 from torch.utils import _pytree as pytree
 
 from ..cache import discard_entry, entry_path, profile_folder, read_entry, write_entry
-from ..capture import LIMIT_META, get_attribute, writes_input
-from ..capture.dtype_limits import limit_value
+from ..graph_capture import LIMIT_META, get_attribute, writes_input
+from ..graph_capture.dtype_limits import limit_value
 from ..cast_policy import AutocastRegion, castable, low_runs_under_autocast, mutated_positions
 from ..errors import BadInputError, SearchError
 from ..measure import Conditions, check_clock, environment_key, measure_conditions, time_fastest
@@ -51,23 +51,37 @@ CACHE_VERSION = 1
 
 @dataclass(frozen=True)
 class OpProfile:
-    """Forward+backward seconds of one op at FP32 and at the low dtype.
+    """Forward+backward seconds of one op at FP32, at the low dtype and, where profiled, in FP8 per recipe.
 
     ``skipped`` says why the op could not be run in isolation; its times are
     then 0 and its cost ends up in the predictor's calibrated per-step overhead.
+    ``fp8_s`` holds ``(recipe, seconds)`` pairs: compiled profiles time FP8 ops
+    (:mod:`compfx.costmodel.compiled_profile`), eager ones do not.
 
     >>> from compfx.opkey import OpKey
-    >>> OpProfile(OpKey.parse("0:linear#0"), fp32_s=2e-3, low_s=5e-3).seconds(low=True)
-    0.005
+    >>> profile = OpProfile(OpKey.parse("0:linear#0"), fp32_s=2e-3, low_s=5e-3, fp8_s=(("tensorwise", 1e-3),))
+    >>> profile.seconds(low=True), profile.fp8_seconds("tensorwise"), profile.fp8_seconds("rowwise"), profile.floor
+    (0.005, 0.001, None, 0.001)
     """
 
     key: OpKey
     fp32_s: float
     low_s: float
     skipped: str = ""
+    fp8_s: tuple[tuple[str, float], ...] = ()
 
     def seconds(self, low: bool) -> float:
         return self.low_s if low else self.fp32_s
+
+    def fp8_seconds(self, recipe) -> float | None:
+        """Seconds in FP8 scaled by ``recipe`` (a :class:`~compfx.vocabulary.Float8Recipe` or its name); None when
+        not profiled."""
+        return dict(self.fp8_s).get(str(recipe))
+
+    @property
+    def floor(self) -> float:
+        """The fewest seconds at any precision profiled: what a lower bound may charge when the precision is open."""
+        return min([self.fp32_s, self.low_s, *(seconds for _, seconds in self.fp8_s)])
 
 
 @dataclass(frozen=True, eq=False)
@@ -78,7 +92,8 @@ class OpProfiles(Mapping[OpKey, OpProfile]):
     read from the cache, ``stale`` those measured again because their cache
     entry was taken under other conditions (or records none), ``seconds`` the
     wall time the call spent; ``conditions`` are the conditions now (None
-    without a cache), ``stale_reason`` why the first stale entry was not trusted.
+    without a cache), ``stale_reason`` why the first stale entry was not trusted;
+    ``compiled`` what the ops ran compiled with (None: eagerly).
     """
 
     ops: Mapping[OpKey, OpProfile]
@@ -90,6 +105,9 @@ class OpProfiles(Mapping[OpKey, OpProfile]):
     stale: int = 0
     conditions: Conditions | None = None
     stale_reason: str = ""
+    #: what the ops ran compiled with (:meth:`~compfx.costmodel.compile_spec.CompileSpec.key`), or the device model
+    #: they were priced on (:func:`~compfx.costmodel.roofline_profiles`); None: run eagerly
+    compiled: Mapping | None = None
 
     def __getitem__(self, key: OpKey) -> OpProfile:
         return self.ops[key]
@@ -238,13 +256,16 @@ class _OpBench:
         return (tuple(limit_value(limits[i], dtype) if i in limits else arg for i, arg in enumerate(args)),
                 {name: limit_value(limits[name], dtype) if name in limits else arg for name, arg in kwargs.items()})
 
-    def make_step(self, dtype: torch.dtype, *, clone_first: bool = False, padding=None) -> Callable[[], None]:
+    def make_step(self, dtype: torch.dtype, *, clone_first: bool = False, padding=None,
+                  call: Callable | None = None) -> Callable[[], None]:
         """A closure running the op forward and backward at ``dtype`` (FP32 = no casts).
 
         ``clone_first`` feeds the op a copy of its first input made inside the
         step: an in-place op cannot write into a leaf that requires grad.
         ``padding`` (an ``OpPadding``) runs the op padded and sliced back, as
-        :mod:`compfx.passes.pad_shapes` does, after the casts.
+        :mod:`compfx.passes.pad_shapes` does, after the casts. ``call`` runs
+        instead of the op's own callable (:meth:`op_callable`), on the same
+        arguments: the op compiled, or in FP8.
         """
         leaves, spec = pytree.tree_flatten(self._values_at(dtype))
         casts = self.cast_positions() if dtype != torch.float32 else set()
@@ -253,7 +274,8 @@ class _OpBench:
         grad_inputs = [t for t in real if isinstance(t, torch.Tensor) and t.requires_grad]
         if self.module is not None:
             grad_inputs += [p for p in self.module.parameters() if p.requires_grad]
-        call = self._callable(autocast_dtype=dtype if dtype != torch.float32 and self.low_under_autocast else None)
+        if call is None:
+            call = self.op_callable(dtype)
         grads: list[torch.Tensor] = []  # ones into the outputs that carry gradients, made on the first call
 
         def forward():
@@ -286,6 +308,10 @@ class _OpBench:
         if cast_to is not None:
             real = real.to(cast_to)
         return real.requires_grad_(requires_grad)
+
+    def op_callable(self, dtype: torch.dtype) -> Callable:
+        """The op as the cast pass runs it at ``dtype``: itself, or under ``torch.autocast`` where that is its rule."""
+        return self._callable(autocast_dtype=dtype if dtype != torch.float32 and self.low_under_autocast else None)
 
     def _callable(self, autocast_dtype: torch.dtype | None) -> Callable:
         node = self.node

@@ -11,5 +11,5 @@
   before ``accelerator.prepare``; :mod:`compfx.integrations.planned_training`
   is what they share.
 
-The ``torch.compile`` integration is the backend, :mod:`compfx.backend`.
+The ``torch.compile`` integration is the backend, :mod:`compfx.compile_backend`.
 """

@@ -42,12 +42,12 @@ except ImportError as error:  # pragma: no cover - the test extra installs it
 
 import torch
 
-from ..analyze import analyze
-from ..apply import PlannedModule
+from ..analysis import analyze
+from ..planned_module import PlannedModule
 from ..batches import check_first_batch, model_device
 from ..errors import BadInputError, PlanFileError
 from ..guard import Guard
-from ..optimize import optimize
+from ..optimization import optimize
 from ..plan import Plan
 from ..search.config import SearchConfig
 from .planned_training import LOG_FILE, PLAN_FILE, PlannedRun, first_batches, plan_model

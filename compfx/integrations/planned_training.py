@@ -31,10 +31,10 @@ from typing import Iterable
 import torch
 import torch.nn as nn
 
-from ..apply import apply
+from ..planned_module import plan_blocks
 from ..batches import check_first_batch, model_device, move_batch
 from ..errors import BadInputError
-from ..optimize import optimize
+from ..optimization import optimize
 from ..per_module import PlannedBlock, restore_blocks
 from ..plan import Plan
 from ..regions import region_paths
@@ -224,8 +224,8 @@ def plan_model(model: nn.Module, batches: list, *, optimizer: torch.optim.Optimi
                               config=config, log=log, per_module=per_module)
             return PlannedRun(model, regions, result.plan, result, "searched")
         args, kwargs = check_first_batch(model, batches[0], loss_fn, model_device(model), with_loss=with_loss)
-        apply(model, plan, kwargs if kwargs else args, per_module=per_module,
-              verify=(config or SearchConfig()).verify_capture)
+        plan_blocks(model, plan, kwargs if kwargs else args, blocks=per_module,
+                    verify=(config or SearchConfig()).verify_capture)
         return PlannedRun(model, regions, plan, None, source)
     except BaseException:
         restore_blocks(model)  # the user's model as it was, whatever failed

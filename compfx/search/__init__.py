@@ -44,7 +44,7 @@ from .space import SearchSpace
 from .stage1 import Stage1Result, run_stage1
 from .stage1_screen import should_skip, skip_message
 from .stage1_space import stage1_candidates, stage1_plan_space
-from .stage2 import Segment, Stage2Result, algorithm2_candidates, run_stage2, stage2_segments
+from .stage2 import Segment, Stage2Result, algorithm2_candidates, run_stage2, segment_candidates, stage2_segments
 
 __all__ = [
     "SearchSpace", "SearchConfig", "DECIDES", "decision_settings", "SearchResult",
@@ -52,7 +52,7 @@ __all__ = [
     "run_search", "Decision", "Strategy", "SingleProcess", "SINGLE_PROCESS", "Recorder", "compare_steps",
     "DecisionRule", "Comparison", "StepComparison", "median_interval", "speedup_text",
     "run_stage1", "Stage1Result", "stage1_candidates", "stage1_plan_space", "should_skip", "skip_message",
-    "run_stage2", "Stage2Result", "Segment", "stage2_segments", "algorithm2_candidates",
+    "run_stage2", "Stage2Result", "Segment", "stage2_segments", "algorithm2_candidates", "segment_candidates",
     "loss_limit", "is_accepted", "check_plan", "check_winner",
     "Allocation", "allocate_per_device", "allocation_starts", "recovery_order",
     "SearchLog", "SampleRecord", "Replay", "Outcome",

@@ -33,6 +33,25 @@ Two tests, both necessary:
 With ``rounds=0`` the screen alone decides (with ``margin=0`` that is CoMP's
 own rule: the cheaper plan wins, ties to the earlier).
 
+**A machine too noisy to decide keeps the incumbent.** The pairs are fair only
+while whatever else the machine does hits both plans alike. On a loaded CPU a
+thread that is descheduled makes a step several times slower, and such bursts
+can hit one side of a duel far more than the other (one plan's steps near
+350 ms, the other's near 20 ms): the ratios then agree, tightly, on a speed-up
+that does not exist. So a duel also checks that its pairs are plausible
+(:meth:`Comparison.noise`): their ratios must not spread over more than
+:data:`NOISE_FACTOR` around their median; the ratio must not depend on which
+plan ran first by more than that; and each plan's steps must not run further
+above their own fastest than the other plan's do, by more than that, where a
+plan's fastest at each round of a block is the least cost it had at that round
+in any block of this search (every block runs the same batches from the same
+state, so those are one computation timed twice). A check that fails measures
+how far the noise could have moved the ratio; a win by less than that (the
+interval's top times that factor not below the bar) cannot replace the
+incumbent: the duel takes more blocks, and if the last is still in doubt, its
+verdict says the machine was too noisy to decide, and so does the report. A
+win by more than the noise could explain stands.
+
 The report's speed-ups come from the same statistics (:func:`speedup_text`):
 one interleaved phase of FP32, AMP and the chosen plan after the search (or, when the chosen plan is
 FP32's or AMP's, Stage 1's duel of those two: the same kind of phase).
@@ -49,22 +68,30 @@ False
 from __future__ import annotations
 
 import math
+import numbers
 import statistics
+import weakref
 from dataclasses import dataclass, replace
 from typing import Callable, Sequence
 
 from ..errors import BadInputError, PlanFailedError
-from ..measure import median_interval
+from ..measure import interleaved_order, median_interval
 from .log import DUEL
 from .outcome import checked_cost, note
 
-__all__ = ["DecisionRule", "Comparison", "Verdict", "median_interval", "paired_costs", "speedup_text",
-           "speedup_measured", "duel", "log_duel",
+__all__ = ["DecisionRule", "COMP_RULE", "Comparison", "Verdict", "median_interval", "paired_costs",
+           "speedup_text", "speedup_measured", "duel", "log_duel", "NOISE_FACTOR",
            "StepComparison", "MAX_DUEL_BLOCKS", "AFTER_THE_SEARCH", "IN_THE_FIRST_DUEL",
            "IN_THE_FIRST_EPOCHS"]
 
 #: Most blocks of ``rounds`` pairs one duel takes while it is still undecided.
 MAX_DUEL_BLOCKS = 3
+
+#: How far a duel's pairs may disagree before the machine counts as too noisy to decide (see the module
+#: docstring): on a quiet machine two plans' steps on the same batches keep their ratio within a few percent,
+#: round after round and whichever runs first, and a plan's step stays within tens of percent of its fastest;
+#: a descheduled thread makes a step several times slower.
+NOISE_FACTOR = 1.5
 
 #: When the report's step comparison was timed (:attr:`StepComparison.phase`): its own phase after the search, or,
 #: when the chosen plan is FP32's or AMP's, the search's duel of those two plans, which is such a phase already.
@@ -80,17 +107,56 @@ def paired_costs(seconds: Sequence[Sequence[float]], cost: Callable[[int, float]
 
 @dataclass(frozen=True)
 class Comparison:
-    """Paired costs of an incumbent and a candidate, round by round; ``ratios`` are candidate / incumbent."""
+    """Paired costs of an incumbent and a candidate, round by round; ``ratios`` are candidate / incumbent.
+
+    ``incumbent_first`` says, per pair, whether the incumbent's step ran first (None where not known);
+    ``disturbance`` how far each plan's costs ran above its fastest at the same rounds (see the module
+    docstring), (incumbent's, candidate's) medians, where known. Both feed :meth:`noise`.
+    """
 
     incumbent: tuple[float, ...]
     candidate: tuple[float, ...]
+    incumbent_first: tuple[bool | None, ...] = ()
+    disturbance: tuple[float, float] | None = None
 
     @classmethod
-    def of(cls, incumbent: Sequence[float], candidate: Sequence[float]) -> "Comparison":
+    def of(cls, incumbent: Sequence[float], candidate: Sequence[float],
+           incumbent_first: Sequence[bool | None] = ()) -> "Comparison":
         if len(incumbent) != len(candidate) or not incumbent:
             raise BadInputError(f"a comparison pairs costs round by round; got {len(incumbent)} and "
                                 f"{len(candidate)} rounds")
-        return cls(tuple(map(float, incumbent)), tuple(map(float, candidate)))
+        return cls(tuple(map(float, incumbent)), tuple(map(float, candidate)), tuple(incumbent_first))
+
+    def noise(self, confidence: float) -> tuple[float, str]:
+        """How far the machine's noise hit the two plans unlike each other, as a factor on the cost ratio, and
+        in words: the largest of the checks in the module docstring that exceeds :data:`NOISE_FACTOR`, or
+        ``(1.0, "")`` when none does. A win by more than that factor stands whatever the noise did.
+
+        >>> Comparison.of([1.0] * 7, [0.5, 0.52, 0.49, 0.5, 0.51, 0.5, 0.5]).noise(0.95)
+        (1.0, '')
+        >>> Comparison.of([1.0] * 7, [0.1, 0.9, 0.1, 0.1, 0.9, 0.1, 0.9]).noise(0.95)
+        (9.0, "the pairs' cost ratios spread from 0.1 to 0.9 around 0.1")
+        """
+        ratios = [r for r in self.ratios if 0 < r < math.inf]
+        if len(ratios) < len(self.ratios) or not ratios:
+            return 1.0, ""  # a zero or infinite cost: nothing to judge the spread by
+        found = [(1.0, "")]
+        low, high, _ = median_interval(ratios, confidence)
+        middle = statistics.median(ratios)
+        found.append((max(high / middle, middle / low),
+                      f"the pairs' cost ratios spread from {low:.3g} to {high:.3g} around {middle:.3g}"))
+        first = [r for r, f in zip(ratios, self.incumbent_first) if f is True]
+        second = [r for r, f in zip(ratios, self.incumbent_first) if f is False]
+        if len(first) >= 2 and len(second) >= 2:
+            a, b = statistics.median(first), statistics.median(second)
+            found.append((max(a / b, b / a), f"the cost ratio is {a:.3g} when the incumbent runs first and {b:.3g} "
+                                             "when it runs second"))
+        if self.disturbance is not None and min(self.disturbance) > 0:
+            mine, theirs = self.disturbance
+            found.append((max(mine / theirs, theirs / mine), f"the incumbent's steps ran {mine:.2f}x and the "
+                                                             f"candidate's {theirs:.2f}x their fastest at the same rounds"))
+        factor, words = max(found, key=lambda item: item[0])
+        return (factor, words) if factor > NOISE_FACTOR else (1.0, "")
 
     @property
     def ratios(self) -> tuple[float, ...]:
@@ -110,7 +176,14 @@ class Comparison:
         return statistics.median(speedups), low, high
 
     def extended(self, other: "Comparison") -> "Comparison":
-        return Comparison(self.incumbent + other.incumbent, self.candidate + other.candidate)
+        return Comparison(self.incumbent + other.incumbent, self.candidate + other.candidate,
+                          _orders(self) + _orders(other), other.disturbance or self.disturbance)
+
+
+def _orders(comparison: Comparison) -> tuple[bool | None, ...]:
+    """Per pair whether the incumbent ran first, None where not known (padded to the pairs)."""
+    known = comparison.incumbent_first[:len(comparison.incumbent)]
+    return known + (None,) * (len(comparison.incumbent) - len(known))
 
 
 @dataclass(frozen=True)
@@ -125,29 +198,68 @@ class Verdict:
     bar: float  # the ratio the interval had to stay below
     reason: str
     seconds: tuple[tuple[float, ...], ...] = ()  # (incumbent's, candidate's) seconds per round, as measured
+    noise: str = ""  # why the machine was too noisy to decide, when that alone kept the incumbent
 
     def to_dict(self) -> dict:
         return {"incumbent_costs": list(self.comparison.incumbent), "candidate_costs": list(self.comparison.candidate),
                 "median_ratio": self.comparison.median, "interval": [self.low, self.high], "coverage": self.coverage,
-                "bar": self.bar, "replaces": self.replaces}
+                "bar": self.bar, "replaces": self.replaces, **({"too_noisy": self.noise} if self.noise else {})}
 
 
 @dataclass(frozen=True)
 class DecisionRule:
-    """``margin``: the least fraction a candidate must be faster by; ``confidence``: how sure the duel must be;
-    ``rounds``: pairs per duel block (0: the screen alone decides). See the module docstring."""
+    """When a candidate plan replaces the incumbent: ``SearchConfig(decision=DecisionRule(...))``.
 
-    margin: float = 0.0
+    A candidate replaces the incumbent (first AMP's plan, then FP32's, then the
+    candidates in a fixed order) only when it is faster by more than ``margin``,
+    at ``confidence``, on ``rounds`` pairs of interleaved steps of the two plans
+    on the same batches (up to :data:`MAX_DUEL_BLOCKS` blocks of them while
+    undecided); or, saving fewer activation bytes, when it is not slower by more
+    than ``margin``. Ties keep the incumbent. The report's step comparison of
+    FP32, AMP and the chosen plan takes ``rounds`` rounds too. Frozen, and
+    checked when built; the module docstring has the statistics.
+
+    Args:
+        margin: the least fraction a candidate must be faster by, in [0, 1): 0.03 is 3%.
+        confidence: how sure a duel must be, in (0, 1): its interval covers the median ratio this often.
+        rounds: pairs of steps per duel block. 0 decides on the stages' own timings alone (the screen); with
+            ``margin=0`` too, that is CoMP's rule, the cheaper plan wins (:data:`COMP_RULE`).
+
+    Raises:
+        BadInputError: a value out of range, or not a number (a bool is not one; ``rounds`` is an int).
+
+    Example::
+
+        >>> import compfx
+        >>> config = compfx.SearchConfig(decision=compfx.DecisionRule(margin=0.05, rounds=9))
+        >>> config.decision
+        DecisionRule(margin=0.05, confidence=0.95, rounds=9)
+        >>> compfx.DecisionRule(margin=1.5)
+        Traceback (most recent call last):
+        ...
+        compfx.errors.BadInputError: DecisionRule(margin=1.5); expected a fraction in [0, 1), e.g. 0.03 (a candidate must be more than 3% faster to replace the incumbent).
+    """
+
+    margin: float = 0.03
     confidence: float = 0.95
-    rounds: int = 0
+    rounds: int = 7
 
     def __post_init__(self):
+        for name in ("margin", "confidence"):
+            value = getattr(self, name)
+            if not isinstance(value, numbers.Real) or isinstance(value, bool):
+                raise BadInputError(f"DecisionRule({name}={value!r}); expected a number, not a {type(value).__name__}.")
+            object.__setattr__(self, name, float(value))
         if not (0 <= self.margin < 1):
-            raise BadInputError(f"margin={self.margin!r}; expected a fraction in [0, 1), e.g. 0.03")
+            raise BadInputError(f"DecisionRule(margin={self.margin!r}); expected a fraction in [0, 1), e.g. 0.03 (a "
+                                "candidate must be more than 3% faster to replace the incumbent).")
         if not (0 < self.confidence < 1):
-            raise BadInputError(f"confidence={self.confidence!r}; expected a probability in (0, 1), e.g. 0.95")
-        if self.rounds < 0:
-            raise BadInputError(f"rounds={self.rounds!r}; expected 0 (no duel) or more pairs per duel")
+            raise BadInputError(f"DecisionRule(confidence={self.confidence!r}); expected a probability in (0, 1), e.g. "
+                                "0.95 (the duel's interval covers the median ratio 95% of the time).")
+        if not isinstance(self.rounds, numbers.Integral) or isinstance(self.rounds, bool) or self.rounds < 0:
+            raise BadInputError(f"DecisionRule(rounds={self.rounds!r}); expected an int >= 0: 0 (no duel) or more "
+                                "pairs per duel.")
+        object.__setattr__(self, "rounds", int(self.rounds))
 
     def ratio_bar(self, saves_less: bool) -> float:
         """The cost ratio candidate / incumbent a candidate must stay below."""
@@ -164,15 +276,21 @@ class DecisionRule:
         """Does the candidate replace the incumbent, on these paired costs?"""
         low, high, coverage = comparison.interval(self.confidence)
         bar = self.ratio_bar(saves_less)
-        replaces = high < bar
+        # only a win needs its pairs believed, and only one the noise could account for is in doubt
+        factor, noise = comparison.noise(self.confidence) if high < bar else (1.0, "")
+        noise = noise if high * factor >= bar else ""
+        replaces = high < bar and not noise
         what = (f"not slower by more than {self.margin:.0%}, and saves less memory" if saves_less
                 else f"faster by more than {self.margin:.0%}")
         reason = (f"cost ratio {comparison.median:.3f} ({low:.3f}-{high:.3f}, {coverage:.0%} interval over "
-                  f"{len(comparison.ratios)} pairs): " + (what if replaces else f"not confidently {what}; incumbent kept"))
-        return Verdict(comparison, replaces, low, high, coverage, bar, reason)
+                  f"{len(comparison.ratios)} pairs): "
+                  + (what if replaces else f"{what} on its face, but the machine was too noisy to decide ({noise}); "
+                     "incumbent kept" if noise else f"not confidently {what}; incumbent kept"))
+        return Verdict(comparison, replaces, low, high, coverage, bar, reason, noise=noise)
 
     def decided(self, verdict: Verdict) -> bool:
-        """True when more pairs cannot change the verdict's meaning (won, or the median itself is past the bar)."""
+        """True when more pairs cannot change the verdict's meaning (won, or the median itself is past the bar);
+        pairs too noisy to decide are not a decision: more may be quieter."""
         return verdict.replaces or not verdict.comparison.median < verdict.bar
 
     def check_rounds(self) -> None:
@@ -183,6 +301,10 @@ class DecisionRule:
                                 f"widest interval of {self.rounds} covers {1 - 2 / 2 ** self.rounds:.1%}); expected "
                                 f"at least {needed} rounds, or a lower confidence")
 
+
+
+#: CoMP's own rule: the cheaper plan wins on the stages' timings, no margin, no duel (the stages' default).
+COMP_RULE = DecisionRule(margin=0.0, rounds=0)
 
 def speedup_measured(low: float, high: float) -> bool:
     """Is a speed-up with this interval measured, i.e. does the interval exclude 1? The report states it only then.
@@ -229,6 +351,8 @@ def duel(evaluator, rule: DecisionRule, incumbent, candidate, *, saves_less: boo
     seconds = [[float(s) for s in row] for row in measured]
     price = lambda i, s: checked_cost(evaluator, (incumbent, candidate)[i], s)  # noqa: E731
     costs = paired_costs(seconds, price)
+    orders: list[bool | None] = [None] * len(seconds[0])  # the epochs' pairs: in turns, order not kept
+    blocks: list[list[list[float]]] = []  # this duel's timed blocks, priced: their rounds are comparable
     verdict = rule.verdict(Comparison.of(*costs), saves_less=saves_less) if seconds[0] else None
     while (verdict is None or not rule.decided(verdict)) and len(seconds[0]) < MAX_DUEL_BLOCKS * rule.rounds:
         try:
@@ -238,11 +362,47 @@ def duel(evaluator, rule: DecisionRule, incumbent, candidate, *, saves_less: boo
                 raise
             failed(error)
             break
-        for row, cost_row, more, priced in zip(seconds, costs, block, paired_costs(block, price)):
+        blocks.append(paired_costs(block, price))
+        for row, cost_row, more, priced in zip(seconds, costs, block, blocks[-1]):
             row.extend(float(s) for s in more)
             cost_row.extend(priced)
-        verdict = rule.verdict(Comparison.of(*costs), saves_less=saves_less)
+        orders += [interleaved_order(2, r)[0] == 0 for r in range(len(block[0]))]
+        comparison = replace(Comparison.of(*costs, orders),
+                             disturbance=_disturbance(evaluator, (incumbent, candidate), blocks))
+        verdict = rule.verdict(comparison, saves_less=saves_less)
     return replace(verdict, seconds=tuple(map(tuple, seconds)))
+
+
+#: Per search (by its evaluator's id, while the evaluator lives), per plan, the least cost it had at each round
+#: of a duel block. By id: an evaluator may be a dataclass, which is not hashable.
+_FASTEST: dict[int, dict] = {}
+
+
+def _disturbance(evaluator, plans, blocks: list[list[list[float]]]) -> tuple[float, float] | None:
+    """(incumbent's, candidate's) median of their costs in this duel's blocks over their fastest at the same round
+    in any block of the search (this duel's included): how far each ran above its best. Every block runs the same
+    batches from the same state (``FairSampler.interleaved_step_times``), so round ``r`` of two blocks is one
+    computation timed twice. None where the evaluator cannot be remembered."""
+    fastest = _FASTEST.get(id(evaluator))
+    if fastest is None:
+        try:
+            weakref.finalize(evaluator, _FASTEST.pop, id(evaluator), None)
+        except TypeError:  # not weakly referable: no memory across duels
+            return None
+        fastest = _FASTEST[id(evaluator)] = {}
+    for block in blocks[-1:]:
+        for plan, row in zip(plans, block):
+            best = fastest.setdefault(plan, {})
+            for r, cost in enumerate(row):
+                best[r] = min(best.get(r, math.inf), cost)
+    above = []
+    for j, plan in enumerate(plans):
+        best = fastest[plan]
+        ratios = [cost / best[r] for block in blocks for r, cost in enumerate(block[j]) if best[r] > 0]
+        if not ratios:
+            return None
+        above.append(statistics.median(ratios))
+    return above[0], above[1]
 
 
 def log_duel(report, stage, verdict: Verdict, incumbent, candidate, rounds: int, *, epoch_pairs: int = 0) -> None:

@@ -89,7 +89,7 @@ def run_search(space: SearchSpace, evaluator, config: SearchConfig, *, report: R
     (:mod:`compfx.search.compare`), and enables ``config.early_stop``.
     """
     guided = predictor is not None
-    rule = config.rule
+    rule = config.decision
     # per-device plans: each rank's budget is the allocator's to meet (the ranks' stages must decide alike)
     budget = None if config.per_device else config.memory_budget
     stage1 = run_stage1(space, evaluator, threshold=config.threshold, budget=config.stage1_budget,

@@ -12,7 +12,7 @@ An :class:`Evaluator` answers four questions about a plan (an
   per round, the plans taking turns on the same batches, warm (the duels of
   :mod:`compfx.search.compare`, and the report's step comparison).
 * ``saved_bytes(plan)``: activation bytes one forward under ``plan`` saves
-  for backward (:func:`compfx.saved_activation_bytes`), or None when the
+  for backward (:func:`compfx.memory.saved_activation_bytes`), or None when the
   evaluator cannot tell (memory then plays no part in the decision).
 * ``check_loss(plan, batches)``: mean training loss over the first ``batches``
   batches, from the initial state (the loss check).
@@ -50,10 +50,11 @@ from typing import Any, Callable, ContextManager, Generator, Hashable, Iterator,
 import torch
 import torch.nn as nn
 
+from ..graph_capture.held_state import HeldState
 from ..errors import BadInputError, CaptureError, PlanFailedError, SearchError, SearchReplayError
 from ..measure import PhaseClock, interleaved_order
 from ..plan import Assignment, Plan
-from ..state import restore_state, state_bytes
+from ..state import restore_grads, restore_state, state_bytes
 from ..vocabulary import SampleStatus, Stage
 from .log import BATCHES, DUEL, REPLAYED_STAGES, SampleRecord
 from .sampling import FairSampler, from_loader
@@ -365,6 +366,7 @@ class LocalEvaluator:
         self._runners: dict[Plan, nn.Module] = {}
         self._saved_bytes: dict[Assignment, int] = {}
         self._captures = None  # the model's captures per input signature, shared by every plan's runner
+        self._held = HeldState(model)  # the model the search began with: every sample must train that one
 
     # -- plans and the modules that run them -------------------------------------------
     def plan(self, plan: Assignment) -> Plan:
@@ -380,21 +382,22 @@ class LocalEvaluator:
     def module_of(self, plan: Plan) -> nn.Module:
         """:meth:`module` for a :class:`Plan` (the cost model prices plans; the padding decision pads them)."""
         if plan not in self._modules:
-            from ..apply import apply  # the apply stage imports the passes: load it when first needed
+            from ..planned_module import planned_graph  # the apply stage imports the passes: load it when first needed
 
             with self.clock.phase("rewrites"):
-                self._modules[plan] = apply(self.model, plan, analysis=self.analysis)
+                self._modules[plan] = planned_graph(self.model, plan, self.analysis)
         return self._modules[plan]
 
     def runner(self, plan: Assignment) -> nn.Module:
-        """What the samples train: a :class:`~compfx.apply.PlannedModule` of ``plan``, which runs it at every input
+        """What the samples train: a :class:`~compfx.planned_module.PlannedModule` of ``plan``, which runs it at every input
         signature the loader has (a ragged last batch, varying sequence lengths); its first graph is :meth:`module`'s."""
         return self.runner_of(self.plan(plan))
 
     def runner_of(self, plan: Plan) -> nn.Module:
         """:meth:`runner` for a :class:`Plan` (a padded one: what the padding decision times and the search returns)."""
+        self._check_same_model()
         if plan not in self._runners:
-            from ..apply import PlannedModule, SignatureCaptures
+            from ..planned_module import PlannedModule, SignatureCaptures
 
             graph = self.module_of(plan)
             with self.clock.phase("rewrites"):
@@ -404,8 +407,32 @@ class LocalEvaluator:
                                                     captures=self._captures, graph=graph)
         return self._runners[plan]
 
+    def _check_same_model(self) -> None:
+        """Refuse (:class:`~compfx.errors.BadInputError`) a model whose submodules were replaced since the search
+        began (a forward that swaps a layer when it is captured again): later samples would train another model,
+        one whose new layers the optimizer does not hold. Tensors swapped in place by their likes (FSDP2) are not a
+        change."""
+        if self._held.unchanged():
+            return
+        change = self._held.change()
+        if change.modules:
+            raise BadInputError(
+                f"the model's submodules were replaced during the search ({', '.join(change.modules[:3])}): its "
+                "forward (run again to capture new input shapes), a hook or another thread replaced them, so the "
+                "samples would no longer train the model the search began with, nor layers the optimizer holds. "
+                "Create submodules in __init__ and only call them in forward.")
+        self._held = HeldState(self.model)
+
+    def result_module(self, plan: Plan) -> nn.Module:
+        """What the search returns for its chosen ``plan`` (``result.module``): the module its samples trained."""
+        return self.runner_of(plan)
+
+    def measuring(self) -> ContextManager:
+        """What must hold while the search measures with this evaluator (here, nothing)."""
+        return nullcontext()
+
     def specializations(self) -> tuple[int, list]:
-        """(input signatures captured, every :class:`~compfx.apply.Specialization` of every plan's runner)."""
+        """(input signatures captured, every :class:`~compfx.planned_module.Specialization` of every plan's runner)."""
         captured = len(self._captures) if self._captures is not None else 1
         return captured, [s for runner in self._runners.values() for s in runner.specializations]
 
@@ -529,7 +556,10 @@ class LocalEvaluator:
     def leave_state(self, winner, *, keep_training: bool) -> None:
         """Leave the model as the Stage-1 epoch of ``winner`` (an Outcome) trained it, or as it started.
 
-        A winner served from a resumed log has no state of its own: its epoch is trained again.
+        A winner served from a resumed log has no state of its own: its epoch is trained again. Either way the
+        gradients are the user's from before the search (None where there were none), not the epoch's last step's:
+        a training loop's next step replaces them, and kept they would hold a gradient-sized block of memory the
+        user had freed (``optimizer.zero_grad()``).
         """
         artifact = winner.artifact if keep_training else None
         if isinstance(artifact, ReplayedState):
@@ -538,6 +568,7 @@ class LocalEvaluator:
             self.sampler.restore()
         else:
             restore_state(artifact)
+            restore_grads(self.sampler.initial)
 
     def _retrained(self, plan: Assignment):
         """Train the Stage-1 epoch of ``plan`` again (same seed, same start) and return its final state."""

@@ -65,7 +65,8 @@ except ImportError:  # pragma: no cover - Windows: no advisory locks; one writer
 from ..vocabulary import SampleStatus, Stage
 
 __all__ = ["SampleRecord", "SearchLog", "REPLAYED_STAGES", "HEADER", "BATCHES", "STOPPED_EARLY", "DUEL",
-           "SAVED_BYTES", "PRUNED_AT", "BATCH_VERDICT", "CANNOT_WIN", "NOTHING_CAN_WIN", "INCUMBENT_AGAIN", "DIGEST",
+           "SAVED_BYTES", "PRUNED_AT", "BATCH_VERDICT", "CANNOT_WIN", "NOTHING_CAN_WIN", "SEGMENT_NOT_ENUMERATED",
+           "INCUMBENT_AGAIN", "DIGEST",
            "RESULT",
            "record_digest", "MAX_LOG_BYTES", "is_search_log"]
 
@@ -88,6 +89,9 @@ CANNOT_WIN = "cannot_win"
 PRUNED_AT = "pruned_at"
 #: key of a note's ``extra``: the search stopped a stage because the profiles show no plan left can win (how many)
 NOTHING_CAN_WIN = "nothing_can_win"
+#: key of a Stage-2 note's ``extra``: a segment whose ``2**ops`` plans did not all fit ``stage2_budget`` (its
+#: boundaries, how many ops lie inside, how many plans were tried)
+SEGMENT_NOT_ENUMERATED = "segment_not_enumerated"
 #: key of a Stage-1 record's ``extra`` on the incumbent's epoch run again for a candidate to be compared with, not a
 #: new sample: the candidate whose epoch it took turns with, or "alone"
 INCUMBENT_AGAIN = "incumbent_again"

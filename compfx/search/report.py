@@ -12,13 +12,13 @@ import statistics
 
 from tabulate import tabulate
 
-from ..analyze import category_label
+from ..analysis import category_label
 from ..costmodel.predictor import MEASURED_STEP as _MEASURED, PREDICTED_STEP as _PREDICTED, STALE_PROFILES as _STALE
 from ..costmodel.predictor import EVIDENCE_SCALE as _EVIDENCE, PREDICTION_SCALE as _SCALE
 from ..costmodel.predictor import STALE_CONDITIONS as _STALE_N, STALE_CONDITIONS_REASON as _STALE_WHY
 from ..vocabulary import Precision, SampleStatus, Stage, dtype_name
 from .evidence import op_evidence
-from .log import DUEL, HEADER, INCUMBENT_AGAIN, NOTHING_CAN_WIN, RESULT, STOPPED_EARLY, SearchLog
+from .log import DUEL, HEADER, INCUMBENT_AGAIN, NOTHING_CAN_WIN, RESULT, SEGMENT_NOT_ENUMERATED, STOPPED_EARLY, SearchLog
 
 __all__ = ["render_report", "op_table", "prediction_table", "prediction_error", "predicted_records"]
 
@@ -181,12 +181,35 @@ def _stopped(log: SearchLog, stage: Stage) -> str:
     return f"; stopped early: the profiles showed none of the {left} plans left could beat the incumbent by the margin"
 
 
+def _not_enumerated(log: SearchLog) -> str:
+    """``; not enumerated fully: ...`` naming the Stage-2 segments whose ``2**n`` plans did not fit the budget."""
+    found = [r.extra[SEGMENT_NOT_ENUMERATED] for r in log.notes() if SEGMENT_NOT_ENUMERATED in r.extra]
+    if not found:
+        return ""
+    parts = ", ".join(f"({s['segment'][0]}, {s['segment'][1]}) {s['tried']} of 2^{s['ops']} plans" for s in found)
+    return (f"; {len(found)} segment{'s' if len(found) != 1 else ''} not enumerated fully (stage2_budget): {parts} "
+            "tried")
+
+
 def _duels(log: SearchLog, stage: Stage) -> str:
     duels = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra and r.stage == stage]
     if not duels:
         return ""
     won = sum(bool(d["replaces"]) for d in duels)
-    return f"; {len(duels)} duel{'s' if len(duels) != 1 else ''} with the incumbent, {won} won"
+    noisy = sum(bool(d.get("too_noisy")) for d in duels)
+    return (f"; {len(duels)} duel{'s' if len(duels) != 1 else ''} with the incumbent, {won} won"
+            + (f", {noisy} too noisy to decide (incumbent kept)" if noisy else ""))
+
+
+def _noise_lines(log: SearchLog) -> list[str]:
+    """What the report says when duels were too noisy to decide: the plans' speeds were not measured."""
+    noisy = [r.extra[DUEL] for r in log.notes() if DUEL in r.extra and r.extra[DUEL].get("too_noisy")]
+    if not noisy:
+        return []
+    return [f"noise          {len(noisy)} duel(s) found the machine too noisy to decide ({noisy[0]['too_noisy']}): "
+            "a candidate looked faster, but the pairs were not fair, so the incumbent was kept. Other work on the "
+            "machine slowed one plan's steps far more than the other's; search again on a quieter machine (or "
+            "with fewer threads than cores) to measure them."]
 
 
 def _fixed_cost(summary) -> list[str]:
@@ -228,10 +251,11 @@ def render_report(summary, tablefmt: str = "simple") -> str:
            else ""),
         f"stage 2        {len(by_stage[Stage.STAGE2])} candidates timed{_duels(log, Stage.STAGE2)}"
         + (f"; loss check {by_stage[Stage.CHECK][-1].status}" if by_stage[Stage.CHECK] else "")
-        + _stopped(log, Stage.STAGE2),
+        + _stopped(log, Stage.STAGE2) + _not_enumerated(log),
         f"search time    {summary.search_seconds:.2f} s = {share:.1f} FP32 epochs of the sample loader "
         f"({summary.samples_run} samples: {summary.samples_pruned} pruned, {summary.samples_skipped} skipped "
         "on prediction)",
+        *_noise_lines(log),
         *_fixed_cost(summary),
         *_cost_breakdown(summary),
         *_step_lines(summary),

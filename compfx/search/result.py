@@ -33,7 +33,7 @@ class LoggedOp:
 
 @dataclass(frozen=True)
 class LoggedAnalysis:
-    """The part of an :class:`~compfx.analyze.Analysis` a report needs, read back from a log (no graph, no model)."""
+    """The part of an :class:`~compfx.analysis.Analysis` a report needs, read back from a log (no graph, no model)."""
 
     ops: tuple[LoggedOp, ...]
     low_dtype: torch.dtype
@@ -50,9 +50,11 @@ class SearchResult:
     """The outcome of one search.
 
     * ``module``: the model rewritten to run ``plan``. It shares the model's
-      Parameters, so the optimizer given to ``optimize`` keeps training it.
+      Parameters, so the optimizer given to ``optimize`` keeps training it. After
+      a compiled search (``SearchConfig(compile=...)``) it is the plan's compiled
+      program, ``compfx.compile_with_plan(model, plan)``, compiled already.
     * ``plan``: the chosen :class:`~compfx.plan.Plan`; ``stage1_plan``: the Stage-1 winner.
-    * ``analysis``: the :class:`~compfx.analyze.Analysis` the plans are over.
+    * ``analysis``: the :class:`~compfx.analysis.Analysis` the plans are over.
     * ``log``: every sample and note (:class:`~compfx.search.log.SearchLog`).
     * ``stage1_mode``, ``loss0`` (the FP32 epoch's loss), ``fp32_epoch_seconds``,
       ``search_seconds`` (wall time of the whole ``optimize`` call: what the
@@ -63,7 +65,8 @@ class SearchResult:
       round, taken in one interleaved phase after the search on the same
       batches, with each plan's saved activation bytes.
     * ``cost_breakdown``: where ``search_seconds`` went, in seconds per part
-      (``capture``, ``profiling``, ``rewrites``, ``samples``, ``step comparison``,
+      (``capture``, ``profiling``, ``rewrites``, ``compile`` (a compiled search's
+      compiles, in untimed warm-up), ``samples``, ``step comparison``,
       ``other``); the parts add up to ``search_seconds``.
     * ``plan_path``: the plan-cache file the plan was saved to (None when it was
       not: ``SearchConfig(cache_plan=False)``, per-device plans, an unwritable

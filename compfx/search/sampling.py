@@ -172,7 +172,7 @@ def _is_dtensor(value) -> bool:
 class FairSampler:
     """Runs training samples of any module that shares ``model``'s Parameters, all from one start.
 
-    ``module`` is the plan-applied module (the search's: a :class:`compfx.apply.PlannedModule`); it shares
+    ``module`` is the plan-applied module (the search's: a :class:`compfx.planned_module.PlannedModule`); it shares
     the model's Parameter and buffer objects, so ``optimizer`` (built on ``model.parameters()``) trains it.
 
     >>> import torch
@@ -329,8 +329,8 @@ class FairSampler:
             return
         with self.fresh_start(module):
             scaler = self._scaler()
-            for batch in self._cycled_batches(steps):
-                self.train_step(module, batch, scaler)  # nothing read: the timed epoch after it judges the plan
+            for batch in self._cycled_batches(steps):  # readied: a compiled module compiles there, not in the step
+                self.train_step(module, self.ready(module, batch), scaler)  # nothing read: the epoch judges the plan
 
     def epoch(self, module: nn.Module, warmup: int = 0) -> Generator[tuple[float, float], None, StateSnapshot]:
         """Train one epoch (after ``warmup`` untimed steps); yield ``(loss, seconds)`` per batch; return the state.
@@ -400,10 +400,11 @@ class FairSampler:
         """The batch on the device, with ``module`` specialised to its input signature: what a timed step excludes.
 
         A module with a ``specialize(args, kwargs)`` method
-        (:class:`compfx.apply.PlannedModule`) builds its graph for a new
+        (:class:`compfx.planned_module.PlannedModule`) builds its graph for a new
         signature (a ragged last batch, another sequence length) here, not
-        inside the step being timed; every plan then pays it outside its
-        measurements. The copy to the device is outside too, the same for every plan.
+        inside the step being timed (a compiled program,
+        :class:`compfx.search.compiled.CompiledRunner`, compiles there); every
+        plan then pays it outside its measurements. The copy to the device is outside too, the same for every plan.
         """
         batch = move_batch(batch, self.device)
         specialize = getattr(module, "specialize", None)
@@ -468,7 +469,7 @@ class FairSampler:
         """Mean training loss over the loader's first ``batches`` batches, from the initial state."""
         with self.fresh_start(module):
             scaler = self._scaler()
-            losses = read_steps([self.train_step(module, batch, scaler)
+            losses = read_steps([self.train_step(module, self.ready(module, batch), scaler)
                                  for batch in loader_batches(self.loader, batches)])
         if not losses:
             raise BadInputError("the sample loader yielded no batches; expected at least one")

@@ -7,6 +7,9 @@ evaluators (per block with ``per_module``; synchronised and agreed on under
 (:func:`~compfx.search.driver.run_search`), decides the padding, times the
 report's step comparison, leaves the model in its final state, saves the plan
 to the plan cache and writes the log's notes and its last word (the result).
+With ``SearchConfig(compile=...)`` the evaluator is a
+:class:`~compfx.search.compiled.CompiledEvaluator`, which measures every plan
+as the program ``compile_plan`` (:func:`compfx.compile_with_plan`) makes of it.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 
 from .. import cache
-from ..analyze import parameter_shapes
+from ..analysis import parameter_shapes
 from ..errors import CompfxError
 from ..measure import PhaseClock, describe_fp32_math, fp32_math
 from ..memory import saved_activation_bytes
@@ -28,6 +31,7 @@ from ..regions import is_regions_analysis
 from ..state import torch_rng_preserved
 from ..vocabulary import Stage
 from .compare import IN_THE_FIRST_DUEL, IN_THE_FIRST_EPOCHS, StepComparison
+from .compiled import CompiledEvaluator, CompilePlan
 from .config import SearchConfig
 from .driver import SINGLE_PROCESS, Recorder, compare_steps, comparison_of, run_search
 from .evaluator import LocalEvaluator, Replay, ReplayingEvaluator, measured_time
@@ -55,15 +59,22 @@ class SearchSession:
     """One optimize() run: the evaluators, the strategy, the cost model and the log, wired to the driver."""
 
     def __init__(self, model, optimizer, analysis, sampler: FairSampler, config: SearchConfig, log: SearchLog,
-                 inputs: tuple[tuple, dict], clock: PhaseClock):
+                 inputs: tuple[tuple, dict], clock: PhaseClock, compile_plan: CompilePlan | None = None):
         self.model, self.analysis, self.sampler, self.config, self.log = model, analysis, sampler, config, log
         self.clock = clock
         self.space = SearchSpace.from_analysis(analysis, fp8=config.fp8, search_pinned=config.search_pinned,
                                                tie_blocks=config.tie_blocks)
-        evaluator = PerModuleEvaluator if is_regions_analysis(analysis) else LocalEvaluator
-        self.local = evaluator(model, analysis, sampler, warmup=config.warmup, repeats=config.repeats,
-                                    cost_fn=config.cost_fn or measured_time, clock=clock,
-                                    fp8_recipe=config.fp8_recipe)
+        settings = dict(warmup=config.warmup, repeats=config.repeats, cost_fn=config.cost_fn or measured_time,
+                        clock=clock, fp8_recipe=config.fp8_recipe)
+        if config.compile is not None:  # every plan measured as the program compile_with_plan trains
+            if compile_plan is None:
+                raise CompfxError("SearchConfig(compile=...) needs the session to be given compile_plan "
+                                  "(compfx.optimize gives it compfx.compile_with_plan)")
+            self.local = CompiledEvaluator(model, analysis, sampler, compile_options=config.compile,
+                                           compile_plan=compile_plan, **settings)
+        else:
+            evaluator = PerModuleEvaluator if is_regions_analysis(analysis) else LocalEvaluator
+            self.local = evaluator(model, analysis, sampler, **settings)
         self.plan_path: Path | None = None
         self.plan_cache = ""  # what became of the chosen plan in the plan cache, for the report
         self.replay = Replay(log.records)  # samples a resumed log already holds are not run again
@@ -90,11 +101,13 @@ class SearchSession:
 
     def _predictor(self):
         """The cost model, or None when it is off or cannot be built (then the search is exact)."""
-        if self.config.predictor == "off":
+        if not self.config.predictor:
             return None
-        if any(self.space.fp8_eligible):
-            self.log.note(Stage.SEARCH, "cost model off: it does not price FP8 ops yet, so every candidate is "
-                          "measured (FP8 costs come from the measured seconds and cost_fn)")
+        compiled, fp8 = self.config.compile, any(self.space.fp8_eligible)
+        if fp8 and not compiled:
+            self.log.note(Stage.SEARCH, "cost model off: it prices FP8 ops only as they run compiled (with their "
+                          "scaling fused), so every candidate is measured (FP8 costs come from the measured seconds "
+                          "and cost_fn)")
             return None
         if _distributed():
             # Each rank would profile its own ops and order or skip candidates on its own
@@ -108,8 +121,12 @@ class SearchSession:
         rewrite = self._regions_graph_of if regions else self.local.module_of
         try:
             # a regions graph is rewritten for pricing alone: only the plans the search prices are annotated
+            # compiled: the programs the samples run are priced as Inductor (or the inner backend) runs them, casts
+            # that fuse into their neighbours free; rewrite still gives the planned graph, before compilation
             return SearchPredictor.build(self.analysis, rewrite=rewrite, cache_dir=self.config.cache_dir,
-                                         annotate_all=not regions, confidence=self.config.confidence)
+                                         annotate_all=not regions, confidence=self.config.decision.confidence,
+                                         compiled=compiled or None,
+                                         **({"fp8_recipes": (self.config.fp8_recipe,)} if compiled and fp8 else {}))
         except Exception as error:  # the predictor only orders and skips: never fail the search for it
             self.log.note(Stage.SEARCH, f"cost model unavailable ({type(error).__name__}: {error}); measuring every "
                           "candidate")
@@ -117,7 +134,8 @@ class SearchSession:
 
     def _regions_graph_of(self, plan):
         """The blocks' graphs side by side, rewritten for ``plan``: what the cost model prices per block."""
-        from ..apply import priced_regions_graph  # the apply stage imports the passes: load it when first needed
+        # the apply stage imports the passes: load it when first needed
+        from ..planned_module import priced_regions_graph
 
         with self.clock.phase("rewrites"):
             return priced_regions_graph(self.analysis, plan)
@@ -127,7 +145,8 @@ class SearchSession:
         config, clock = self.config, self.clock
         progress = _progress_bar(config.progress)
         try:
-            with torch_rng_preserved(self.analysis.device):  # the user's RNG is untouched
+            # the user's RNG is untouched; what the evaluator needs while it measures (a compiled one: dynamo's room)
+            with torch_rng_preserved(self.analysis.device), self.local.measuring():
                 with clock.phase("profiling"):
                     predictor = self._predictor()
                 recorder = Recorder(self.log, replay=self.replay, predictor=predictor, progress=progress, clock=clock)
@@ -139,6 +158,7 @@ class SearchSession:
                 comparison = self._first_duel_comparison(decision, padding) or self._compare_steps(decision)
                 self.local.leave_state(decision.stage1.best, keep_training=config.keep_search_training)
             self._note_specializations()
+            self._note_compiled()
             self._note_inputs_written()
             self._note_fp32_math()
             # its file says which widths it was searched at (a per-block plan is keyed by block: none)
@@ -147,7 +167,7 @@ class SearchSession:
             self._save_plan(chosen)
             search_seconds = time.perf_counter() - started
             result = SearchResult(
-                module=self.local.runner_of(chosen), plan=chosen,
+                module=self.local.result_module(chosen), plan=chosen,
                 stage1_plan=self.local.plan(decision.stage1.best.plan), analysis=self.analysis, log=self.log,
                 stage1_mode=decision.stage1.mode, loss0=decision.stage1.loss0,
                 fp32_epoch_seconds=decision.stage1.baseline.duration, search_seconds=search_seconds,
@@ -197,22 +217,23 @@ class SearchSession:
         report: one interleaved phase, warm, same batches.
 
         It is not part of the decision, and it is the only timing the report
-        quotes: ``config.rounds`` rounds (at least three), each giving every plan one step on the same
-        batch (:func:`compfx.search.driver.compare_steps`), after a warm-up round, and in a single process another
+        quotes: ``config.decision.rounds`` rounds (at least three), each giving every plan one step on the
+        same batch (:func:`compfx.search.driver.compare_steps`), after a warm-up round, and in a single process another
         block of them while the chosen plan's speed-up is unclear (ranks of ``torch.distributed`` take the same
         steps). Timings the search took earlier, in other phases, are not mixed in.
         """
         samples_before = self.clock.seconds.get("samples", 0.0)
-        rounds = max(self.config.rounds, COMPARE_ROUNDS)
+        rounds = max(self.config.decision.rounds, COMPARE_ROUNDS)
         plans = {"fp32": self.space.fp32_plan, "amp": self.space.amp_plan, "chosen": decision.plan}
         # Warm, even for plans that trained in the search: FP32's plan last ran in the search's first epochs, and
         # after the later samples its first step here ran 1.5-1.8x its others on the README example, which
         # widened the interval of every run and, in one, hid a 1.14x speed-up behind "no measurable difference".
         warmup = max(1, self.config.warmup)
         with self.clock.phase("step comparison"):
+            rule = self.config.decision
             comparison = compare_steps(functools.partial(self.local.time_steps, warmup=warmup), self.local.saved_bytes,
-                                       plans, self.log, rounds=rounds, confidence=self.config.confidence,
-                                       margin=self.config.margin if self.strategy is SINGLE_PROCESS else None)
+                                       plans, self.log, rounds=rounds, confidence=rule.confidence,
+                                       margin=rule.margin if self.strategy is SINGLE_PROCESS else None)
         self.clock.move(self.clock.seconds.get("samples", 0.0) - samples_before, source="samples",
                         target="step comparison")
         return comparison
@@ -225,16 +246,30 @@ class SearchSession:
         fp32, amp, chosen = self.space.fp32_plan, self.space.amp_plan, decision.plan
         if padding.kept or chosen not in (fp32, amp) or self.strategy is not SINGLE_PROCESS:
             return None
-        rounds = max(self.config.rounds, COMPARE_ROUNDS)
+        rounds = max(self.config.decision.rounds, COMPARE_ROUNDS)
         for incumbent, challenger, verdict in decision.stage1.duels:
             if {incumbent, challenger} == {fp32, amp} and min(map(len, verdict.seconds), default=0) >= rounds:
                 with self.clock.phase("step comparison"):
                     return comparison_of(dict(zip((incumbent, challenger), verdict.seconds)), self.local.saved_bytes,
                                          {"fp32": fp32, "amp": amp, "chosen": chosen}, self.log,
-                                         confidence=self.config.confidence,
+                                         confidence=self.config.decision.confidence,
                                          phase=IN_THE_FIRST_EPOCHS if decision.stage1.first_epochs_in_turns
                                          else IN_THE_FIRST_DUEL)
         return None
+
+    def _note_compiled(self) -> None:
+        """Say in the log (and so the report) that every plan was measured compiled, how, and what compiling cost."""
+        if not isinstance(self.local, CompiledEvaluator):
+            return
+        options, seconds = self.local.compile_options, self.clock.seconds.get("compile", 0.0)
+        programs = self.local.programs
+        self.log.note(Stage.SEARCH, f"compiled search: every plan was measured as compfx.compile_with_plan(model, "
+                      f"plan) trains it, compiled with {options.describe()}; {programs} program(s) compiled for "
+                      f"{self.local.compiles} input signature(s) in {seconds:.2f} s, each in an untimed step before any "
+                      "timed step of it" + ("; the cost model prices the eager programs (it only decides "
+                                                  "what to measure)" if self.config.predictor == "on" else ""),
+                      compile=options.to_dict(), programs=programs, compiles=self.local.compiles,
+                      compile_seconds=seconds)
 
     def _note_fp32_math(self) -> None:
         """Say what 'fp32' computes in here: the user's TF32 settings, kept as they are (PyTorch's CUDA default

@@ -33,7 +33,7 @@ from typing import Callable, Sequence
 from ..errors import SearchError
 from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
-from .compare import DecisionRule, Verdict
+from .compare import COMP_RULE, DecisionRule, Verdict
 from .convergence import is_accepted
 from .stage1_screen import (BoundAgainst, CostModelScreen, Predict, Pricing, cannot_win_message, should_skip,
                                 skip_message)
@@ -197,7 +197,7 @@ class Stage1Result:
 
 def run_stage1(space: SearchSpace, evaluator, *, threshold: float = 1.01, budget: int = 64, prune: bool = True,
                report: Reporter | None = None, predict: Predict | None = None, margin: float = 1.25,
-               bound: Predict | None = None, early_stop: float | None = None, rule: DecisionRule = DecisionRule(),
+               bound: Predict | None = None, early_stop: float | None = None, rule: DecisionRule = COMP_RULE,
                memory_budget: int | None = None, bound_against: BoundAgainst | None = None,
                price_version: Callable[[], int] | None = None) -> Stage1Result:
     """CoMP Algorithm 1 under compfx's decision rule, with exact pruning; ``budget`` caps samples after the baseline.

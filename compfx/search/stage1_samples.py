@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from ..errors import PlanFailedError, SearchError
 from ..plan import Assignment
 from ..vocabulary import SampleStatus, Stage
-from .compare import Comparison, DecisionRule, Verdict, duel, log_duel
+from .compare import COMP_RULE, Comparison, DecisionRule, Verdict, duel, log_duel
 from .convergence import loss_limit
 from .log import BATCH_VERDICT, PRUNED_AT, SAVED_BYTES, STOPPED_EARLY
 from .outcome import Outcome, ProgramIndex, Reporter, checked_cost, failure_reason, note
@@ -49,7 +49,7 @@ class Stage1Settings:
     threshold: float = 1.01
     prune: bool = True
     early_stop: float | None = None
-    rule: DecisionRule = DecisionRule()
+    rule: DecisionRule = COMP_RULE
     memory_budget: int | None = None
 
 

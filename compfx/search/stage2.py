@@ -3,7 +3,11 @@
 The Stage-1 winner fixes every whitelist and blacklist op. Between two
 consecutive such ops of different precision (a segment), the "other" ops
 decide where the one cast between them goes; Algorithm 2 enumerates them and
-times each candidate on a few batches (``evaluator.time_step``). A candidate
+times each candidate on a few batches (``evaluator.time_step``). A segment's
+``2**n`` plans are built one at a time and never more than ``stage2_budget``
+allows (:func:`segment_candidates`): a segment whose plans do not fit is
+searched greedily, and a note (``SEGMENT_NOT_ENUMERATED``) says how many of its
+plans were tried. A candidate
 replaces the incumbent (first the Stage-1 winner) only under the decision rule
 (:mod:`compfx.search.compare`: faster by more than a margin, confirmed by a
 duel of paired, interleaved steps). Nothing here changes a Stage-1 op, so no new loss risk arises beyond
@@ -15,18 +19,19 @@ from __future__ import annotations
 import math
 import time
 from dataclasses import dataclass
-from itertools import product
-from typing import Callable, Sequence
+from itertools import islice, product
+from typing import Callable, Iterable, Iterator, Sequence
 
 from ..errors import PlanFailedError, SearchError
 from ..plan import Assignment
 from ..vocabulary import Precision, SampleStatus, Stage
-from .compare import DecisionRule, duel, log_duel
-from .log import NOTHING_CAN_WIN, SAVED_BYTES
+from .compare import COMP_RULE, DecisionRule, duel, log_duel
+from .log import NOTHING_CAN_WIN, SAVED_BYTES, SEGMENT_NOT_ENUMERATED
 from .outcome import Outcome, PriceVersion, ProgramIndex, Reporter, checked_cost, failure_reason, note
 from .space import SearchSpace
 
-__all__ = ["Segment", "Stage2Result", "stage2_segments", "algorithm2_candidates", "run_stage2"]
+__all__ = ["Segment", "Stage2Result", "stage2_segments", "algorithm2_candidates", "greedy_candidates",
+           "segment_candidates", "run_stage2"]
 
 _LOW, _FP32 = Precision.LOW, Precision.FP32
 
@@ -69,15 +74,44 @@ def stage2_segments(space: SearchSpace, plan: Assignment) -> list[Segment]:
     return segments
 
 
-def algorithm2_candidates(plan: Assignment, segment: Segment) -> list[Assignment]:
-    """The ``2**n`` plans of Algorithm 2 for one segment, in binary counting order."""
-    candidates = []
+def algorithm2_candidates(plan: Assignment, segment: Segment) -> Iterator[Assignment]:
+    """The ``2**n`` plans of Algorithm 2 for one segment, in binary counting order, built one at a time (a segment
+    of many ops has more plans than can be listed; :func:`segment_candidates` takes what the budget allows)."""
     for chosen in product((_LOW, _FP32), repeat=len(segment.inner)):
         candidate = list(plan)
         for i, precision in zip(segment.inner, chosen):
             candidate[i] = precision
-        candidates.append(Assignment(candidate))
-    return candidates
+        yield Assignment(candidate)
+
+
+def greedy_candidates(plan: Assignment, segment: Segment) -> Iterator[Assignment]:
+    """Each op of ``segment`` alone at low, then at FP32, the rest as in ``plan``: the greedy search's order."""
+    for i in segment.inner:
+        for precision in (_LOW, _FP32):
+            yield plan.replaced([i], precision)
+
+
+def fits(segment: Segment, left: int) -> bool:
+    """Do Algorithm 2's ``2**n`` plans for ``segment`` fit in ``left`` timings (else it is searched greedily)?"""
+    return 2 ** len(segment.inner) <= left
+
+
+def segment_candidates(plan: Assignment, segment: Segment, left: int) -> Iterator[Assignment]:
+    """What Stage 2 may time for ``segment`` with ``left`` timings of ``stage2_budget`` left, built lazily and never
+    more than ``left`` of them: Algorithm 2's ``2**n`` plans where they fit, else the first ``left`` of the
+    greedy order (each op alone at low, then at FP32). This is also all the cost model prices for the segment.
+
+    >>> base = Assignment.parse("0" + "f" * 30 + "1")  # a segment of 30 ops: 2**30 plans
+    >>> segment = Segment(0, 31, tuple(range(1, 31)))
+    >>> [str(p)[:4] for p in segment_candidates(base, segment, 3)]
+    ['00ff', '01ff', '0f0f']
+    >>> [str(p) for p in segment_candidates(Assignment.parse("0ff1"), Segment(0, 3, (1, 2)), 4)]
+    ['0001', '0011', '0101', '0111']
+    """
+    if fits(segment, left):
+        yield from algorithm2_candidates(plan, segment)
+    else:
+        yield from islice(greedy_candidates(plan, segment), max(left, 0))
 
 
 @dataclass
@@ -89,7 +123,7 @@ class Stage2Result:
 
 
 class _Stage2:
-    def __init__(self, evaluator, report: Reporter | None, rule: DecisionRule = DecisionRule(),
+    def __init__(self, evaluator, report: Reporter | None, rule: DecisionRule = COMP_RULE,
                  memory_budget: int | None = None, bound: Callable[[Assignment], float] | None = None,
                  predict: Callable[[Assignment], float] | None = None,
                  bound_against: Callable[[Assignment, Assignment], float] | None = None,
@@ -217,30 +251,31 @@ class _Stage2:
         return (math.isfinite(reference) and math.isfinite(predicted)
                 and predicted >= self.rule.bar(reference, saves_less=False))
 
-    def nothing_can_win(self, incumbent: Outcome, candidates: Sequence[Assignment], what: str) -> bool:
-        """True (and a note) when the cost model shows none of ``candidates`` can beat ``incumbent`` by the margin."""
-        if self.bound is None or not candidates or incumbent.status is not SampleStatus.ACCEPTED:
+    def nothing_can_win(self, incumbent: Outcome, candidates: Iterable[Assignment], what: str) -> bool:
+        """True (and a note) when the cost model shows none of ``candidates`` can beat ``incumbent`` by the margin.
+
+        ``candidates`` is walked lazily: the first plan that may win ends the walk, so no more are built or priced."""
+        if self.bound is None or incumbent.status is not SampleStatus.ACCEPTED:
             return False
-        if not all(self.cannot_win(incumbent, plan) for plan in candidates):
+        priced, lowest = 0, math.inf
+        for plan in candidates:
+            if plan == incumbent.plan:
+                continue
+            if not self.cannot_win(incumbent, plan):
+                return False
+            priced, lowest = priced + 1, min(lowest, self.predicted_cost(incumbent, plan))
+        if not priced:
             return False
         bar = self.rule.bar(self._priced(self.predict, incumbent.plan), saves_less=False)
-        lowest = min(self.predicted_cost(incumbent, plan) for plan in candidates)
-        note(self.report, Stage.STAGE2, f"{what} not timed: the profiles show that none of its {len(candidates)} "
+        note(self.report, Stage.STAGE2, f"{what} not timed: the profiles show that none of its {priced} "
              f"plans can beat the incumbent {incumbent.plan} by more than the margin (the lowest of their "
              f"predicted step costs, {lowest:.6g}, is not below {bar:.6g}, {1 - self.rule.margin:g} x the "
-             "incumbent's predicted step cost)", **{NOTHING_CAN_WIN: len(candidates)})
+             "incumbent's predicted step cost)", **{NOTHING_CAN_WIN: priced})
         return True
 
 
-def _segment_candidates(base: Assignment, segment: Segment, exhaustive: bool) -> list[Assignment]:
-    """What Stage 2 would time for ``segment``: Algorithm 2's plans, or each op alone at low and FP32 (greedy)."""
-    if exhaustive:
-        return algorithm2_candidates(base, segment)
-    return [base.replaced([i], precision) for i in segment.inner for precision in (_LOW, _FP32)]
-
-
 def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int = 32,
-               report: Reporter | None = None, rule: DecisionRule = DecisionRule(), memory_budget: int | None = None,
+               report: Reporter | None = None, rule: DecisionRule = COMP_RULE, memory_budget: int | None = None,
                bound: Callable[[Assignment], float] | None = None,
                predict: Callable[[Assignment], float] | None = None,
                bound_against: Callable[[Assignment, Assignment], float] | None = None,
@@ -252,7 +287,10 @@ def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int =
     segment's incumbent under ``rule`` (:class:`~compfx.search.compare.DecisionRule`;
     the winner is the first incumbent). A segment whose ``2**n`` does not fit
     the budget left is searched greedily instead (each op tried at low and FP32
-    in turn, keeping a change that wins). Last, when two or more segments
+    in turn, keeping a change that wins), and a note
+    (``SEGMENT_NOT_ENUMERATED``) says how many of its plans were tried. No more
+    of a segment's plans are built or priced than the budget left could time
+    (:func:`segment_candidates`). Last, when two or more segments
     improved, their best plans are combined into one more candidate; the final
     plan is the incumbent after each segment's best, then the combination,
     challenged the winner in turn. With no segment at all the winner stands
@@ -283,28 +321,18 @@ def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int =
         winner = Outcome(base, SampleStatus.ACCEPTED, reason="Stage-1 winner")
         return Stage2Result(winner, winner, [], [])
     search = _Stage2(evaluator, report, rule, memory_budget, bound, predict, bound_against, price_version)
-    every = [plan for segment in segments for plan in _segment_candidates(base, segment, True)]
     untimed = Outcome(base, SampleStatus.ACCEPTED, reason="Stage-1 winner")
-    if search.nothing_can_win(untimed, [p for p in every if p != base], "Stage 2"):  # the winner needs no timing
+    # what each segment would price once the winner is timed: if none of it can win, the winner needs no timing
+    every = (plan for segment in segments for plan in segment_candidates(base, segment, budget - 1))
+    if search.nothing_can_win(untimed, every, "Stage 2"):
+        for segment in segments:
+            if not fits(segment, budget - 1):
+                _not_enumerated(report, space, segment, budget, tried=0, why=_priced_greedy(segment, budget - 1))
         return Stage2Result(untimed, untimed, [], segments)
     winner = search.sample(base, "Stage-1 winner")
     improved: list[tuple[Segment, Outcome]] = []
     for segment in segments:
-        left = budget - len(search.samples)
-        if left <= 0:
-            note(report, Stage.STAGE2, f"stage2_budget={budget} spent: segment ({segment.start}, {segment.end}) "
-                 "keeps the Stage-1 precisions (follow)", segment=[segment.start, segment.end])
-            continue
-        exhaustive = 2 ** len(segment.inner) <= left
-        if search.nothing_can_win(winner, [p for p in _segment_candidates(base, segment, exhaustive) if p != base],
-                                  f"segment ({segment.start}, {segment.end})"):
-            continue
-        if exhaustive:
-            tried = [search.sample(plan, f"segment ({segment.start}, {segment.end})")
-                     for plan in algorithm2_candidates(base, segment)]
-            best = search.chain(winner, tried)
-        else:
-            best = _greedy(space, search, winner, segment, budget, report)
+        best = _search_segment(space, search, base, winner, segment, budget, report)
         if best is not winner:
             improved.append((segment, best))
     candidates = [best for _, best in improved]
@@ -317,21 +345,55 @@ def run_stage2(space: SearchSpace, base: Assignment, evaluator, *, budget: int =
     return Stage2Result(search.chain(winner, candidates), winner, search.samples, segments)
 
 
+def _search_segment(space: SearchSpace, search: _Stage2, base: Assignment, winner: Outcome, segment: Segment,
+                    budget: int, report: Reporter | None) -> Outcome:
+    """The incumbent after ``segment``'s candidates challenged ``winner``: Algorithm 2's ``2**n`` plans where they
+    fit the budget left, else the greedy search; a segment not enumerated fully is noted."""
+    what, left = f"segment ({segment.start}, {segment.end})", budget - len(search.samples)
+    if left <= 0:
+        _not_enumerated(report, space, segment, budget, tried=0, why="stage2_budget spent before it")
+        return winner
+    if search.nothing_can_win(winner, segment_candidates(base, segment, left), what):
+        if not fits(segment, left):
+            _not_enumerated(report, space, segment, budget, tried=0, why=_priced_greedy(segment, left))
+        return winner
+    if fits(segment, left):
+        return search.chain(winner, [search.sample(plan, what) for plan in algorithm2_candidates(base, segment)])
+    best, tried = _greedy(space, search, winner, segment, budget, report)
+    _not_enumerated(report, space, segment, budget, tried=tried, why="its ops tried one at a time (greedy)")
+    return best
+
+
+def _priced_greedy(segment: Segment, left: int) -> str:
+    priced = min(2 * len(segment.inner), left)
+    return f"the profiles show that none of the greedy order's first {priced} plans can win"
+
+
+def _not_enumerated(report: Reporter | None, space: SearchSpace, segment: Segment, budget: int, *, tried: int,
+                    why: str) -> None:
+    """Note that ``segment``'s ``2**n`` plans were not all tried: which ops, how many plans were, and why."""
+    n = len(segment.inner)
+    note(report, Stage.STAGE2, f"segment ({segment.start}, {segment.end}) not enumerated fully: {tried} of its 2^{n} "
+         f"plans tried, {why} (stage2_budget={budget}; its {n} ops run from {space.name(segment.inner[0])} to "
+         f"{space.name(segment.inner[-1])})",
+         **{SEGMENT_NOT_ENUMERATED: {"segment": [segment.start, segment.end], "ops": n, "tried": tried}})
+
+
 def _greedy(space: SearchSpace, search: _Stage2, winner: Outcome, segment: Segment, budget: int,
-            report: Reporter | None) -> Outcome:
-    note(report, Stage.STAGE2, f"segment ({segment.start}, {segment.end}) has {len(segment.inner)} ops: 2^"
-         f"{len(segment.inner)} plans exceed the budget left, so its ops are tried one at a time",
-         segment=[segment.start, segment.end])
-    current = winner
+            report: Reporter | None) -> tuple[Outcome, int]:
+    """Each op of ``segment`` at low, then at FP32, in turn, keeping a change that wins, while the budget lasts;
+    returns the incumbent and how many candidates were tried."""
+    current, tried = winner, 0
     for position, i in enumerate(segment.inner):
         for precision in (_LOW, _FP32):
             if len(search.samples) >= budget:
                 untried = [space.name(j) for j in segment.inner[position:]]
                 note(report, Stage.STAGE2, f"stage2_budget={budget} spent inside segment ({segment.start}, "
                      f"{segment.end}); {len(untried)} ops keep 'follow'", untried=untried)
-                return current
+                return current, tried
             outcome = search.sample(current.plan.replaced([i], precision),
                                     f"segment ({segment.start}, {segment.end}), greedy")
+            tried += 1
             if search.replaces(current, outcome):
                 current = outcome
-    return current
+    return current, tried

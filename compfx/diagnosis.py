@@ -34,10 +34,10 @@ from torch.fx._lazy_graph_module import _LazyGraphModule
 from torch.fx.graph import _PyTreeCodeGen
 from torch.utils import _pytree as pytree
 
-from .analyze import analyze
-from .apply import PlannedModule
+from .analysis import analyze
+from .planned_module import PlannedModule
 from .batches import check_first_batch, check_loss, copied_batch, model_device, model_devices, model_loss, split_batch
-from .capture import module_modes
+from .graph_capture import module_modes
 from .errors import BadInputError
 from .opkey import KEY_META, OpKey
 from .passes.pad_shapes import PAD_META
@@ -143,22 +143,42 @@ def _number(x: float | None) -> str:
 
 def diagnose(module: nn.Module, batch, *, loss_fn: LossFn | None = None, plan: Plan | None = None,
              low_dtype: torch.dtype | None = None) -> Diagnosis:
-    """Run one forward and backward of ``module`` with an FP32 shadow; return each op's :class:`Diagnosis` row.
+    """Run one forward and backward of ``module`` beside an FP32 shadow; say, per op, where precision hurts.
 
-    ``module`` is a :class:`~compfx.apply.PlannedModule` (``optimize(...).module``),
-    or a plain model, run under ``plan`` or, without one, under ``Plan.amp``
-    in ``low_dtype`` ("where would AMP hurt?"). ``batch`` is what the training
-    loop feeds (see :func:`~compfx.batches.split_batch`);
-    ``loss_fn(output, batch)`` defaults to the model's own ``output.loss``,
-    else the sum of its floating outputs. The model, its gradients and
-    buffers, any optimizer and the RNG are left bitwise unchanged.
+    Per op: overflow and underflow counts, the error of its output and gradient
+    against the FP32 shadow of the same step, and the ops where NaN/inf start.
+    The model, its gradients and buffers, any optimizer and the RNG are left
+    bitwise unchanged.
 
-    >>> import torch, compfx
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
-    >>> with torch.no_grad(): _ = model[0].weight.fill_(0.5), model[1].weight.fill_(1e4)  # 1.6e6: beyond fp16
-    >>> d = compfx.diagnose(model, torch.full((3, 4), 10.0), low_dtype=torch.float16)
-    >>> d.origins, d.row(d.origins[0]).overflow > 0
-    ((OpKey('1:linear#0'),), True)
+    Args:
+        module: a :class:`~compfx.planned_module.PlannedModule` (``compfx.apply``'s, ``optimize(...).module``),
+            or a plain model, run under ``plan``.
+        batch: what the training loop feeds: a tensor, a tuple ``(inputs..., target)`` or a dict of keyword
+            arguments (see :func:`~compfx.batches.split_batch`).
+        loss_fn: ``loss_fn(output, batch) -> loss``; default: the model's own ``output.loss``, else the sum of its
+            floating outputs.
+        plan: the plan to run a plain model under; default: ``Plan.amp`` in ``low_dtype`` ("where would AMP
+            hurt?"). A PlannedModule runs its own plan.
+        low_dtype: the precision of "low" ops for the default plan; default: float16 on CUDA, bfloat16 elsewhere.
+
+    Returns:
+        Diagnosis: one row per op in graph order (``.row(key)``), ``.origins`` (the ops where non-finite values
+        start), ``.finite``, both losses; ``str(diagnosis)`` is a table sorted by risk.
+
+    Raises:
+        BadInputError: a ``loss_fn`` that is not callable; a batch the model cannot run in FP32; a PlannedModule
+            given another ``plan=``; or a planned graph alone (``.graph_module``), without its model.
+        PlanMismatchError: ``plan`` was made for another model.
+        CaptureError: the model cannot be captured at the batch's inputs.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> with torch.no_grad(): _ = model[0].weight.fill_(0.5), model[1].weight.fill_(1e4)  # 1.6e6: beyond fp16
+        >>> d = compfx.diagnose(model, torch.full((3, 4), 10.0), low_dtype=torch.float16)
+        >>> d.origins, d.row(d.origins[0]).overflow > 0
+        ((OpKey('1:linear#0'),), True)
     """
     loss_fn = loss_fn if loss_fn is not None else _default_loss
     if not callable(loss_fn):
@@ -198,9 +218,9 @@ def planned_module(module: nn.Module, batch, *, plan: Plan | None = None,
     if not isinstance(module, nn.Module):
         raise BadInputError(f"diagnose() takes an nn.Module or a compfx PlannedModule; got {type(module).__name__}.")
     if isinstance(module, fx.GraphModule) and "compfx_plan" in module.meta:
-        raise BadInputError("diagnose() got a graph from compfx.apply(); it needs the model it came from to run the "
-                            "FP32 shadow. Pass compfx.PlannedModule(model, plan, analysis=...) or the model "
-                            "with plan=.")
+        raise BadInputError("diagnose() got a planned graph (a PlannedModule's .graph_module); it needs the model "
+                            "it came from to run the FP32 shadow. Pass the PlannedModule itself (what compfx.apply "
+                            "returns) or the model with plan=.")
     args, kwargs = split_batch(batch)
     if plan is not None:
         low_dtype = plan.low_dtype

@@ -12,6 +12,7 @@ model and optimizer are left as ``SearchConfig.keep_search_training`` says.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import time
@@ -20,12 +21,16 @@ from typing import Iterable, Iterator
 
 import torch
 import torch.nn as nn
+from torch.utils import _pytree as pytree
 
 from . import cache
-from .analyze import analyze
+from .analysis import analyze
 from .batches import check_first_batch, model_device
+from .compile_backend import compile_with_plan
+from .compile_regions import RegionCache
 from .errors import BadInputError
 from .float8 import require_torchao
+from .graph_capture.held_state import HeldState
 from .measure import PhaseClock, long_lived_objects_frozen, settle_host_allocator
 from .per_module import plan_blocks_fp32
 from .search import SearchConfig, SearchLog, SearchResult, decision_settings
@@ -40,65 +45,70 @@ __all__ = ["optimize"]
 def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.optim.Optimizer, loss_fn=None,
              low_dtype: torch.dtype | None = None, config: SearchConfig = SearchConfig(), log=None,
              resume: bool = False, per_module: type | Iterable[type] = ()) -> SearchResult:
-    """Search a mixed-precision plan for ``model`` on ``sample_loader``; return the :class:`SearchResult`.
+    """Search a mixed-precision plan for ``model`` on ``sample_loader``: CoMP's two stages under the loss guard.
 
-    ``result.module`` is the model rewritten to run the chosen plan
-    (``result.plan``), a :class:`~compfx.apply.PlannedModule`: it runs at any
-    batch size and sequence length (a new input signature is captured once
-    and rewritten with the same plan), and it shares the model's Parameters,
-    so ``optimizer`` (built on ``model.parameters()``) keeps training it. ``result.report()``
-    says what was chosen and what the search cost.
-
-    ``sample_loader`` is re-iterable (a list of batches or a ``DataLoader``); a
-    batch is a dict of keyword arguments, or a tuple ``(inputs..., target)``
-    (see :mod:`compfx.search.sampling`). Every sample walks one epoch of it:
-    ``len(sample_loader)`` batches, or, for a loader without a length (an
-    ``IterableDataset`` stream, which may never end), at most
-    :data:`~compfx.search.sampling.MAX_EPOCH_BATCHES` (a warning says when an
-    epoch reaches them). An exception the loader raises reaches you as itself,
-    after the model, optimizer and RNG are restored; it is never taken for a
-    failing plan. ``loss_fn(output, batch)`` defaults to
-    the model's own loss (``output.loss``). The model trains on the device it
-    is on; ``low_dtype`` defaults to fp16 on CUDA and bf16 elsewhere. ``log``
-    is a path for the JSON Lines search log (or a :class:`SearchLog`).
-    ``per_module=(Block, ...)`` searches one plan for the blocks of those types
-    and applies it per block (see :func:`compfx.apply`): ``result.module`` is
-    ``model`` itself, its blocks replaced by :class:`~compfx.per_module.PlannedBlock` s.
-    Under FSDP2, call ``compfx.apply(model, plan, analysis=..., per_module=...)``
-    first, then ``fully_shard`` each block and the root, then ``optimize(model, ...,
-    per_module=...)`` on the sharded root: the samples train the sharded model,
-    so the all-gathers are part of every measured step.
-    ``resume=True`` continues the search logged at ``log`` (an interrupted
-    one): samples already logged are replayed from it, not run again, so it
-    reaches the decision an uninterrupted run would have, given the same costs.
-    A log of another model, or one written with any other setting that can
-    change the decision, is refused (:class:`~compfx.errors.PlanMismatchError`),
-    as is a log whose records were changed (:class:`~compfx.errors.LogIntegrityError`).
-    The returned module runs in the model's train/eval modes as they are at each
-    call (after the search, the modes the model had before it); its ``.train()``
-    and ``.eval()`` set the model's. The chosen plan is saved to the plan cache
+    Every sample trains the model itself for one epoch of the loader (or a
+    batch, in Stage 2) under a candidate plan, from the same state, RNG and
+    batches; the model, optimizer and RNG are put back after each. A plan
+    replaces the incumbent only as ``config.decision`` says. The caller's RNG
+    (CPU and CUDA, Python's and NumPy's) is the same afterwards, whether the
+    search finished, failed, resumed or was interrupted, and even when the
+    model's forward reseeds. The chosen plan is saved to the plan cache
     (``result.plan_path``), so that ``torch.compile(model, backend="compfx")``
-    runs it; ``SearchConfig(cache_plan=False)`` opts out. The caller's RNG (CPU and CUDA, Python's and NumPy's)
-    is the same afterwards, whether the search finished, failed, resumed or was interrupted, and even when the
-    model's forward reseeds. Arguments, the log path and the cache folder are checked before any work: a bad one
-    is a :class:`~compfx.errors.CompfxError` and nothing has changed.
+    runs it (``SearchConfig(cache_plan=False)`` opts out).
 
-    >>> import torch, compfx
-    >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
-    <torch._C.Generator ...>
-    >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
-    >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    >>> loader = [(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(4)]
-    >>> ce = lambda out, batch: torch.nn.functional.cross_entropy(out, batch[-1])
-    >>> result = compfx.optimize(model, loader, loss_fn=ce, optimizer=opt,
-    ...                          config=compfx.SearchConfig(progress=False, repeats=2, warmup=1))
-    >>> len(result.plan) == 3 and "chosen plan" in result.report()
-    True
-    >>> result.module(torch.randn(2, 8)).shape
-    torch.Size([2, 3])
+    Args:
+        model: the ``nn.Module`` to plan; it trains on the device it is on.
+        sample_loader: re-iterable batches (a list, a ``DataLoader``); a batch is a tuple ``(inputs..., target)``,
+            a dict of keyword arguments, or a tensor. An epoch is ``len(sample_loader)`` batches, or for a loader
+            without a length (an ``IterableDataset`` stream) at most
+            :data:`~compfx.search.sampling.MAX_EPOCH_BATCHES`. An exception the loader raises reaches you as
+            itself, after the state is restored; it is never taken for a failing plan.
+        optimizer: the optimizer built on ``model.parameters()``; it keeps training ``result.module``.
+        loss_fn: ``loss_fn(output, batch) -> loss``; default: the model's own loss (``output.loss``).
+        low_dtype: the precision of "low" ops; default: float16 on CUDA, bfloat16 elsewhere.
+        config: how to search (:class:`~compfx.search.config.SearchConfig`).
+        log: a path for the JSON Lines search log, or a :class:`~compfx.search.log.SearchLog`.
+        resume: continue the search logged at ``log``: samples already logged are replayed, not run again, so it
+            reaches the decision an uninterrupted run would have, given the same costs.
+        per_module: block types (``(Block,)``): search one plan for the blocks of those types and plan them in
+            place (:func:`compfx.plan_blocks`). Under FSDP2, plan the blocks first, then ``fully_shard`` each block
+            and the root, then optimize the sharded root: every measured step includes the all-gathers.
+
+    Returns:
+        SearchResult: ``.plan`` (the chosen :class:`~compfx.plan.Plan`); ``.module``, a
+        :class:`~compfx.planned_module.PlannedModule` running it at any input signature and sharing the model's
+        Parameters (with ``per_module``, ``model`` itself); ``.report()``, what was chosen, why, and what the search
+        cost. The module runs in the model's train/eval modes as they are at each call.
+
+    Raises:
+        BadInputError: arguments that do not fit together (model, loader, loss, optimizer, config). Arguments, the
+            log path and the cache folder are checked before any work, and nothing has changed then.
+        CaptureError: the model cannot be captured as one faithful graph.
+        PlanMismatchError: with ``resume``, a log of another model or written with another setting that can
+            change the decision.
+        LogIntegrityError: with ``resume``, a log whose records were changed after compfx wrote them.
+        PlanFileError: the log cannot be read or written.
+        CacheKeyError: a cache folder that cannot be one.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> torch.manual_seed(0)  # doctest: +ELLIPSIS
+        <torch._C.Generator ...>
+        >>> model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 3))
+        >>> opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        >>> loader = [(torch.randn(16, 8), torch.randint(0, 3, (16,))) for _ in range(4)]
+        >>> ce = lambda out, batch: torch.nn.functional.cross_entropy(out, batch[-1])
+        >>> result = compfx.optimize(model, loader, loss_fn=ce, optimizer=opt,
+        ...                          config=compfx.SearchConfig(progress=False, repeats=2, warmup=1))
+        >>> len(result.plan) == 3 and "chosen plan" in result.report()
+        True
+        >>> result.module(torch.randn(2, 8)).shape
+        torch.Size([2, 3])
     """
     started = time.perf_counter()
-    _check_arguments(model, sample_loader, optimizer, config, loss_fn, resume)
+    _check_arguments(model, sample_loader, optimizer, config, loss_fn, resume, per_module)
     SearchLog.check_path(log, resume=resume)  # a log it cannot write fails now, not after the search
     _check_cache_folder(config)
     device = model_device(model)
@@ -112,7 +122,12 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         if first is _NO_BATCH:
             raise BadInputError("sample_loader yielded no batches; the search trains on it, so give it some "
                                 "(CoMP's Stage 1 uses one epoch of it).")
+        if any(isinstance(t, torch.Tensor) and t.is_meta for t in pytree.tree_leaves(first)):
+            raise BadInputError("sample_loader's first batch holds tensors on the meta device (shapes, no values), "
+                                "but the search trains on its batches; give batches of real tensors.")
+        held = HeldState(model)
         inputs = check_first_batch(model, first, loss_fn, device)  # bad inputs fail here, before any work
+        _check_forward_keeps_modules(held)
         args, kwargs = inputs
         with clock.phase("capture"):
             analysis = (plan_blocks_fp32(model, kwargs if kwargs else args, per_module, device=device,
@@ -122,7 +137,11 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,
                               grad_scaler=config.scaler_on(analysis.low_dtype))
         search_log = SearchLog.open(log, _log_header(analysis, config), resume=resume)
-        return SearchSession(model, optimizer, analysis, sampler, config, search_log, inputs, clock).run(started)
+        # the programs of the plans measured share their compiled regions (under CompileOptions(regions=...)): a
+        # plan that changes one block's precisions compiles that block's region alone
+        compile_plan = functools.partial(compile_with_plan, shared_regions=RegionCache())
+        return SearchSession(model, optimizer, analysis, sampler, config, search_log, inputs, clock,
+                             compile_plan=compile_plan).run(started)
 
 
 _NO_BATCH = object()  # what an empty loader yields first (None is a batch, and a bad one)
@@ -130,7 +149,7 @@ _NO_BATCH = object()  # what an empty loader yields first (None is a batch, and 
 log = logging.getLogger("compfx")
 
 
-def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
+def _check_arguments(model, loader, optimizer, config, loss_fn, resume, per_module) -> None:
     if not isinstance(model, nn.Module):
         raise BadInputError(f"optimize() takes an nn.Module; got {type(model).__name__}.")
     if loss_fn is not None and not callable(loss_fn):
@@ -154,7 +173,7 @@ def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
         raise BadInputError("the optimizer holds no parameters, so the search would train nothing and compare plans "
                             "on an untrained loss; build it on model.parameters() (or the parameters you train).")
     _warn_low_precision_parameters(model, held)
-    if _needs_closure(optimizer):
+    if needs_closure(optimizer):
         raise BadInputError(f"{type(optimizer).__name__}.step() needs a closure that re-evaluates the loss, but the "
                             "search steps the optimizer as a training loop does, optimizer.step() after backward(); "
                             "search with an optimizer that steps without one (SGD, AdamW), then train with yours.")
@@ -166,6 +185,24 @@ def _check_arguments(model, loader, optimizer, config, loss_fn, resume) -> None:
                             "SearchConfig(threshold=1.01).")
     if config.fp8:
         require_torchao()  # before any work: FP8 needs compfx[fp8]
+    if config.compile is not None and per_module:
+        raise BadInputError("SearchConfig(compile=...) with per_module: a compiled search measures the whole model as "
+                            "compfx.compile_with_plan compiles it, and does not compile block by block yet. Search "
+                            "per block eagerly (compile=None), or the whole model compiled (without per_module).")
+
+
+def _check_forward_keeps_modules(held: HeldState) -> None:
+    """A forward that replaces the model's submodules (``self.fc = nn.Linear(...)``) trains layers the optimizer
+    does not hold, and each capture would see another model: refused, with the submodules put back."""
+    if held.unchanged():
+        return
+    change = held.change()
+    if change.modules:
+        held.put_back_modules()
+        raise BadInputError(
+            f"forward() replaced submodules of the model while it ran on the first batch ({', '.join(change.modules[:3])}"
+            "; they are put back): the optimizer would not train the new ones, and every capture of the model would "
+            "see another model. Create submodules in __init__ and only call them in forward.")
 
 
 def _warn_low_precision_parameters(model: nn.Module, trained: list) -> None:
@@ -182,7 +219,7 @@ def _warn_low_precision_parameters(model: nn.Module, trained: list) -> None:
                       "let the plan make the low-precision copies.", stacklevel=3)
 
 
-def _needs_closure(optimizer: torch.optim.Optimizer) -> bool:
+def needs_closure(optimizer: torch.optim.Optimizer) -> bool:
     """Does ``optimizer.step`` require a closure (``torch.optim.LBFGS``)? Read from its signature, which a
     scheduler's wrapper of ``step`` keeps."""
     try:
@@ -196,7 +233,7 @@ def _check_cache_folder(config: SearchConfig) -> None:
     """The cache folder (plans, and the cost model's profiles) before any work: a path that cannot be one is a
     :class:`~compfx.errors.CacheKeyError`; one this process cannot write is warned about now (the search still
     runs; its plan is then not saved)."""
-    if not config.cache_plan and config.predictor == "off":
+    if not config.cache_plan and not config.predictor:
         return
     folder = cache.cache_folder(config.cache_dir)
     problem = cache.unwritable(folder)

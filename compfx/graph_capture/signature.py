@@ -188,8 +188,9 @@ def check_input_shapes(expected: tuple, *tensors) -> None:
             what = f"{name} is {tensor.dtype}, but this graph was captured with {dtype}"
         raise BadInputError(
             f"{what}. Recorded and dynamo-captured graphs are specialised to the shapes and dtypes they were captured "
-            "with. Run the model through compfx.optimize(...).module or compfx.PlannedModule(model, plan, "
-            "analysis=...), which re-capture per input shape with the same plan, or capture with inputs of this shape.")
+            "with. Run the model through the PlannedModule this graph is the .graph_module of (compfx.apply(...) or "
+            "compfx.optimize(...).module), which re-captures per input shape with the same plan, or capture with "
+            "inputs of this shape.")
 
 
 def with_input_check(gm: fx.GraphModule) -> fx.GraphModule:

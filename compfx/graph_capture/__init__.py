@@ -51,6 +51,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import warnings
 from typing import Iterable, Mapping
 
@@ -68,6 +69,7 @@ from .autocast_blocks import (PINNED_META, AutocastRefusedError, autocast_probe,
                               mark_pinned)
 from .dtype_limits import LIMIT_META, mark_dtype_limits
 from .dtype_reads import DTYPE_READ_META, changed_dtype_reads
+from .held_state import HeldState
 from .dynamo import CAPTURE_DEFAULTS, capture_defaults, dynamo_capture, key_dynamo_graph
 from .model_state import (get_attribute, hooks_warning, named_tensors, stored_attributes_warning,
                           tracer_values_removed)
@@ -84,7 +86,7 @@ from .nodes import (
     renorms_weight,
     writes_input,
 )
-from .checkpoints import keep_checkpoints
+from .checkpoints import inline_checkpoint_bodies, keep_checkpoints, outline_checkpoint_regions
 from .record import is_kv_cache, record_capture, with_kv_caches_copied
 from .signature import (
     ExampleInputs,
@@ -104,6 +106,8 @@ from .verify import VERIFICATION_META, CaptureVerification, verify_capture
 __all__ = [
     "capture",
     "keep_checkpoints",
+    "inline_checkpoint_bodies",
+    "outline_checkpoint_regions",
     "CaptureVerification",
     "VERIFICATION_META",
     "CAPTURE_METHODS",
@@ -157,49 +161,69 @@ def capture(
 ) -> fx.GraphModule:
     """Trace ``model`` to a functional FX graph; every numerical op gets an OpKey.
 
-    ``method`` is ``"auto"`` (symbolic, then record, then dynamo),
-    ``"symbolic"``, ``"record"`` or ``"dynamo"``. *Symbolic* tracing follows
-    the code with proxies; its graphs compute shapes at run time. *Record* runs
-    forward on FakeTensors and writes down every torch call (Hugging Face models
-    land here: their Python runs as is, in a fraction of dynamo's time);
-    *dynamo* is ``torch._dynamo.export``. Recorded and dynamo graphs are
-    specialised to the example inputs' shapes and check them when called
-    (:func:`check_input_shapes`); :class:`compfx.apply.PlannedModule` re-captures
-    per input signature. ``leaf_modules`` names module types or qualified names
-    that stay as one ``call_module`` op (symbolic capture only). The graph is
-    specialised to the model's current train/eval mode and to the branches the
-    example inputs take. A Hugging Face KV cache in the output comes back as
-    ``None`` (:func:`is_kv_cache`); the dynamo fallback passes ``use_cache=False``
-    where ``forward`` takes it and the inputs do not set it (:data:`CAPTURE_DEFAULTS`).
-    ``modes`` (module path -> training) captures with those train/eval modes
-    instead of the current ones (:func:`module_modes`); the model's own modes
-    are put back afterwards, whatever happens.
+    The graph is specialised to the model's train/eval mode and to the branches
+    the example inputs take. Recorded and dynamo graphs are specialised to the
+    example inputs' shapes too and check them when called
+    (:func:`check_input_shapes`); a :class:`compfx.PlannedModule` captures again
+    per input signature. A Hugging Face KV cache in the output comes back as
+    ``None`` (:func:`is_kv_cache`); the dynamo fallback passes
+    ``use_cache=False`` where ``forward`` takes it and the inputs do not set it
+    (:data:`CAPTURE_DEFAULTS`). The model's own modes are put back afterwards,
+    whatever happens. :func:`compfx.analyze` (and so ``optimize``, ``apply`` and
+    the callbacks) captures and verifies; call this for the graph alone.
 
-    ``verify=True`` checks each tracer's graph against the model before taking
-    it (:func:`~compfx.capture.verify.verify_capture`: one forward and backward
-    of each on the example inputs, outputs, every gradient and the tensors
-    saved for backward compared bitwise); a graph that would train differently
-    is passed over for the next tracer, and :class:`~compfx.errors.CaptureError`
-    names the first difference when no tracer is faithful. The result is in
-    ``gm.meta["compfx_capture_verification"]``. :func:`compfx.analyze` (and so
-    ``optimize``, ``apply`` and the callbacks) verifies by default.
+    Args:
+        model: the ``nn.Module`` to trace.
+        example_inputs: a tensor, a tuple of positional arguments, a dict of keyword arguments, or
+            ``(args, kwargs)``.
+        leaf_modules: module types or qualified names kept as one ``call_module`` op (symbolic tracing only).
+        method: ``"auto"`` (symbolic, then record, then dynamo), ``"symbolic"`` (``torch.fx`` proxies with
+            FakeTensor values; its graphs compute shapes at run time), ``"record"`` (forward run on FakeTensors,
+            every torch call written down: Hugging Face models land here) or ``"dynamo"``
+            (``torch._dynamo.export``).
+        modes: module path -> training: capture in those train/eval modes instead of the current ones
+            (:func:`module_modes`).
+        verify: check each tracer's graph against the model before taking it
+            (:func:`~compfx.graph_capture.verify.verify_capture`: outputs, every gradient and the tensors saved
+            for backward, compared bitwise); an unfaithful graph is passed over for the next tracer. The result is
+            in ``gm.meta["compfx_capture_verification"]``.
 
-    >>> import torch, compfx
-    >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(2, 4))
-    >>> [str(n.meta["compfx_key"]) for n in compfx.op_nodes(gm)]
-    ['0:linear#0', '1:relu#0']
+    Returns:
+        torch.fx.GraphModule: the graph, sharing the model's Parameters and buffers, with ``meta["val"]`` on
+        every node, an :class:`~compfx.opkey.OpKey` in ``meta["compfx_key"]`` on every numerical op
+        (:func:`op_nodes` lists them) and the tracer in ``gm.meta["compfx_capture_method"]``.
+
+    Raises:
+        BadInputError: the example inputs do not fit the model (it fails on them in eager too), or an unknown
+            ``method``.
+        CaptureError: no tracer captures the model (or, with ``verify``, none faithfully); the message names the
+            line of the model's code, or the first output or parameter that differs.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> gm = compfx.capture(torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU()), torch.randn(2, 4))
+        >>> [str(n.meta["compfx_key"]) for n in compfx.graph_capture.op_nodes(gm)]
+        ['0:linear#0', '1:relu#0']
     """
     if not isinstance(model, nn.Module):
         raise BadInputError(f"capture() takes an nn.Module; got {type(model).__name__}.")
     if method not in CAPTURE_METHODS:
         raise BadInputError(f"method={method!r}; expected one of {', '.join(map(repr, CAPTURE_METHODS))}.")
     args, kwargs = distinct_input_tensors(*normalize_example_inputs(example_inputs))  # one input, one placeholder
-    # rng_preserved: a forward that draws random numbers, or reseeds, leaves the caller's generators as they were
-    with _modes_restored(model), _fake_tensor_failures_quiet(), rng_preserved(*model_devices(model)):
+    # rng_preserved: a forward that draws random numbers, or reseeds, leaves the caller's generators as they were;
+    # _ONE_AT_A_TIME: the tracers patch process-wide state, which two captures at once would leave patched
+    with _ONE_AT_A_TIME, _modes_restored(model), _fake_tensor_failures_quiet(), rng_preserved(*model_devices(model)):
         if modes is not None:
             for name, module in model.named_modules():
                 module.training = modes.get(name, module.training)
-        gm = _capture_with(model, args, kwargs, leaf_modules, method, verify)
+        held = HeldState(model)  # the eager runs (verification, the failure check) are forward calls too
+        try:
+            gm = _capture_with(model, args, kwargs, leaf_modules, method, verify)
+        except Exception as error:
+            _refuse_replaced_modules(held, error)
+            raise
+        _refuse_replaced_modules(held)
     hooks = hooks_warning(model, leaves={n.target for n in gm.graph.nodes if n.op == "call_module"})
     if hooks:
         warnings.warn(hooks, stacklevel=2)
@@ -209,13 +233,21 @@ def capture(
     return gm
 
 
+#: Captures take turns, in every thread. torch.fx's symbolic tracer replaces ``nn.Module.__call__`` and
+#: ``__getattr__`` while it traces, and compfx's tracers swap ``torch.autograd.Function.apply`` and register global
+#: module hooks (each passes other threads' calls through untouched); two traces at once would each put back what
+#: the other had patched, leaving every later module call of the process going to a finished tracer. Reentrant: a
+#: capture inside a capture (a planned block captured while its model runs under a tracer) is one thread's.
+_ONE_AT_A_TIME = threading.RLock()
+
+
 #: The tracers ``method="auto"`` tries, in order.
 _TRACERS = ("symbolic", "record", "dynamo")
 
 
 def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.GraphModule:
     """The method choice: each tracer ``method`` allows, in order, until one gives a graph (that, with ``verify``,
-    trains exactly as the model does: :func:`~compfx.capture.verify.verify_capture`)."""
+    trains exactly as the model does: :func:`~compfx.graph_capture.verify.verify_capture`)."""
     attempts = _Attempts(model)
     device_type = _probed_device_type(model, args, kwargs)  # the model's own autocast blocks open under a probe
     for tracer in _TRACERS if method == "auto" else (method,):
@@ -252,11 +284,28 @@ def _capture_with(model, args, kwargs, leaf_modules, method, verify) -> fx.Graph
 
 
 def _trace(tracer: str, model, args, kwargs, leaf_modules, device_type: str | None) -> fx.GraphModule:
-    with tracer_values_removed(model) as stored:  # what forward assigned to the model while tracing is the tracer's
-        gm = _trace_with(tracer, model, args, kwargs, leaf_modules, device_type)
+    held = HeldState(model)
+    try:
+        with tracer_values_removed(model) as stored:  # what forward assigned to the model while tracing is the tracer's
+            gm = _trace_with(tracer, model, args, kwargs, leaf_modules, device_type)
+    except Exception as error:
+        _refuse_replaced_modules(held, error)  # what the tracer failed on, when that is it
+        raise
+    _refuse_replaced_modules(held)
     if stored:
         warnings.warn(stored_attributes_warning(stored), stacklevel=5)
     return gm
+
+
+def _refuse_replaced_modules(held: HeldState, cause: BaseException | None = None) -> None:
+    """A forward that replaced submodules while it was traced: they are put back (the new ones hold the tracer's
+    values), and the capture refused, saying so."""
+    replaced = () if held.unchanged() else held.change().modules
+    if replaced:
+        held.put_back_modules()
+        raise CaptureError(f"forward() replaces submodules of the model when it runs ({', '.join(replaced[:3])}); a "
+                           "graph cannot hold that, and the new layers would not be the ones the optimizer trains. "
+                           "Create submodules in __init__ and only call them in forward") from cause
 
 
 def _trace_with(tracer: str, model, args, kwargs, leaf_modules, device_type: str | None) -> fx.GraphModule:

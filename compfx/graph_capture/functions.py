@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import re
+import threading
 from typing import Any, Callable
 
 import torch
@@ -87,30 +88,47 @@ def unrepresentable_argument(args: tuple, kwargs: dict) -> str | None:
     return None
 
 
-_handlers: list[Callable[[FunctionCall, tuple, dict], Any]] = []
+# The tracers' handlers, per thread: ``Function.apply`` is swapped for the whole process, and another thread's
+# Functions (a training step running while this one captures) must run as usual.
+_local = threading.local()
+_swaps = [0]  # threads inside functions_as_calls; the last one out puts apply back
+_swap_lock = threading.Lock()
+
+
+def _handlers() -> list[Callable[[FunctionCall, tuple, dict], Any]]:
+    if not hasattr(_local, "handlers"):
+        _local.handlers = []
+    return _local.handlers
 
 
 def _apply(cls, *args, **kwargs):
-    """``Function.apply`` while a tracer runs: the innermost tracer's handler first, the real ``apply`` if no
-    tracer takes the call (its arguments are none of the tracer's values)."""
-    call = FunctionCall(cls)
-    for handler in reversed(_handlers):
-        result = handler(call, args, kwargs)
-        if result is not NOT_TRACED:
-            return result
+    """``Function.apply`` while a tracer runs: the innermost tracer's handler first (this thread's), the real
+    ``apply`` if no tracer takes the call (its arguments are none of the tracer's values)."""
+    handlers = getattr(_local, "handlers", ())
+    if handlers:
+        call = FunctionCall(cls)
+        for handler in reversed(handlers):
+            result = handler(call, args, kwargs)
+            if result is not NOT_TRACED:
+                return result
     return _APPLY.__get__(None, cls)(*args, **kwargs)
 
 
 @contextlib.contextmanager
 def functions_as_calls(handler: Callable[[FunctionCall, tuple, dict], Any]):
-    """While inside, ``SomeFunction.apply(*args, **kwargs)`` returns ``handler(FunctionCall(SomeFunction), args,
-    kwargs)``; a handler returns :data:`NOT_TRACED` for calls that are not its own (then ``apply`` runs as usual)."""
-    _handlers.append(handler)
-    if len(_handlers) == 1:
+    """While inside, ``SomeFunction.apply(*args, **kwargs)`` in this thread returns
+    ``handler(FunctionCall(SomeFunction), args, kwargs)``; a handler returns :data:`NOT_TRACED` for calls that are
+    not its own (then ``apply`` runs as usual, as it does in every other thread)."""
+    handlers = _handlers()
+    handlers.append(handler)
+    with _swap_lock:
+        _swaps[0] += 1
         _FUNCTION.apply = classmethod(_apply)
     try:
         yield
     finally:
-        _handlers.remove(handler)
-        if not _handlers:
-            _FUNCTION.apply = _APPLY
+        handlers.remove(handler)
+        with _swap_lock:
+            _swaps[0] -= 1
+            if not _swaps[0]:
+                _FUNCTION.apply = _APPLY

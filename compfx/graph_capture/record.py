@@ -1,6 +1,6 @@
 """The recording tracer: run ``forward`` on FakeTensors and write every torch call into a graph.
 
-:func:`compfx.capture.capture` tries it when symbolic tracing fails. The
+:func:`compfx.graph_capture.capture` tries it when symbolic tracing fails. The
 model's own Python runs as in eager (``isinstance`` checks, shape arithmetic,
 decorators, Hugging Face's mask helpers), in a fraction of dynamo's time;
 shapes are concrete, so the graph is specialised to the example inputs. A
@@ -16,6 +16,7 @@ import contextlib
 import copy
 import inspect
 import operator
+import threading
 import warnings
 
 import torch
@@ -36,6 +37,7 @@ from .dtype_reads import DtypeReads
 from .functions import NOT_TRACED, FunctionCall, functions_as_calls, unrepresentable_argument
 from .model_state import named_tensors, reassignment_error
 from .nodes import has_side_effects, is_in_place
+from .shape_values import ShapeValues
 
 __all__ = ["record_capture", "is_kv_cache", "with_kv_caches_copied"]
 
@@ -237,6 +239,7 @@ class _CallRecorder(TorchFunctionMode):
         self.regions = CheckpointRegions()  # which ops run inside torch.utils.checkpoint
         self._inside_function = False  # running a custom Function's forward, which is one call of the graph
         self.dtype_reads = DtypeReads()  # x.dtype: followed by the call on its line that takes it, or kept
+        self.shape_values = ShapeValues()  # real tensors whose values the example's shapes decide (arange, ...)
 
     # -- what the graph knows ----------------------------------------------------------
     def bind(self, tensor: torch.Tensor, node: fx.Node) -> None:
@@ -288,9 +291,12 @@ class _CallRecorder(TorchFunctionMode):
         if self._inside_function:
             return func(*args, **kwargs)
         name = getattr(func, "__name__", "")
+        by_shapes = self.shape_values.decides(func, args, kwargs)  # computed for real: eager's Python may read them
         if name == "__iter__":  # iterating a tensor unbinds it (one graph node, not a Python loop over fakes)
-            items = func(*args, **kwargs)
-            items = tuple(items)
+            with self.shape_values.computing(by_shapes):
+                items = tuple(func(*args, **kwargs))
+            if by_shapes:
+                self.shape_values.add(items)
             self._record(torch.Tensor.unbind, "unbind", (args[0],), {}, items)
             return iter(items)
         if name == "__bool__" and isinstance(args[0], torch.Tensor):  # a draw its bound decides (layer drop at 0)
@@ -299,7 +305,8 @@ class _CallRecorder(TorchFunctionMode):
                 return decided
         follows = self.dtype_reads.taken_by(name, args, kwargs)
         try:
-            result = func(*args, **kwargs)
+            with self.shape_values.computing(by_shapes):
+                result = func(*args, **kwargs)
         except DataDependentOutputException as error:
             raise self._value_read_error(name, error) from error
         except DynamicOutputShapeException as error:
@@ -310,7 +317,12 @@ class _CallRecorder(TorchFunctionMode):
             self.dtype_reads.read(self.node_of[id(args[0])], result)
         writes = _writes(name, kwargs)
         if not writes:
-            result = _distinct_from_inputs(result, args, kwargs)
+            with self.shape_values.computing(by_shapes):
+                result = _distinct_from_inputs(result, args, kwargs)
+        if by_shapes:
+            self.shape_values.add(result)
+        elif writes:  # a fake call wrote into it: its values are no longer the shapes' alone
+            self.shape_values.written([*args[:1], *pytree.tree_leaves(kwargs.get("out"))])
         if writes or _holds_tensor(result):
             self._record(func, name, args, kwargs, result, follows)
         return result
@@ -418,14 +430,16 @@ class _CallRecorder(TorchFunctionMode):
     # -- module paths (global hooks: the tracer cannot see module calls otherwise) --------
     @contextlib.contextmanager
     def tracking_modules(self, root: nn.Module):
+        thread = threading.get_ident()  # the hooks are global: another thread's module calls are not this run's
+
         def enter(module, args):
             path = self._module_names.get(id(module))
-            if path:  # the root's ops have an empty stack, as in the other tracers
+            if path and threading.get_ident() == thread:  # the root's ops have an empty stack, as in the other tracers
                 self.module_stack.append((path, type(module)))
 
         def leave(module, args, output):
             path = self._module_names.get(id(module))
-            if path and self.module_stack and self.module_stack[-1][0] == path:
+            if path and self.module_stack and self.module_stack[-1][0] == path and threading.get_ident() == thread:
                 self.module_stack.pop()
 
         handles = [nn.modules.module.register_module_forward_pre_hook(enter),

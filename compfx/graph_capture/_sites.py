@@ -2,7 +2,7 @@
 
 A tracer's failure is worth reporting only with the file and line in the
 user's model that caused it, not the torch or compfx frame that noticed.
-Private to the package: the tracers and :func:`compfx.capture.capture` share it.
+Private to the package: the tracers and :func:`compfx.graph_capture.capture` share it.
 """
 
 from __future__ import annotations
@@ -113,7 +113,7 @@ def reads_a_value(error: BaseException) -> bool:
 
 def with_progress(error: CaptureError, nodes: int) -> CaptureError:
     """``error``, noting how far its tracer got (``nodes`` written before it failed) unless a tracer noted it
-    already: when every tracer fails, :func:`compfx.capture.capture` leads with the one that got furthest."""
+    already: when every tracer fails, :func:`compfx.graph_capture.capture` leads with the one that got furthest."""
     if getattr(error, "progress", None) is None:
         error.progress = nodes
     return error

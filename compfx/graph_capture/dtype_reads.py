@@ -24,7 +24,7 @@ writes it, so the call follows the plan as it does in eager
 
 A call that also takes a limit of the dtype (``torch.full(shape,
 torch.finfo(x.dtype).min, dtype=x.dtype)``) follows too, and its limit with it:
-:mod:`compfx.capture.dtype_limits` marks the literal, and the follow pass gives
+:mod:`compfx.graph_capture.dtype_limits` marks the literal, and the follow pass gives
 it the planned dtype's limit (FP32's would overflow the low dtype). A read for
 a ``finfo`` limit alone gets no note where such a limit downstream followed.
 
@@ -34,7 +34,7 @@ activation (``meta[DTYPE_READ_META]``: its dtype and the line), and
 :func:`changed_dtype_reads` names those a planned graph runs in another dtype:
 there the plan may round differently from autocast. (The symbolic tracer keeps
 every ``x.dtype`` as a node of the graph, which follows the plan; ``torch.finfo``
-limits follow by :mod:`compfx.capture.dtype_limits`.)
+limits follow by :mod:`compfx.graph_capture.dtype_limits`.)
 """
 
 from __future__ import annotations
@@ -200,7 +200,7 @@ _LIMIT_READ = re.compile(r"\bfinfo\(\s*[\w.\[\]]+\.dtype\s*\)")
 def _limit_followed(node: fx.Node, site: str, dtype: torch.dtype) -> bool:
     """Does ``site``'s line read the dtype for a ``finfo`` limit (the read a line's call does not take: that one is
     followed), and does a call downstream of ``node`` hold a limit of ``dtype``
-    (:data:`~compfx.capture.dtype_limits.LIMIT_META`, as the follow pass leaves it)?"""
+    (:data:`~compfx.graph_capture.dtype_limits.LIMIT_META`, as the follow pass leaves it)?"""
     if not _LIMIT_READ.search(site):
         return False
     seen, frontier = set(), [node]

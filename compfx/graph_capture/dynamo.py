@@ -1,6 +1,6 @@
 """The dynamo fallback (``torch._dynamo.export``), and keying the graphs dynamo hands a backend.
 
-:func:`compfx.capture.capture` tries it last, for models neither of the
+:func:`compfx.graph_capture.capture` tries it last, for models neither of the
 others can follow. It runs the model for real (the buffers are put back), with
 static shapes: its graph is specialised to the example inputs. Its parameters
 are re-pointed at the model's own FQNs and its grad-mode switches made to
@@ -119,7 +119,7 @@ def _restore_callers_grad_mode(graph: fx.Graph, mode_at_capture: bool) -> None:
 
 #: Keyword arguments the dynamo fallback passes to ``forward`` when it takes them and the caller did not say:
 #: ``torch._dynamo.export`` cannot return Hugging Face's cache object, and training never reads it. (The
-#: recording tracer runs forward as called and returns None in the cache's place: :func:`~compfx.capture.is_kv_cache`.)
+#: recording tracer runs forward as called and returns None in the cache's place: :func:`~compfx.graph_capture.is_kv_cache`.)
 CAPTURE_DEFAULTS = {"use_cache": False}
 
 
@@ -141,12 +141,12 @@ def capture_defaults(model: nn.Module, kwargs: dict) -> dict:
 
 def key_dynamo_graph(gm: fx.GraphModule, counts: dict[tuple[str, str], int] | None = None, *,
                      example_inputs: Sequence = (), model: nn.Module | None = None) -> list[OpKey]:
-    """Key the graph that dynamo hands a ``torch.compile`` backend, like :func:`~compfx.capture.capture` would.
+    """Key the graph that dynamo hands a ``torch.compile`` backend, like :func:`~compfx.graph_capture.capture` would.
 
     Dynamo graphs keep values in ``meta["example_value"]`` and lift parameters
     to placeholders; this copies the values to ``meta["val"]`` (and adds
-    ``tensor_meta``), marks ``torch.finfo`` literals (:func:`~compfx.capture.mark_dtype_limits`) and
-    the ops of the model's ``autocast(enabled=False)`` blocks (:func:`~compfx.capture.mark_pinned`),
+    ``tensor_meta``), marks ``torch.finfo`` literals (:func:`~compfx.graph_capture.mark_dtype_limits`) and
+    the ops of the model's ``autocast(enabled=False)`` blocks (:func:`~compfx.graph_capture.mark_pinned`),
     then writes an OpKey on every numerical op. Its module paths are
     relative to the frame dynamo started in; ``model``, with the graph's
     ``example_inputs``, maps them back to the model's own names (a frame that
@@ -157,7 +157,7 @@ def key_dynamo_graph(gm: fx.GraphModule, counts: dict[tuple[str, str], int] | No
     Returns the keys in graph order.
 
     >>> import torch
-    >>> from compfx.capture import key_dynamo_graph
+    >>> from compfx.graph_capture import key_dynamo_graph
     >>> keys = []
     >>> def backend(gm, example_inputs):
     ...     keys.extend(key_dynamo_graph(gm))

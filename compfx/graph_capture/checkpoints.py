@@ -16,6 +16,15 @@ region through ``checkpoint(..., use_reentrant=True)``. Parameters are read
 inside the region (through the graph's module), as in eager, so a region whose
 inputs need no gradient gives its parameters none, exactly as eager does.
 
+``torch.compile`` hands its backend each region as a subgraph that the graph
+calls through ``torch.ops.higher_order.tag_activation_checkpoint``. The compfx
+backend writes those subgraphs into the graph (:func:`inline_checkpoint_bodies`,
+each op marked with its region, as a tracer marks it), so the region's ops are
+keyed and planned in execution order like the rest, exactly as a captured
+graph's; then it calls each region through the higher-order op again
+(:func:`outline_checkpoint_regions`), casts included, for AOT autograd and
+Inductor to recompute.
+
 Nested checkpoints become one region, the outermost. Checkpointing entered
 without ``checkpoint`` (``torch.distributed``'s composable ``checkpoint(module)``)
 is found by its saved-tensor hook and kept with the default settings. Other
@@ -38,7 +47,7 @@ import torch.nn as nn
 import torch.utils.checkpoint as torch_checkpoint
 
 __all__ = ["CHECKPOINT_META", "CheckpointedRegion", "CheckpointRegions", "CheckpointedGraph", "keep_checkpoints",
-           "checkpointed_nodes", "is_reentrant_checkpoint"]
+           "checkpointed_nodes", "is_reentrant_checkpoint", "inline_checkpoint_bodies", "outline_checkpoint_regions"]
 
 #: ``node.meta`` entry: the :class:`CheckpointedRegion` a node computes in.
 CHECKPOINT_META = "compfx_checkpoint"
@@ -138,7 +147,7 @@ def _top_pack_hook():
 
 
 def is_reentrant_checkpoint(call) -> bool:
-    """Is this custom-Function call (:class:`~compfx.capture.functions.FunctionCall`) ``checkpoint(...,
+    """Is this custom-Function call (:class:`~compfx.graph_capture.functions.FunctionCall`) ``checkpoint(...,
     use_reentrant=True)``'s own Function?"""
     return call.function is torch_checkpoint.CheckpointFunction
 
@@ -262,3 +271,134 @@ def _emit_region(outlined: fx.Graph, nodes: list[fx.Node], region: CheckpointedR
 
 
 _OWNER = "_compfx_owner"
+
+
+# -- the regions of a graph that torch.compile hands a backend -------------------------------------------------------
+
+#: The higher-order op dynamo calls a checkpointed region's subgraph through.
+_TAG = torch.ops.higher_order.tag_activation_checkpoint
+
+
+def _is_tagged_region(node: fx.Node) -> bool:
+    """A call of a region's subgraph whose results are read one by one (as dynamo writes it)."""
+    return (node.op == "call_function" and node.target is _TAG and bool(node.args)
+            and isinstance(node.args[0], fx.Node) and node.args[0].op == "get_attr"
+            and all(user.op == "call_function" and user.target is operator.getitem for user in node.users))
+
+
+def inline_checkpoint_bodies(gm: fx.GraphModule) -> int:
+    """Write each checkpointed region that dynamo passes as a subgraph (``tag_activation_checkpoint(body, *inputs,
+    use_reentrant=...)``) into ``gm``'s own graph, its nodes marked with their :class:`CheckpointedRegion`; a region
+    nested in another joins the outer one. Returns how many regions were written in.
+
+    >>> import torch
+    >>> from torch.utils.checkpoint import checkpoint
+    >>> block = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.ReLU())
+    >>> found = []
+    >>> def backend(gm, example_inputs):
+    ...     found.append((inline_checkpoint_bodies(gm), len(checkpointed_nodes(gm.graph))))
+    ...     return outline_checkpoint_regions(gm).forward
+    >>> _ = torch.compile(lambda x: checkpoint(block, x, use_reentrant=False), backend=backend)(torch.randn(2, 4))
+    >>> found  # one region written into the graph and marked, then called through the higher-order op again
+    [(1, 1)]
+    >>> torch._dynamo.reset()  # forget the compiled lambda while its globals live
+    """
+    regions = 0
+    for node in list(gm.graph.nodes):
+        if _is_tagged_region(node):
+            body = getattr(gm, node.args[0].target)
+            inline_checkpoint_bodies(body)  # a region inside it joins this one
+            options = {k: v for k, v in node.kwargs.items() if k != "use_reentrant"}
+            _inline(gm, node, body, CheckpointedRegion(regions, bool(node.kwargs.get("use_reentrant", False)), options))
+            regions += 1
+    if regions:
+        gm.graph.lint()
+        gm.recompile()
+    return regions
+
+
+def _inline(gm: fx.GraphModule, call: fx.Node, body: fx.GraphModule, region: CheckpointedRegion) -> None:
+    """``body``'s nodes in place of ``call`` (its ``getitem`` users read the body's outputs), marked ``region``."""
+    env: dict[fx.Node, Any] = dict(zip([n for n in body.graph.nodes if n.op == "placeholder"], call.args[1:]))
+    outputs: Any = ()
+    with gm.graph.inserting_before(call):
+        for node in body.graph.nodes:
+            if node.op == "placeholder":
+                continue
+            if node.op == "output":
+                outputs = fx.map_arg(node.args[0], env.__getitem__)
+                break
+            if node.op == "get_attr":  # the body's own attribute (a constant): the graph takes it over
+                name = _free_name(gm, f"{call.args[0].target}_{node.target.replace('.', '_')}")
+                setattr(gm, name, _attribute(body, node.target))
+                copied = gm.graph.get_attr(name)
+                copied.meta = dict(node.meta)
+            else:
+                copied = gm.graph.node_copy(node, env.__getitem__)
+            copied.meta[CHECKPOINT_META] = region
+            env[node] = copied
+    for user in list(call.users):
+        user.replace_all_uses_with(outputs[user.args[1]])
+        gm.graph.erase_node(user)
+    attribute = call.args[0]
+    gm.graph.erase_node(call)
+    if not attribute.users:
+        gm.graph.erase_node(attribute)
+        delattr(gm, attribute.target)
+
+
+def outline_checkpoint_regions(gm: fx.GraphModule) -> fx.GraphModule:
+    """Call each marked region of ``gm``'s graph (its ops and any casts a pass put among them) through
+    ``tag_activation_checkpoint`` again, as dynamo does, for AOT autograd and Inductor to recompute in backward.
+    Returns ``gm``."""
+    regions = checkpointed_nodes(gm.graph)
+    for region, nodes in regions.items():
+        _outline(gm, region, nodes)
+    if regions:
+        gm.graph.lint()
+        gm.recompile()
+    return gm
+
+
+def _outline(gm: fx.GraphModule, region: CheckpointedRegion, nodes: list[fx.Node]) -> None:
+    inside = set(nodes)
+    inputs = list(dict.fromkeys(arg for node in nodes for arg in node.all_input_nodes if arg not in inside))
+    outputs = [node for node in nodes if any(user not in inside for user in node.users)]
+    graph = fx.Graph()
+    env = {}
+    for node in inputs:
+        env[node] = graph.placeholder(node.name)
+        env[node].meta = {key: node.meta[key] for key in ("val", "tensor_meta") if key in node.meta}
+    for node in nodes:
+        env[node] = graph.node_copy(node, env.__getitem__)
+    graph.output(tuple(env[node] for node in outputs))
+    name = _free_name(gm, f"compfx_checkpointed_region_{region.index}")
+    gm.add_submodule(name, fx.GraphModule(gm, graph, class_name=f"CheckpointedRegion{region.index}"))
+    with gm.graph.inserting_after(nodes[-1]):  # every input is defined before the region's last op
+        body = gm.graph.get_attr(name)
+        with gm.graph.inserting_after(body):
+            call = gm.graph.call_function(_TAG, (body, *inputs),
+                                          {"use_reentrant": region.use_reentrant, **region.options})
+    call.meta["val"] = tuple(node.meta.get("val") for node in outputs)
+    last = call
+    for i, node in enumerate(outputs):
+        with gm.graph.inserting_after(last):
+            last = gm.graph.call_function(operator.getitem, (call, i))
+        last.meta = {key: node.meta[key] for key in ("val", "tensor_meta", "example_value") if key in node.meta}
+        node.replace_all_uses_with(last, delete_user_cb=lambda user: user not in inside)
+    for node in reversed(nodes):
+        gm.graph.erase_node(node)
+
+
+def _free_name(gm: fx.GraphModule, name: str) -> str:
+    candidate, i = name, 0
+    while hasattr(gm, candidate):
+        i += 1
+        candidate = f"{name}_{i}"
+    return candidate
+
+
+def _attribute(module: nn.Module, target: str):
+    for part in target.split("."):
+        module = getattr(module, part)
+    return module

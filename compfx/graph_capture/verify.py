@@ -39,7 +39,7 @@ When the two runs differ in values only, eager is run a second time: if eager
 does not reproduce itself either (a kernel or Python code that varies run to
 run), bitwise equality is impossible, and the graph is compared within twice
 eager's own spread instead; the result says so (``exact`` is False, ``notes``
-says why) and :func:`compfx.capture.capture` warns. So it does when the model
+says why) and :func:`compfx.graph_capture.capture` warns. So it does when the model
 itself has no backward on the example inputs (an op without a derivative, in
 an inference-only model): only the forwards are compared. And so it does for
 a dynamo or recorded graph whose values differ while eager reproduces itself:
@@ -152,7 +152,7 @@ def verify_capture(model: nn.Module, gm: fx.GraphModule, args: tuple, kwargs: di
     """Run ``model`` and ``gm`` forward and backward on ``(args, kwargs)`` and compare them (see the module doc).
 
     >>> import torch
-    >>> from compfx.capture import capture
+    >>> from compfx.graph_capture import capture
     >>> model, x = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Dropout(0.5)), torch.randn(2, 4)
     >>> result = verify_capture(model, capture(model, x), (x,), {}, method="symbolic")
     >>> result.faithful, result.exact, result.gradients, result.saved_graph == result.saved_eager
@@ -413,7 +413,7 @@ class _Replay:
         def pack(tensor):
             counted[0] += 1
             counted[1] += tensor.requires_grad
-            return tensor
+            return tensor.detach()  # not the tensor: an output saved by its own grad_fn would leak the graph
 
         outside = outside_torch_states() if fn is self.model else None
         try:
@@ -539,7 +539,7 @@ def _written_parameters(gm: fx.GraphModule) -> list[torch.Tensor]:
 
 def _fresh_inputs(inputs):
     """A copy of every input tensor (a forward may write its inputs), a leaf that requires grad where it did, and of
-    every KV cache (a decoder block writes its keys into it: :func:`~compfx.capture.record.with_kv_caches_copied`)."""
+    every KV cache (a decoder block writes its keys into it: :func:`~compfx.graph_capture.record.with_kv_caches_copied`)."""
     def fresh(leaf):
         if not isinstance(leaf, torch.Tensor):
             return leaf

@@ -4,10 +4,12 @@
 ``torch_dynamo_backends`` entry point) or, with explicit settings,
 ``torch.compile(model, backend=compfx.backend(plan, inner="inductor"))``.
 For every graph dynamo hands over, the backend keys its ops as
-:func:`compfx.capture` does (:func:`~compfx.capture.key_dynamo_graph`), picks
+:func:`compfx.capture` does (:func:`~compfx.graph_capture.key_dynamo_graph`), picks
 the plan (given, searched for this model in this process, cached, or
 ``Plan.amp`` of the graph), inserts the plan's casts before AOT autograd, and
-hands the graph to ``inner``. ``docs/compile.md`` says which plan runs when,
+hands the graph to ``inner``, under the ``torch.compile`` settings the plan
+records (``plan.compile_options``: a compiled search measured it under them)
+unless others are given. ``docs/compile.md`` says which plan runs when,
 and how graph breaks, shape padding and Inductor's casts are handled;
 :class:`GraphRecord` says what happened to each graph.
 
@@ -21,12 +23,13 @@ torch.float32
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
 import weakref
 from collections import Counter
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
 
 import torch
@@ -34,11 +37,15 @@ import torch.fx as fx
 import torch.nn as nn
 
 from . import cache
-from .analyze import analyze_graph, fingerprint_of, parameter_shapes
-from .capture import is_numerical_op, key_dynamo_graph, op_nodes
-from .capture.dynamo import CallIndexOffsets
-from .compile_regions import REGIONS_AUTO, RegionallyCompiled, compile_regions, isolated_recompiles
+from .analysis import analyze_graph, fingerprint_of, parameter_shapes
+from .graph_capture import (inline_checkpoint_bodies, is_numerical_op, key_dynamo_graph, named_tensors, op_nodes,
+                            outline_checkpoint_regions)
+from .graph_capture.dynamo import CallIndexOffsets
 from .cast_policy import compute_dtype
+from .compile_regions import RegionCache, compile_regions, program_records
+from .compile_options import (INNER_BACKENDS, CompileOptions, given_settings, graph_settings, name_of, own_recompiles,
+                              program_settings)
+from .deprecations import key_backend_graph  # still importable from here, with its warning
 from .errors import BadInputError, PlanMismatchError
 from .float8 import fp8_fallbacks
 from .opkey import KEY_META, OpKey
@@ -48,13 +55,10 @@ from .passes.pad_shapes import PADDED_META
 from .plan import Plan
 from .vocabulary import Category, Precision, check_low_dtype, default_low_dtype
 
-__all__ = ["backend", "compfx_backend", "registered_backend", "compile_with_plan", "key_backend_graph", "CompfxBackend", "GraphRecord",
-           "INNER_BACKENDS", "no_graph_message"]
+__all__ = ["backend", "compfx_backend", "registered_backend", "compile_with_plan", "key_backend_graph", "CompfxBackend",
+           "GraphRecord", "INNER_BACKENDS", "no_graph_message"]
 
 log = logging.getLogger("compfx")
-
-#: Inner backends this module knows by name; any other registered dynamo backend name works too.
-INNER_BACKENDS = ("inductor", "aot_eager", "eager")
 
 PlanSource = Plan | str | os.PathLike | None
 
@@ -75,10 +79,11 @@ class GraphRecord:
     ``fp8_fallbacks``: the plan's FP8 ops that cannot run FP8 at this graph's
     shapes (not multiples of 16, or dynamic), with why; they run at AMP's
     precision in this graph (:func:`compfx.float8.fp8_fallbacks`).
-    ``region``: under regional compilation (``compile_with_plan(...,
-    regions=...)``), the path of the block this graph ran for (one compiled
-    graph serves every block with the same plan: its records share a
-    ``compile_id``), ``""`` for the model's own code; None otherwise.
+    ``compiled_with``: the settings the graph was compiled under (``inner``,
+    ``mode``, ``inductor_options``, ``emulate_precision_casts``, and
+    ``dynamic`` as dynamo ran it): the plan's recorded ones unless given.
+    ``region``: by regions (``compile_with_plan(..., regions=...)``), the path of the block the graph ran for
+    (blocks of one plan share a graph, and its ``compile_id``), ``""`` for the model's own code; None otherwise.
     """
 
     compile_id: str | None
@@ -92,6 +97,7 @@ class GraphRecord:
     padded: tuple[OpKey, ...] = ()
     fp8_fallbacks: tuple[tuple[OpKey, str], ...] = ()
     region: str | None = None
+    compiled_with: Mapping[str, object] = field(default_factory=dict)
 
 
 # ---------------------------------------------------------------------------
@@ -125,13 +131,18 @@ class CompfxBackend:
     """A ``torch.compile`` backend that applies one precision plan; build it with :func:`backend`.
 
     ``records`` lists a :class:`GraphRecord` per graph compiled, in order.
+    The compile settings given here (``inner``, ``mode``, ``inductor_options``,
+    ``emulate_precision_casts``; None: not given) replace the ones the plan of
+    each graph records; a plan that records others is warned about.
+    ``by_regions``: it compiles a region of ``compile_with_plan(..., regions=...)`` or the code around them.
     """
 
-    def __init__(self, plan: PlanSource = None, *, inner: str | Callable = "inductor",
+    def __init__(self, plan: PlanSource = None, *, inner: str | Callable | None = None,
                  low_dtype: torch.dtype | None = None, model: nn.Module | None = None,
-                 cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool = True,
-                 inductor_options: Mapping[str, object] | None = None):
-        _check_inner(inner, inductor_options)
+                 cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool | None = None,
+                 inductor_options: Mapping[str, object] | None = None, mode: str | None = None,
+                 by_regions: bool = False):
+        self.given = given_settings(inner, mode, inductor_options, emulate_precision_casts)
         if low_dtype is not None:
             check_low_dtype(low_dtype)
         self.plan = _load_plan(plan)
@@ -143,9 +154,8 @@ class CompfxBackend:
         self.plan_source = "" if self.plan is None else f"given plan {self.plan.fingerprint}"
         if self.plan is not None and model is not None:
             _check_plan_of(self.plan, model)
-        self.inner, self.low_dtype, self.model, self.cache_dir = inner, low_dtype, model, cache_dir
-        # emulate_precision_casts first: an explicit entry in inductor_options wins
-        self.inductor_patches = {"emulate_precision_casts": emulate_precision_casts, **(inductor_options or {})}
+        self.inner, self.low_dtype, self.model, self.cache_dir = self.given.get("inner"), low_dtype, model, cache_dir
+        self.by_regions = by_regions
         self.records: list[GraphRecord] = []
         self._offsets = CallIndexOffsets()
         self._searched_offsets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its offsets
@@ -154,11 +164,12 @@ class CompfxBackend:
         self._matched = False  # has any compiled graph had an op the given plan names?
 
     def __repr__(self) -> str:
-        inner = self.inner if isinstance(self.inner, str) else getattr(self.inner, "__name__", "callable")
+        inner = name_of(self.inner) if self.inner is not None else "the plan's"
         return f"CompfxBackend(plan={self.plan!r}, inner={inner!r}, graphs={len(self.records)})"
 
     # -- dynamo calls this once per graph -------------------------------------
     def __call__(self, gm: fx.GraphModule, example_inputs: Sequence):
+        inline_checkpoint_bodies(gm)  # checkpointed regions' ops are keyed and planned as a capture's are
         try:
             choice = self._plan_for(gm, example_inputs, _frame_id(gm))
         except PlanMismatchError as refusal:
@@ -187,6 +198,7 @@ class CompfxBackend:
         gm = apply_precisions(gm, precisions, low_dtype=plan.low_dtype, fp8_recipe=plan.fp8_recipe,
                               padded=plan.padded)
         padded = tuple(gm.meta.get(PADDED_META, ()))
+        settings = self._settings_for(plan)
         self.records.append(GraphRecord(
             compile_id=str(gm.meta.get("dynamo_compile_id")) if "dynamo_compile_id" in gm.meta else None,
             plan_source=source, precisions=precisions, unplanned=unplanned,
@@ -194,22 +206,43 @@ class CompfxBackend:
             origin=choice.origin, plan_fingerprint=plan.fingerprint,
             plan_path=str(choice.path) if choice.path is not None else None, padded=padded,
             fp8_fallbacks=tuple((key, why) for key, (_, why) in fallbacks.items()),
+            compiled_with={**settings, "inner": name_of(settings["inner"])},
         ))
+        outline_checkpoint_regions(gm)  # each region, its casts included, recomputed in backward as before
         # The plan padded these ops: Inductor must not pad them (or any other op of this graph) again.
-        return self._compile_inner(gm, example_inputs, {"shape_padding": False} if padded else {})
+        return self._compile_inner(gm, example_inputs, settings, {"shape_padding": False} if padded else {})
+
+    def _settings_for(self, plan: Plan) -> dict:
+        """The compile settings a graph of ``plan`` gets (:func:`~compfx.compile_options.graph_settings`); a plan
+        recorded under others is warned about (once), one searched by regions and compiled whole is logged."""
+        recorded = plan.compile_options
+        settings, differences = graph_settings(recorded, self.given)
+        if differences and f"options:{plan.fingerprint}:{differences}" not in self._logged:
+            self._logged.add(f"options:{plan.fingerprint}:{differences}")
+            warnings.warn(
+                f"compfx: plan {plan.fingerprint} was chosen by a search that measured it compiled with "
+                f"{recorded.describe()}; this graph compiles it with other settings ({'; '.join(differences)}). "
+                "It runs, but its precisions were chosen by measuring the other program: compile it with the "
+                "settings it records (compfx.compile_with_plan(model, plan) does, unless you pass others), or "
+                "search again with SearchConfig(compile=...) set to these.", UserWarning, stacklevel=2)
+        if recorded is not None and recorded.regions is not None and not self.by_regions:
+            self._log_once(f"whole:{plan.fingerprint}", "compfx backend: plan %s, searched compiled by regions, "
+                           "compiles whole here: the same precisions, a compile time that grows with depth "
+                           "(compfx.compile_with_plan(model, plan) compiles it by regions)", plan.fingerprint)
+        return settings
 
     def _say_unplanned_regions(self, gm: fx.GraphModule) -> None:
-        """Dynamo hands torch.utils.checkpoint's region (and other higher-order ops' bodies) over as a subgraph the
-        graph calls; the passes plan the graph's own ops, so the region's run as the model wrote them: say so."""
+        """Dynamo hands higher-order ops' bodies over as subgraphs the graph calls. Checkpointed regions are
+        written into the graph and planned (:func:`~compfx.graph_capture.inline_checkpoint_bodies`); the bodies of other
+        higher-order ops run as the model wrote them: say so."""
         bodies = {name: sum(node.op.startswith("call") and is_numerical_op(node) for node in body.graph.nodes)
                   for name, body in gm.named_children() if isinstance(body, fx.GraphModule)}
         bodies = {name: count for name, count in bodies.items() if count}
         if bodies:
-            self._log_once("regions", "compfx backend: graph %s runs %d op(s) inside %d region(s) that dynamo passes "
-                           "as subgraphs (%s: torch.utils.checkpoint's, or another higher-order op's); the backend "
-                           "plans a graph's own ops, so these run as the model wrote them (FP32 where it computes in "
-                           "FP32). compfx.apply and compfx.optimize plan inside checkpointed regions.",
-                           gm.meta.get("dynamo_compile_id", "?"), sum(bodies.values()), len(bodies),
+            self._log_once("regions", "compfx backend: graph %s runs %d op(s) inside %d subgraph(s) of higher-order "
+                           "ops other than torch.utils.checkpoint's (%s); the backend plans a graph's own ops and its "
+                           "checkpointed regions, so these run as the model wrote them (FP32 where it computes in "
+                           "FP32).", gm.meta.get("dynamo_compile_id", "?"), sum(bodies.values()), len(bodies),
                            ", ".join(sorted(bodies)[:3]), level=logging.WARNING)
 
     def _plan_for(self, gm: fx.GraphModule, example_inputs, frame) -> "_Choice":
@@ -379,16 +412,29 @@ class CompfxBackend:
             "no graph compiled yet (after a call, that means dynamo ran the model eagerly: an nn.LSTM/GRU/RNN "
             "without torch._dynamo.config.allow_rnn = True, or a graph break at the start of forward)")
 
-    def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence, patches: Mapping[str, object] = {}):
-        if callable(self.inner):
-            return self.inner(gm, example_inputs)
-        if self.inner == "inductor":
+    def _compile_inner(self, gm: fx.GraphModule, example_inputs: Sequence, settings: Mapping[str, object],
+                       patches: Mapping[str, object] = {}):
+        inner = settings["inner"]
+        if callable(inner):
+            try:
+                compiled = inner(gm, example_inputs)
+            except Exception as error:  # noqa: BLE001 - the user's backend
+                return _failed_inner(inner, f"raised {type(error).__name__}: {' '.join(str(error).split())[:200]}")
+            if not callable(compiled):
+                return _failed_inner(inner, f"returned {type(compiled).__name__}, not a callable,")
+            return compiled
+        if inner == "inductor":
+            from torch._inductor import list_mode_options
             from torch._inductor.compile_fx import compile_fx
 
+            # the mode's patches, then emulate_precision_casts, then the explicit inductor options (they win)
+            inductor = {**(list_mode_options(settings["mode"]) if settings["mode"] else {}),
+                        "emulate_precision_casts": settings["emulate_precision_casts"],
+                        **settings["inductor_options"]}
             # config_patches (not config.patch here): compile_fx also applies them to the
             # backward graph, which AOT autograd compiles later, at the first .backward().
-            return compile_fx(gm, example_inputs, config_patches={**self.inductor_patches, **patches})
-        return torch._dynamo.lookup_backend(self.inner)(gm, example_inputs)
+            return compile_fx(gm, example_inputs, config_patches={**inductor, **patches})
+        return torch._dynamo.lookup_backend(inner)(gm, example_inputs)
 
     def _log_once(self, topic: str, message: str, *args, level: int = logging.INFO) -> None:
         if topic not in self._logged:
@@ -407,7 +453,7 @@ class _Choice:
     path: object = None
 
 
-def _refusing(refusal: PlanMismatchError) -> Callable:
+def _refusing(refusal: Exception) -> Callable:
     """A compiled graph that raises ``refusal`` whenever it is called: raised there, not while dynamo compiles,
     it reaches the caller as itself."""
     def refuse(*args, **kwargs):
@@ -448,51 +494,61 @@ def _keyed_nodes(gm: fx.GraphModule) -> dict[OpKey, fx.Node]:
     return {node.meta[KEY_META]: node for node in op_nodes(gm)}
 
 
-def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, model: nn.Module | None = None,
-                      index_offsets: Mapping[tuple[str, str], int] | None = None) -> dict[OpKey, fx.Node]:
-    """Deprecated: use :func:`compfx.capture.key_dynamo_graph` (``counts``, ``example_inputs=``, ``model=``).
-
-    >>> import warnings
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     _ = key_backend_graph(torch.fx.symbolic_trace(torch.nn.Sequential()))
-    >>> caught[0].category.__name__
-    'DeprecationWarning'
-    """
-    warnings.warn("compfx.backend.key_backend_graph is deprecated; use compfx.capture.key_dynamo_graph(gm, counts, "
-                  "example_inputs=..., model=...), the one function that keys dynamo's graphs",
-                  DeprecationWarning, stacklevel=2)
-    key_dynamo_graph(gm, Counter(index_offsets or {}), example_inputs=example_inputs, model=model)
-    return _keyed_nodes(gm)
-
-
 # ---------------------------------------------------------------------------
 # public entry points
 
 
-def backend(plan: PlanSource = None, *, inner: str | Callable = "inductor", low_dtype: torch.dtype | None = None,
+def backend(plan: PlanSource = None, *, inner: str | Callable | None = None, low_dtype: torch.dtype | None = None,
             model: nn.Module | None = None, cache_dir: str | os.PathLike | None = None,
-            emulate_precision_casts: bool = True, inductor_options: Mapping[str, object] | None = None) -> CompfxBackend:
-    """A ``torch.compile`` backend that runs ``model`` with ``plan``'s precisions.
+            emulate_precision_casts: bool | None = None, inductor_options: Mapping[str, object] | None = None,
+            mode: str | None = None) -> CompfxBackend:
+    """A ``torch.compile`` backend that runs the compiled model with ``plan``'s precisions, then ``inner``.
 
-    ``plan``: a :class:`~compfx.plan.Plan`, the path of a plan file, or None
-    (the plan ``compfx.optimize()`` cached for this model, else the default
-    AMP-equivalent plan). The backend's own options: ``inner`` (``"inductor"``,
-    ``"aot_eager"``, ``"eager"``, another registered backend name, or a
-    backend callable), ``low_dtype`` (when no plan is given), ``model`` (names
-    for graphs that start inside a submodule), ``cache_dir`` and
-    ``emulate_precision_casts``. ``inductor_options`` are Inductor config
-    patches, passed to Inductor only (``inner="inductor"``).
+    For every graph dynamo hands over, it keys the ops as :func:`compfx.capture`
+    does, inserts the plan's casts before AOT autograd (so training works), and
+    hands the graph to ``inner``; ``.records`` lists a
+    :class:`GraphRecord` per graph compiled. ``docs/compile.md`` says which plan
+    runs when, and how graph breaks and padding are handled. A setting left
+    None is the one the plan records (``plan.compile_options``: the search
+    that chose the plan measured it compiled so), else the default; a setting
+    given that differs from the plan's recorded one is warned about.
 
-    >>> import torch, compfx
-    >>> model = torch.nn.Linear(4, 4)
-    >>> plan = compfx.Plan.fp32(compfx.analyze(model, torch.randn(2, 4)))
-    >>> compiled = torch.compile(model, backend=compfx.backend(plan, inner="aot_eager"))
-    >>> compiled(torch.randn(2, 4)).shape
-    torch.Size([2, 4])
+    Args:
+        plan: a :class:`~compfx.plan.Plan`, the path of a plan file, or None: the plan ``compfx.optimize()``
+            searched for this model (in this process, else from the plan cache), else AMP's plan of each graph.
+        inner: the backend that compiles the planned graphs: ``"inductor"`` (the default), ``"aot_eager"``,
+            ``"eager"``, another registered backend name, or a backend callable.
+        low_dtype: the precision of "low" ops when no plan is given (a plan names its own).
+        model: the model being compiled, so that graphs starting inside a submodule (after a graph break) name
+            their ops as the plan does.
+        cache_dir: the plan cache folder (None: ``$COMPFX_CACHE_DIR``, else ``~/.cache/compfx/plans``).
+        emulate_precision_casts: Inductor keeps a downcast followed by an upcast inside a fused kernel (its
+            ``emulate_precision_casts``; default True), so a plan's "low" is not silently run in FP32.
+        inductor_options: Inductor config patches, passed to Inductor only (``inner="inductor"``).
+        mode: ``torch.compile``'s ``mode``, passed to Inductor only (as its config patches).
+
+    Returns:
+        CompfxBackend: a callable to pass as ``torch.compile(model, backend=...)``.
+
+    Raises:
+        BadInputError: an unknown ``inner``, options for another inner backend than Inductor, a ``plan`` of
+            another type, or a ``low_dtype`` other than the plan's.
+        PlanFileError: ``plan`` is a path to a missing or damaged plan file.
+        PlanMismatchError: the plan names no op of ``model`` (or, at compile time, of the graph): it was made
+            for another model.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Linear(4, 4)
+        >>> plan = compfx.Plan.fp32(compfx.analyze(model, torch.randn(2, 4)))
+        >>> compiled = torch.compile(model, backend=compfx.backend(plan, inner="aot_eager"))
+        >>> compiled(torch.randn(2, 4)).shape
+        torch.Size([2, 4])
     """
     return CompfxBackend(plan, inner=inner, low_dtype=low_dtype, model=model, cache_dir=cache_dir,
-                         emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)
+                         emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options,
+                         mode=mode)
 
 
 def _check_plan_of(plan: Plan, model: nn.Module) -> None:
@@ -507,18 +563,13 @@ def _check_plan_of(plan: Plan, model: nn.Module) -> None:
             "plan=None to use the plan cache.")
 
 
-def _check_inner(inner, inductor_options) -> None:
-    """Refuse an inner backend that cannot work now, not at the first call."""
-    if callable(inner):
-        pass
-    elif not isinstance(inner, str):
-        raise BadInputError(f"inner={inner!r}; expected a backend name such as {INNER_BACKENDS} or a callable.")
-    elif inner not in torch._dynamo.list_backends(exclude_tags=()):
-        raise BadInputError(f"inner={inner!r} is not a registered torch.compile backend; expected one of "
-                            f"{INNER_BACKENDS}, another name from torch._dynamo.list_backends(), or a callable.")
-    if inductor_options and inner != "inductor":
-        raise BadInputError(f"inductor_options {sorted(inductor_options)} are Inductor config patches, but "
-                            f"inner={inner!r}; pass them only with inner='inductor'.")
+def _failed_inner(inner, problem: str) -> Callable:
+    """What a graph compiles to when the inner backend failed on it: raises, when called, a
+    :class:`~compfx.errors.BadInputError` saying so (dynamo would wrap an error raised while it compiles)."""
+    return _refusing(BadInputError(
+        f"the inner backend {name_of(inner)!r} {problem} on a graph compfx had planned; expected a torch.compile "
+        "backend that takes (gm, example_inputs) and returns a callable (e.g. gm.forward). Fix it, or pass "
+        "inner='inductor', 'aot_eager' or 'eager'."))
 
 
 _registered: CompfxBackend | None = None
@@ -546,87 +597,91 @@ def compfx_backend(gm: fx.GraphModule, example_inputs: Sequence):
     return registered_backend()(gm, example_inputs)
 
 
-def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str | Callable = "inductor",
-                      low_dtype: torch.dtype | None = None, dynamic: bool | None = None, fullgraph: bool = False,
-                      cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool = True,
-                      inductor_options: Mapping[str, object] | None = None, regions=None) -> nn.Module:
-    """``torch.compile(model)`` under a compfx backend made for this model; the backend is ``.compfx_backend``.
+def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str | Callable | None = None,
+                      low_dtype: torch.dtype | None = None, dynamic: bool | None = None, fullgraph: bool | None = None,
+                      cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool | None = None,
+                      inductor_options: Mapping[str, object] | None = None, mode: str | None = None,
+                      options: CompileOptions | None = None, regions=None,
+                      shared_regions: RegionCache | None = None) -> nn.Module:
+    """``torch.compile(model)`` under a compfx backend made for this model: the plan's casts, then ``inner``.
 
     One backend per model, built with ``model=`` so that graph breaks inside
-    submodules still find their plan entries; ``dynamic`` and ``fullgraph`` go
-    to ``torch.compile``, the rest to :func:`backend`. Each call compiles apart
-    from earlier ones (``isolate_recompiles``), so a process that compiles
-    many plans of one model never meets dynamo's recompile limit. When the first call
-    hands the backend no graph (dynamo ran the model eagerly: an ``nn.LSTM``
-    without ``torch._dynamo.config.allow_rnn``), a warning says so
+    submodules still find their plan entries. The settings default to those
+    the plan records, as for :func:`backend`; with ``plan=None``, the plan
+    this process searched for ``model`` decides them, else a cached plan's are
+    read graph by graph (``dynamic`` and ``fullgraph`` then stay as given).
+    Each call compiles a program of its own, whose recompiles count against
+    ``torch._dynamo.config.recompile_limit`` alone. When the first call hands
+    the backend no graph (dynamo ran the model eagerly: an ``nn.LSTM`` without
+    ``torch._dynamo.config.allow_rnn``), a warning says so
     (:func:`no_graph_message`): no plan applied. ``torch.compile(model,
-    backend="compfx")`` cannot tell, as dynamo never calls it; its
-    ``registered_backend().records`` stay empty.
+    backend="compfx")`` cannot tell, as dynamo never calls it.
 
-    ``regions``: None compiles the model as one graph. ``"auto"`` compiles each
-    of its repeated blocks (the entries of an ``nn.ModuleList`` or
-    ``nn.Sequential`` of blocks of one class) as a region of its own, shared by
-    the blocks with the same plan, so compile time stays about the same as
-    the model gets deeper; block classes (``regions=(Block,)``) name the
-    regions. A model without such blocks is compiled whole. The result is a
-    :class:`~compfx.compile_regions.RegionallyCompiled` (docs/compile.md,
-    "Regional compilation"), whose ``records`` hold every graph's record.
+    Args:
+        model: the ``nn.Module`` to compile (not changed; the compiled module shares its Parameters).
+        plan, inner, low_dtype, cache_dir, emulate_precision_casts, inductor_options, mode: as for :func:`backend`.
+        dynamic, fullgraph: passed to ``torch.compile``.
+        options: all the compile settings at once, a :class:`~compfx.compile_options.CompileOptions` (then give
+            none of them one by one).
+        regions: ``"auto"`` (the repeated blocks: the entries of an ``nn.ModuleList`` or ``nn.Sequential`` of
+            blocks of one class) or block classes (or their names) compile each block as a region, one graph per
+            block plan, so that compile time stays about the same as the model gets deeper (docs/compile.md,
+            "Regional compilation"); False compiles the model as one graph; None: as the plan records (else False).
+        shared_regions: a :class:`~compfx.compile_regions.RegionCache` shared by programs of the model compiled
+            one after another: a region another compiled with the same block plan and settings is reused.
 
-    >>> import torch, compfx
-    >>> from compfx.backend import compile_with_plan
-    >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
-    >>> plan = compfx.Plan.amp(compfx.analyze(model, torch.randn(2, 4)))
-    >>> compiled = compile_with_plan(model, plan, inner="aot_eager")
-    >>> compiled(torch.randn(2, 4)).dtype
-    torch.float32
-    >>> {str(k): d for k, d in compiled.compfx_backend.records[0].compute_dtypes.items()}
-    {'0:linear#0': torch.bfloat16, '1:relu#0': torch.bfloat16}
+    Returns:
+        nn.Module: the compiled model, ``torch.compile``'s (``.compfx_backend.records`` say what happened to each
+        graph), or by regions a :class:`~compfx.compile_regions.RegionallyCompiled` (its ``.records`` do).
+
+    Raises:
+        BadInputError, PlanFileError, PlanMismatchError: as for :func:`backend`, before anything is compiled.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.ReLU())
+        >>> plan = compfx.Plan.amp(compfx.analyze(model, torch.randn(2, 4)))
+        >>> compiled = compfx.compile_with_plan(model, plan, inner="aot_eager")
+        >>> compiled(torch.randn(2, 4)).dtype
+        torch.float32
+        >>> {str(k): d for k, d in compiled.compfx_backend.records[0].compute_dtypes.items()}
+        {'0:linear#0': torch.bfloat16, '1:relu#0': torch.bfloat16}
     """
-    def make_backend(region_plan: Plan, region_model: nn.Module | None) -> CompfxBackend:
-        return CompfxBackend(region_plan, inner=inner, low_dtype=low_dtype, model=region_model, cache_dir=cache_dir,
-                             emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)
-
-    compfx = CompfxBackend(plan, inner=inner, low_dtype=low_dtype, model=model, cache_dir=cache_dir,
-                           emulate_precision_casts=emulate_precision_casts, inductor_options=inductor_options)
-    compiled = None
-    if regions is not None:
-        whole = compfx.plan if compfx.plan is not None else _searched_plan(model, regions)
-        compiled = None if whole is None else compile_regions(model, whole, regions, make_backend=make_backend,
-                                                              dynamic=dynamic, fullgraph=fullgraph)
+    given = program_settings(options, inner=inner, mode=mode, dynamic=dynamic, fullgraph=fullgraph,
+                             inductor_options=inductor_options, emulate_precision_casts=emulate_precision_casts,
+                             regions=regions)
+    plan = _load_plan(plan)
+    planned = plan if plan is not None else _searched_plan(model)  # the plan whose recorded settings apply
+    recorded = planned.compile_options if planned is not None else None
+    dynamic = given.pop("dynamic", recorded.dynamic if recorded is not None else None)
+    fullgraph = given.pop("fullgraph", recorded.fullgraph if recorded is not None else False)
+    regions = given.pop("regions", recorded.regions if recorded is not None else None)
+    compiled = None if not regions else compile_regions(
+        model, planned, regions, dynamic=dynamic, fullgraph=fullgraph, shared=shared_regions,
+        make_backend=functools.partial(CompfxBackend, low_dtype=low_dtype, cache_dir=cache_dir, by_regions=True,
+                                       **given), settings=(low_dtype, cache_dir, given))
     if compiled is None:
-        compiled = torch.compile(model, backend=compfx, dynamic=dynamic, fullgraph=fullgraph, **isolated_recompiles())
-        compiled.compfx_backend = compfx
-    _warn_if_no_graph(compiled, model)
-    return compiled
-
-
-def _searched_plan(model: nn.Module, regions) -> Plan | None:
-    """The plan to divide into regions when none is given: the one this process searched for ``model``."""
-    searched = cache.searched_plan_of(model.parameters())
-    if searched is not None:
-        return searched.plan
-    if regions == REGIONS_AUTO:
-        log.info("compfx: compile_with_plan(regions='auto') without a plan, and none searched for %s in this "
-                 "process: compiling it whole, each graph under the plan the backend finds for it",
-                 type(model).__name__)
-        return None
-    raise BadInputError(f"compile_with_plan(regions={regions!r}) needs the plan to divide into regions: pass it "
-                        "(a Plan or a plan file), or regions=None to compile the whole model under the plan the "
-                        "backend finds.")
-
-
-def _warn_if_no_graph(compiled: nn.Module, model: nn.Module) -> None:
-    """After the first call, warn when dynamo handed compfx no graph at all (:func:`no_graph_message`)."""
+        compfx = CompfxBackend(plan, low_dtype=low_dtype, model=model, cache_dir=cache_dir, **given)
+        compiled = torch.compile(model, backend=compfx, dynamic=dynamic, fullgraph=fullgraph, **own_recompiles())
+        # on the wrapper itself: OptimizedModule's __setattr__ would set it on the user's model (shared by programs)
+        object.__setattr__(compiled, "compfx_backend", compfx)
     handle = None
 
     def warn_once_without_graph(module, args, output):
         # Runs after a call of the compiled wrapper (compfx's own object, not the user's model).
         handle.remove()
-        regional = isinstance(compiled, RegionallyCompiled)
-        if not (compiled.records if regional else compiled.compfx_backend.records):
+        if not program_records(compiled):
             warnings.warn(no_graph_message(model), UserWarning, stacklevel=2)
 
     handle = compiled.register_forward_hook(warn_once_without_graph)
+    return compiled
+
+
+def _searched_plan(model) -> Plan | None:
+    """The plan this process searched for ``model`` (None: none)."""
+    searched = cache.searched_plan_of(model.parameters()) if isinstance(model, nn.Module) else None
+    return searched.plan if searched is not None else None
 
 
 def no_graph_message(model: nn.Module) -> str:

@@ -18,10 +18,10 @@ import torch.nn as nn
 from tabulate import tabulate
 from torch.utils import _pytree as pytree
 
-from .capture import (VERIFICATION_META, capture, get_attribute, input_signature, is_pinned, module_modes, modes_of,
-                      normalize_example_inputs, op_nodes)
+from .graph_capture import (VERIFICATION_META, capture, get_attribute, input_signature, is_pinned, module_modes,
+                            modes_of, normalize_example_inputs, op_nodes)
 from .batches import model_device
-from .capture.functions import FunctionCall
+from .graph_capture.functions import FunctionCall
 from .errors import BadInputError
 from .float8 import fp8_eligible
 from .opkey import KEY_META, OpKey
@@ -52,7 +52,7 @@ class OpInfo:
     #: (:func:`compfx.tensor_cores.pad_eligible`)? Judged from shapes on any device; the search decides "should".
     pad_eligible: bool = False
     pad_reason: str = ""
-    #: Inside one of the model's ``torch.autocast(enabled=False)`` blocks (:mod:`compfx.capture.autocast_blocks`):
+    #: Inside one of the model's ``torch.autocast(enabled=False)`` blocks (:mod:`compfx.graph_capture.autocast_blocks`):
     #: ``Plan.amp`` runs it in FP32, and the search leaves it there unless ``SearchConfig(search_pinned=True)``.
     pinned: bool = False
 
@@ -104,7 +104,7 @@ class Analysis:
     graph_module: fx.GraphModule = field(repr=False)
     capture_method: str = "symbolic"
     #: How the graph was captured, so that it can be captured again at other input shapes
-    #: (:class:`compfx.apply.PlannedModule`): the example inputs' :func:`~compfx.capture.input_signature`
+    #: (:class:`compfx.planned_module.PlannedModule`): the example inputs' :func:`~compfx.graph_capture.input_signature`
     #: (None for graphs handed over by torch.compile), the leaf modules, and each module's train/eval mode.
     example_signature: Hashable = field(default=None, repr=False)
     leaf_modules: tuple = ()
@@ -118,8 +118,8 @@ class Analysis:
 
     @property
     def verification(self):
-        """What :func:`compfx.capture.capture` found when it checked this graph against the model (a
-        :class:`~compfx.capture.CaptureVerification`), or None if it was not checked."""
+        """What :func:`compfx.graph_capture.capture` found when it checked this graph against the model (a
+        :class:`~compfx.graph_capture.CaptureVerification`), or None if it was not checked."""
         return self.graph_module.meta.get(VERIFICATION_META)
 
     @property
@@ -224,6 +224,20 @@ def check_capability(capability) -> tuple[int, int] | None:
     return (capability[0], capability[1])
 
 
+def _check_visible(device: torch.device, capability) -> None:
+    """A CUDA device this process cannot see is planned for only with its ``capability`` given (what the Tensor
+    Core and FP8 rules read from the device); without it, :class:`BadInputError` (a mistyped index, say)."""
+    if device.type != "cuda" or capability is not None:
+        return
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if device.index is None and count or device.index is not None and device.index < count:
+        return
+    seen = f"it sees {count} CUDA device(s)" if count else "it has no CUDA"
+    raise BadInputError(f"device={str(device)!r} is not a device this process can see ({seen}). Analyse for a "
+                        "device it has, or, to plan for a GPU it cannot see, give that GPU's compute capability, "
+                        "e.g. analyze(..., device='cuda', capability=(8, 0)).")
+
+
 def _cuda_capability(device: torch.device) -> tuple[int, int] | None:
     if device.type != "cuda" or not torch.cuda.is_available():
         return None
@@ -300,27 +314,50 @@ def analyze(
     fp8: bool = False,
     verify: bool = True,
 ) -> Analysis:
-    """Capture ``model`` and classify each op (whitelist / blacklist / other, TC eligibility).
+    """Capture ``model`` as an FX graph and classify each op: what a plan can give it ("can it").
 
-    ``device`` defaults to the device of the model's parameters, ``low_dtype``
-    to fp16 on CUDA and bf16 on CPU. ``overrides`` maps op kinds to a category.
-    ``capability`` gives the CUDA compute capability when planning for a GPU
-    that this process cannot see (it is read from the device otherwise).
-    ``method`` picks the tracer (see :func:`compfx.capture`). ``fp8=True`` also
-    marks the ops that can run FP8 (``OpInfo.fp8_eligible``, ``fp8_reason``; see
-    :mod:`compfx.float8`); a plan may give ``"fp8"`` only to those.
-    The capture is verified (``capture(..., verify=True)``): the graph must give
-    the model's outputs, every parameter's gradient and its saved-tensor count
-    on the example inputs, or the next tracer is tried; ``Analysis.verification``
-    says what was found. ``verify=False`` skips that forward and backward.
+    Each op gets an :class:`~compfx.opkey.OpKey` and autocast's category (whitelist / blacklist / other), its
+    Tensor Core and padding eligibility, and with ``fp8`` its FP8 eligibility. The capture is verified: the
+    graph must give the model's outputs, every parameter's gradient and its saved-tensor count on the example
+    inputs, or the next tracer is tried (``Analysis.verification`` says what was found). The model, its modes and
+    the RNG are left as they were.
 
-    >>> import torch, compfx
-    >>> model = torch.nn.Sequential(torch.nn.Linear(16, 10), torch.nn.Softmax(-1))
-    >>> a = compfx.analyze(model, torch.randn(4, 16), device="cuda", capability=(8, 0))
-    >>> [(str(op.key), str(op.category), op.tc_eligible) for op in a.ops]
-    [('0:linear#0', 'whitelist', False), ('1:softmax#0', 'blacklist', False)]
-    >>> [(op.fp8_eligible, op.fp8_reason) for op in compfx.analyze(model, torch.randn(16, 16), fp8=True).ops]
-    [(False, 'out_features=10 is not a multiple of 16'), (False, 'no float8 path for softmax (only linear, matmul and mm with a 2-D right operand)')]
+    Args:
+        model: the ``nn.Module`` to analyse.
+        example_inputs: a tensor, a tuple of positional arguments, a dict of keyword arguments, or
+            ``(args, kwargs)``, as one batch's inputs (without the target).
+        device: the device planned for; default: the device of the model's parameters.
+        low_dtype: the precision of "low" ops; default: float16 on CUDA, bfloat16 elsewhere.
+        overrides: op kind -> category (``"whitelist"``, ``"blacklist"``, ``"other"``), over autocast's lists.
+        leaf_modules: module types or names that symbolic tracing keeps as one op each.
+        capability: the CUDA compute capability to plan for, e.g. ``(8, 0)``, when this process cannot see that
+            GPU (read from the device otherwise).
+        method: the tracer: ``"auto"`` (symbolic, then record, then dynamo), ``"symbolic"``, ``"record"`` or
+            ``"dynamo"`` (see :func:`compfx.capture`).
+        fp8: also mark the ops that can run FP8 (``OpInfo.fp8_eligible``, ``fp8_reason``; :mod:`compfx.float8`);
+            a plan may give ``"fp8"`` only to those.
+        verify: check the capture against the model (one eager and one graph forward and backward); False skips
+            it, at the risk of planning a graph that trains something else.
+
+    Returns:
+        Analysis: the ops in graph order (``.ops``, each an :class:`OpInfo`), the captured graph
+        (``.graph_module``, never changed by planning), the model's fingerprint, ``.table()`` and ``.summary()``.
+
+    Raises:
+        BadInputError: ``model`` is not an ``nn.Module``, the example inputs do not fit it (it fails on them in
+            eager too), or a setting is not one compfx knows (``device``, ``low_dtype``, ``capability``).
+        CaptureError: no tracer captures the model faithfully (a branch on tensor values, say); the message names
+            the line of the model's code, or the first output or parameter that differs.
+
+    Example::
+
+        >>> import torch, compfx
+        >>> model = torch.nn.Sequential(torch.nn.Linear(16, 10), torch.nn.Softmax(-1))
+        >>> a = compfx.analyze(model, torch.randn(4, 16), device="cuda", capability=(8, 0))
+        >>> [(str(op.key), str(op.category), op.tc_eligible) for op in a.ops]
+        [('0:linear#0', 'whitelist', False), ('1:softmax#0', 'blacklist', False)]
+        >>> [(op.fp8_eligible, op.fp8_reason) for op in compfx.analyze(model, torch.randn(16, 16), fp8=True).ops]
+        [(False, 'out_features=10 is not a multiple of 16'), (False, 'no float8 path for softmax (only linear, matmul and mm with a 2-D right operand)')]
     """
     if not isinstance(model, nn.Module):
         raise BadInputError(f"analyze() takes an nn.Module; got {type(model).__name__}. Pass the model object "
@@ -328,6 +365,7 @@ def analyze(
     device = check_device(device) if device is not None else model_device(model)
     low_dtype = check_low_dtype(low_dtype if low_dtype is not None else default_low_dtype(device))
     capability = check_capability(capability)
+    _check_visible(device, capability)
     leaf_modules = tuple(leaf_modules)
     gm = capture(model, example_inputs, leaf_modules=leaf_modules, method=method, verify=verify)
     analysis = analyze_graph(gm, device=device, low_dtype=low_dtype, overrides=overrides, capability=capability,

@@ -1,6 +1,6 @@
 """The symbolic tracer: ``torch.fx`` proxies that carry FakeTensor values, traced through ``torch.nn``.
 
-:func:`compfx.capture.capture` tries it first. ``nn.Linear`` becomes
+:func:`compfx.graph_capture.capture` tries it first. ``nn.Linear`` becomes
 ``F.linear`` reading its parameters with ``get_attr``; each proxy carries the
 FakeTensor value its op gives on the example inputs, so the Python checks
 inside ``torch.nn`` (``if input.dim() != 4``) and shape-driven branches in user
@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import operator
+import threading
 import warnings
 from typing import Any, Iterable
 
@@ -134,6 +135,7 @@ class _SpecializingTracer(fx.Tracer):
         self._fakes: dict[int, torch.Tensor] = {}
         self.values: dict[fx.Node, Any] = {}
         self._computing = False  # True while running an op on example values
+        self._thread = threading.get_ident()  # the thread that traces; others pass through its patches
         # Buffers become get_attr nodes too, so in-place updates such as
         # BatchNorm's num_batches_tracked.add_(1) land in the graph instead of
         # running on the user's model while we trace.
@@ -144,14 +146,15 @@ class _SpecializingTracer(fx.Tracer):
         self._saved_grad_mode: fx.Node | None = None
         self.regions = CheckpointRegions()  # which ops run inside torch.utils.checkpoint
 
-    # While computing values the tracer's patches must stay out of the way.
+    # While computing values the tracer's patches must stay out of the way; so must they for other threads, whose
+    # module calls and attribute reads go through torch.fx's process-wide patches while this one traces.
     def getattr(self, attr, attr_val, parameter_proxy_cache):
-        if self._computing:
+        if self._computing or threading.get_ident() != self._thread:
             return attr_val
         return super().getattr(attr, attr_val, parameter_proxy_cache)
 
     def call_module(self, m, forward, args, kwargs):
-        if self._computing:
+        if self._computing or threading.get_ident() != self._thread:
             return forward(*args, **kwargs)
         return super().call_module(m, forward, args, kwargs)
 
