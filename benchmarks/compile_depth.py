@@ -61,7 +61,7 @@ from compfx.search.config import SearchConfig
 from compfx.search.evaluator import FunctionEvaluator
 from compfx.search.space import SearchSpace
 from compfx.search.stage1 import run_stage1
-from compfx.vocabulary import SampleStatus
+from compfx.vocabulary import SampleStatus, Stage
 
 from .models.gpt import GPT
 
@@ -159,10 +159,12 @@ def compiled_search_compile(layers: int, *, tie_blocks: bool = True, inner: str 
     result = compfx.optimize(model, batches, loss_fn=lambda out, b: F.cross_entropy(out.flatten(0, 1), b[1].flatten()),
                              optimizer=torch.optim.SGD(model.parameters(), lr=1e-3), config=config)
     seconds = sum(sum(timers.get(name, ())) for name in TIMERS)
-    programs = ({r.plan for r in result.log.samples() if r.status is not SampleStatus.SKIPPED}
-                | set(result.step_comparison.plans.values()))
+    measured = [r for r in result.log.samples() if r.status is not SampleStatus.SKIPPED]
+    programs = {r.plan for r in measured} | set(result.step_comparison.plans.values())
     return {"torch_timers": seconds, "breakdown_compile": float(result.cost_breakdown.get("compile", float("nan"))),
             "programs": len(programs), "per_program": seconds / max(1, len(programs)),
+            "stage1_plans": len({r.plan for r in measured if r.stage is Stage.STAGE1}),
+            "stage2_plans": len({r.plan for r in measured if r.stage is Stage.STAGE2}),
             "graphs": counters["unique_graphs"] - graphs, "search_wall": time.perf_counter() - wall,
             "load_before": load, "load_after": os.getloadavg()[0]}
 
@@ -244,7 +246,8 @@ def markdown(results: dict) -> str:
              f"seconds less a steady step's), median of {results['rounds']} rounds. Stage 1 on fake epochs at "
              f"stage1_budget={results['stage1_budget']}: plans sampled (decisions). The compiled search's compile: "
              "torch's compile timers over a whole search by regions (regions='auto', cost model off, H100 roofline "
-             f"cost), median of {results['search_rounds']} round(s), tied / untied blocks (plans compiled).", "",
+             f"cost), median of {results['search_rounds']} round(s), tied / untied blocks, with the plans whose "
+             "programs it compiled (of them, Stage 2's candidates).", "",
              "| layers | Stage 1 untied | Stage 1 tied | whole FP32 | whole AMP | regions FP32 | regions AMP | graphs "
              "whole / regions | compiled search's compile, tied / untied (plans) |", "|---|---|---|---|---|---|---|---|---|"]
     for row in rows:
@@ -252,8 +255,9 @@ def markdown(results: dict) -> str:
         cells = [f"{compile_[way][plan]['torch_timers']:.1f} ({compile_[way][plan]['cpu']:.1f})"
                  for way, _ in WAYS for plan in PLANS]
         search = row["compiled_search"]
-        searched = (" / ".join(f"{search[name]['torch_timers']:.1f} s ({search[name]['programs']})"
-                               for name, _ in SEARCHES) if isinstance(search, dict) else search)
+        searched = (" / ".join(f"{search[name]['torch_timers']:.1f} s ({search[name]['programs']:.0f} plans, "
+                               f"{search[name]['stage2_plans']:.0f} in Stage 2)" for name, _ in SEARCHES)
+                    if isinstance(search, dict) else search)
         lines.append(f"| {row['layers']} | {untied['samples']} ({untied['decisions']}) "
                      f"| {tied['samples']} ({tied['decisions']}) | {' | '.join(cells)} "
                      f"| {compile_['whole']['amp']['graphs']} / {compile_['regions']['amp']['graphs']} "
@@ -272,6 +276,10 @@ def markdown(results: dict) -> str:
             lines.append(f"- compiled search by regions, {name} blocks: {ratio:.2f}x (per plan compiled "
                          f"{search_ratios[name]['per_program']:.2f}x); {verdict} the goal of at most "
                          f"{results['search_goal']}x")
+        lines += ["", "Stage 1's candidates do not grow with depth once tied; how many plans a search compiles "
+                  "still depends on what it finds: where the first and last blocks are refined to precisions of "
+                  "their own, Stage 2 times the ops between them, each a plan compiled. Per plan, the compile "
+                  "seconds compare the cost of depth itself."]
     return "\n".join(lines) + "\n"
 
 
