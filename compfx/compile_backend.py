@@ -23,6 +23,7 @@ torch.float32
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import warnings
@@ -41,8 +42,10 @@ from .graph_capture import (inline_checkpoint_bodies, is_numerical_op, key_dynam
                             outline_checkpoint_regions)
 from .graph_capture.dynamo import CallIndexOffsets
 from .cast_policy import compute_dtype
-from .compile_options import (INNER_BACKENDS, CompileOptions, dynamic_now, given_settings, name_of, own_recompiles,
+from .compile_regions import RegionCache, compile_regions, program_records
+from .compile_options import (INNER_BACKENDS, CompileOptions, given_settings, graph_settings, name_of, own_recompiles,
                               program_settings)
+from .deprecations import key_backend_graph  # still importable from here, with its warning
 from .errors import BadInputError, PlanMismatchError
 from .float8 import fp8_fallbacks
 from .opkey import KEY_META, OpKey
@@ -52,8 +55,8 @@ from .passes.pad_shapes import PADDED_META
 from .plan import Plan
 from .vocabulary import Category, Precision, check_low_dtype, default_low_dtype
 
-__all__ = ["backend", "compfx_backend", "registered_backend", "compile_with_plan", "key_backend_graph", "CompfxBackend", "GraphRecord",
-           "INNER_BACKENDS", "no_graph_message"]
+__all__ = ["backend", "compfx_backend", "registered_backend", "compile_with_plan", "key_backend_graph", "CompfxBackend",
+           "GraphRecord", "INNER_BACKENDS", "no_graph_message"]
 
 log = logging.getLogger("compfx")
 
@@ -79,6 +82,8 @@ class GraphRecord:
     ``compiled_with``: the settings the graph was compiled under (``inner``,
     ``mode``, ``inductor_options``, ``emulate_precision_casts``, and
     ``dynamic`` as dynamo ran it): the plan's recorded ones unless given.
+    ``region``: by regions (``compile_with_plan(..., regions=...)``), the path of the block the graph ran for
+    (blocks of one plan share a graph, and its ``compile_id``), ``""`` for the model's own code; None otherwise.
     """
 
     compile_id: str | None
@@ -91,6 +96,7 @@ class GraphRecord:
     plan_path: str | None = None
     padded: tuple[OpKey, ...] = ()
     fp8_fallbacks: tuple[tuple[OpKey, str], ...] = ()
+    region: str | None = None
     compiled_with: Mapping[str, object] = field(default_factory=dict)
 
 
@@ -128,12 +134,14 @@ class CompfxBackend:
     The compile settings given here (``inner``, ``mode``, ``inductor_options``,
     ``emulate_precision_casts``; None: not given) replace the ones the plan of
     each graph records; a plan that records others is warned about.
+    ``by_regions``: it compiles a region of ``compile_with_plan(..., regions=...)`` or the code around them.
     """
 
     def __init__(self, plan: PlanSource = None, *, inner: str | Callable | None = None,
                  low_dtype: torch.dtype | None = None, model: nn.Module | None = None,
                  cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool | None = None,
-                 inductor_options: Mapping[str, object] | None = None, mode: str | None = None):
+                 inductor_options: Mapping[str, object] | None = None, mode: str | None = None,
+                 by_regions: bool = False):
         self.given = given_settings(inner, mode, inductor_options, emulate_precision_casts)
         if low_dtype is not None:
             check_low_dtype(low_dtype)
@@ -147,6 +155,7 @@ class CompfxBackend:
         if self.plan is not None and model is not None:
             _check_plan_of(self.plan, model)
         self.inner, self.low_dtype, self.model, self.cache_dir = self.given.get("inner"), low_dtype, model, cache_dir
+        self.by_regions = by_regions
         self.records: list[GraphRecord] = []
         self._offsets = CallIndexOffsets()
         self._searched_offsets: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # model -> its offsets
@@ -204,25 +213,22 @@ class CompfxBackend:
         return self._compile_inner(gm, example_inputs, settings, {"shape_padding": False} if padded else {})
 
     def _settings_for(self, plan: Plan) -> dict:
-        """The compile settings a graph of ``plan`` gets: those given to this backend, else those the plan records
-        (a compiled search measured it under them), else the defaults; a plan recorded under others is warned about
-        (once), as is one measured under another ``dynamic`` than dynamo compiles with now."""
+        """The compile settings a graph of ``plan`` gets (:func:`~compfx.compile_options.graph_settings`); a plan
+        recorded under others is warned about (once), one searched by regions and compiled whole is logged."""
         recorded = plan.compile_options
-        settings = {**(recorded or CompileOptions()).to_dict(), **self.given, "dynamic": dynamic_now()}
-        del settings["fullgraph"]  # torch.compile's alone: it refuses graph breaks, and changes no graph it compiles
-        if settings["inner"] != "inductor":  # the recorded Inductor settings do not apply to another inner backend
-            settings.update(mode=None, inductor_options={})
-        if recorded is not None:
-            differences = [f"{name}: {name_of(value)!r} -> {name_of(settings[name])!r}"
-                           for name, value in recorded.to_dict().items() if name in settings and value != settings[name]]
-            if differences and f"options:{plan.fingerprint}:{differences}" not in self._logged:
-                self._logged.add(f"options:{plan.fingerprint}:{differences}")
-                warnings.warn(
-                    f"compfx: plan {plan.fingerprint} was chosen by a search that measured it compiled with "
-                    f"{recorded.describe()}; this graph compiles it with other settings ({'; '.join(differences)}). "
-                    "It runs, but its precisions were chosen by measuring the other program: compile it with the "
-                    "settings it records (compfx.compile_with_plan(model, plan) does, unless you pass others), or "
-                    "search again with SearchConfig(compile=...) set to these.", UserWarning, stacklevel=2)
+        settings, differences = graph_settings(recorded, self.given)
+        if differences and f"options:{plan.fingerprint}:{differences}" not in self._logged:
+            self._logged.add(f"options:{plan.fingerprint}:{differences}")
+            warnings.warn(
+                f"compfx: plan {plan.fingerprint} was chosen by a search that measured it compiled with "
+                f"{recorded.describe()}; this graph compiles it with other settings ({'; '.join(differences)}). "
+                "It runs, but its precisions were chosen by measuring the other program: compile it with the "
+                "settings it records (compfx.compile_with_plan(model, plan) does, unless you pass others), or "
+                "search again with SearchConfig(compile=...) set to these.", UserWarning, stacklevel=2)
+        if recorded is not None and recorded.regions is not None and not self.by_regions:
+            self._log_once(f"whole:{plan.fingerprint}", "compfx backend: plan %s, searched compiled by regions, "
+                           "compiles whole here: the same precisions, a compile time that grows with depth "
+                           "(compfx.compile_with_plan(model, plan) compiles it by regions)", plan.fingerprint)
         return settings
 
     def _say_unplanned_regions(self, gm: fx.GraphModule) -> None:
@@ -488,24 +494,6 @@ def _keyed_nodes(gm: fx.GraphModule) -> dict[OpKey, fx.Node]:
     return {node.meta[KEY_META]: node for node in op_nodes(gm)}
 
 
-def key_backend_graph(gm: fx.GraphModule, example_inputs: Sequence = (), *, model: nn.Module | None = None,
-                      index_offsets: Mapping[tuple[str, str], int] | None = None) -> dict[OpKey, fx.Node]:
-    """Deprecated: use :func:`compfx.graph_capture.key_dynamo_graph` (``counts``, ``example_inputs=``, ``model=``).
-
-    >>> import warnings
-    >>> with warnings.catch_warnings(record=True) as caught:
-    ...     warnings.simplefilter("always")
-    ...     _ = key_backend_graph(torch.fx.symbolic_trace(torch.nn.Sequential()))
-    >>> caught[0].category.__name__
-    'DeprecationWarning'
-    """
-    warnings.warn("compfx.compile_backend.key_backend_graph is deprecated; use compfx.graph_capture.key_dynamo_graph(gm, counts, "
-                  "example_inputs=..., model=...), the one function that keys dynamo's graphs",
-                  DeprecationWarning, stacklevel=2)
-    key_dynamo_graph(gm, Counter(index_offsets or {}), example_inputs=example_inputs, model=model)
-    return _keyed_nodes(gm)
-
-
 # ---------------------------------------------------------------------------
 # public entry points
 
@@ -613,7 +601,8 @@ def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str |
                       low_dtype: torch.dtype | None = None, dynamic: bool | None = None, fullgraph: bool | None = None,
                       cache_dir: str | os.PathLike | None = None, emulate_precision_casts: bool | None = None,
                       inductor_options: Mapping[str, object] | None = None, mode: str | None = None,
-                      options: CompileOptions | None = None) -> nn.Module:
+                      options: CompileOptions | None = None, regions=None,
+                      shared_regions: RegionCache | None = None) -> nn.Module:
     """``torch.compile(model)`` under a compfx backend made for this model: the plan's casts, then ``inner``.
 
     One backend per model, built with ``model=`` so that graph breaks inside
@@ -634,10 +623,16 @@ def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str |
         dynamic, fullgraph: passed to ``torch.compile``.
         options: all the compile settings at once, a :class:`~compfx.compile_options.CompileOptions` (then give
             none of them one by one).
+        regions: ``"auto"`` (the repeated blocks: the entries of an ``nn.ModuleList`` or ``nn.Sequential`` of
+            blocks of one class) or block classes (or their names) compile each block as a region, one graph per
+            block plan, so that compile time stays about the same as the model gets deeper (docs/compile.md,
+            "Regional compilation"); False compiles the model as one graph; None: as the plan records (else False).
+        shared_regions: a :class:`~compfx.compile_regions.RegionCache` shared by programs of the model compiled
+            one after another: a region another compiled with the same block plan and settings is reused.
 
     Returns:
-        nn.Module: the compiled model (``torch.compile``'s); its backend is ``.compfx_backend``, whose
-        ``.records`` say what happened to each graph.
+        nn.Module: the compiled model, ``torch.compile``'s (``.compfx_backend.records`` say what happened to each
+        graph), or by regions a :class:`~compfx.compile_regions.RegionallyCompiled` (its ``.records`` do).
 
     Raises:
         BadInputError, PlanFileError, PlanMismatchError: as for :func:`backend`, before anything is compiled.
@@ -654,32 +649,39 @@ def compile_with_plan(model: nn.Module, plan: PlanSource = None, *, inner: str |
         {'0:linear#0': torch.bfloat16, '1:relu#0': torch.bfloat16}
     """
     given = program_settings(options, inner=inner, mode=mode, dynamic=dynamic, fullgraph=fullgraph,
-                             inductor_options=inductor_options, emulate_precision_casts=emulate_precision_casts)
+                             inductor_options=inductor_options, emulate_precision_casts=emulate_precision_casts,
+                             regions=regions)
     plan = _load_plan(plan)
-    recorded = plan.compile_options if plan is not None else _searched_options(model)
+    planned = plan if plan is not None else _searched_plan(model)  # the plan whose recorded settings apply
+    recorded = planned.compile_options if planned is not None else None
     dynamic = given.pop("dynamic", recorded.dynamic if recorded is not None else None)
     fullgraph = given.pop("fullgraph", recorded.fullgraph if recorded is not None else False)
-    compfx = CompfxBackend(plan, low_dtype=low_dtype, model=model, cache_dir=cache_dir, **given)
-    compiled = torch.compile(model, backend=compfx, dynamic=dynamic, fullgraph=fullgraph, **own_recompiles())
-    # on the wrapper itself: OptimizedModule's __setattr__ would set it on the user's model, and a second program
-    # of the same model would then hand its backend to the first
-    object.__setattr__(compiled, "compfx_backend", compfx)
+    regions = given.pop("regions", recorded.regions if recorded is not None else None)
+    compiled = None if not regions else compile_regions(
+        model, planned, regions, dynamic=dynamic, fullgraph=fullgraph, shared=shared_regions,
+        make_backend=functools.partial(CompfxBackend, low_dtype=low_dtype, cache_dir=cache_dir, by_regions=True,
+                                       **given), settings=(low_dtype, cache_dir, given))
+    if compiled is None:
+        compfx = CompfxBackend(plan, low_dtype=low_dtype, model=model, cache_dir=cache_dir, **given)
+        compiled = torch.compile(model, backend=compfx, dynamic=dynamic, fullgraph=fullgraph, **own_recompiles())
+        # on the wrapper itself: OptimizedModule's __setattr__ would set it on the user's model (shared by programs)
+        object.__setattr__(compiled, "compfx_backend", compfx)
     handle = None
 
     def warn_once_without_graph(module, args, output):
         # Runs after a call of the compiled wrapper (compfx's own object, not the user's model).
         handle.remove()
-        if not compfx.records:
+        if not program_records(compiled):
             warnings.warn(no_graph_message(model), UserWarning, stacklevel=2)
 
     handle = compiled.register_forward_hook(warn_once_without_graph)
     return compiled
 
 
-def _searched_options(model) -> CompileOptions | None:
-    """The compile settings of the plan this process searched for ``model`` (None: none, or searched eagerly)."""
+def _searched_plan(model) -> Plan | None:
+    """The plan this process searched for ``model`` (None: none)."""
     searched = cache.searched_plan_of(model.parameters()) if isinstance(model, nn.Module) else None
-    return searched.plan.compile_options if searched is not None else None
+    return searched.plan if searched is not None else None
 
 
 def no_graph_message(model: nn.Module) -> str:

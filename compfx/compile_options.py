@@ -36,8 +36,8 @@ import torch
 
 from .errors import BadInputError, PlanFileError
 
-__all__ = ["CompileOptions", "MODES", "INNER_BACKENDS", "check_inner", "given_settings", "program_settings", "name_of",
-           "dynamic_now", "own_recompiles"]
+__all__ = ["CompileOptions", "MODES", "INNER_BACKENDS", "REGIONS_AUTO", "check_inner", "given_settings",
+           "program_settings", "graph_settings", "regions_setting", "name_of", "dynamic_now", "own_recompiles"]
 
 #: ``torch.compile``'s modes (:func:`torch._inductor.list_mode_options`); each is a set of Inductor config patches.
 MODES = ("default", "reduce-overhead", "max-autotune", "max-autotune-no-cudagraphs")
@@ -56,6 +56,11 @@ class CompileOptions:
     * ``inductor_options``: Inductor config patches (JSON values); Inductor only.
     * ``emulate_precision_casts``: Inductor keeps the rounding of a plan's casts
       inside fused kernels (see docs/compile.md); True, as the backend's default.
+    * ``regions``: None compiles the model as one graph; ``"auto"`` compiles
+      each of its repeated blocks as a region of its own, one graph per block
+      plan (:mod:`compfx.compile_regions`), so that the compile time of a plan
+      stays about the same as the model gets deeper; block classes, or their
+      names (``"Block"`` or ``"my_model.Block"``), name the regions.
 
     Frozen and hashable; ``inductor_options`` is kept as sorted ``(name, value)``
     pairs (:attr:`inductor_patches` gives them as a dict). Checked when built:
@@ -72,6 +77,7 @@ class CompileOptions:
     fullgraph: bool = False
     inductor_options: Mapping[str, object] | tuple = ()
     emulate_precision_casts: bool = True
+    regions: str | tuple[str, ...] | None = None
 
     def __post_init__(self):
         if not isinstance(self.inner, str) or not self.inner:
@@ -85,6 +91,7 @@ class CompileOptions:
             if not isinstance(getattr(self, name), bool):
                 raise BadInputError(f"CompileOptions({name}={getattr(self, name)!r}); expected True or False.")
         object.__setattr__(self, "inductor_options", _patches(self.inductor_options))
+        object.__setattr__(self, "regions", regions_setting(self.regions))
         if (self.mode is not None or self.inductor_options) and self.inner != "inductor":
             given = "mode" if self.mode is not None else "inductor_options"
             raise BadInputError(f"CompileOptions({given}=...) configures Inductor, but inner={self.inner!r}; "
@@ -114,7 +121,7 @@ class CompileOptions:
     def describe(self) -> str:
         """``inner``, and every other setting that differs from the defaults, as ``name=value``."""
         default, parts = CompileOptions(), [f"inner={self.inner!r}"]
-        for name in ("mode", "dynamic", "fullgraph", "inductor_options", "emulate_precision_casts"):
+        for name in ("mode", "dynamic", "fullgraph", "inductor_options", "emulate_precision_casts", "regions"):
             if getattr(self, name) != getattr(default, name):
                 parts.append(f"{name}={self._shown(name)!r}")
         return ", ".join(parts)
@@ -128,9 +135,12 @@ class CompileOptions:
         return self.inductor_patches if name == "inductor_options" else getattr(self, name)
 
     def to_dict(self) -> dict:
-        """JSON values (a plan file's ``"compile"`` entry)."""
+        """JSON values (a plan file's ``"compile"`` entry). ``regions`` only when set: a plan compiled whole is
+        written as before regions existed, so that every compfx that reads plan files reads it."""
         return {"inner": self.inner, "mode": self.mode, "dynamic": self.dynamic, "fullgraph": self.fullgraph,
-                "inductor_options": self.inductor_patches, "emulate_precision_casts": self.emulate_precision_casts}
+                "inductor_options": self.inductor_patches, "emulate_precision_casts": self.emulate_precision_casts,
+                **({"regions": self.regions if isinstance(self.regions, str) else list(self.regions)}
+                   if self.regions is not None else {})}
 
     @classmethod
     def from_dict(cls, data, source: str = "compile options") -> "CompileOptions":
@@ -157,6 +167,33 @@ def _patches(value) -> tuple[tuple[str, object], ...]:
                             "strings, numbers, booleans or None (a plan file records them), e.g. "
                             "{'max_autotune': True}.")
     return pairs
+
+
+#: ``regions="auto"``: compile each of the model's repeated blocks as a region (:mod:`compfx.compile_regions`).
+REGIONS_AUTO = "auto"
+
+
+def regions_setting(regions) -> str | tuple[str, ...] | None:
+    """``regions`` as a plan records it: None (the whole model as one graph; False says the same), ``"auto"``, or
+    the names of block classes (a class is named by its module and qualified name).
+
+    >>> regions_setting("auto"), regions_setting([torch.nn.TransformerEncoderLayer, "Block"])
+    ('auto', ('torch.nn.modules.transformer.TransformerEncoderLayer', 'Block'))
+    """
+    if regions is None or regions is False:
+        return None  # the whole model as one graph
+    if regions == REGIONS_AUTO:
+        return regions
+    names = (regions,) if isinstance(regions, (str, type)) else regions
+    try:
+        names = tuple(f"{n.__module__}.{n.__qualname__}" if isinstance(n, type) else n for n in names)
+    except TypeError:
+        names = ()
+    if not names or not all(isinstance(n, str) and n for n in names):
+        raise BadInputError(f"regions={regions!r}; expected None (the whole model as one graph), {REGIONS_AUTO!r} "
+                            "(each repeated block a region) or the block classes, or their names, e.g. "
+                            "regions=(Block,).")
+    return names
 
 
 def _json_scalar(value) -> bool:
@@ -237,6 +274,8 @@ def program_settings(options: "CompileOptions | None", **settings) -> dict:
     {'inner': 'aot_eager', 'dynamic': False}
     """
     dynamic, fullgraph = settings.get("dynamic"), settings.get("fullgraph")
+    if settings.get("regions") not in (None, False):  # block classes are kept as given: the model's are matched
+        regions_setting(settings["regions"])
     if dynamic is not None and not isinstance(dynamic, bool):
         raise BadInputError(f"dynamic={dynamic!r}; expected None (torch.compile decides), True or False.")
     if fullgraph is not None and not isinstance(fullgraph, bool):
@@ -250,7 +289,28 @@ def program_settings(options: "CompileOptions | None", **settings) -> dict:
                             "options=CompileOptions(...) or one by one, not both.")
     if not isinstance(options, CompileOptions):
         raise BadInputError(f"options={options!r}; expected a compfx.CompileOptions or None.")
-    return options.to_dict()
+    return {**options.to_dict(), "regions": options.regions}
+
+
+def graph_settings(recorded: "CompileOptions | None", given: Mapping[str, object]) -> tuple[dict, list[str]]:
+    """The settings the compfx backend compiles one graph under: those ``given`` to it, else those its plan
+    ``recorded`` (a compiled search measured the plan under them), else the defaults, with ``dynamic`` as dynamo
+    compiles now; and, as ``"name: recorded -> used"``, where they differ from the recorded ones. ``fullgraph`` and
+    ``regions`` are not a graph's (they decide which graphs there are).
+
+    >>> settings, differences = graph_settings(CompileOptions(inner="aot_eager", regions="auto"), {"inner": "eager"})
+    >>> settings["inner"], "regions" in settings, differences
+    ('eager', False, ["inner: 'aot_eager' -> 'eager'"])
+    """
+    settings = {**(recorded or CompileOptions()).to_dict(), **given, "dynamic": dynamic_now()}
+    for name in ("fullgraph", "regions"):
+        settings.pop(name, None)
+    if settings["inner"] != "inductor":  # the recorded Inductor settings do not apply to another inner backend
+        settings.update(mode=None, inductor_options={})
+    differences = [] if recorded is None else [
+        f"{name}: {name_of(value)!r} -> {name_of(settings[name])!r}"
+        for name, value in recorded.to_dict().items() if name in settings and value != settings[name]]
+    return settings, differences
 
 
 def name_of(inner):

@@ -30,7 +30,8 @@ import sys
 import types
 import warnings
 
-__all__ = ["RENAMED_MODULES", "MOVED_NAMES", "moved_name", "alias_renamed_modules", "new_module_path"]
+__all__ = ["RENAMED_MODULES", "MOVED_NAMES", "moved_name", "alias_renamed_modules", "new_module_path",
+           "key_backend_graph"]
 
 #: Old module path -> new one. The old name is the name of the function (``compfx.apply``) that the module holds.
 RENAMED_MODULES: dict[str, str] = {
@@ -140,3 +141,26 @@ def alias_renamed_modules() -> None:
             sys.modules[old] = _RenamedModule(old, sys.modules[new])
     if not any(isinstance(finder, _RenamedSubmodules) for finder in sys.meta_path):
         sys.meta_path.insert(0, _RenamedSubmodules())
+
+
+def key_backend_graph(gm, example_inputs=(), *, model=None, index_offsets=None) -> dict:
+    """Deprecated (``compfx.compile_backend.key_backend_graph``): use :func:`compfx.graph_capture.key_dynamo_graph`
+    (``counts``, ``example_inputs=``, ``model=``). Keys ``gm``'s ops and returns them by key.
+
+    >>> import warnings, torch
+    >>> with warnings.catch_warnings(record=True) as caught:
+    ...     warnings.simplefilter("always")
+    ...     _ = key_backend_graph(torch.fx.symbolic_trace(torch.nn.Sequential()))
+    >>> caught[0].category.__name__
+    'DeprecationWarning'
+    """
+    from collections import Counter
+
+    from .graph_capture import key_dynamo_graph, op_nodes
+    from .opkey import KEY_META
+
+    warnings.warn("compfx.compile_backend.key_backend_graph is deprecated; use compfx.graph_capture.key_dynamo_graph("
+                  "gm, counts, example_inputs=..., model=...), the one function that keys dynamo's graphs",
+                  DeprecationWarning, stacklevel=2)
+    key_dynamo_graph(gm, Counter(index_offsets or {}), example_inputs=example_inputs, model=model)
+    return {node.meta[KEY_META]: node for node in op_nodes(gm)}

@@ -12,6 +12,7 @@ model and optimizer are left as ``SearchConfig.keep_search_training`` says.
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import time
@@ -26,6 +27,7 @@ from . import cache
 from .analysis import analyze
 from .batches import check_first_batch, model_device
 from .compile_backend import compile_with_plan
+from .compile_regions import RegionCache
 from .errors import BadInputError
 from .float8 import require_torchao
 from .graph_capture.held_state import HeldState
@@ -135,8 +137,11 @@ def optimize(model: nn.Module, sample_loader: Iterable, *, optimizer: torch.opti
         sampler = FairSampler(model, optimizer, sample_loader, loss_fn, device=device, seed=config.seed,
                               grad_scaler=config.scaler_on(analysis.low_dtype))
         search_log = SearchLog.open(log, _log_header(analysis, config), resume=resume)
+        # the programs of the plans measured share their compiled regions (under CompileOptions(regions=...)): a
+        # plan that changes one block's precisions compiles that block's region alone
+        compile_plan = functools.partial(compile_with_plan, shared_regions=RegionCache())
         return SearchSession(model, optimizer, analysis, sampler, config, search_log, inputs, clock,
-                             compile_plan=compile_with_plan).run(started)
+                             compile_plan=compile_plan).run(started)
 
 
 _NO_BATCH = object()  # what an empty loader yields first (None is a batch, and a bad one)

@@ -241,3 +241,21 @@ def test_verify_cost_measures_the_check_in_seconds_and_fp32_steps(tmp_path, caps
     assert math.isclose(result["verification_in_steps"]["median"],
                         result["per_round"][0]["verification"] / result["per_round"][0]["fp32_step"])
     assert "FP32 steps" in capsys.readouterr().out
+
+
+def test_compile_depth_writes_its_figures_and_the_regions_compile_as_many_graphs_at_each_depth(tmp_path):
+    from benchmarks.compile_depth import main as compile_depth
+
+    assert compile_depth(["--layers", "2", "3", "--inner", "aot_eager", "--steps", "1", "--rounds", "1",
+                          "--search-budget", "2", "1", "--out", str(tmp_path)]) == 0
+    result = json.loads((tmp_path / "compile_depth.json").read_text())
+    shallow, deep = result["rows"]
+    assert shallow["stage1"]["tied"]["samples"] == deep["stage1"]["tied"]["samples"]
+    assert shallow["stage1"]["untied"]["decisions"] < deep["stage1"]["untied"]["decisions"]
+    assert shallow["compile"]["regions"]["amp"]["graphs"] == deep["compile"]["regions"]["amp"]["graphs"]
+    for row in result["rows"]:  # the compiled searches ran, by regions, and torch's timers counted their compiles
+        assert all(row["compiled_search"][name]["programs"] >= 2 for name in ("tied", "untied"))
+        assert all(row["compiled_search"][name]["torch_timers"] > 0 for name in ("tied", "untied"))
+    assert set(result["search_deepest_over_shallowest"]) == {"tied", "untied"} and len(result["load_average_end"]) == 3
+    table = (tmp_path / "compile_depth.md").read_text()
+    assert "| 3 |" in table and "compiled search by regions, tied blocks" in table

@@ -22,12 +22,14 @@ from torch._dynamo.backends.common import aot_autograd
 import compfx
 from compfx import CompileOptions, SearchConfig
 from compfx import cache, measure
+from compfx import optimization
 from compfx.compile_backend import compile_with_plan, registered_backend
+from compfx.compile_regions import RegionCache, RegionallyCompiled, region_plan
 from compfx.errors import BadInputError, PlanFileError, SearchError
 from compfx.search import sampling
 from compfx.search.compiled import CompiledRunner
 from compfx.search.config import decision_settings
-from tests.helpers import batches, ce
+from tests.helpers import batches, ce, fp32_op_count
 from tests.quick import quick_config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -169,6 +171,47 @@ def test_a_program_that_would_recompile_past_the_users_limit_stops_the_search_sa
     with torch._dynamo.config.patch(recompile_limit=1):
         with pytest.raises(SearchError, match="recompile_limit"):
             search(mlp(), loader, compile=COUNTED)
+
+
+# -- by regions: each block plan compiled once in the whole search -------------------------------------------------
+
+def tiny_hf_gpt2(layers: int = 2):
+    """A Hugging Face GPT-2 from a tiny config (no download): its blocks are ``transformer.h``'s."""
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        n_layer=layers, n_embd=32, n_head=2, vocab_size=64, n_positions=16, attn_pdrop=0.0, embd_pdrop=0.0,
+        resid_pdrop=0.0, use_cache=False))
+
+
+def test_a_compiled_search_by_regions_compiles_each_block_plan_once_and_nothing_in_a_timed_window(counting,
+                                                                                                   monkeypatch):
+    caches = []  # the search's shared regions
+    monkeypatch.setattr(optimization, "RegionCache", lambda: caches.append(RegionCache()) or caches[-1])
+    model = tiny_hf_gpt2()
+    g = torch.Generator().manual_seed(0)
+    loader = [{"input_ids": ids, "labels": ids} for ids in (torch.randint(0, 64, (2, 16), generator=g) for _ in "ab")]
+    options = CompileOptions(inner="compfx_counting", regions="auto")
+    config = {**FAST, "predictor": False, "stage1_budget": 6, "stage2_budget": 2, "stage2_check_batches": 1}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # GPT2Model's own add runs eagerly between regions: it says so
+        result = compfx.optimize(model, loader, optimizer=torch.optim.SGD(model.parameters(), lr=0.01),
+                                 config=quick_config(**config, compile=options, cost_fn=fp32_op_count))
+    assert result.plan.compile_options == options and isinstance(result.module, RegionallyCompiled)
+    assert counting.compiles and not any(in_window for _, in_window, _ in counting.compiles)
+    assert counting.windows and all(counting.windows)  # every timed step ran compiled graphs
+    programs = {r.plan for r in result.log.samples() if r.status != "skipped"} | set(result.step_comparison.plans.values())
+    blocks = ("transformer.h.0", "transformer.h.1")
+    block_plans = {frozenset(region_plan(compfx.Plan.from_bitstring(result.analysis, bits), path).items())
+                   for bits in programs for path in blocks}
+    (shared,) = caches
+    compiled_blocks = [(plan, backend) for module_type, plan, backend in shared.entries()
+                       if module_type.__name__ == "GPT2Block"]
+    assert len(programs) >= 4 and len(block_plans) >= 3  # FP32's, AMP's and candidates that change a block
+    assert {frozenset(plan.items()) for plan, _ in compiled_blocks} == block_plans
+    assert len(compiled_blocks) == len(block_plans) < 2 * len(programs)  # each block plan compiled once, not per program
+    assert all(len(backend.records) == 1 for _, backend in compiled_blocks)  # one graph each, never recompiled
+    assert shared.reuses > 0
 
 
 # -- the compiled ranking decides --------------------------------------------------------------------------------

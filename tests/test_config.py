@@ -17,7 +17,7 @@ import torch.nn as nn
 import compfx
 from compfx.errors import BadInputError, CompfxError, PlanMismatchError
 from compfx.search.compare import DecisionRule
-from compfx.search.config import DECIDES, SearchConfig, decision_settings
+from compfx.search.config import DECIDES, LOGGED_WHEN_SET, SearchConfig, decision_settings
 from tests.helpers import batches, ce, fp32_op_count, needs_torchao
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # fixture in conftest.py
@@ -49,6 +49,7 @@ CHANGED = {
     "fp8_recipe": "rowwise",
     "search_pinned": True,
     "compile": compfx.CompileOptions(inner="aot_eager"),
+    "tie_blocks": True,
 }
 
 
@@ -66,7 +67,11 @@ def changed(config: SearchConfig, name: str, value) -> SearchConfig:
 def test_every_field_but_the_opted_out_ones_decides():
     deciding = {f.name for f in dataclasses.fields(SearchConfig) if f.metadata.get(DECIDES, True)}
     assert (deciding - {"decision"}) | RULE_FIELDS == set(CHANGED)  # a new SearchConfig field needs a row here
-    assert set(decision_settings(LOGGED)) == set(CHANGED)
+    logged_when_set = {f.name for f in dataclasses.fields(SearchConfig) if f.metadata.get(LOGGED_WHEN_SET)}
+    assert set(decision_settings(LOGGED)) == set(CHANGED) - logged_when_set  # LOGGED leaves them at their defaults
+    assert "tie_blocks" in logged_when_set  # newer than the old log below, which has no entry for it
+    for name in logged_when_set:
+        assert name in decision_settings(changed(LOGGED, name, CHANGED[name]))
     assert {"progress", "keep_search_training", "cache_plan", "cache_dir", "verify_capture"}.isdisjoint(deciding)
 
 

@@ -40,7 +40,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     # decides: the stages, the evaluators, the orchestration of one search, its result and report
     ("compfx.search",),
     # wires and uses: the entry points, the tools around a planned model, the training stacks
-    ("compfx.optimization", "compfx.compile_backend", "compfx.report", "compfx.guard", "compfx.diagnosis",
+    ("compfx.optimization", "compfx.compile_backend", "compfx.compile_regions",
+     "compfx.report", "compfx.guard", "compfx.diagnosis",
      "compfx.integrations", "compfx.examples", "compfx.demo", "compfx.cli", "compfx.__main__", "compfx",
      "compfx.deprecations"),
 )

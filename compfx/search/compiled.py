@@ -44,10 +44,18 @@ What keeps the measurements those of the program that trains:
   ``triton.cudagraphs``), the compile step runs :data:`CUDA_GRAPH_WARM_RUNS`
   times, so that the graphs are recorded before any timed step replays them.
 
-Extending it: a regional compilation compiles ``compile_plan``'s program per
-block (its own ``compile_plan``, or a :class:`CompiledEvaluator` subclass that
-overrides :meth:`CompiledEvaluator.program_of`); the session's cost model
-prices the compiled program (:class:`~compfx.costmodel.CompiledPredictor`, from
+* **Compile cost bounded by the model's repeated blocks.** Under
+  ``CompileOptions(regions="auto")`` every plan records the setting, and
+  ``compile_plan`` compiles its program as ``compile_with_plan(model, plan)``
+  then does: each repeated block a region, one graph per block plan. The
+  session's ``compile_plan`` shares compiled regions between the programs it
+  builds (:class:`~compfx.compile_regions.RegionCache`), so a candidate that
+  changes one block's precisions compiles that block's region and the model's
+  own code around the regions, not every block. A shared region's graphs were
+  compiled in an earlier program's untimed warm-up; this evaluator does not
+  know regions exist.
+
+Extending it: the session's cost model prices the compiled program (:class:`~compfx.costmodel.CompiledPredictor`, from
 the evaluator's ``module_of``, the eager rewritten graph, with the fusion rule
 of :mod:`compfx.costmodel.fusion`); FP8 plans compile as any other (the backend
 applies their float8 pass before AOT autograd).
@@ -74,7 +82,8 @@ from .evaluator import LocalEvaluator, plan_failures
 __all__ = ["CompiledEvaluator", "CompiledRunner", "ShapeHistory", "CompilePlan"]
 
 #: ``compile_plan(model, plan)``: the compiled program of ``plan`` (:func:`compfx.compile_with_plan`), with the
-#: :class:`~compfx.backend.CompfxBackend` it compiles through as ``.compfx_backend``.
+#: records of the graphs it compiled (:class:`~compfx.compile_backend.GraphRecord`) as ``.records`` when it is
+#: compiled by regions (:class:`~compfx.compile_regions.RegionallyCompiled`), else as ``.compfx_backend.records``.
 CompilePlan = Callable[[nn.Module, Plan], nn.Module]
 
 #: dynamo's cap on one function's compiled entries across all programs, while a search runs: each plan's program
@@ -235,7 +244,6 @@ class CompiledEvaluator(LocalEvaluator):
         with self.clock.phase("compile"), plan_failures(), runner.history.in_use(), _recompile_limit_explained(), \
                 torch_rng_preserved(self.analysis.device), buffers_restored(self.model):
             try:
-                compiled_before = len(runner.program.compfx_backend.records)
                 for _ in range(CUDA_GRAPH_WARM_RUNS if _captures_cuda_graphs(self.compile_options) else 1):
                     for p, _ in grads:
                         p.grad = None
@@ -247,11 +255,18 @@ class CompiledEvaluator(LocalEvaluator):
                 for p, grad in grads:
                     p.grad = grad
         self.compiles += 1
-        if not runner.signatures and len(runner.program.compfx_backend.records) == compiled_before:
+        if not runner.signatures and not _graph_records(runner.program):
             raise SearchError(f"torch.compile handed the compfx backend no graph for {type(self.model).__name__} "
                               "(dynamo ran its forward eagerly: an nn.LSTM without torch._dynamo.config.allow_rnn, "
                               "or a graph break at its start), so a compiled search would time the eager model. Set "
                               "what dynamo needs to trace it, or search with SearchConfig(compile=None).")
+
+
+def _graph_records(program: nn.Module) -> list:
+    """The records of the graphs ``program`` compiled (:data:`CompilePlan`): by regions, every region's, which the
+    programs of a search share (a program may compile no graph of its own and still run only compiled code)."""
+    regional = "records" in vars(type(program))  # the class's own property, not an attribute of the user's model
+    return program.records if regional else program.compfx_backend.records
 
 
 def _captures_cuda_graphs(options: CompileOptions) -> bool:

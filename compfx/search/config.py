@@ -8,7 +8,9 @@ field here makes resume check it without more code. The decision rule is a
 nested frozen config (:class:`~compfx.search.compare.DecisionRule`), written to
 the log as its own fields; a field whose logged form differs from its value says
 so in its metadata (``{LOGGED_AS: function}``), so that logs written before the
-field changed type still resume.
+field changed type still resume; a field newer than the logs already written
+is logged only when set (``{LOGGED_WHEN_SET: True}``), so that a log written
+before it existed, when every search ran at its default, still resumes.
 """
 
 from __future__ import annotations
@@ -32,7 +34,7 @@ from ..plan import Plan
 from ..vocabulary import Float8Recipe
 from .compare import DecisionRule
 
-__all__ = ["SearchConfig", "DECIDES", "LOGGED_AS", "decision_settings", "CostFn"]
+__all__ = ["SearchConfig", "DECIDES", "LOGGED_AS", "LOGGED_WHEN_SET", "decision_settings", "CostFn"]
 
 CostFn = Callable[[Plan, float], float]
 
@@ -40,6 +42,9 @@ CostFn = Callable[[Plan, float], float]
 DECIDES = "decides"
 #: Field metadata key: the function that gives a field's value as the log's first line writes it.
 LOGGED_AS = "logged_as"
+#: Field metadata key: True on a field logged only when it is not at its default (a log written before the field
+#: existed has no entry for it, and resumes at the default).
+LOGGED_WHEN_SET = "logged_when_set"
 #: The most ``warmup``, ``repeats`` and the decision rule's ``rounds`` may be: each counts steps every sample or
 #: duel takes, and the search takes dozens of those; a thousand is already a search of hours on a model whose step
 #: takes a second.
@@ -169,7 +174,13 @@ class SearchConfig:
             outweighs the samples of a small model, and a model that trains eagerly is measured best eagerly.
             Turn it on when you train under ``torch.compile``: fusion removes most of the casts an eager plan
             pays for, so the compiled ranking of plans can differ from the eager one (on a GPU most of all). A
-            ``cost_fn`` sees the plan's ``compile_options`` too.
+            ``cost_fn`` sees the plan's ``compile_options`` too. With ``CompileOptions(regions="auto")`` each repeated
+            block compiles as a region of its own, shared by the plans measured (a candidate that changes one
+            block compiles that block's region alone), so the compile cost does not grow with depth.
+        tie_blocks: the same op in every repeat of a block (``blocks.0``, ``blocks.1``, ... holding the same ops)
+            is one Stage-1 decision, so Stage 1's candidates do not grow with depth; then each tied decision is
+            tried on its own in the first and in the last repeat, where precision matters most
+            (:mod:`compfx.search.tied_blocks`).
 
     Raises:
         BadInputError: a value of the wrong type or out of range, named with what was expected.
@@ -215,6 +226,7 @@ class SearchConfig:
     verify_capture: bool = field(default=True, metadata={DECIDES: False})
     search_pinned: bool = False
     compile: CompileOptions | bool | None = None
+    tie_blocks: bool = field(default=False, metadata={LOGGED_WHEN_SET: True})
 
     def __post_init__(self):
         self._real("threshold", low=1, example="1.01 (accept plans whose loss is within 1% of FP32's)")
@@ -233,7 +245,7 @@ class SearchConfig:
             raise BadInputError(f"SearchConfig: {error}.") from None
         self._int("seed", _SEED_MIN, _SEED_MAX, "what torch.manual_seed accepts")
         for name in ("progress", "keep_search_training", "prune", "per_device", "predictor", "cache_plan", "fp8",
-                     "verify_capture", "search_pinned"):
+                     "verify_capture", "search_pinned", "tie_blocks"):
             if not isinstance(getattr(self, name), bool):
                 _refuse(name, getattr(self, name), "True or False")
         if self.grad_scaler is not None and not isinstance(self.grad_scaler, bool):
@@ -311,6 +323,8 @@ def decision_settings(config: SearchConfig) -> dict:
         if not f.metadata.get(DECIDES, True):
             continue
         value = getattr(config, f.name)
+        if f.metadata.get(LOGGED_WHEN_SET) and value == f.default:
+            continue
         if isinstance(value, DecisionRule):  # logged flat, under its fields' own names, as before it was nested
             settings.update(decision_settings(value))
         else:

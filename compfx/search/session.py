@@ -62,7 +62,8 @@ class SearchSession:
                  inputs: tuple[tuple, dict], clock: PhaseClock, compile_plan: CompilePlan | None = None):
         self.model, self.analysis, self.sampler, self.config, self.log = model, analysis, sampler, config, log
         self.clock = clock
-        self.space = SearchSpace.from_analysis(analysis, fp8=config.fp8, search_pinned=config.search_pinned)
+        self.space = SearchSpace.from_analysis(analysis, fp8=config.fp8, search_pinned=config.search_pinned,
+                                               tie_blocks=config.tie_blocks)
         settings = dict(warmup=config.warmup, repeats=config.repeats, cost_fn=config.cost_fn or measured_time,
                         clock=clock, fp8_recipe=config.fp8_recipe)
         if config.compile is not None:  # every plan measured as the program compile_with_plan trains

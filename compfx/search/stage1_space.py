@@ -17,6 +17,7 @@ from ..plan import AMP_PRECISION, Assignment
 from ..vocabulary import Category, Precision, Stage
 from .outcome import Outcome, Reporter, note
 from .space import SearchSpace
+from .tied_blocks import end_candidates, untie_end_blocks
 
 __all__ = ["stage1_plan", "stage1_plan_space", "stage1_candidates", "try_candidates", "Stage1Trials"]
 
@@ -40,7 +41,10 @@ def stage1_plan(space: SearchSpace, choice: dict[int, Precision]) -> Assignment:
 
 
 def stage1_plan_space(space: SearchSpace, budget: int) -> str:
-    """How Stage 1 covers the ``k`` searched ops within ``budget`` samples (FP32 baseline not counted).
+    """How Stage 1 covers the ``k`` decisions within ``budget`` samples (FP32 baseline not counted).
+
+    A decision is one searched op, or the ops tied across the repeats of a
+    block (:attr:`SearchSpace.decisions`, ``tie_blocks``).
 
     * ``"exhaustive"``: every combination fits (``2**k`` without FP8), as in the paper.
     * ``"grouped"``: ops of the same kind and input shapes share one decision;
@@ -50,11 +54,17 @@ def stage1_plan_space(space: SearchSpace, budget: int) -> str:
       autocast's choice and change one op at a time, in graph order, keeping
       changes that give a new best.
     """
-    if space.plan_count([(i,) for i in space.searched]) <= budget:
+    budget = _strategy_budget(space, budget)
+    if space.plan_count(space.decisions) <= budget:
         return "exhaustive"
-    if space.plan_count(space.groups_of(space.searched)) <= budget:
+    if space.plan_count(_merged(space.decision_groups)) <= budget:
         return "grouped"
     return "greedy"
+
+
+def _merged(groups) -> list[tuple[int, ...]]:
+    """Each group of decisions as one decision (the ops of all of them)."""
+    return [tuple(i for decision in group for i in decision) for group in groups]
 
 
 #: How "low" a precision is, for ordering candidates: FP8 below the low dtype below FP32.
@@ -78,15 +88,15 @@ def stage1_candidates(space: SearchSpace, groups: Sequence[Sequence[int]] | None
     ...                                                      fp8_eligible=(True, False, False)))]
     ['8f0', '8f1', '0f0', '0f1']
     """
-    groups = [(i,) for i in space.searched] if groups is None else groups
+    groups = space.decisions if groups is None else groups
     choices = [{i: p for members, p in zip(groups, chosen) for i in members}
                for chosen in product(*(space.levels(members[0]) for members in groups))]
     return [stage1_plan(space, c) for c in _most_low_first(choices)]
 
 
-def _alternatives(space: SearchSpace, plan: Assignment, i: int) -> list[Assignment]:
-    """``plan`` with op ``i`` at each of its other Stage-1 levels."""
-    return [plan.replaced([i], level) for level in space.levels(i) if level is not plan[i]]
+def _alternatives(space: SearchSpace, plan: Assignment, decision: Sequence[int]) -> list[Assignment]:
+    """``plan`` with the ops of ``decision`` at each of their other Stage-1 levels."""
+    return [plan.replaced(decision, level) for level in space.levels(decision[0]) if level is not plan[decision[0]]]
 
 
 # -- covering the space within the budget ---------------------------------------------------
@@ -106,12 +116,22 @@ class Stage1Trials(Protocol):
 def try_candidates(space: SearchSpace, search: Stage1Trials, mode: str, budget: int,
                    report: Reporter | None) -> None:
     """Try the candidates after the first incumbent, as ``mode`` (:func:`stage1_plan_space`) covers the space."""
+    covering = _strategy_budget(space, budget)
     if mode == "exhaustive":
         _enumerate(search, stage1_candidates(space))
     elif mode == "grouped":
-        _grouped(space, search, budget, report)
+        _grouped(space, search, covering, report)
     else:
-        _greedy(space, search, budget, report)
+        _greedy(space, search, covering, report)
+    if covering < budget:
+        untie_end_blocks(space, search, budget, report)
+
+
+def _strategy_budget(space: SearchSpace, budget: int) -> int:
+    """The budget the strategies cover the space with: ``budget`` less what trying tied decisions in the end repeats
+    takes (:func:`~compfx.search.tied_blocks.end_candidates`), when that leaves some."""
+    ends = end_candidates(space)
+    return budget - ends if ends < budget else budget
 
 
 def _enumerate(search: Stage1Trials, candidates: Sequence[Assignment]) -> bool:
@@ -130,9 +150,10 @@ def _budget_left(search: Stage1Trials, budget: int) -> int:
 
 
 def _grouped(space: SearchSpace, search: Stage1Trials, budget: int, report: Reporter | None) -> None:
-    groups = space.groups_of(space.searched)
-    note(report, Stage.STAGE1, f"{len(space.searched)} adjustable ops give "
-         f"{space.plan_count([(i,) for i in space.searched])} plans, over "
+    grouped = space.decision_groups
+    groups = _merged(grouped)
+    note(report, Stage.STAGE1, f"{len(space.decisions)} adjustable ops give "
+         f"{space.plan_count(space.decisions)} plans, over "
          f"stage1_budget={budget}: ops of the same kind and input shapes share one decision ({len(groups)} groups, "
          f"{space.plan_count(groups)} plans), then the rest of the budget refines op by op", mode="grouped",
          groups=[[space.name(i) for i in g] for g in groups])
@@ -141,25 +162,26 @@ def _grouped(space: SearchSpace, search: Stage1Trials, budget: int, report: Repo
         return
     best = search.best
     current = best.plan if best is not None and best is not search.samples[0] else candidates[-1]
-    _refine(space, search, budget, report, current, [i for g in groups if len(g) > 1 for i in g])
+    _refine(space, search, budget, report, current, [d for group in grouped if len(group) > 1 for d in group])
 
 
 def _greedy(space: SearchSpace, search: Stage1Trials, budget: int, report: Reporter | None) -> None:
-    note(report, Stage.STAGE1, f"even the {len(space.groups_of(space.searched))} groups of same-kind, same-shape "
+    note(report, Stage.STAGE1, f"even the {len(space.decision_groups)} groups of same-kind, same-shape "
          f"ops exceed stage1_budget={budget}: starting from autocast's choice and changing one op at a time",
          mode="greedy")
     start = stage1_plan(space, {})  # AMP's plan, the first incumbent (already sampled)
-    _refine(space, search, budget, report, start, list(space.searched))
+    _refine(space, search, budget, report, start, list(space.decisions))
 
 
 def _refine(space: SearchSpace, search: Stage1Trials, budget: int, report: Reporter | None,
-            current: Assignment, order: list[int]) -> None:
-    """Change one op at a time from ``current`` (each of its other levels); keep a change that gives a new best."""
-    for position, i in enumerate(order):
+            current: Assignment, order: list[tuple[int, ...]]) -> None:
+    """Change one decision at a time from ``current`` (each of its other levels); keep a change that gives a new
+    best."""
+    for position, decision in enumerate(order):
         start = current
-        for candidate in _alternatives(space, start, i):
+        for candidate in _alternatives(space, start, decision):
             if _budget_left(search, budget) <= 0:
-                untried = [space.name(j) for j in order[position:]]
+                untried = [space.name(j) for d in order[position:] for j in d]
                 note(report, Stage.STAGE1, f"stage1_budget={budget} spent: {len(untried)} ops were not tried alone "
                      "and keep the precision of the best plan found", untried=untried)
                 return
