@@ -177,25 +177,38 @@ class _StandIn(nn.Module):
             return getattr(self.__dict__["module"], name)
 
 
+def _uncompiled(call: Callable) -> Callable:
+    """``call``, run uncompiled: a graph break in the code dynamo compiles around it. ``torch.compiler.disable``
+    is applied here, when a region is built, not to a method at import: it imports dynamo (and dynamo
+    ``torch.distributed.tensor``), which ``import compfx`` does not."""
+    def run(*args, **kwargs):
+        return call(*args, **kwargs)
+
+    return torch.compiler.disable(run)
+
+
 class _RegionCall(_StandIn):
     """Runs a region's compiled code with the module it stands in for."""
 
     def __init__(self, module: nn.Module, compiled: Callable):
         super().__init__(module)
         object.__setattr__(self, "compiled", compiled)
+        object.__setattr__(self, "_run", _uncompiled(lambda *args, **kwargs: compiled(module, *args, **kwargs)))
 
-    @torch.compiler.disable
     def forward(self, *args, **kwargs):
-        return self.compiled(self.module, *args, **kwargs)
+        return self._run(*args, **kwargs)
 
 
 class _EagerCall(_StandIn):
     """Runs the module it stands in for eagerly, the regions inside it compiled (a module between the model and its
     blocks: compiled apart, a piece of its code between two regions could not be named as the model's)."""
 
-    @torch.compiler.disable
+    def __init__(self, module: nn.Module):
+        super().__init__(module)
+        object.__setattr__(self, "_run", _uncompiled(module))
+
     def forward(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
+        return self._run(*args, **kwargs)
 
 
 @dataclass(frozen=True)
