@@ -45,7 +45,7 @@ from .regions import analyze_regions
 from .signature_captures import SignatureCaptures, Specialization
 from .vocabulary import Category, Precision, dtype_name
 
-__all__ = ["apply", "plan_blocks", "PlannedModule", "planned_graph", "priced_regions_graph"]
+__all__ = ["apply", "plan_blocks", "PlannedModule", "FollowsModelModes", "planned_graph", "priced_regions_graph"]
 
 log = logging.getLogger("compfx")
 
@@ -313,7 +313,26 @@ def _plan_at(plan: Plan, analysis: Analysis, categories: Mapping[OpKey, Category
 _GRAPH_MODULE_ONLY = frozenset({"graph", "code", "meta", "recompile", "print_readable", "to_folder"})
 
 
-class PlannedModule(nn.Module):
+class FollowsModelModes(nn.Module):
+    """A module that is its model (kept in ``_model``, not a submodule) in another form: it runs in the model's
+    modes as they are at each call (a BatchNorm frozen with .eval(), model.eval() for evaluation), and
+    train()/eval() set the model's."""
+
+    @property
+    def training(self) -> bool:
+        return self._model.training if "_model" in self.__dict__ else True
+
+    @training.setter
+    def training(self, mode: bool) -> None:
+        if "_model" in self.__dict__:  # nn.Module.__init__ sets it before there is a model
+            self._model.training = mode
+
+    def train(self, mode: bool = True):
+        self._model.train(mode)
+        return self
+
+
+class PlannedModule(FollowsModelModes):
     """``model`` running ``plan`` at any input signature; one planned graph per signature, built on first use.
 
     What :func:`compfx.apply` returns, and ``compfx.optimize(...).module`` is.
@@ -387,21 +406,6 @@ class PlannedModule(nn.Module):
                                        restore_output_dtypes=restore_output_dtypes)
             graph.train(analysis.modes.get("", True) if analysis.modes is not None else model.training)
             self._graphs[analysis.example_signature] = graph
-
-    # The planned module is the model in another precision: it runs in the model's modes as they are at each call
-    # (a BatchNorm frozen with .eval(), model.eval() for evaluation), and train()/eval() set the model's.
-    @property
-    def training(self) -> bool:
-        return self._model.training if "_model" in self.__dict__ else True
-
-    @training.setter
-    def training(self, mode: bool) -> None:
-        if "_model" in self.__dict__:  # nn.Module.__init__ sets it before there is a model
-            self._model.training = mode
-
-    def train(self, mode: bool = True) -> "PlannedModule":
-        self._model.train(mode)
-        return self
 
     def signature(self, args: tuple, kwargs: dict) -> Hashable:
         """What a graph for these inputs is specialised to: the inputs (:func:`~compfx.graph_capture.input_signature`)

@@ -76,6 +76,7 @@ from ..graph_capture import input_signature
 from ..compile_options import CompileOptions
 from ..errors import SearchError
 from ..plan import Assignment, Plan
+from ..planned_module import FollowsModelModes
 from ..state import buffers_restored, torch_rng_preserved
 from .evaluator import LocalEvaluator, plan_failures
 
@@ -132,7 +133,7 @@ def _dynamo_size_records():
     return sys.modules.get("torch._dynamo.pgo")
 
 
-class CompiledRunner(nn.Module):
+class CompiledRunner(FollowsModelModes):
     """What the compiled search trains for one plan: its compiled program, compiled for each input signature in
     untimed warm-up (:meth:`specialize`, which the sampler calls before it times a step).
 
@@ -150,19 +151,6 @@ class CompiledRunner(nn.Module):
         object.__setattr__(self, "_modules_in_order", [module for _, module in model.named_modules()])
         self.signatures: set[Hashable] = set()
         self.history = ShapeHistory.now()
-
-    @property
-    def training(self) -> bool:
-        return self._model.training if "_model" in self.__dict__ else True
-
-    @training.setter
-    def training(self, mode: bool) -> None:
-        if "_model" in self.__dict__:  # nn.Module.__init__ sets it before there is a model
-            self._model.training = mode
-
-    def train(self, mode: bool = True) -> "CompiledRunner":
-        self._model.train(mode)
-        return self
 
     def forward(self, *args, **kwargs):
         return self.program(*args, **kwargs)
